@@ -1,0 +1,193 @@
+"""The ``pipemesh`` command: schedule work that needs no GPU.
+
+    pipemesh show --pp 4 --vpp 2 --microbatches 12 --forward-groups 8 4 --backward-groups 6 6 [--json] [--lowered]
+    pipemesh simulate --pp 4 --vpp 2 --microbatches 12 --forward-groups 8 4 --backward-groups 6 6 \
+        [model/cluster or cost flags] [--json] [--trace FILE] [--plot FILE.png]
+
+Invalid input exits with code 2 and a one-paragraph message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence
+
+from .planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from .planning.simulator import SimulationResult, simulate
+from .schedule.config import ScheduleConfig, ScheduleConfigError
+from .schedule.lower import lower
+from .schedule.timeline import ScheduleError
+from .schedule.validate import validate
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one paragraph, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    return value
+
+
+def add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("schedule")
+    group.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size p")
+    group.add_argument("--vpp", type=_positive_int, required=True, help="virtual chunks per rank V")
+    group.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
+    group.add_argument("--forward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
+                       help="forward group sizes (sum m); default: depth-first, groups of p")
+    group.add_argument("--backward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
+                       help="backward group sizes (sum m); default: the forward groups")
+
+
+def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
+    return ScheduleConfig(args.pp, args.vpp, args.microbatches,
+                          tuple(args.forward_groups or ()), tuple(args.backward_groups or ()))
+
+
+def add_cost_args(parser: argparse.ArgumentParser) -> None:
+    d_model, d_cluster = ModelSpec(), ClusterSpec()
+    model = parser.add_argument_group("model (analytic costs)")
+    model.add_argument("--num-layers", type=_positive_int, default=d_model.num_layers)
+    model.add_argument("--hidden-size", type=_positive_int, default=d_model.hidden_size)
+    model.add_argument("--num-attention-heads", type=_positive_int, default=d_model.num_attention_heads)
+    model.add_argument("--seq-length", type=_positive_int, default=d_model.seq_length)
+    model.add_argument("--micro-batch-size", type=_positive_int, default=d_model.micro_batch_size)
+    model.add_argument("--vocab-size", type=_positive_int, default=d_model.vocab_size)
+    model.add_argument("--ffn-hidden-size", type=_positive_int, default=None)
+    model.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    cluster = parser.add_argument_group("cluster (analytic costs)")
+    cluster.add_argument("--tp", type=_positive_int, default=d_cluster.tp, help="tensor-parallel size")
+    cluster.add_argument("--dp", type=_positive_int, default=2, help="data-parallel size")
+    cluster.add_argument("--device-tflops", type=float, default=d_cluster.device_tflops, help="peak TFLOP/s per device")
+    cluster.add_argument("--mfu", type=float, default=d_cluster.mfu, help="fraction of peak reached")
+    cluster.add_argument("--device-memory-gb", type=float, default=d_cluster.device_memory_gb)
+    cluster.add_argument("--dp-gbps", type=float, default=d_cluster.dp_gbps, help="data-parallel bandwidth (Gbit/s)")
+    cluster.add_argument("--p2p-gbps", type=float, default=d_cluster.p2p_gbps, help="pipeline link bandwidth (Gbit/s)")
+    cluster.add_argument("--latency-us", type=float, default=d_cluster.latency_us)
+    cluster.add_argument("--sequence-parallel", action="store_true")
+    cluster.add_argument("--no-distributed-optimizer", action="store_true",
+                         help="all-reduce gradients instead of reduce-scatter + parameter all-gather")
+    direct = parser.add_argument_group("direct costs (override the analytic model when --forward-ms is given)")
+    direct.add_argument("--forward-ms", type=float, default=None, help="forward of one chunk on one micro-batch")
+    direct.add_argument("--backward-ms", type=float, default=None, help="backward of one chunk-micro-batch (default 2x forward)")
+    direct.add_argument("--p2p-ms", type=float, default=0.0, help="one pipeline transfer")
+    direct.add_argument("--dp-reduce-ms", type=float, default=0.0, help="gradient reduction of one chunk")
+    direct.add_argument("--dp-gather-ms", type=float, default=0.0, help="parameter gather of one chunk")
+    direct.add_argument("--activation-mb", type=float, default=1.0, help="activations of one chunk-micro-batch (MiB)")
+
+
+def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
+    if args.forward_ms is not None:
+        if args.forward_ms <= 0:
+            raise UsageError(f"--forward-ms {args.forward_ms} is invalid: compute time must be positive. Example: --forward-ms 10")
+        backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
+        act = args.activation_mb * 1024 ** 2
+        return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
+                       dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
+                       activation_bytes={"none": act, "selective": act, "full": act},
+                       static_bytes=tuple(0.0 for _ in range(config.pp)))
+    for flag in ("mfu", "device_tflops", "dp_gbps", "p2p_gbps"):
+        if getattr(args, flag) <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: it must be positive. Example: --{flag.replace('_', '-')} 25")
+    model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                      args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
+    cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
+                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer)
+    try:
+        return analytic_costs(model, cluster, config)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    schedule = lower(config)
+    validate(schedule)
+    if args.json:
+        ranks = [[str(op) for op in (program if args.lowered else schedule.compute_order(rank))]
+                 for rank, program in enumerate(schedule.programs)]
+        print(json.dumps({"schedule": config.describe(), "digest": schedule.digest(), "ranks": ranks}))
+        return 0
+    print(f"# {config.describe()}  (plan digest {schedule.digest()})")
+    for rank in range(config.pp):
+        ops = schedule.programs[rank] if args.lowered else schedule.compute_order(rank)
+        print(f"rank {rank}: " + " ".join(str(op) for op in ops))
+    return 0
+
+
+def _comparison(config: ScheduleConfig, costs_for) -> List[tuple]:
+    rows = [("given", config)]
+    rows.append(("depth-first", ScheduleConfig.depth_first(config.pp, config.vpp, config.microbatches)))
+    rows.append(("breadth-first", ScheduleConfig.breadth_first(config.pp, config.vpp, config.microbatches)))
+    return [(name, cfg, simulate(cfg, costs_for(cfg))) for name, cfg in rows]
+
+
+def _format_table(rows: Sequence[tuple]) -> str:
+    header = f"{'schedule':<14} {'groups (fwd / bwd)':<24} {'iter ms':>9} {'idle %':>7} {'exp.comm ms':>11} {'bubble ms':>9}  peak memory GiB per rank"
+    lines = [header, "-" * len(header)]
+    for name, cfg, result in rows:
+        groups = f"{' '.join(map(str, cfg.forward_groups))} / {' '.join(map(str, cfg.backward_groups))}"
+        bubble = sum(r.bubble_s for r in result.ranks) / len(result.ranks)
+        peaks = " ".join(f"{r.peak_memory_bytes / GB:.2f}" for r in result.ranks)
+        lines.append(f"{name:<14} {groups:<24} {result.iteration_s * 1e3:>9.2f} {100 * result.idle_fraction:>7.1f} "
+                     f"{result.exposed_comm_s * 1e3:>11.2f} {bubble * 1e3:>9.2f}  {peaks}")
+    return "\n".join(lines)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    validate(lower(config))
+    rows = _comparison(config, lambda cfg: costs_from_args(args, cfg))
+    if args.trace:
+        from .planning.trace import write_trace
+        write_trace(rows[0][2], args.trace)
+    if args.plot:
+        from .planning.plot import plot_timelines
+        plot_timelines([r for _, _, r in rows], args.plot, [name for name, _, _ in rows])
+    if args.json:
+        print(json.dumps({name: result.to_dict() for name, _, result in rows}, indent=1))
+    else:
+        print(_format_table(rows))
+        for path, what in ((args.trace, "trace"), (args.plot, "timeline picture")):
+            if path:
+                print(f"wrote {what}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipemesh", description="PipeMesh elastic pipeline schedules for Megatron-LM (no GPU needed).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print each rank's op order")
+    add_schedule_args(show)
+    show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
+    show.add_argument("--lowered", action="store_true", help="include sends, receives and data-parallel sync ops")
+    show.set_defaults(func=cmd_show)
+    sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
+    add_schedule_args(sim)
+    add_cost_args(sim)
+    sim.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
+    sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
+    sim.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ScheduleConfigError, UsageError, ScheduleError) as error:
+        print(f"pipemesh {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Lowering: compute programs -> programs with pipeline sends/receives and data-parallel syncs.
+
+Placement rules (the runtime follows the program literally):
+
+* ``RECV_*`` of a compute op is posted ``recv_lookahead`` compute ops before it (at the start for
+  the first ones), so the transfer overlaps the preceding compute; the runtime waits on it just
+  before the consumer runs. Receives of one channel are posted in consumer order, which equals
+  the sender's send order (checked by :mod:`.validate`).
+* ``SEND_*`` follows its producer immediately; sends never block the compute stream.
+* ``PARAM_SYNC c``: chunks 0 and 1 at the start; chunk c >= 2 just before the forward whose index
+  is the first forward of chunk c-1, so its gather overlaps the f_1 forwards of chunk c-1.
+  With ``align_param_sync`` the point is moved r forwards earlier on rank r, as Megatron's
+  ``align_param_gather`` does, so all pipeline ranks launch the collective at about the same time.
+* ``GRAD_SYNC c``: just after chunk c's last backward (in the last backward group); with
+  ``align_grad_sync`` r backwards later on rank r (Megatron's ``align_grad_reduce``), or at the
+  end when that index does not exist.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .config import ScheduleConfig
+from .ops import Op, OpKind, format_ops, parse_op
+from .order import compute_programs, first_last_positions
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """How communication and data-parallel points are placed in the programs."""
+
+    recv_lookahead: int = 1
+    """Post a receive this many compute ops before its consumer (>= 1; 0 posts it right before)."""
+    param_sync: bool = True
+    """Emit PARAM_SYNC ops (used with a distributed optimizer and overlapped parameter gather)."""
+    grad_sync: bool = True
+    """Emit GRAD_SYNC ops (overlapped gradient reduction per chunk)."""
+    align_param_sync: bool = True
+    """Shift each rank's PARAM_SYNC r forwards earlier so pipeline ranks launch together (Megatron default)."""
+    align_grad_sync: bool = True
+    """Shift each rank's GRAD_SYNC r backwards later so pipeline ranks launch together (Megatron default)."""
+
+
+def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:
+    """(peer rank, peer chunk) that produces the tensor ``op`` consumes, or None (no input).
+
+    Forward consumes the previous stage's activation, backward the next stage's gradient.
+    """
+    stage = config.stage(rank, op.chunk)
+    if op.kind is OpKind.FORWARD:
+        return config.place(stage - 1) if stage > 0 else None
+    return config.place(stage + 1) if stage < config.num_stages - 1 else None
+
+
+def output_target(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:
+    """(peer rank, peer chunk) that consumes the tensor ``op`` produces, or None."""
+    stage = config.stage(rank, op.chunk)
+    if op.kind is OpKind.FORWARD:
+        return config.place(stage + 1) if stage < config.num_stages - 1 else None
+    return config.place(stage - 1) if stage > 0 else None
+
+
+_RECV = {OpKind.FORWARD: OpKind.RECV_FORWARD, OpKind.BACKWARD: OpKind.RECV_BACKWARD}
+_SEND = {OpKind.FORWARD: OpKind.SEND_FORWARD, OpKind.BACKWARD: OpKind.SEND_BACKWARD}
+
+
+@dataclass
+class LoweredSchedule:
+    """Per-rank programs ready to validate, simulate or run; plain data (JSON round-trips)."""
+
+    config: ScheduleConfig
+    options: LoweringOptions
+    programs: List[List[Op]] = field(default_factory=list)
+
+    def compute_order(self, rank: int) -> List[Op]:
+        return [op for op in self.programs[rank] if op.kind.is_compute]
+
+    def to_dict(self) -> dict:
+        return {
+            "pp": self.config.pp, "vpp": self.config.vpp, "microbatches": self.config.microbatches,
+            "forward_groups": list(self.config.forward_groups), "backward_groups": list(self.config.backward_groups),
+            "options": asdict(self.options),
+            "programs": [[str(op) for op in program] for program in self.programs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoweredSchedule":
+        config = ScheduleConfig(data["pp"], data["vpp"], data["microbatches"],
+                                tuple(data["forward_groups"]), tuple(data["backward_groups"]))
+        return cls(config, LoweringOptions(**data.get("options", {})),
+                   [[parse_op(text) for text in program] for program in data["programs"]])
+
+    def to_text(self) -> str:
+        lines = [f"# {self.config.describe()}"]
+        lines += [f"rank {rank}: {format_ops(program)}" for rank, program in enumerate(self.programs)]
+        return "\n".join(lines)
+
+    def digest(self) -> str:
+        """Stable hash of the whole plan; ranks compare it at start-up."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) -> LoweredSchedule:
+    """Build every rank's lowered program for ``config``."""
+    if options.recv_lookahead < 0:
+        raise ValueError(f"recv_lookahead must be >= 0, got {options.recv_lookahead}")
+    positions = first_last_positions(config)
+    programs = [
+        _lower_rank(config, options, rank, compute, positions)
+        for rank, compute in enumerate(compute_programs(config))
+    ]
+    return LoweredSchedule(config, options, programs)
+
+
+def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, compute: List[Op],
+                positions: Dict[str, Dict[int, int]]) -> List[Op]:
+    before: Dict[int, List[Op]] = {i: [] for i in range(len(compute) + 1)}  # ops placed before compute[i]
+    after: Dict[int, List[Op]] = {i: [] for i in range(len(compute))}
+    # Indices of the k-th forward / backward within this rank's compute program.
+    forward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.FORWARD]
+    backward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.BACKWARD]
+
+    if options.param_sync:
+        for chunk in range(min(2, config.vpp)):
+            before[0].append(Op(OpKind.PARAM_SYNC, chunk))
+        for chunk in range(2, config.vpp):
+            k = positions["first_forward"][chunk - 1] - (rank if options.align_param_sync else 0)
+            before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
+
+    for index, op in enumerate(compute):
+        source = input_source(config, rank, op)
+        if source is not None:
+            post = max(index - options.recv_lookahead, 0)
+            before[post].append(Op(_RECV[op.kind], op.chunk, op.microbatch, source[0]))
+        target = output_target(config, rank, op)
+        if target is not None:
+            after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
+
+    tail: List[Op] = []
+    if options.grad_sync:
+        for chunk in sorted(positions["last_backward"], key=positions["last_backward"].get):
+            k = positions["last_backward"][chunk] + (rank if options.align_grad_sync else 0)
+            if k < len(backward_at):
+                after[backward_at[k]].append(Op(OpKind.GRAD_SYNC, chunk))
+            else:
+                tail.append(Op(OpKind.GRAD_SYNC, chunk))
+
+    program: List[Op] = []
+    for index, op in enumerate(compute):
+        program.extend(before[index])
+        program.append(op)
+        program.extend(after[index])
+    program.extend(tail)
+    return program

@@ -1,0 +1,119 @@
+"""Schedule operations and their compact text form.
+
+A schedule is data: per-rank lists of :class:`Op`. Compute ops read ``F1.3`` (forward of model
+chunk 1 on micro-batch 3) and ``B0.7``; the lowering adds communication and data-parallel ops
+(``RECV_F1.3<0``: post the receive of F1.3's input from rank 0, ``SEND_F1.3>2``: send F1.3's
+output to rank 2, ``PARAM_SYNC1``, ``GRAD_SYNC1``). The text form is used for printing, saving,
+diffing and error messages, and parses back with :func:`parse_op`.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+
+class OpKind(str, enum.Enum):
+    """What an op does. Values are the text prefixes."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECV_FORWARD = "RECV_F"
+    """Post the receive of a forward op's input activation (non-blocking)."""
+    SEND_FORWARD = "SEND_F"
+    """Send a forward op's output activation to the next stage (non-blocking)."""
+    RECV_BACKWARD = "RECV_B"
+    """Post the receive of a backward op's output-gradient (non-blocking)."""
+    SEND_BACKWARD = "SEND_B"
+    """Send a backward op's input-gradient to the previous stage (non-blocking)."""
+    PARAM_SYNC = "PARAM_SYNC"
+    """Launch the data-parallel parameter gather of a chunk (must finish before its first F)."""
+    GRAD_SYNC = "GRAD_SYNC"
+    """Launch the data-parallel gradient reduction of a chunk (after its last B)."""
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (OpKind.FORWARD, OpKind.BACKWARD)
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (OpKind.RECV_FORWARD, OpKind.SEND_FORWARD, OpKind.RECV_BACKWARD, OpKind.SEND_BACKWARD)
+
+    @property
+    def is_dp(self) -> bool:
+        return self in (OpKind.PARAM_SYNC, OpKind.GRAD_SYNC)
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One step of a per-rank program.
+
+    For compute and p2p ops ``microbatch`` is set; p2p ops name the compute op they serve (the
+    producer for sends, the consumer for receives) and carry the ``peer`` rank. Data-parallel ops
+    name only the chunk.
+    """
+
+    kind: OpKind
+    chunk: int
+    microbatch: Optional[int] = None
+    peer: Optional[int] = None
+
+    @property
+    def compute(self) -> "Op":
+        """The compute op this op belongs to (itself for F/B)."""
+        if self.kind.is_compute:
+            return self
+        if self.kind in (OpKind.RECV_FORWARD, OpKind.SEND_FORWARD):
+            return Op(OpKind.FORWARD, self.chunk, self.microbatch)
+        if self.kind in (OpKind.RECV_BACKWARD, OpKind.SEND_BACKWARD):
+            return Op(OpKind.BACKWARD, self.chunk, self.microbatch)
+        raise ValueError(f"{self} is not tied to a compute op")
+
+    def __str__(self) -> str:
+        if self.kind.is_dp:
+            return f"{self.kind.value}{self.chunk}"
+        text = f"{self.kind.value}{self.chunk}.{self.microbatch}"
+        if self.peer is not None:
+            text += (">" if self.kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD) else "<") + str(self.peer)
+        return text
+
+    def __repr__(self) -> str:
+        return f"Op({self})"
+
+
+def F(chunk: int, microbatch: int) -> Op:
+    """Forward compute op."""
+    return Op(OpKind.FORWARD, chunk, microbatch)
+
+
+def B(chunk: int, microbatch: int) -> Op:
+    """Backward compute op."""
+    return Op(OpKind.BACKWARD, chunk, microbatch)
+
+
+_OP_RE = re.compile(
+    r"^(?P<kind>RECV_F|SEND_F|RECV_B|SEND_B|PARAM_SYNC|GRAD_SYNC|F|B)(?P<chunk>\d+)"
+    r"(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
+)
+
+
+def parse_op(text: str) -> Op:
+    """Parse the text form produced by ``str(op)``."""
+    match = _OP_RE.match(text.strip())
+    if not match:
+        raise ValueError(f"cannot parse schedule op {text!r}; expected e.g. 'F1.3', 'B0.7', 'SEND_F1.3>2', 'GRAD_SYNC1'")
+    kind = OpKind(match["kind"])
+    mb = match["mb"]
+    if kind.is_dp != (mb is None):
+        raise ValueError(f"schedule op {text!r}: {'data-parallel ops take no micro-batch' if kind.is_dp else 'a micro-batch is required'}")
+    peer = int(match["peer"]) if match["peer"] is not None else None
+    return Op(kind, int(match["chunk"]), int(mb) if mb is not None else None, peer)
+
+
+def format_ops(ops: Iterable[Op], mark: Optional[int] = None) -> str:
+    """Space-separated text form; ``mark`` brackets the op at that index (for error messages)."""
+    parts = []
+    for index, op in enumerate(ops):
+        parts.append(f"[{op}]" if index == mark else str(op))
+    return " ".join(parts)

@@ -1,0 +1,117 @@
+"""Validation of lowered programs before anything runs.
+
+Checks, in order: every compute op exactly once per rank; each backward after its own forward;
+every receive posted before its consumer and with the right peer, every send after its producer;
+send/receive matching per directed link (same tensors, same order on both ends); data-parallel
+points consistent (a chunk's parameter gather launched before its first forward, each chunk's
+gradient sync exactly once, after its last backward); and deadlock freedom by a dry run.
+Errors print the offending rank, step and that rank's order with the step marked.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Tuple
+
+from .lower import LoweredSchedule, input_source, output_target
+from .ops import B, F, Op, OpKind, format_ops
+from .timeline import ScheduleError, Timeline, execute
+
+
+def _fail(schedule: LoweredSchedule, rank: int, step: int, what: str) -> ScheduleError:
+    program = schedule.programs[rank]
+    return ScheduleError(f"invalid schedule ({schedule.config.describe()}): rank {rank}, step {step}: {what}\n"
+                         f"rank {rank}: {format_ops(program, step)}")
+
+
+def validate(schedule: LoweredSchedule) -> Timeline:
+    """Raise :class:`ScheduleError` (or its subclass DeadlockError) unless the schedule is sound.
+
+    Returns the dry-run timeline (unit costs) as a by-product.
+    """
+    cfg = schedule.config
+    if len(schedule.programs) != cfg.pp:
+        raise ScheduleError(f"expected {cfg.pp} rank programs, got {len(schedule.programs)}")
+    expected = Counter([F(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches)]
+                       + [B(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches)])
+    sends: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
+    recvs: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
+    for rank, program in enumerate(schedule.programs):
+        seen = Counter(op for op in program if op.kind.is_compute)
+        for op in (seen - expected):
+            step = [i for i, x in enumerate(program) if x == op][-1]
+            what = "runs more than once" if op in expected else "is not part of this configuration"
+            raise _fail(schedule, rank, step, f"{op} {what}")
+        missing = expected - seen
+        if missing:
+            raise _fail(schedule, rank, len(program) - 1, f"compute ops never run: {format_ops(sorted(missing))}")
+        done = set()
+        posted = set()
+        param_launched = set()
+        grad_synced = Counter()
+        last_backward = {c: max(i for i, x in enumerate(program) if x.kind is OpKind.BACKWARD and x.chunk == c)
+                         for c in range(cfg.vpp)}
+        for step, op in enumerate(program):
+            if op.kind.is_compute:
+                if op.kind is OpKind.BACKWARD and F(op.chunk, op.microbatch) not in done:
+                    raise _fail(schedule, rank, step, f"{op} runs before its forward {F(op.chunk, op.microbatch)}")
+                if input_source(cfg, rank, op) is not None and op not in posted:
+                    raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
+                if op.kind is OpKind.FORWARD and op.chunk not in param_launched and _has_param_sync(program, op.chunk):
+                    raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
+                done.add(op)
+            elif op.kind.is_p2p:
+                compute = op.compute
+                is_recv = op.kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD)
+                peer = (input_source if is_recv else output_target)(cfg, rank, compute)
+                if peer is None or peer[0] != op.peer:
+                    raise _fail(schedule, rank, step, f"{op} names peer {op.peer}, but the {'producer' if is_recv else 'consumer'} "
+                                                      f"of this tensor is {'nothing' if peer is None else f'rank {peer[0]}'}")
+                if is_recv:
+                    if compute in done:
+                        raise _fail(schedule, rank, step, f"{op} is posted after its consumer {compute} ran")
+                    posted.add(compute)
+                    recvs.setdefault((op.peer, rank, compute.kind), []).append((step, compute))
+                else:
+                    if compute not in done:
+                        raise _fail(schedule, rank, step, f"{op} sends the output of {compute} before it ran")
+                    sends.setdefault((rank, op.peer, compute.kind), []).append((step, Op(compute.kind, peer[1], compute.microbatch)))
+            elif op.kind is OpKind.PARAM_SYNC:
+                param_launched.add(op.chunk)
+            elif op.kind is OpKind.GRAD_SYNC:
+                grad_synced[op.chunk] += 1
+                if step < last_backward[op.chunk]:
+                    raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} (step {last_backward[op.chunk]})")
+        twice = [c for c, n in grad_synced.items() if n > 1]
+        if twice:
+            raise _fail(schedule, rank, len(program) - 1, f"GRAD_SYNC of chunk(s) {twice} appears more than once")
+        if grad_synced and set(grad_synced) != set(range(cfg.vpp)):
+            raise _fail(schedule, rank, len(program) - 1,
+                        f"gradient sync is missing for chunk(s) {sorted(set(range(cfg.vpp)) - set(grad_synced))}")
+    _check_links(schedule, sends, recvs)
+    return execute(schedule)
+
+
+def _has_param_sync(program: List[Op], chunk: int) -> bool:
+    return any(op.kind is OpKind.PARAM_SYNC and op.chunk == chunk for op in program)
+
+
+def _check_links(schedule: LoweredSchedule, sends, recvs) -> None:
+    """Each directed link carries the same tensors in the same order at both ends.
+
+    Both sides are recorded as the consumer op on the receiving rank.
+    """
+    for link in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1], k[2].value)):
+        src, dst, kind = link
+        sent = [op for _, op in sends.get(link, [])]
+        received = [op for _, op in recvs.get(link, [])]
+        if sent == received:
+            continue
+        index = next(i for i in range(max(len(sent), len(received)))
+                     if i >= len(sent) or i >= len(received) or sent[i] != received[i])
+        a = sent[index] if index < len(sent) else "nothing"
+        b = received[index] if index < len(received) else "nothing"
+        step = recvs[link][index][0] if index < len(received) else len(schedule.programs[dst]) - 1
+        direction = "activation" if kind is OpKind.FORWARD else "gradient"
+        raise _fail(schedule, dst, step,
+                    f"{direction} link rank {src} -> rank {dst}: transfer #{index} is sent for {a} but received for {b}; "
+                    f"both ends must use the same order\nrank {src}: {format_ops(schedule.programs[src])}")

@@ -1,0 +1,30 @@
+"""megatron_pipemesh: PipeMesh's elastic pipeline schedule for Megatron-LM."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_pipemesh",
+    version="0.1.0",
+    description=(
+        "PipeMesh elastic pipeline schedule (Li et al., IEEE TPDS 2025) for Megatron-LM: "
+        "forward/backward micro-batch groups, simulator, planner and runtime."
+    ),
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_pipemesh", "megatron_pipemesh.*"]),
+    package_data={"megatron_pipemesh": ["data/corpus/*.txt"]},
+    # torch and megatron-core are deliberately not hard requirements: GPU users install the package
+    # into an environment that already has them (CUDA torch, megatron-core 0.19.x); the pure
+    # schedule/planning layers and the `pipemesh` command need neither.
+    install_requires=["numpy"],
+    extras_require={
+        "plot": ["matplotlib"],
+        "test": ["pytest", "hypothesis", "matplotlib", "typing_extensions"],
+    },
+    entry_points={
+        "console_scripts": [
+            "pipemesh=megatron_pipemesh.cli:main",
+            "pipemesh-pretrain-gpt=megatron_pipemesh.training.pretrain_gpt:main",
+        ]
+    },
+)
