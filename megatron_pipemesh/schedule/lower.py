@@ -41,6 +41,8 @@ class LoweringOptions:
     """Shift each rank's PARAM_SYNC r forwards earlier so pipeline ranks launch together (Megatron default)."""
     align_grad_sync: bool = True
     """Shift each rank's GRAD_SYNC r backwards later so pipeline ranks launch together (Megatron default)."""
+    forward_only: bool = False
+    """Evaluation program: forwards only, no backward and no data-parallel syncs."""
 
 
 def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:
@@ -109,7 +111,7 @@ def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) 
     positions = first_last_positions(config)
     programs = [
         _lower_rank(config, options, rank, compute, positions)
-        for rank, compute in enumerate(compute_programs(config))
+        for rank, compute in enumerate(compute_programs(config, options.forward_only))
     ]
     return LoweredSchedule(config, options, programs)
 
@@ -122,7 +124,7 @@ def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, com
     forward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.FORWARD]
     backward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.BACKWARD]
 
-    if options.param_sync:
+    if options.param_sync and not options.forward_only:
         for chunk in range(min(2, config.vpp)):
             before[0].append(Op(OpKind.PARAM_SYNC, chunk))
         for chunk in range(2, config.vpp):
@@ -139,7 +141,7 @@ def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, com
             after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
 
     tail: List[Op] = []
-    if options.grad_sync:
+    if options.grad_sync and not options.forward_only:
         for chunk in sorted(positions["last_backward"], key=positions["last_backward"].get):
             k = positions["last_backward"][chunk] + (rank if options.align_grad_sync else 0)
             if k < len(backward_at):

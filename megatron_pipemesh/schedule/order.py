@@ -59,9 +59,14 @@ def warmup(config: ScheduleConfig, rank: int) -> int:
     return min(max(base_warmup(config, rank), needed), total)
 
 
-def compute_program(config: ScheduleConfig, rank: int) -> List[Op]:
-    """The compute ops of one rank in execution order (warm-up, 1F1B steady state, cool-down)."""
+def compute_program(config: ScheduleConfig, rank: int, forward_only: bool = False) -> List[Op]:
+    """The compute ops of one rank in execution order (warm-up, 1F1B steady state, cool-down).
+
+    ``forward_only`` (evaluation) runs the forward sequence alone, as Megatron does.
+    """
     forwards = [F(c, j) for c, j in forward_sequence(config)]
+    if forward_only:
+        return forwards
     backwards = [B(c, j) for c, j in backward_sequence(config)]
     w = warmup(config, rank)
     program = forwards[:w]
@@ -73,9 +78,9 @@ def compute_program(config: ScheduleConfig, rank: int) -> List[Op]:
     return program
 
 
-def compute_programs(config: ScheduleConfig) -> List[List[Op]]:
+def compute_programs(config: ScheduleConfig, forward_only: bool = False) -> List[List[Op]]:
     """:func:`compute_program` for every rank, rank 0 first."""
-    return [compute_program(config, rank) for rank in range(config.pp)]
+    return [compute_program(config, rank, forward_only) for rank in range(config.pp)]
 
 
 def peak_live_closed_form(config: ScheduleConfig, rank: int) -> int:

@@ -31,8 +31,9 @@ def validate(schedule: LoweredSchedule) -> Timeline:
     cfg = schedule.config
     if len(schedule.programs) != cfg.pp:
         raise ScheduleError(f"expected {cfg.pp} rank programs, got {len(schedule.programs)}")
-    expected = Counter([F(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches)]
-                       + [B(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches)])
+    expected = Counter([F(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches)])
+    if not schedule.options.forward_only:
+        expected.update(B(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches))
     sends: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
     recvs: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
     for rank, program in enumerate(schedule.programs):
@@ -48,7 +49,7 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         posted = set()
         param_launched = set()
         grad_synced = Counter()
-        last_backward = {c: max(i for i, x in enumerate(program) if x.kind is OpKind.BACKWARD and x.chunk == c)
+        last_backward = {c: max((i for i, x in enumerate(program) if x.kind is OpKind.BACKWARD and x.chunk == c), default=-1)
                          for c in range(cfg.vpp)}
         for step, op in enumerate(program):
             if op.kind.is_compute:

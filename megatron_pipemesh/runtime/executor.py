@@ -1,0 +1,343 @@
+"""PipeMesh's forward-backward function for Megatron: runs this rank's lowered program.
+
+:class:`PipeMeshSchedule` is called exactly like megatron-core 0.19's schedule functions
+(``forward_backward_pipelining_with_interleaving``) and reuses Megatron's ``forward_step`` /
+``backward_step``, so loss scaling, token counting, MoE/MTP auxiliary losses and the
+data-parallel hooks behave as in the stock schedule. What differs is only the order of work,
+which comes from the validated plan:
+
+* receives are posted where the program says (one compute op ahead by default) and waited just
+  before their consumer; sends are asynchronous and their output tensors are deallocated (as
+  Megatron's ``deallocate_output_tensor``) once the send completed;
+* ``PARAM_SYNC c`` calls ``param_sync_func[c]``; ``GRAD_SYNC c`` calls ``grad_sync_func[c]``;
+  without ``grad_sync_func``, Megatron's ``no_sync_func`` is lifted for each chunk's last backward
+  so that DDP's own hooks reduce its gradients; ``finalize_model_grads_func`` runs at the end;
+* every wait has a timeout and failures name the rank, the step and the op.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
+from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
+from ..schedule.ops import F, Op, OpKind, format_ops
+from ..schedule.validate import validate
+from .stats import OpRecord, RuntimeStats
+
+
+class PipeMeshRuntimeError(RuntimeError):
+    """A failure while running a plan; the message names rank, step and op."""
+
+
+@dataclass(frozen=True)
+class PipeMeshOptions:
+    """How the runtime builds and runs plans."""
+
+    forward_groups: Optional[Tuple[int, ...]] = None
+    """Forward group sizes; None uses Megatron's ``microbatch_group_size_per_vp_stage`` (depth-first by default)."""
+    backward_groups: Optional[Tuple[int, ...]] = None
+    """Backward group sizes; None uses the forward groups."""
+    recv_lookahead: int = 1
+    """Post each receive this many compute ops before its consumer."""
+    p2p_timeout_s: Optional[float] = None
+    """Timeout of every wait on a pipeline transfer; None uses 30 minutes (Megatron's default distributed timeout)."""
+    check_plan_across_ranks: bool = True
+    """Compare the plan digest across all ranks on first use (one all-gather) and fail on mismatch."""
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for parameter in module.parameters():
+        return parameter.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class PipeMeshSchedule:
+    """Callable with the keyword signature of megatron-core's schedule functions."""
+
+    def __init__(self, options: PipeMeshOptions = PipeMeshOptions(),
+                 p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
+        self.options = options
+        self._p2p_groups = p2p_groups
+        self._plans: Dict[tuple, LoweredSchedule] = {}
+        self._checked: set = set()
+        self.last_stats: Optional[RuntimeStats] = None
+
+    # Planning ------------------------------------------------------------------------------
+    def schedule_config(self, pp: int, vpp: int, microbatches: int, group_size: Optional[int] = None,
+                        forward_only: bool = False) -> ScheduleConfig:
+        forward, backward = self.options.forward_groups, self.options.backward_groups
+        if forward is not None and sum(forward) != microbatches:
+            if not forward_only:
+                raise ScheduleConfigError(FORWARD_FLAG, list(forward),
+                                          f"this iteration has {microbatches} micro-batches but the groups sum to {sum(forward)} "
+                                          "(batch-size ramp-up or a changed global batch size?)",
+                                          f"{FORWARD_FLAG} {microbatches} {BACKWARD_FLAG} {microbatches}")
+            forward = backward = None  # evaluation with another batch: order does not change results
+        if forward is None:
+            size = group_size if group_size and pp <= group_size <= microbatches else pp
+            forward = tuple(uniform_groups(microbatches, size))
+        return ScheduleConfig(pp, vpp, microbatches, tuple(forward), tuple(backward or forward))
+
+    def plan(self, config: ScheduleConfig, lowering: LoweringOptions) -> LoweredSchedule:
+        key = (config, lowering)
+        if key not in self._plans:
+            schedule = lower(config, lowering)
+            validate(schedule)
+            self._plans[key] = schedule
+        return self._plans[key]
+
+    def _check_same_plan(self, schedule: LoweredSchedule, rank: int) -> None:
+        digest = schedule.digest()
+        if not self.options.check_plan_across_ranks or digest in self._checked:
+            return
+        gathered: List[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, f"{digest} {schedule.config.describe()}")
+        if len(set(gathered)) > 1:
+            lines = "\n".join(f"  rank {r}: plan {g}" for r, g in enumerate(gathered))
+            raise PipeMeshRuntimeError(
+                f"rank {rank}: ranks disagree on the PipeMesh plan; every rank must get the same "
+                f"--pipeline-schedule, {FORWARD_FLAG}, {BACKWARD_FLAG} and batch flags:\n{lines}")
+        self._checked.add(digest)
+
+    # Execution -----------------------------------------------------------------------------
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                 collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+                 adjust_tensor_shapes_fn: Optional[Callable] = None, p2p_communicator=None, pg_collection=None,
+                 force_all_reduce: Optional[bool] = False):
+        from megatron.core.pipeline_parallel import schedules as mcore
+        from megatron.core.utils import get_model_config
+
+        if not isinstance(model, list) or not isinstance(data_iterator, list):
+            raise PipeMeshRuntimeError("the PipeMesh schedule needs virtual pipeline chunks: model and data_iterator "
+                                       "must be lists (set --num-virtual-stages-per-pipeline-rank >= 2)")
+        if adjust_tensor_shapes_fn is not None:
+            raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
+        config = get_model_config(model[0])
+        if getattr(config, "variable_seq_lengths", False):
+            raise PipeMeshRuntimeError("variable_seq_lengths is not supported by the PipeMesh runtime yet")
+        if pg_collection is None:
+            pg_collection = mcore._build_default_pg_collection()
+        pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
+        run = _Run(self, config, mcore, model, data_iterator, forward_step_func, num_microbatches, seq_length,
+                   micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection, pp_group,
+                   force_all_reduce)
+        return run.execute()
+
+
+class _Run:
+    """State of one call: this rank's program, its tensors and pending communication."""
+
+    def __init__(self, owner: PipeMeshSchedule, config, mcore, model, data_iterator, forward_step_func, num_microbatches,
+                 seq_length, micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection,
+                 pp_group, force_all_reduce):
+        self.owner, self.config, self.mcore, self.model = owner, config, mcore, model
+        self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
+        self.m, self.forward_only, self.collect_non_loss_data = num_microbatches, forward_only, collect_non_loss_data
+        self.first_val_step, self.pg_collection, self.pp_group = first_val_step, pg_collection, pp_group
+        self.force_all_reduce = force_all_reduce
+        self.rank = dist.get_rank()
+        self.pp_rank, self.pp = pp_group.rank(), pp_group.size()
+        self.pp_ranks = dist.get_process_group_ranks(pp_group)
+        self.vpp = len(model)
+        cp = pg_collection.cp.size() if getattr(pg_collection, "cp", None) is not None else 1
+        self.cp_size = cp
+        tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None else 1
+        seq = seq_length // cp
+        if config.sequence_parallel:
+            seq //= tp
+        self.shape = (seq, micro_batch_size, config.hidden_size)
+        self.device = _device_of(model[0])
+        self.dtype = config.pipeline_dtype or torch.float32
+        timeout = owner.options.p2p_timeout_s
+        self.timeout = timedelta(seconds=timeout if timeout is not None else 30 * 60)
+
+        # Megatron disables the DP hooks entirely for forward-only passes.
+        self.grad_sync_func = None if forward_only else config.grad_sync_func
+        self.param_sync_func = None if forward_only else config.param_sync_func
+        if self.grad_sync_func is not None and not isinstance(self.grad_sync_func, list):
+            self.grad_sync_func = [self.grad_sync_func for _ in model]
+        if self.param_sync_func is not None and not isinstance(self.param_sync_func, list):
+            self.param_sync_func = [self.param_sync_func for _ in model]
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):
+            funcs = no_sync
+
+            @contextlib.contextmanager
+            def no_sync():
+                with contextlib.ExitStack() as stack:
+                    for func in funcs:
+                        stack.enter_context(func())
+                    yield
+        self.no_sync_func = no_sync or contextlib.nullcontext
+        self.no_sync_context = None
+
+        schedule_config = owner.schedule_config(self.pp, self.vpp, num_microbatches,
+                                                getattr(config, "microbatch_group_size_per_vp_stage", None), forward_only)
+        lowering = LoweringOptions(recv_lookahead=owner.options.recv_lookahead,
+                                   param_sync=self.param_sync_func is not None,
+                                   grad_sync=self.grad_sync_func is not None,
+                                   forward_only=forward_only)
+        self.schedule = owner.plan(schedule_config, lowering)
+        self.program = self.schedule.programs[self.pp_rank]
+        self.sent = {op.compute for op in self.program if op.kind is OpKind.SEND_FORWARD}
+        self.last_backward = {}
+        for op in self.program:
+            if op.kind is OpKind.BACKWARD:
+                self.last_backward[op.chunk] = op
+        groups = owner._p2p_groups() if owner._p2p_groups is not None else None
+        self.p2p_groups = groups or {}
+
+    # Helpers -------------------------------------------------------------------------------
+    def _disable_grad_sync(self):
+        if self.no_sync_context is None:
+            self.no_sync_context = self.no_sync_func()
+            self.no_sync_context.__enter__()
+
+    def _enable_grad_sync(self):
+        if self.no_sync_context is not None:
+            self.no_sync_context.__exit__(None, None, None)
+            self.no_sync_context = None
+
+    def _where(self, step: int, op: Op) -> str:
+        return (f"rank {self.rank} (pipeline rank {self.pp_rank}), step {step} ({op}) of plan "
+                f"{self.schedule.digest()} [{self.schedule.config.describe()}]")
+
+    def _group_for(self, direction: str, src_pp: int, dst_pp: int):
+        key = (direction, self.pp_ranks[src_pp], self.pp_ranks[dst_pp])
+        return self.p2p_groups.get(key, self.pp_group)
+
+    def _wait(self, work, step: int, op: Op, what: str) -> None:
+        try:
+            completed = work.wait(self.timeout)
+        except Exception as error:  # the backend reports dead peers and timeouts as RuntimeError
+            raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} failed: {error}") from error
+        if completed is False:
+            raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} timed out after {self.timeout.total_seconds():.0f} s")
+
+    def _drain_sends(self, block: bool, step: int) -> None:
+        keep = []
+        for work, tensor, dealloc, op in self.pending_sends:
+            if block:
+                self._wait(work, step, op, f"send to pipeline rank {op.peer}")
+            if block or work.is_completed():
+                if dealloc:
+                    self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
+            else:
+                keep.append((work, tensor, dealloc, op))
+        self.pending_sends = keep
+
+    # Main loop -----------------------------------------------------------------------------
+    def execute(self):
+        mcore, config, model = self.mcore, self.config, self.model
+        stats = RuntimeStats(self.rank, self.pp_rank, self.schedule.digest(), self.forward_only)
+        self.owner._check_same_plan(self.schedule, self.rank)
+        embedding_module = None
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            embedding_module = mcore.clear_embedding_activation_buffer(config, model, self.pp_rank == self.pp - 1)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        self._disable_grad_sync()
+        synced = set()
+        inputs: Dict[Op, Optional[torch.Tensor]] = {}
+        outputs: Dict[Op, torch.Tensor] = {}
+        input_grads: Dict[Op, torch.Tensor] = {}
+        recvs: Dict[Op, Tuple[object, torch.Tensor]] = {}
+        self.pending_sends = []
+        forward_data_store: List = []
+        total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        begin = time.perf_counter()
+
+        for step, op in enumerate(self.program):
+            start = time.perf_counter()
+            wait_s = compute_s = 0.0
+            kind = op.kind
+            if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
+                forward = kind is OpKind.RECV_FORWARD
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
+                group = self._group_for("F" if forward else "B", op.peer, self.pp_rank)
+                recvs[op.compute] = (dist.irecv(buffer, src=self.pp_ranks[op.peer], group=group), buffer)
+            elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
+                forward = kind is OpKind.SEND_FORWARD
+                if forward:  # training keeps the output (its graph) for the backward
+                    tensor = outputs.pop(op.compute) if self.forward_only else outputs[op.compute]
+                else:
+                    tensor = input_grads.pop(op.compute)
+                group = self._group_for("F" if forward else "B", self.pp_rank, op.peer)
+                work = dist.isend(tensor.detach(), dst=self.pp_ranks[op.peer], group=group)
+                self.pending_sends.append((work, tensor, forward, op))
+            elif kind is OpKind.PARAM_SYNC:
+                self.param_sync_func[op.chunk](model[op.chunk].parameters())
+            elif kind is OpKind.GRAD_SYNC:
+                self._enable_grad_sync()
+                self.grad_sync_func[op.chunk](model[op.chunk].parameters())
+                synced.add(op.chunk)
+                self._disable_grad_sync()
+            else:
+                received = None
+                if op in recvs:
+                    work, received = recvs.pop(op)
+                    self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}")
+                wait_s = time.perf_counter() - start
+                if kind is OpKind.FORWARD:
+                    output, num_tokens = self._forward(op, received, forward_data_store)
+                    total_num_tokens += num_tokens
+                    if not self.forward_only:
+                        inputs[op], outputs[op] = received, output
+                    elif op in self.sent:
+                        outputs[op] = output  # until its SEND; evaluation keeps nothing else
+                else:
+                    forward_op = F(op.chunk, op.microbatch)
+                    if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
+                        self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
+                        synced.add(op.chunk)
+                    grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
+                    self._disable_grad_sync()
+                    if grad is not None:
+                        input_grads[op] = grad
+                compute_s = time.perf_counter() - start - wait_s
+            stats.records.append(OpRecord(step, str(op), start - begin, wait_s, compute_s))
+            self._drain_sends(block=False, step=step)
+
+        drain = time.perf_counter()
+        self._drain_sends(block=True, step=len(self.program))
+        stats.send_drain_s = time.perf_counter() - drain
+        if recvs:
+            raise PipeMeshRuntimeError(f"rank {self.rank}: receives posted but never consumed: {format_ops(recvs)}")
+
+        # Launch any remaining gradient reductions, as Megatron does after its cool-down.
+        self._enable_grad_sync()
+        if self.grad_sync_func is not None:
+            for chunk in range(self.vpp):
+                if chunk not in synced:
+                    self.grad_sync_func[chunk](model[chunk].parameters())
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            mcore.finish_embedding_wgrad_compute(config, embedding_module, self.pp_rank == self.pp - 1, self.pg_collection.tp)
+            finalize = time.perf_counter()
+            config.finalize_model_grads_func(
+                model, total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
+            stats.dp_sync_s = time.perf_counter() - finalize
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        stats.total_s = time.perf_counter() - begin
+        self.owner.last_stats = stats
+        return forward_data_store
+
+    def _forward(self, op: Op, received, forward_data_store):
+        chunk, microbatch = op.chunk, op.microbatch
+        last = chunk == self.vpp - 1 and self.pp_rank == self.pp - 1
+        return self.mcore.forward_step(
+            self.forward_step_func, self.data_iterator[chunk], self.model[chunk], self.m, received,
+            forward_data_store, self.config, self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            checkpoint_activations_microbatch=None,
+            is_first_microbatch=self.mcore.check_first_val_step(self.first_val_step, self.forward_only, microbatch == 0),
+            current_microbatch=microbatch, vp_stage=chunk, is_last_stage=last)
