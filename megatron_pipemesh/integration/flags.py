@@ -1,0 +1,140 @@
+"""PipeMesh's Megatron command-line flags and their validation.
+
+Added to Megatron's parser by :func:`megatron_pipemesh.install`; checked right after Megatron's
+own ``validate_args`` (so the data-parallel size and virtual pipeline size are known), on every
+rank, before any process group exists. A broken rule exits with status 2 and one paragraph naming
+the flag, the values, the rule and a valid example.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
+
+SCHEDULE_FLAG = "--pipeline-schedule"
+Groups = Union[None, str, Tuple[int, ...]]
+
+
+def _group_value(text: str) -> Union[int, str]:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of micro-batches or 'auto', got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a group must hold at least one micro-batch, got {value}")
+    return value
+
+
+def add_pipemesh_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add PipeMesh's flags to a Megatron parser (idempotent)."""
+    if any(SCHEDULE_FLAG in action.option_strings for action in parser._actions):
+        return parser
+    group = parser.add_argument_group("PipeMesh", "elastic pipeline schedule (megatron_pipemesh)")
+    group.add_argument(SCHEDULE_FLAG, choices=("default", "pipemesh"), default="default",
+                       help="'default' keeps Megatron's schedules untouched; 'pipemesh' runs the elastic "
+                            "schedule given by --forward-groups/--backward-groups (needs pipeline and virtual "
+                            "pipeline parallelism)")
+    group.add_argument(FORWARD_FLAG, type=_group_value, nargs="+", default=None, metavar="G",
+                       help="forward (enqueue) group sizes, summing to the micro-batches per iteration; "
+                            "default: groups of --microbatch-group-size-per-virtual-pipeline-stage (depth-first)")
+    group.add_argument(BACKWARD_FLAG, type=_group_value, nargs="+", default=None, metavar="G",
+                       help="backward (dequeue) group sizes, summing to the micro-batches per iteration; "
+                            "default: the forward groups")
+    group.add_argument("--pipemesh-recv-lookahead", type=int, default=1, metavar="N",
+                       help="post each pipeline receive N compute steps before it is needed (default 1)")
+    return parser
+
+
+@dataclass(frozen=True)
+class PipeMeshArgs:
+    """The validated PipeMesh settings of a run."""
+
+    enabled: bool
+    forward_groups: Optional[Tuple[int, ...]]
+    backward_groups: Optional[Tuple[int, ...]]
+    recv_lookahead: int
+    timeout_s: float
+    config: Optional[ScheduleConfig]
+
+
+class PipeMeshArgumentError(ValueError):
+    """Invalid PipeMesh flags (message: flag, values, rule, example)."""
+
+
+def _normalize(flag: str, values: Optional[Sequence[Union[int, str]]]) -> Groups:
+    if values is None:
+        return None
+    if "auto" in values:
+        if len(values) != 1:
+            raise PipeMeshArgumentError(f"{flag} {' '.join(map(str, values))} is invalid: 'auto' stands alone. "
+                                        f"Example of a valid setting: {flag} auto")
+        return "auto"
+    return tuple(int(v) for v in values)
+
+
+def microbatches_per_iteration(args) -> int:
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
+def check_pipemesh_args(args) -> PipeMeshArgs:
+    """Validate PipeMesh's flags against Megatron's validated ``args``; raise PipeMeshArgumentError."""
+    forward = _normalize(FORWARD_FLAG, getattr(args, "forward_groups", None))
+    backward = _normalize(BACKWARD_FLAG, getattr(args, "backward_groups", None))
+    enabled = getattr(args, "pipeline_schedule", "default") == "pipemesh"
+    timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
+    lookahead = getattr(args, "pipemesh_recv_lookahead", 1)
+    if not enabled:
+        given = [flag for flag, value in ((FORWARD_FLAG, forward), (BACKWARD_FLAG, backward)) if value is not None]
+        if given:
+            raise PipeMeshArgumentError(
+                f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
+                f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
+        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None)
+    if lookahead < 0:
+        raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
+    pp = args.pipeline_model_parallel_size
+    vpp = args.virtual_pipeline_model_parallel_size
+    if pp < 2:
+        raise PipeMeshArgumentError(
+            f"{SCHEDULE_FLAG} pipemesh with --pipeline-model-parallel-size {pp} is invalid: the PipeMesh schedule needs "
+            f"pipeline parallelism. Example: --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
+    if vpp is None or vpp < 2:
+        raise PipeMeshArgumentError(
+            f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
+            f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
+            f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
+    for flag, value in ((FORWARD_FLAG, forward), (BACKWARD_FLAG, backward)):
+        if value == "auto":
+            raise PipeMeshArgumentError(
+                f"{flag} auto is not available in this version: the planner that chooses groups from communication time "
+                f"and memory is not included yet. Give explicit lists, e.g. {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6, or run "
+                f"`pipemesh simulate` to compare candidates")
+    if getattr(args, "rampup_batch_size", None) and (forward or backward):
+        raise PipeMeshArgumentError(
+            f"{FORWARD_FLAG}/{BACKWARD_FLAG} with --rampup-batch-size is invalid: explicit groups fix the number of "
+            f"micro-batches per iteration, which batch-size ramp-up changes. Drop --rampup-batch-size or the group flags")
+    m = microbatches_per_iteration(args)
+    group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    try:
+        if forward is None and backward is None:
+            config = ScheduleConfig.uniform(pp, vpp, m, group_size)
+        else:
+            config = ScheduleConfig(pp, vpp, m, forward or (), backward or ())
+    except ScheduleConfigError as error:
+        raise PipeMeshArgumentError(
+            f"{error} (micro-batches per iteration m = --global-batch-size {args.global_batch_size} / "
+            f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
+            f"p = {pp}, V = {vpp})") from error
+    return PipeMeshArgs(True, config.forward_groups if forward else None, config.backward_groups if backward else None,
+                        lookahead, timeout_s, config)
+
+
+def fail(error: Exception) -> "NoReturn":  # noqa: F821
+    """Print one paragraph and exit with status 2, like argparse (on every rank)."""
+    print(f"megatron_pipemesh: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

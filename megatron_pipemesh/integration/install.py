@@ -1,0 +1,125 @@
+"""``megatron_pipemesh.install()``: plug PipeMesh into a running Megatron without forking it.
+
+Patches (each idempotent, each leaving ``--pipeline-schedule default`` runs untouched):
+
+1. ``megatron.training.arguments.parse_args``: chains an ``extra_args_provider`` that adds
+   PipeMesh's flags (``parse_and_validate_args`` looks the function up at call time).
+2. ``megatron.training.arguments.validate_args``: after Megatron's checks, validates PipeMesh's
+   flags (exit 2 with one paragraph on every rank) and activates the PipeMesh schedule.
+3. ``get_forward_backward_func`` in ``megatron.training.training`` (bound there at import, used by
+   ``train()`` and ``evaluate()``), ``megatron.core.pipeline_parallel`` and its ``schedules``: return
+   the PipeMesh schedule for interleaved pipelines when active, else defer to Megatron's.
+4. ``megatron.core.parallel_state.initialize_model_parallel``: also creates PipeMesh's per-link
+   pipeline groups when the PipeMesh schedule is active.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+SUPPORTED = "0.19."
+_STATE = {"installed": False, "schedule": None, "args": None}
+
+
+def _check_version() -> str:
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if not version.startswith(SUPPORTED):
+        raise RuntimeError(
+            f"megatron_pipemesh supports megatron-core {SUPPORTED}x (tested with 0.19.2) but found {version}; "
+            "install a supported version, e.g. pip install --ignore-requires-python megatron-core==0.19.2")
+    return version
+
+
+def active_schedule():
+    """The PipeMesh schedule object of this run, or None when ``--pipeline-schedule default``."""
+    return _STATE["schedule"]
+
+
+def activate(settings) -> None:
+    """Activate (or deactivate) PipeMesh from validated :class:`~.flags.PipeMeshArgs`."""
+    from ..runtime import PipeMeshOptions, PipeMeshSchedule
+    from .parallel_state import get_pipemesh_p2p_groups
+
+    _STATE["args"] = settings
+    if not settings.enabled:
+        _STATE["schedule"] = None
+        return
+    options = PipeMeshOptions(settings.forward_groups, settings.backward_groups, settings.recv_lookahead,
+                              settings.timeout_s)
+    _STATE["schedule"] = PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
+
+
+def install() -> None:
+    """Patch Megatron's argument parsing and schedule selection (idempotent)."""
+    if _STATE["installed"]:
+        return
+    from .bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    _check_version()
+    from megatron.core import parallel_state
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.training import arguments
+
+    from .flags import PipeMeshArgumentError, add_pipemesh_arguments, check_pipemesh_args, fail
+
+    original_parse = arguments.parse_args
+
+    @functools.wraps(original_parse)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            parser = add_pipemesh_arguments(parser)
+            return extra_args_provider(parser) if extra_args_provider is not None else parser
+        return original_parse(provider, ignore_unknown_args)
+
+    original_validate = arguments.validate_args
+
+    @functools.wraps(original_validate)
+    def validate_args(args, defaults={}):
+        result = original_validate(args, defaults)
+        try:
+            activate(check_pipemesh_args(args))
+        except PipeMeshArgumentError as error:
+            fail(error)
+        return result
+
+    original_getter = schedules.get_forward_backward_func
+
+    @functools.wraps(original_getter)
+    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        schedule = _STATE["schedule"]
+        if schedule is not None:
+            pp = pp_size if pp_size is not None else parallel_state.get_pipeline_model_parallel_world_size()
+            vp = vp_size if vp_size is not None else parallel_state.get_virtual_pipeline_model_parallel_world_size()
+            multimodule = type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection"
+            if pp > 1 and vp is not None and not multimodule:
+                return schedule
+        return original_getter(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
+
+    original_init = parallel_state.initialize_model_parallel
+
+    @functools.wraps(original_init)
+    def initialize_model_parallel(*args, **kwargs):
+        original_init(*args, **kwargs)
+        if _STATE["schedule"] is not None:
+            from .parallel_state import create_pipemesh_groups
+            create_pipemesh_groups()
+
+    arguments.parse_args = parse_args
+    arguments.validate_args = validate_args
+    schedules.get_forward_backward_func = get_forward_backward_func
+    pipeline_parallel.get_forward_backward_func = get_forward_backward_func
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    try:
+        from megatron.training import training
+        training.get_forward_backward_func = get_forward_backward_func
+    except ImportError:  # megatron.training absent (core-only install): nothing bound there
+        pass
+    _STATE["installed"] = True
+
+
+def is_installed() -> bool:
+    return bool(_STATE["installed"])
