@@ -44,3 +44,36 @@ def single_rank_reference(num_layers: int, microbatches: int):
     spec = h.TinyGPT(num_layers=num_layers)
     model = h.build_model(spec)
     return h.run_schedule(get_forward_backward_func(), model, spec, microbatches)
+
+
+def plan_mismatch():
+    """Rank 0 is given other groups than rank 1: both must fail at start-up with a clear error."""
+    import torch.distributed as dist
+
+    h.init_parallel(pp=2, vp=2)
+    spec = h.TinyGPT(num_layers=4)
+    model = h.build_model(spec)
+    groups = ([6, 2], [4, 4]) if dist.get_rank() == 0 else (None, None)
+    h.run_schedule(make_pipemesh(*groups), model, spec, 8)
+
+
+def faulty_peer(mode: str, timeout_s: float = 5.0):
+    """Rank 1 stalls ('stuck') or dies ('killed') in its first forward; rank 0 must not hang."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    h.init_parallel(pp=2, vp=2)
+    spec = h.TinyGPT(num_layers=4)
+    model = h.build_model(spec)
+    step = h.forward_step_func
+    if dist.get_rank() == 1:
+        def step(data_iterator, model):
+            if mode == "killed":
+                os._exit(17)
+            time.sleep(120)
+    schedule = make_pipemesh(p2p_timeout_s=timeout_s)
+    iterators = h.make_data_iterators(spec, 8, 2)
+    schedule(forward_step_func=step, data_iterator=iterators, model=model, num_microbatches=8,
+             seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size)
