@@ -1,0 +1,1 @@
+"""Megatron integration: import bootstrap, CPU compatibility layer and (separately) ``install()``."""

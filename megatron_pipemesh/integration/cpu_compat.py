@@ -1,0 +1,309 @@
+"""CPU (gloo) compatibility layer for megatron-core 0.19.2.
+
+megatron-core assumes CUDA in a few places that have nothing to do with the maths.  On a machine
+without CUDA, :func:`apply_cpu_compat` patches exactly those places so that Megatron's GPT model,
+schedules, DDP wrapper, optimizer and ``pretrain()`` run on CPU with the gloo backend.  It does
+nothing at all when ``torch.cuda.is_available()``.  Each item names the upstream place (file:line in
+megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more detail.
+
+:func:`cpu_megatron_args` lists the Megatron command-line flags a CPU run needs (local transformer
+implementation, CPU initialization, no fused kernels, gloo); :func:`missing_cpu_args` keeps only the
+ones a given argv does not already set, so a single command line works on CPU and on GPU.
+
+Not solved (GPU-only): ``--use-distributed-optimizer`` (``distrib_optimizer.py:477`` requires
+``torch.cuda.*Tensor`` parameters) and hence ``--overlap-param-gather``; CUDA graphs; combined 1F1B.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterable, List, Optional, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "apply_cpu_compat",
+    "cpu_compat_active",
+    "cpu_megatron_args",
+    "missing_cpu_args",
+    "CudaToCpuMode",
+]
+
+_ACTIVE = False
+_MODE: Optional[TorchFunctionMode] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Device mapping ("cuda" / int devices -> cpu) for factory calls and Tensor.to/.cuda
+# --------------------------------------------------------------------------------------------------
+def _map_device(device):
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU in every torch call; ``Tensor.cuda()``/``record_stream`` no-ops.
+
+    Works around the unconditional ``device="cuda"`` factory calls, e.g. ``total_num_tokens`` in
+    ``pipeline_parallel/schedules.py:749,1121,2292``, the p2p receive buffers on
+    ``torch.cuda.current_device()`` (``p2p_communication.py:211-223,334,342``), ``clip_grads.py:96,108``,
+    ``utils.py:1332`` (``local_multi_tensor_l2_norm``) and RoPE's ``inv_freq.to(device=...)``
+    (``models/common/embeddings/rotary_pos_embedding.py:162``).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0],) + tuple(_map_device(a) for a in args[1:])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dummy streams / events (no device queue exists on CPU)
+# --------------------------------------------------------------------------------------------------
+class _DummyEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _DummyStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _DummyEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_DEFAULT_STREAM = _DummyStream()
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG: the "CUDA" RNG tracker uses the CPU default generator
+# --------------------------------------------------------------------------------------------------
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradient clipping without the torch.cuda.FloatTensor assertion
+# --------------------------------------------------------------------------------------------------
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Same contract as ``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is None:
+            continue
+        assert grad.dtype in (torch.float32, torch.bfloat16) if use_decoupled_grad else (
+            grad.dtype == torch.float32
+        ), f"clip_grad_by_total_norm_fp32 expects fp32 gradients, got {grad.dtype}"
+        grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(clip_coeff, torch.Tensor):
+        clip_coeff = clip_coeff.clamp_max(1.0)
+        for g in grads:
+            g.mul_(clip_coeff.to(g.dtype))
+    elif clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autocast: forward_step hard-codes device_type "cuda"
+# --------------------------------------------------------------------------------------------------
+class _CpuAutocast(torch.autocast):
+    """``torch.autocast("cuda", ...)`` -> CPU autocast (``schedules.py:504``, ``--enable-autocast``)."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def cpu_compat_active() -> bool:
+    """True once :func:`apply_cpu_compat` has patched this process."""
+    return _ACTIVE
+
+
+def apply_cpu_compat() -> bool:
+    """Patch torch.cuda / megatron-core so Megatron runs on CPU with gloo.
+
+    Idempotent.  Returns True if the layer is active, False if CUDA is available (nothing patched).
+    Importing ``megatron`` first requires :func:`~megatron_pipemesh.integration.bootstrap.
+    prepare_megatron_import` on stacks without triton / Python < 3.12; this function calls it.
+    """
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    cuda = torch.cuda
+
+    # 1. RNG tracker: tensor_parallel/random.py:303-308 (CudaRNGStatesTracker.add) and
+    #    random.py:104-175 (_get/_set_cuda_rng_state, used by fork()) use the CUDA generator.
+    cuda.get_rng_state = _cpu_get_rng_state
+    cuda.random.get_rng_state = _cpu_get_rng_state
+    cuda.set_rng_state = _cpu_set_rng_state
+    cuda.random.set_rng_state = _cpu_set_rng_state
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.random.manual_seed = _cpu_manual_seed
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _cpu_get_rng_state
+    tp_random._set_cuda_rng_state = _cpu_set_rng_state
+
+    # 2. current_device(): p2p_communication.py:211-223,334,342 (buffers), RoPE :162, initialize.py:131.
+    cuda.current_device = lambda: 0
+    # 3. device_count()/set_device(): initialize.py:270-283,358 skip initialize_model_parallel and the
+    #    RNG seeding (:447) when no device is counted.
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda device: None
+    # 4. synchronize(): p2p_communication.py:263,419 (batch_p2p_sync), timers, training loop.
+    cuda.synchronize = lambda device=None: None
+    # 5. Streams/events: DDP init stream (training/models/dist_utils.py:303), param_and_grad_buffer.py:632.
+    cuda.Stream = _DummyStream
+    cuda.Event = _DummyEvent
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext(stream)
+    cuda.set_stream = lambda stream: None
+    # 6. "cuda"/int devices in factory calls and Tensor.to/.cuda (see CudaToCpuMode).
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    # 7. autocast: schedules.py:504 uses torch.autocast("cuda") when config.enable_autocast.
+    torch.autocast = _CpuAutocast
+
+    # 8. initialize_megatron asserts torch.cuda.is_available() (training/initialize.py:66).
+    import megatron.training
+    import megatron.training.initialize as mt_init
+    import megatron.training.training as mt_training
+
+    original_init = mt_init.initialize_megatron
+
+    @functools.wraps(original_init)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_init(*args, **kwargs)
+
+    mt_init.initialize_megatron = initialize_megatron
+    mt_training.initialize_megatron = initialize_megatron
+    megatron.training.initialize_megatron = initialize_megatron
+
+    # 9. _compile_dependencies (initialize.py:174) runs `make` in core/datasets; the wheel ships the
+    #    prebuilt helpers_cpp extension but no Makefile.
+    import megatron.core.datasets.utils as ds_utils
+
+    ds_utils.compile_helpers = lambda: None
+
+    # 10. clip_grads.py:174 asserts param.grad.type() == 'torch.cuda.FloatTensor'.
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    _ACTIVE = True
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line flags a CPU run needs
+# --------------------------------------------------------------------------------------------------
+# (flag, value or None for store_true/store_false flags, flags that make this one redundant)
+_CPU_ARGS = (
+    ("--transformer-impl", "local", ()),
+    ("--use-cpu-initialization", None, ()),
+    ("--no-gradient-accumulation-fusion", None, ()),
+    ("--no-bias-gelu-fusion", None, ("--no-bias-swiglu-fusion",)),
+    ("--no-bias-dropout-fusion", None, ()),
+    ("--no-masked-softmax-fusion", None, ()),
+    ("--no-persist-layer-norm", None, ()),
+    ("--no-rope-fusion", None, ()),
+    ("--distributed-backend", "gloo", ()),
+)
+
+
+def cpu_megatron_args() -> List[str]:
+    """All Megatron flags a CPU run needs (local transformer, CPU init, no fused kernels, gloo)."""
+    out: List[str] = []
+    for flag, value, _ in _CPU_ARGS:
+        out.append(flag)
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def missing_cpu_args(argv: Iterable[str]) -> List[str]:
+    """The part of :func:`cpu_megatron_args` that ``argv`` does not already set (in any value)."""
+    argv = list(argv)
+    out: List[str] = []
+    for flag, value, alternatives in _CPU_ARGS:
+        if _given(argv, flag) or any(_given(argv, alt) for alt in alternatives):
+            continue
+        out.append(flag)
+        if value is not None:
+            out.append(value)
+    return out

@@ -1,0 +1,100 @@
+"""apply_cpu_compat(): what it patches on CPU, nothing on CUDA, and the CPU flag list."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from megatron_pipemesh.integration.cpu_compat import cpu_megatron_args, missing_cpu_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str) -> dict:
+    prog = "import sys; sys.path.insert(0, %r)\nimport warnings; warnings.simplefilter('ignore')\n" % str(REPO)
+    out = subprocess.run([sys.executable, "-c", prog + textwrap.dedent(code)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_args_complete_and_missing_only():
+    args = cpu_megatron_args()
+    for flag in ["--transformer-impl", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+                 "--distributed-backend", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+                 "--no-rope-fusion", "--no-persist-layer-norm"]:
+        assert flag in args
+    assert args[args.index("--distributed-backend") + 1] == "gloo"
+    assert args[args.index("--transformer-impl") + 1] == "local"
+    assert missing_cpu_args(args) == []
+    user = ["--distributed-backend=gloo", "--transformer-impl", "local", "--no-bias-swiglu-fusion"]
+    missing = missing_cpu_args(user)
+    assert "--distributed-backend" not in missing and "--transformer-impl" not in missing
+    assert "--no-bias-gelu-fusion" not in missing  # swiglu variant already disables bias-act fusion
+    assert "--use-cpu-initialization" in missing
+
+
+def test_noop_when_cuda_available():
+    res = _run("""
+        import json, torch
+        torch.cuda.is_available = lambda: True
+        orig = torch.cuda.current_device
+        from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat, cpu_compat_active
+        print(json.dumps({"ret": apply_cpu_compat(), "active": cpu_compat_active(),
+                          "same": torch.cuda.current_device is orig,
+                          "megatron": "megatron" in sys.modules}))
+    """)
+    assert res == {"ret": False, "active": False, "same": True, "megatron": False}
+
+
+def test_patches_on_cpu():
+    res = _run("""
+        import json, torch
+        if torch.cuda.is_available():
+            print(json.dumps({"skip": True})); raise SystemExit
+        from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
+        assert apply_cpu_compat() and apply_cpu_compat()  # idempotent
+        r = {"skip": False}
+        r["zeros"] = str(torch.zeros(2, device="cuda").device)
+        r["tensor"] = str(torch.tensor([1.0], device=torch.cuda.current_device()).device)
+        r["to"] = str(torch.ones(1).to(0).device) + "," + str(torch.ones(1).cuda().device)
+        r["sync"] = torch.cuda.synchronize() is None
+        s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            pass
+        r["device_count"] = torch.cuda.device_count()
+        # RNG tracker: seeded states, fork isolates them from the default generator.
+        from megatron.core import tensor_parallel
+        tensor_parallel.random.initialize_rng_tracker(force_reset=True)
+        tr = tensor_parallel.get_cuda_rng_tracker()
+        torch.manual_seed(0)
+        tr.add("a", 123)
+        before = torch.get_rng_state().clone()
+        with tr.fork("a"):
+            x = torch.rand(3)
+        r["rng_restored"] = bool(torch.equal(before, torch.get_rng_state()))
+        torch.manual_seed(123)
+        r["rng_seeded"] = bool(torch.equal(x, torch.rand(3)))
+        # Gradient clipping without the torch.cuda.FloatTensor assertion.
+        from megatron.core.optimizer import optimizer as opt
+        p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 2.0)
+        opt.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+        r["clipped"] = [round(float(v), 4) for v in p.grad]
+        # total_num_tokens-style factory call inside megatron
+        from megatron.core.datasets import utils as ds_utils
+        r["compile_helpers"] = ds_utils.compile_helpers() is None
+        import megatron.training.training as mt
+        r["init_wrapped"] = mt.initialize_megatron.__wrapped__ is not None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.ones(2, 2) @ torch.ones(2, 2)
+        r["autocast"] = str(y.dtype)
+        print(json.dumps(r))
+    """)
+    if res["skip"]:
+        return
+    assert res["zeros"] == "cpu" and res["tensor"] == "cpu" and res["to"] == "cpu,cpu"
+    assert res["sync"] and res["device_count"] == 1
+    assert res["rng_restored"] and res["rng_seeded"]
+    assert res["clipped"] == [0.5] * 4
+    assert res["compile_helpers"] and res["init_wrapped"]
+    assert res["autocast"] == "torch.bfloat16"
