@@ -1,0 +1,1 @@
+"""Training entry points built on Megatron's ``pretrain()`` (see :mod:`.pretrain_gpt`)."""

@@ -1,0 +1,401 @@
+"""GPT pretraining entry point on Megatron's own training loop (``pipemesh-pretrain-gpt``).
+
+Accepts every Megatron-LM flag (it uses Megatron's parser) plus those ``megatron_pipemesh.install()``
+adds (``--pipeline-schedule``, ``--forward-groups``, ``--backward-groups``, ...), and one flag of its
+own that is removed before Megatron parses the command line:
+
+``--megatron-lm-script PATH``
+    Run a Megatron-LM checkout's own ``pretrain_gpt.py`` (via ``runpy``, with its directory first on
+    ``sys.path`` so ``gpt_builders.py`` / ``model_provider.py`` resolve) after the same preparation.
+
+Preparation, in this order, before Megatron parses anything:
+
+1. :func:`~megatron_pipemesh.integration.bootstrap.prepare_megatron_import` (triton-less stacks,
+   Python 3.11);
+2. without CUDA: :func:`~megatron_pipemesh.integration.cpu_compat.apply_cpu_compat` and the CPU flags
+   the command line lacks (``--transformer-impl local --use-cpu-initialization --no-*-fusion
+   --distributed-backend gloo``); with CUDA but without Transformer Engine: ``--transformer-impl
+   local`` unless given.  So one command line works on CPU and GPU;
+3. ``megatron_pipemesh.install()`` when the package provides it.
+
+Model: ``GPTModel`` per virtual pipeline stage (``vp_stage``), Transformer Engine layer spec when
+``--transformer-impl transformer_engine`` and TE is importable, else the local (pure PyTorch) spec;
+MoE block spec with ``--num-experts``; MTP block with ``--mtp-num-layers``; ``--spec`` honoured.
+Data: ``GPTDataset`` (``--data-path``/``--*-data-path``) or ``MockGPTDataset`` (``--mock-data``) via
+``BlendedMegatronDatasetBuilder``.
+
+Example (CPU or GPU, 2 ranks)::
+
+    python -m megatron_pipemesh.data.prepare --output-prefix data-cache/corpus
+    torchrun --nproc-per-node 2 -m megatron_pipemesh.training.pretrain_gpt \\
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
+        --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \\
+        --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \\
+        --train-iters 4 --lr 1e-3 --eval-iters 0 --clip-grad 1.0 \\
+        --data-path data-cache/corpus --tokenizer-type NullTokenizer --vocab-size 257 --split 98,1,1
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import warnings
+from functools import partial
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["main", "prepare_argv", "model_provider", "forward_step", "loss_func",
+           "train_valid_test_datasets_provider"]
+
+OWN_FLAG = "--megatron-lm-script"
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line preparation
+# --------------------------------------------------------------------------------------------------
+def _pop_flag(argv: List[str], flag: str) -> Tuple[Optional[str], List[str]]:
+    out: List[str] = []
+    value = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"error: {flag} needs a path")
+            value = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+    return value, out
+
+
+def _te_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def prepare_argv(argv: Sequence[str], cuda: Optional[bool] = None) -> List[str]:
+    """Megatron argv plus the flags this machine needs and the user did not give."""
+    import torch
+
+    from megatron_pipemesh.integration.cpu_compat import _given, missing_cpu_args
+
+    argv = list(argv)
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return argv + missing_cpu_args(argv)
+    if not _te_importable() and not _given(argv, "--transformer-impl"):
+        return argv + ["--transformer-impl", "local"]
+    return argv
+
+
+def _prepare_process() -> bool:
+    """Bootstrap imports, CPU layer, PipeMesh install. Returns True when running on CPU."""
+    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+    import megatron_pipemesh
+
+    if hasattr(megatron_pipemesh, "install"):
+        megatron_pipemesh.install()
+    return cpu
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+def _layer_spec(args, config, use_te: bool, vp_stage: Optional[int]):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if getattr(args, "spec", None) is not None:
+        from megatron.core.transformer.spec_utils import import_module
+
+        return import_module(args.spec)
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=args.normalization,
+                                          qk_l2_norm=getattr(args, "qk_l2_norm", False),
+                                          vp_stage=vp_stage)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+            args.multi_latent_attention, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+    return get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                    args.multi_latent_attention, normalization=args.normalization,
+                                    qk_l2_norm=getattr(args, "qk_l2_norm", False))
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                   config=None, pg_collection=None):
+    """Build this rank's GPT chunk for virtual stage ``vp_stage`` (``get_model`` calls it per chunk)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    if getattr(args, "use_legacy_models", False):
+        raise ValueError("--use-legacy-models is not supported by pipemesh-pretrain-gpt")
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine" and _te_importable()
+    if args.transformer_impl == "transformer_engine" and not use_te:
+        print_rank_0("> Transformer Engine is not installed: using the local layer spec")
+    spec = _layer_spec(args, config, use_te, vp_stage)
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    kwargs = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        mtp_block_spec=mtp_spec,
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches, loss, forward step
+# --------------------------------------------------------------------------------------------------
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def get_batch(data_iterator, vp_stage: Optional[int] = None):
+    """(tokens, labels, loss_mask, attention_mask, position_ids) for this chunk; Nones in between."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    first = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if not (first or last):
+        return None, None, None, None, None
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        raw = next(data_iterator)
+        batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in raw.items()}
+        for key in _BATCH_KEYS:
+            batch.setdefault(key, None)
+        batch.setdefault("cu_seqlens", None)
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=bool(getattr(args, "mtp_num_layers", None)) and last,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=first,
+        is_pipeline_last_stage=last,
+    )
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=mpu.get_context_parallel_group())
+    return tuple(batch.get(k) for k in _BATCH_KEYS)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Masked token-loss sum, token count and an ``lm loss`` report.
+
+    The report holds a *clone*: Megatron's schedule divides the returned loss in place
+    (``schedules.py:334-335``), and logging the same tensor would log loss / num_microbatches.
+    """
+    import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    if args.check_for_nan_in_loss_and_grad:
+        rsm = get_rerun_state_machine()
+        rsm.validate_result(result=loss, rejection_func=torch.isnan,
+                            message="found NaN in local forward loss calculation",
+                            tolerance=0.0, fatal=True)
+        rsm.validate_result(result=loss, rejection_func=torch.isinf,
+                            message="found Inf in local forward loss calculation",
+                            tolerance=0.0, fatal=True)
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward-step function: ``(output_tensor, loss_func)``."""
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage") if _has_vp(model) else None
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def _has_vp(model) -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_virtual_pipeline_model_parallel_world_size() is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+def _dataset_config(args):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    tokenizer = get_tokenizer() if getattr(args, "legacy_tokenizer", False) else build_tokenizer(args)
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    kwargs = dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    # Newer fields: pass them only when this megatron-core knows them.
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
+    for field, attr in (("multiple_validation_sets", "multiple_validation_sets"),
+                        ("full_validation", "full_validation"),
+                        ("object_storage_cache_path", "object_storage_cache_path"),
+                        ("mid_level_dataset_surplus", "mid_level_dataset_surplus"),
+                        ("allow_ambiguous_pad_tokens", "allow_ambiguous_pad_tokens"),
+                        ("fast_cache_load", "dataloader_fast_cache_load"),
+                        ("defer_npy_index_mmap", "dataloader_defer_npy_index_mmap")):
+        if field in known and hasattr(args, attr):
+            kwargs[field] = getattr(args, attr)
+    return GPTDatasetConfig(**kwargs)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """GPTDataset (``--data-path``) or MockGPTDataset (``--mock-data``) for train/valid/test."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    config = _dataset_config(args)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+
+    def is_built_on_rank():
+        return (is_first_or_last_pipeline_stage(vp_stage)
+                and mpu.get_tensor_model_parallel_rank() == 0)
+
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples,
+                                             is_built_on_rank, config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry
+# --------------------------------------------------------------------------------------------------
+def _pretrain() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    wrapped_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    with warnings.catch_warnings():
+        # We build the model through model_provider (per vp_stage) rather than a ModelConfig.
+        warnings.filterwarnings("ignore", message=".*recommended to use a ModelConfig.*")
+        cfg = pretrain_cfg_container_from_args(args, model_cfg=None)
+    wrapped_pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                     forward_step, model_provider=model_provider, store=store)
+
+
+def run_megatron_lm_script(script: str) -> None:
+    """Run a Megatron-LM checkout's ``pretrain_gpt.py`` as ``__main__`` (prepared process)."""
+    path = os.path.abspath(script)
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {OWN_FLAG} {script}: no such file")
+    sys.path.insert(0, os.path.dirname(path))
+    sys.argv[0] = path
+    runpy.run_path(path, run_name="__main__")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry ``pipemesh-pretrain-gpt``: prepare the process, then train."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script, argv = _pop_flag(argv, OWN_FLAG)
+    cpu = _prepare_process()
+    argv = prepare_argv(argv, cuda=not cpu)
+    sys.argv = [sys.argv[0] if sys.argv else "pipemesh-pretrain-gpt"] + argv
+    if script is not None:
+        run_megatron_lm_script(script)
+    else:
+        _pretrain()
+
+
+if __name__ == "__main__":
+    main()
