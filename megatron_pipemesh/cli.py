@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import List, Optional, Sequence
 
@@ -83,19 +84,31 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     direct.add_argument("--activation-mb", type=float, default=1.0, help="activations of one chunk-micro-batch (MiB)")
 
 
+def _check_number(flag: str, value: Optional[float], example: str, positive: bool = False, at_most: Optional[float] = None) -> None:
+    if value is None:
+        return
+    bad = not math.isfinite(value) or value < 0 or (positive and value == 0) or (at_most is not None and value > at_most)
+    if bad:
+        rule = "a positive number" if positive else "a number >= 0"
+        if at_most is not None:
+            rule += f" and at most {at_most:g}"
+        raise UsageError(f"{flag} {value} is invalid: it must be {rule}. Example: {flag} {example}")
+
+
 def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
+    for flag, example, positive in (("forward_ms", "10", True), ("backward_ms", "20", True), ("p2p_ms", "1", False),
+                                    ("dp_reduce_ms", "5", False), ("dp_gather_ms", "5", False), ("activation_mb", "64", False),
+                                    ("device_tflops", "312", True), ("dp_gbps", "25", True), ("p2p_gbps", "25", True),
+                                    ("latency_us", "30", False), ("device_memory_gb", "80", True)):
+        _check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
+    _check_number("--mfu", args.mfu, "0.45", positive=True, at_most=1.0)
     if args.forward_ms is not None:
-        if args.forward_ms <= 0:
-            raise UsageError(f"--forward-ms {args.forward_ms} is invalid: compute time must be positive. Example: --forward-ms 10")
         backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
         act = args.activation_mb * 1024 ** 2
         return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
                        dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
                        activation_bytes={"none": act, "selective": act, "full": act},
                        static_bytes=tuple(0.0 for _ in range(config.pp)))
-    for flag in ("mfu", "device_tflops", "dp_gbps", "p2p_gbps"):
-        if getattr(args, flag) <= 0:
-            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: it must be positive. Example: --{flag.replace('_', '-')} 25")
     model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                       args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
     cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,

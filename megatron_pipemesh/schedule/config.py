@@ -48,6 +48,15 @@ def uniform_groups(microbatches: int, group_size: int) -> List[int]:
     return groups
 
 
+def depth_first_groups(microbatches: int, pp: int) -> List[int]:
+    """Groups of p; when m is not a multiple of p the remainder joins the last group (Megatron
+    rejects such m for its interleaved schedule; PipeMesh runs it with one larger last group)."""
+    groups = uniform_groups(microbatches, pp)
+    if len(groups) > 1 and groups[-1] < pp:
+        groups[-2] += groups.pop()
+    return groups
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """One pipeline schedule: who runs what, in which order (PipeMesh notation of the contract)."""
@@ -64,7 +73,7 @@ class ScheduleConfig:
     """Backward (dequeue) group sizes b_1..b_l, summing to m; empty means the forward groups."""
 
     def __post_init__(self) -> None:
-        forward = tuple(self.forward_groups) or tuple(uniform_groups(self.microbatches, max(self.pp, 1)))
+        forward = tuple(self.forward_groups) or tuple(depth_first_groups(self.microbatches, max(self.pp, 1)))
         backward = tuple(self.backward_groups) or forward
         object.__setattr__(self, "forward_groups", forward)
         object.__setattr__(self, "backward_groups", backward)
@@ -73,8 +82,9 @@ class ScheduleConfig:
     # Presets ---------------------------------------------------------------------------------
     @classmethod
     def depth_first(cls, pp: int, vpp: int, microbatches: int) -> "ScheduleConfig":
-        """Megatron's default interleaved 1F1B: groups of p in both directions."""
-        return cls.uniform(pp, vpp, microbatches, pp)
+        """Megatron's default interleaved 1F1B: groups of p in both directions (see :func:`depth_first_groups`)."""
+        groups = tuple(depth_first_groups(microbatches, pp))
+        return cls(pp, vpp, microbatches, groups, groups)
 
     @classmethod
     def breadth_first(cls, pp: int, vpp: int, microbatches: int) -> "ScheduleConfig":
@@ -85,9 +95,11 @@ class ScheduleConfig:
     def uniform(cls, pp: int, vpp: int, microbatches: int, group_size: int) -> "ScheduleConfig":
         """Megatron with ``microbatch_group_size_per_vp_stage = group_size`` in both directions."""
         if not 1 <= group_size <= microbatches:
+            valid = pp if microbatches % pp == 0 else microbatches
             raise ScheduleConfigError(
                 "--microbatch-group-size-per-virtual-pipeline-stage", group_size,
-                f"a group size must lie in [p={pp}, m={microbatches}]", f"{pp}")
+                f"a group size must lie in [p={pp}, m={microbatches}]",
+                f"--microbatch-group-size-per-virtual-pipeline-stage {valid}")
         groups = tuple(uniform_groups(microbatches, group_size))
         return cls(pp, vpp, microbatches, groups, groups)
 
@@ -115,7 +127,7 @@ class ScheduleConfig:
             return None
         if f == [self.microbatches] and self.microbatches != self.pp:
             return "breadth-first"
-        if f == uniform_groups(self.microbatches, self.pp):
+        if f == depth_first_groups(self.microbatches, self.pp):
             return "depth-first"
         if f == uniform_groups(self.microbatches, f[0]):
             return f"uniform-{f[0]}"

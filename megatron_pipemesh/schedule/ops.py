@@ -108,6 +108,11 @@ def parse_op(text: str) -> Op:
     if kind.is_dp != (mb is None):
         raise ValueError(f"schedule op {text!r}: {'data-parallel ops take no micro-batch' if kind.is_dp else 'a micro-batch is required'}")
     peer = int(match["peer"]) if match["peer"] is not None else None
+    if match["dir"] is not None:
+        expected = ">" if kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD) else "<" if kind.is_p2p else None
+        if match["dir"] != expected:
+            raise ValueError(f"schedule op {text!r}: " + ("only sends ('>') and receives ('<') name a peer" if expected is None
+                                                          else f"a {kind.value} names its peer with '{expected}'"))
     return Op(kind, int(match["chunk"]), int(mb) if mb is not None else None, peer)
 
 

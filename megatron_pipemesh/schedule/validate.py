@@ -48,7 +48,6 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         done = set()
         posted = set()
         param_launched = set()
-        grad_synced = Counter()
         last_backward = {c: max((i for i, x in enumerate(program) if x.kind is OpKind.BACKWARD and x.chunk == c), default=-1)
                          for c in range(cfg.vpp)}
         for step, op in enumerate(program):
@@ -79,17 +78,29 @@ def validate(schedule: LoweredSchedule) -> Timeline:
             elif op.kind is OpKind.PARAM_SYNC:
                 param_launched.add(op.chunk)
             elif op.kind is OpKind.GRAD_SYNC:
-                grad_synced[op.chunk] += 1
                 if step < last_backward[op.chunk]:
                     raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} (step {last_backward[op.chunk]})")
-        twice = [c for c, n in grad_synced.items() if n > 1]
-        if twice:
-            raise _fail(schedule, rank, len(program) - 1, f"GRAD_SYNC of chunk(s) {twice} appears more than once")
-        if grad_synced and set(grad_synced) != set(range(cfg.vpp)):
-            raise _fail(schedule, rank, len(program) - 1,
-                        f"gradient sync is missing for chunk(s) {sorted(set(range(cfg.vpp)) - set(grad_synced))}")
+        _check_dp_counts(schedule, rank, OpKind.GRAD_SYNC, schedule.options.grad_sync)
+        _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync)
     _check_links(schedule, sends, recvs)
     return execute(schedule)
+
+
+def _check_dp_counts(schedule: LoweredSchedule, rank: int, kind: OpKind, enabled: bool) -> None:
+    """Exactly one sync of ``kind`` per chunk when the options ask for them, none otherwise."""
+    program = schedule.programs[rank]
+    counts = Counter(op.chunk for op in program if op.kind is kind)
+    wanted = 1 if enabled and not schedule.options.forward_only else 0
+    for chunk in range(schedule.config.vpp):
+        if counts.get(chunk, 0) != wanted:
+            steps = [i for i, op in enumerate(program) if op.kind is kind and op.chunk == chunk]
+            count = counts.get(chunk, 0)
+            what = ("is missing (expected once per chunk)" if count == 0 else
+                    f"appears more than once ({count} times)" if wanted else "appears although the lowering options disable it")
+            raise _fail(schedule, rank, steps[-1] if steps else len(program) - 1, f"{kind.value}{chunk} {what}")
+    extra = sorted(set(counts) - set(range(schedule.config.vpp)))
+    if extra:
+        raise _fail(schedule, rank, len(program) - 1, f"{kind.value} for chunk(s) {extra} that do not exist")
 
 
 def _has_param_sync(program: List[Op], chunk: int) -> bool:

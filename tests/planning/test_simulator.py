@@ -1,0 +1,249 @@
+"""Planning layer: simulator end points (paper claims), worked examples, accounting identities,
+analytic cost model sanity, Chrome trace and PNG plot."""
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pipemesh.planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from megatron_pipemesh.planning.simulator import simulate
+from megatron_pipemesh.planning.trace import trace_events, write_trace
+from megatron_pipemesh.schedule import ScheduleConfig
+
+MS = 1e-3
+ONE_BYTE = {"none": 1.0, "selective": 1.0, "full": 1.0}
+
+
+def costly_dp() -> OpCosts:
+    """Commodity-cloud shape: DP collectives far slower than a chunk's compute."""
+    return OpCosts(forward_s=1 * MS, backward_s=2 * MS, p2p_s=0.01 * MS, dp_reduce_s=20 * MS,
+                   dp_gather_s=20 * MS, activation_bytes=dict(ONE_BYTE))
+
+
+def free_comm() -> OpCosts:
+    """Textbook setting: F = 1, B = 2, communication free."""
+    return OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0, activation_bytes=dict(ONE_BYTE))
+
+
+def mean_exposed_dp(result) -> float:
+    return sum(r.exposed_dp_s for r in result.ranks) / len(result.ranks)
+
+
+def peak_activation(result) -> float:
+    return max(r.peak_activation_bytes for r in result.ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two end points (paper, section 1 / paper-notes section 3)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 2, 8), (4, 2, 16), (4, 4, 12), (2, 2, 4), (3, 3, 9), (2, 4, 8)])
+def test_breadth_first_hides_dp_but_holds_more_memory(pp, vpp, m):
+    """With costly DP, breadth-first exposes less DP communication and holds more activations."""
+    depth = simulate(ScheduleConfig.depth_first(pp, vpp, m), costly_dp())
+    breadth = simulate(ScheduleConfig.breadth_first(pp, vpp, m), costly_dp())
+    assert mean_exposed_dp(breadth) < mean_exposed_dp(depth)
+    assert peak_activation(breadth) > peak_activation(depth)
+    assert breadth.iteration_s < depth.iteration_s
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 4), st.integers(2, 4))
+def test_end_points_random(pp, vpp, k):
+    """Same claim over random p, V and m = k*p >= 2p."""
+    m = k * pp
+    depth = simulate(ScheduleConfig.depth_first(pp, vpp, m), costly_dp())
+    breadth = simulate(ScheduleConfig.breadth_first(pp, vpp, m), costly_dp())
+    assert mean_exposed_dp(breadth) < mean_exposed_dp(depth)
+    assert peak_activation(breadth) > peak_activation(depth)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worked examples (paper-notes section 7, zero communication, F = 1, B = 2)
+
+
+@pytest.mark.parametrize("cfg,makespan,peak_live", [
+    (ScheduleConfig.depth_first(4, 2, 8), 57.0, [11, 9, 7, 5]),
+    (ScheduleConfig.depth_first(4, 2, 12), 81.0, [11, 9, 7, 5]),
+    (ScheduleConfig(4, 2, 12, (8, 4), (6, 6)), 81.0, [15, 13, 11, 9]),
+    (ScheduleConfig.breadth_first(4, 2, 8), 57.0, None),
+    (ScheduleConfig.breadth_first(4, 2, 12), 81.0, None),
+], ids=["df-m8", "df-m12", "8-4/6-6", "bf-m8", "bf-m12"])
+def test_worked_examples(cfg, makespan, peak_live):
+    """Makespans (57 for DF m=8, 81 for `8 4 / 6 6` m=12) and peak live chunk-micro-batches per rank."""
+    result = simulate(cfg, free_comm())
+    assert result.iteration_s == pytest.approx(makespan)
+    if peak_live is not None:
+        assert [r.peak_live for r in result.ranks] == peak_live
+    for r in result.ranks:
+        assert r.exposed_p2p_s == pytest.approx(0.0) and r.exposed_dp_s == pytest.approx(0.0)
+        assert r.busy_s == pytest.approx(3.0 * cfg.microbatches * cfg.vpp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting identities
+
+
+def _groups(draw, m, pp, limits=None):
+    """Random partition of m into parts >= p whose prefix sums stay within ``limits``."""
+    groups, done = [], 0
+    while done < m:
+        rest = m - done
+        cap = rest if limits is None else min(rest, (limits[len(groups)] if len(groups) < len(limits) else m) - done)
+        size = draw(st.sampled_from([g for g in range(pp, cap + 1) if rest - g == 0 or rest - g >= pp]))
+        groups.append(size)
+        done += size
+    return tuple(groups)
+
+
+@st.composite
+def cases(draw):
+    """A random valid config (depth-first, breadth-first or elastic) with random costs."""
+    pp = draw(st.integers(2, 5))
+    vpp = draw(st.integers(1, 4))
+    m = draw(st.integers(pp, 3 * pp))
+    forward = _groups(draw, m, pp)
+    backward = _groups(draw, m, pp, [sum(forward[:i + 1]) for i in range(len(forward))])
+    cfg = ScheduleConfig(pp, vpp, m, forward, backward)
+    time = st.floats(0.0, 5.0, allow_nan=False)
+    costs = OpCosts(forward_s=draw(st.floats(0.1, 2.0)), backward_s=draw(st.floats(0.1, 4.0)), p2p_s=draw(time),
+                    dp_reduce_s=draw(st.floats(0.0, 30.0)), dp_gather_s=draw(st.floats(0.0, 30.0)),
+                    latency_s=draw(time), first_stage_extra_s=draw(time), last_stage_extra_s=draw(time),
+                    activation_bytes=dict(ONE_BYTE), static_bytes=tuple(float(r) for r in range(pp)))
+    return cfg, costs
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_time_accounting(case):
+    """Per rank: busy + idle == iteration time; exposed p2p + exposed DP + bubble == idle; none negative."""
+    cfg, costs = case
+    result = simulate(cfg, costs)
+    for r in result.ranks:
+        assert r.busy_s + r.idle_s == pytest.approx(result.iteration_s)
+        assert r.exposed_p2p_s + r.exposed_dp_s + r.bubble_s == pytest.approx(r.idle_s, abs=1e-9)
+        assert min(r.exposed_p2p_s, r.exposed_dp_s, r.bubble_s, r.idle_s) >= -1e-9
+        assert r.peak_memory_bytes == pytest.approx(costs.static_bytes[r.rank] + r.peak_activation_bytes)
+    assert 0.0 <= result.idle_fraction < 1.0
+    assert result.iteration_s == pytest.approx(result.timeline.makespan)
+    json.dumps(result.to_dict())
+
+
+def test_recompute_adds_backward_time():
+    """A recompute plan adds its per-level time to the chosen backwards and shrinks their activations."""
+    cfg = ScheduleConfig.depth_first(2, 2, 4)
+    costs = OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0, activation_bytes={"none": 4.0, "selective": 2.0, "full": 1.0},
+                    recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0})
+    plain = simulate(cfg, costs)
+    one = simulate(cfg, costs, recompute={(0, 0, 0): "full", (0, 1, 1): "selective"})
+    assert one.ranks[0].recompute_s == pytest.approx(1.25)
+    assert one.ranks[0].busy_s == pytest.approx(plain.ranks[0].busy_s + 1.25)
+    assert one.ranks[1].recompute_s == 0.0 and one.ranks[1].busy_s == pytest.approx(plain.ranks[1].busy_s)
+    everything = simulate(cfg, costs, recompute={(0, c, j): "full" for c in range(2) for j in range(4)})
+    assert everything.ranks[0].recompute_s == pytest.approx(8.0)
+    assert plain.ranks[0].peak_activation_bytes == pytest.approx(4.0 * plain.ranks[0].peak_live)
+    assert everything.ranks[0].peak_activation_bytes == pytest.approx(1.0 * everything.ranks[0].peak_live)
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic costs
+
+
+MODEL = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=1024)
+DF = ScheduleConfig.depth_first(4, 2, 8)
+
+
+def test_analytic_costs_positive():
+    """Compute, transfer and DP times are positive; backward = 2 x forward; the head is on the last stage."""
+    costs = analytic_costs(MODEL, ClusterSpec(dp=4), DF)
+    assert costs.forward_s > 0 and costs.p2p_s > 0 and costs.latency_s > 0
+    assert costs.backward_s == pytest.approx(2 * costs.forward_s)
+    assert costs.dp_reduce_s > 0 and costs.dp_gather_s > 0
+    assert costs.last_stage_extra_s > 0
+    assert len(costs.static_bytes) == DF.pp and all(b > 0 for b in costs.static_bytes)
+    assert all(v >= 0 for v in costs.recompute_s.values())
+    assert costs.recompute_s["full"] == pytest.approx(costs.forward_s)
+
+
+def test_analytic_costs_dp_modes():
+    """dp=1: no DP traffic; without the distributed optimizer gradients are all-reduced and nothing is gathered."""
+    single = analytic_costs(MODEL, ClusterSpec(dp=1), DF)
+    assert single.dp_reduce_s == 0 and single.dp_gather_s == 0
+    plain = analytic_costs(MODEL, ClusterSpec(dp=4, distributed_optimizer=False), DF)
+    dist = analytic_costs(MODEL, ClusterSpec(dp=4, distributed_optimizer=True), DF)
+    assert plain.dp_gather_s == 0 and plain.dp_reduce_s > dist.dp_reduce_s > 0
+    slow = analytic_costs(MODEL, ClusterSpec(dp=4, dp_gbps=10.0), DF)
+    assert slow.dp_reduce_s > dist.dp_reduce_s
+
+
+def test_static_bytes_shrink_with_distributed_optimizer():
+    """With the distributed optimizer the static bytes of every rank decrease as dp grows."""
+    per_dp = [analytic_costs(MODEL, ClusterSpec(dp=d, distributed_optimizer=True), DF).static_bytes for d in (1, 2, 4, 8)]
+    for rank in range(DF.pp):
+        values = [static[rank] for static in per_dp]
+        assert values == sorted(values, reverse=True) and len(set(values)) == len(values), values
+    replicated = [analytic_costs(MODEL, ClusterSpec(dp=d, distributed_optimizer=False), DF).static_bytes for d in (1, 8)]
+    assert replicated[0] == replicated[1]
+
+
+def test_activation_bytes_by_recompute_level():
+    """Activation bytes: none > selective > full; sequence parallel divides them by TP."""
+    costs = analytic_costs(MODEL, ClusterSpec(dp=2), DF)
+    act = costs.activation_bytes
+    assert act["none"] > act["selective"] > act["full"] > 0
+    sp = analytic_costs(MODEL, ClusterSpec(dp=2, tp=2, sequence_parallel=True), DF).activation_bytes
+    assert sp["selective"] == pytest.approx(act["selective"] / 2)
+
+
+@pytest.mark.parametrize("layers", [10, 12, 20])
+def test_layers_must_split_over_stages(layers):
+    """num_layers not divisible by p*V raises ValueError naming --num-layers."""
+    model = ModelSpec(num_layers=layers, hidden_size=256, num_attention_heads=4, seq_length=128)
+    with pytest.raises(ValueError, match="--num-layers"):
+        analytic_costs(model, ClusterSpec(), DF)
+
+
+def test_analytic_costs_simulate():
+    """Analytic costs drive the simulator end to end (PARAM_SYNC emitted when gathers cost time)."""
+    cfg = ScheduleConfig(4, 2, 12, (8, 4), (6, 6))
+    result = simulate(cfg, analytic_costs(MODEL, ClusterSpec(dp=8, dp_gbps=10.0), cfg))
+    assert result.iteration_s > 0
+    assert any(c.lane == "dp" and c.op.kind.value == "PARAM_SYNC" for c in result.timeline.comms)
+    assert all(r.peak_memory_bytes > r.peak_activation_bytes for r in result.ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace and plot
+
+
+def test_trace_has_every_compute_op(tmp_path):
+    """write_trace emits valid JSON whose 'X' compute events cover every op of every rank once."""
+    cfg = ScheduleConfig(4, 2, 12, (8, 4), (6, 6))
+    result = simulate(cfg, costly_dp())
+    path = tmp_path / "trace.json"
+    write_trace(result, str(path))
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    assert events == json.loads(json.dumps(trace_events(result)))
+    compute = [e for e in events if e["ph"] == "X" and e.get("cat") == "compute"]
+    expected = Counter((rank, f"{kind}{c}.{j}") for rank in range(cfg.pp) for kind in "FB"
+                       for c in range(cfg.vpp) for j in range(cfg.microbatches))
+    assert Counter((e["pid"], e["name"]) for e in compute) == expected
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in compute)
+    assert any(e["ph"] == "X" and e.get("cat") == "dp" for e in events)
+    assert {e["pid"] for e in events if e["ph"] == "M"} == set(range(cfg.pp))
+
+
+def test_plot_writes_png(tmp_path):
+    """plot_timelines writes a non-empty PNG of several panels."""
+    pytest.importorskip("matplotlib")
+    from megatron_pipemesh.planning.plot import plot_timelines
+    results = [simulate(cfg, costly_dp()) for cfg in (ScheduleConfig(4, 2, 12, (8, 4), (6, 6)),
+                                                      ScheduleConfig.depth_first(4, 2, 12),
+                                                      ScheduleConfig.breadth_first(4, 2, 12))]
+    path = tmp_path / "timeline.png"
+    plot_timelines(results, str(path), ["given", "depth-first", "breadth-first"])
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
