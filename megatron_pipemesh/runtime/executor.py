@@ -222,12 +222,15 @@ class _Run:
         if completed is False:
             raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} timed out after {self.timeout.total_seconds():.0f} s")
 
-    def _drain_sends(self, block: bool, step: int) -> None:
+    def _drain_sends(self, block: bool, step: int, only: Optional[Op] = None) -> None:
+        """Retire completed sends (all of them when ``block``; just ``only``'s when given), freeing
+        sent activations as Megatron's ``deallocate_output_tensor`` does."""
         keep = []
         for work, tensor, dealloc, op in self.pending_sends:
-            if block:
+            mine = only is None or op.compute == only
+            if mine and (block or only is not None):
                 self._wait(work, step, op, f"send to pipeline rank {op.peer}")
-            if block or work.is_completed():
+            if mine and (block or only is not None or work.is_completed()):
                 if dealloc:
                     self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
             else:
@@ -298,6 +301,8 @@ class _Run:
                     if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
                         self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
                         synced.add(op.chunk)
+                    # Megatron's custom_backward expects the sent output already deallocated.
+                    self._drain_sends(block=False, step=step, only=forward_op)
                     grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
                     self._disable_grad_sync()
                     if grad is not None:
