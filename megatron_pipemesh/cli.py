@@ -129,6 +129,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps({"schedule": config.describe(), "digest": schedule.digest(), "ranks": ranks}))
         return 0
     print(f"# {config.describe()}  (plan digest {schedule.digest()})")
+    if args.picture:
+        from .planning.ascii import render_ascii
+        from .schedule.timeline import execute
+        timeline = execute(schedule)
+        print(f"# timeline with F = 1 and B = 2 time units, free communication: {timeline.makespan:g} units")
+        print(render_ascii(timeline))
+        return 0
     for rank in range(config.pp):
         ops = schedule.programs[rank] if args.lowered else schedule.compute_order(rank)
         print(f"rank {rank}: " + " ".join(str(op) for op in ops))
@@ -181,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_args(show)
     show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
     show.add_argument("--lowered", action="store_true", help="include sends, receives and data-parallel sync ops")
+    show.add_argument("--picture", action="store_true", help="draw a text timeline (F = 1, B = 2 time units)")
     show.set_defaults(func=cmd_show)
     sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
     add_schedule_args(sim)
