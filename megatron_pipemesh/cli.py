@@ -22,6 +22,10 @@ from .schedule.timeline import ScheduleError
 from .schedule.validate import validate
 
 
+DEFAULT_MEMORY_MARGIN = 0.10
+"""Fraction of device memory kept free by default (allocator fragmentation, buffers, workspace)."""
+
+
 class UsageError(Exception):
     """Bad command-line input; printed as one paragraph, exit code 2."""
 
@@ -181,6 +185,57 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget_bytes(args: argparse.Namespace) -> float:
+    if args.memory_budget_gb is not None:
+        _check_number("--memory-budget-gb", args.memory_budget_gb, "70", positive=True)
+        return args.memory_budget_gb * GB
+    if args.forward_ms is not None:
+        raise UsageError("--memory-budget-gb is required with direct costs (--forward-ms ...): there is no device "
+                         "description to derive it from. Example: --memory-budget-gb 20")
+    return args.device_memory_gb * GB * (1 - DEFAULT_MEMORY_MARGIN)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planning.planner import NoFeasiblePlan, baseline_plans, plan_schedule
+
+    if args.pp < 2 or args.vpp < 1 or args.microbatches < args.pp:
+        config_from_args(argparse.Namespace(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
+                                            forward_groups=None, backward_groups=None))
+    budget = _budget_bytes(args)
+    costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
+    try:
+        best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget)
+    except NoFeasiblePlan as error:
+        raise UsageError(str(error)) from error
+    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            json.dump({"pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches, **best.to_dict()}, handle, indent=1)
+    if args.json:
+        print(json.dumps({**best.to_dict(), "candidates_evaluated": len(evaluated),
+                          "baselines": {name: plan.to_dict() for name, plan in baselines.items()}}, indent=1))
+        return 0
+    print(f"memory budget {budget / GB:.2f} GiB per device; {len(evaluated)} candidate group lists simulated")
+    header = (f"{'schedule':<14} {'groups (fwd / bwd)':<22} {'iter ms':>9} {'idle %':>7} {'exp.comm ms':>11} "
+              f"{'recompute':>18} {'fits':>5}  peak memory GiB per rank")
+    print(header)
+    print("-" * len(header))
+    for name, plan in [("pipemesh", best)] + list(baselines.items()):
+        d = plan.to_dict()
+        groups = f"{' '.join(map(str, d['forward_groups']))} / {' '.join(map(str, d['backward_groups']))}"
+        counts = d["recompute_counts"]
+        recompute = f"{counts['selective']} sel, {counts['full']} full"
+        exposed = sum(d["exposed_comm_s"]) / len(d["exposed_comm_s"])
+        print(f"{name:<14} {groups:<22} {d['predicted_iteration_time_s'] * 1e3:>9.2f} {100 * d['idle_fraction']:>7.1f} "
+              f"{exposed * 1e3:>11.2f} "
+              f"{recompute:>18} {'yes' if d['fits'] else 'NO':>5}  {' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}")
+    print(f"\nuse: --pipeline-schedule pipemesh --forward-groups {' '.join(map(str, best.config.forward_groups))} "
+          f"--backward-groups {' '.join(map(str, best.config.backward_groups))}"
+          + (f" --pipemesh-plan {args.output}" if args.output else ""))
+    print(f"recompute: {100 * best.recompute_share:.2f}% of the iteration")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemesh", description="PipeMesh elastic pipeline schedules for Megatron-LM (no GPU needed).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -197,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
     sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
     sim.set_defaults(func=cmd_simulate)
+    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
+    plan.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size p")
+    plan.add_argument("--vpp", type=_positive_int, required=True, help="virtual chunks per rank V")
+    plan.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
+    add_cost_args(plan)
+    plan.add_argument("--memory-budget-gb", type=float, default=None,
+                      help=f"memory per device the plan may use (GiB); default: --device-memory-gb minus a {int(DEFAULT_MEMORY_MARGIN * 100)}%% margin")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

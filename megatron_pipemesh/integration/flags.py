@@ -47,6 +47,19 @@ def add_pipemesh_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                             "default: the forward groups")
     group.add_argument("--pipemesh-recv-lookahead", type=int, default=1, metavar="N",
                        help="post each pipeline receive N compute steps before it is needed (default 1)")
+    group.add_argument("--pipemesh-plan", default=None, metavar="PLAN.json",
+                       help="groups and recomputation from `pipemesh plan --output PLAN.json` (instead of the group flags)")
+    group.add_argument("--pipemesh-memory-budget-gb", type=float, default=None, metavar="GB",
+                       help="memory per device a plan may use with 'auto' (default on GPU: free memory minus 10%%; "
+                            "required without CUDA)")
+    group.add_argument("--pipemesh-device-tflops", type=float, default=None, metavar="TFLOPS",
+                       help="peak 16-bit TFLOP/s of one device for 'auto' (default: known GPU models)")
+    group.add_argument("--pipemesh-mfu", type=float, default=0.45, metavar="F",
+                       help="fraction of peak the layers reach, for 'auto' (default 0.45)")
+    group.add_argument("--pipemesh-dp-gbps", type=float, default=25.0, metavar="GBPS",
+                       help="data-parallel bandwidth per device in Gbit/s, for 'auto' (default 25)")
+    group.add_argument("--pipemesh-p2p-gbps", type=float, default=25.0, metavar="GBPS",
+                       help="pipeline link bandwidth in Gbit/s, for 'auto' (default 25)")
     return parser
 
 
@@ -60,6 +73,10 @@ class PipeMeshArgs:
     recv_lookahead: int
     timeout_s: float
     config: Optional[ScheduleConfig]
+    recompute: Optional[dict] = None
+    """(pipeline rank, chunk, micro-batch) -> 'selective' | 'full' from a plan; None keeps all activations."""
+    summary: str = ""
+    """One line describing where the plan came from (printed by rank 0)."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -75,6 +92,10 @@ def _normalize(flag: str, values: Optional[Sequence[Union[int, str]]]) -> Groups
                                         f"Example of a valid setting: {flag} auto")
         return "auto"
     return tuple(int(v) for v in values)
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def microbatches_per_iteration(args) -> int:
@@ -108,17 +129,30 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
             f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
-    for flag, value in ((FORWARD_FLAG, forward), (BACKWARD_FLAG, backward)):
-        if value == "auto":
-            raise PipeMeshArgumentError(
-                f"{flag} auto is not available in this version: the planner that chooses groups from communication time "
-                f"and memory is not included yet. Give explicit lists, e.g. {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6, or run "
-                f"`pipemesh simulate` to compare candidates")
+    plan_file = getattr(args, "pipemesh_plan", None)
+    auto = "auto" in (forward, backward)
+    if auto and {forward, backward} - {"auto", None}:
+        raise PipeMeshArgumentError(f"{FORWARD_FLAG} {_show(forward)} {BACKWARD_FLAG} {_show(backward)} mixes 'auto' and a "
+                                    f"list; the planner chooses both. Example: {FORWARD_FLAG} auto {BACKWARD_FLAG} auto")
+    if plan_file and (forward or backward):
+        raise PipeMeshArgumentError(f"--pipemesh-plan {plan_file} and {FORWARD_FLAG}/{BACKWARD_FLAG} both given; the plan "
+                                    f"file holds the groups. Drop one of them")
     if getattr(args, "rampup_batch_size", None) and (forward or backward):
         raise PipeMeshArgumentError(
             f"{FORWARD_FLAG}/{BACKWARD_FLAG} with --rampup-batch-size is invalid: explicit groups fix the number of "
             f"micro-batches per iteration, which batch-size ramp-up changes. Drop --rampup-batch-size or the group flags")
     m = microbatches_per_iteration(args)
+    if auto or plan_file:
+        if getattr(args, "rampup_batch_size", None):
+            raise PipeMeshArgumentError("--forward-groups auto / --pipemesh-plan with --rampup-batch-size is invalid: a plan "
+                                        "is made for one number of micro-batches per iteration. Drop --rampup-batch-size")
+        from .auto_plan import auto_plan, load_plan
+        try:
+            resolved = load_plan(plan_file, pp, vpp, m) if plan_file else auto_plan(args, pp, vpp, m)
+        except (ValueError, ScheduleConfigError) as error:
+            raise PipeMeshArgumentError(str(error)) from error
+        return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
+                            resolved.config, resolved.recompute, resolved.summary)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:

@@ -15,6 +15,7 @@ Patches (each idempotent, each leaving ``--pipeline-schedule default`` runs unto
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 SUPPORTED = "0.19."
@@ -46,9 +47,12 @@ def activate(settings) -> None:
     if not settings.enabled:
         _STATE["schedule"] = None
         return
-    options = PipeMeshOptions(settings.forward_groups, settings.backward_groups, settings.recv_lookahead,
-                              settings.timeout_s)
+    extra = {"recompute": settings.recompute} if settings.recompute else {}
+    options = PipeMeshOptions(forward_groups=settings.forward_groups, backward_groups=settings.backward_groups,
+                              recv_lookahead=settings.recv_lookahead, p2p_timeout_s=settings.timeout_s, **extra)
     _STATE["schedule"] = PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
+    if settings.summary and os.environ.get("RANK", "0") == "0":
+        print(settings.summary, flush=True)
 
 
 def install() -> None:

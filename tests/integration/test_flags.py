@@ -12,7 +12,10 @@ def _args(**overrides):
     base = dict(pipeline_schedule="pipemesh", forward_groups=None, backward_groups=None, pipemesh_recv_lookahead=1,
                 pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, global_batch_size=24,
                 micro_batch_size=2, data_parallel_size=1, microbatch_group_size_per_vp_stage=None,
-                rampup_batch_size=None, distributed_timeout_minutes=10)
+                rampup_batch_size=None, distributed_timeout_minutes=10, pipemesh_plan=None,
+                pipemesh_memory_budget_gb=None, pipemesh_device_tflops=None, pipemesh_mfu=0.45, pipemesh_dp_gbps=25.0,
+                pipemesh_p2p_gbps=25.0, num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
+                vocab_size=128, tensor_model_parallel_size=1, bf16=False, fp16=False)
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -50,7 +53,10 @@ def test_default_schedule_untouched_and_rejects_groups():
     (dict(forward_groups=[8, 4], backward_groups=[4]), "--backward-groups 4 is invalid"),
     (dict(forward_groups=[10, 2], backward_groups=[6, 6]), "smaller than the pipeline size p=4"),
     (dict(forward_groups=[4, 4, 4], backward_groups=[4, 8]), "prefix sum"),
-    (dict(forward_groups=["auto"]), "--forward-groups auto is not available"),
+    (dict(forward_groups=["auto"]), "needs --pipemesh-memory-budget-gb"),
+    (dict(forward_groups=["auto"], backward_groups=[6, 6]), "mixes 'auto' and a list"),
+    (dict(forward_groups=["auto"], pipemesh_memory_budget_gb=0.001, pipemesh_device_tflops=100.0), "no schedule fits"),
+    (dict(pipemesh_plan="/nonexistent/plan.json"), "cannot read the plan"),
     (dict(forward_groups=["auto", 4]), "'auto' stands alone"),
     (dict(virtual_pipeline_model_parallel_size=None), "--num-virtual-stages-per-pipeline-rank 2"),
     (dict(pipeline_model_parallel_size=1), "--pipeline-model-parallel-size 1 is invalid"),
@@ -61,9 +67,31 @@ def test_invalid_settings_name_flag_rule_and_example(overrides, needle):
         check_pipemesh_args(_args(**overrides))
     message = str(info.value)
     assert needle in message
-    assert "Example" in message or "e.g." in message or "Drop" in message
+    assert any(hint in message for hint in ("Example", "e.g.", "Drop", "What would fit", "Create one"))
 
 
 def test_error_reports_how_m_was_derived():
     with pytest.raises(PipeMeshArgumentError, match=r"--global-batch-size 24 / \(--micro-batch-size 2 x data-parallel size 1\) = 12"):
         check_pipemesh_args(_args(forward_groups=[8, 8], backward_groups=[8, 8]))
+
+
+def test_auto_runs_the_planner_within_the_budget():
+    settings = check_pipemesh_args(_args(forward_groups=["auto"], backward_groups=["auto"],
+                                         pipemesh_memory_budget_gb=1.0, pipemesh_device_tflops=1.0))
+    assert sum(settings.config.forward_groups) == 12 and sum(settings.config.backward_groups) == 12
+    assert "PipeMesh plan (auto" in settings.summary
+
+
+def test_plan_file_round_trip(tmp_path):
+    import json
+
+    from megatron_pipemesh.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "8", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128", "--dp", "1",
+                 "--memory-budget-gb", "1", "--output", str(path)]) == 0
+    data = json.loads(path.read_text())
+    settings = check_pipemesh_args(_args(pipemesh_plan=str(path)))
+    assert list(settings.config.forward_groups) == data["forward_groups"]
+    with pytest.raises(PipeMeshArgumentError, match="was made for p, V, m"):
+        check_pipemesh_args(_args(pipemesh_plan=str(path), global_batch_size=32))

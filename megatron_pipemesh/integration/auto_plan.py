@@ -1,0 +1,105 @@
+"""``--forward-groups auto`` / ``--pipemesh-plan FILE`` inside training: a plan from Megatron's args.
+
+``auto`` runs the planner at argument-validation time (every rank computes the same plan from the
+same arguments, so no communication is needed) with analytic costs from the model shape in
+Megatron's args and the cluster description in PipeMesh's flags. ``--pipemesh-plan FILE`` loads a
+plan saved by ``pipemesh plan --output FILE`` (checked against this run's p, V and m).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs
+from ..planning.planner import NoFeasiblePlan, plan_schedule
+from ..schedule.config import ScheduleConfig
+
+DEFAULT_MARGIN = 0.10
+"""Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
+
+# Dense 16-bit peak TFLOP/s by device-name substring, used when --pipemesh-device-tflops is not given.
+_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
+                ("A10", 125.0), ("L4", 121.0), ("V100", 125.0), ("A6000", 155.0), ("4090", 165.0))
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    config: ScheduleConfig
+    recompute: Dict[Tuple[int, int, int], str]
+    summary: str
+
+
+def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
+    """(peak TFLOP/s, memory budget GiB) of the local accelerator, or (None, None) without CUDA."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return None, None
+    if not torch.cuda.is_available():
+        return None, None
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    name = torch.cuda.get_device_name(index)
+    tflops = next((value for key, value in _PEAK_TFLOPS if key in name), None)
+    free, _ = torch.cuda.mem_get_info(index)
+    return tflops, free / GB * (1 - DEFAULT_MARGIN)
+
+
+def model_and_cluster(args, tflops: float) -> Tuple[ModelSpec, ClusterSpec]:
+    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 50304
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                      micro_batch_size=args.micro_batch_size, vocab_size=vocab,
+                      ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes)
+    cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=tflops,
+                          mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
+                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                          distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    return model, cluster
+
+
+def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
+    """Run the planner for this run; raises ValueError with a user-facing message."""
+    device_tflops, device_budget = _device_defaults(args)
+    tflops = args.pipemesh_device_tflops or device_tflops
+    budget = args.pipemesh_memory_budget_gb or device_budget
+    if budget is None:
+        raise ValueError("--forward-groups auto needs --pipemesh-memory-budget-gb on a machine without CUDA (there is "
+                         "no device memory to read). Example: --pipemesh-memory-budget-gb 8")
+    if tflops is None:
+        raise ValueError("--forward-groups auto needs --pipemesh-device-tflops: the device's peak 16-bit TFLOP/s is not "
+                         "known here. Example: --pipemesh-device-tflops 312")
+    model, cluster = model_and_cluster(args, tflops)
+    try:
+        best, evaluated = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget * GB)
+    except NoFeasiblePlan as error:
+        raise ValueError(f"--forward-groups auto: {error}") from error
+    d = best.to_dict()
+    summary = (f"PipeMesh plan (auto, {len(evaluated)} candidates, budget {budget:.2f} GiB): --forward-groups "
+               f"{' '.join(map(str, d['forward_groups']))} --backward-groups {' '.join(map(str, d['backward_groups']))}; "
+               f"predicted iteration {d['predicted_iteration_time_s'] * 1e3:.1f} ms, peak memory GiB per rank "
+               f"{' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}, recompute {100 * d['recompute_share']:.2f}% of the time")
+    return ResolvedPlan(best.config, {k: v for k, v in best.recompute.items() if v != "none"}, summary)
+
+
+def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
+    """A plan saved by ``pipemesh plan --output``; raises ValueError naming the mismatch."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--pipemesh-plan {path}: cannot read the plan ({error}). Create one with "
+                         "`pipemesh plan ... --output plan.json`") from error
+    found = (data.get("pp"), data.get("vpp"), data.get("microbatches"))
+    if found != (pp, vpp, microbatches):
+        raise ValueError(f"--pipemesh-plan {path} was made for p, V, m = {found} but this run has {(pp, vpp, microbatches)}; "
+                         "re-run `pipemesh plan` with this run's sizes")
+    config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
+    recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
+    bad = [level for level in recompute.values() if level not in ("none", "selective", "full")]
+    if bad:
+        raise ValueError(f"--pipemesh-plan {path}: unknown recompute level(s) {sorted(set(bad))}; use none, selective or full")
+    return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
+                                           f"{len(recompute)} recomputed chunk-micro-batches")

@@ -1,0 +1,113 @@
+"""Planner: plans fit the budget, auto beats every manual group list, recompute goes where the
+queue is longest, and the `pipemesh plan` command."""
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_pipemesh.cli import main
+from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from megatron_pipemesh.planning.planner import (NoFeasiblePlan, candidate_configs, compositions, fit_with_recompute,
+                                                 plan_schedule)
+from megatron_pipemesh.schedule.config import ScheduleConfig, ScheduleConfigError
+
+
+def _direct_costs(pp, act_mb=100.0, dp_ms=20.0):
+    mb = 1024 ** 2
+    return OpCosts(forward_s=1e-3, backward_s=2e-3, p2p_s=1e-4, dp_reduce_s=dp_ms * 1e-3, dp_gather_s=dp_ms * 1e-3,
+                   activation_bytes={"none": act_mb * mb, "selective": 0.4 * act_mb * mb, "full": 0.05 * act_mb * mb},
+                   recompute_s={"none": 0.0, "selective": 0.2e-3, "full": 1e-3},
+                   static_bytes=tuple(1.0 * GB for _ in range(pp)))
+
+
+def test_compositions():
+    assert compositions(6, 2, 100) == [(2, 2, 2), (2, 4), (3, 3), (4, 2), (6,)]
+    assert compositions(40, 2, 10) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.sampled_from([2, 4]), vpp=st.sampled_from([2, 3]), factor=st.integers(1, 3),
+       hidden=st.sampled_from([512, 1024, 2048]), seq=st.sampled_from([512, 1024, 2048]),
+       dp=st.sampled_from([1, 2, 4]), budget_gb=st.floats(0.5, 40.0))
+def test_plan_always_fits_the_budget(pp, vpp, factor, hidden, seq, dp, budget_gb):
+    """Whatever the model and budget: the returned plan fits every rank, or NoFeasiblePlan says why."""
+    model = ModelSpec(num_layers=pp * vpp * 2, hidden_size=hidden, num_attention_heads=8, seq_length=seq)
+    cluster = ClusterSpec(dp=dp, dp_gbps=10, p2p_gbps=10)
+    m = pp * factor
+    try:
+        best, evaluated = plan_schedule(pp, vpp, m, lambda cfg: analytic_costs(model, cluster, cfg), budget_gb * GB)
+    except NoFeasiblePlan as error:
+        assert "What would fit" in str(error)
+        return
+    assert best.fits
+    assert all(r.peak_memory_bytes <= budget_gb * GB for r in best.result.ranks)
+    assert best.result.iteration_s == min(p.result.iteration_s for p in evaluated if p.fits)
+
+
+def _all_pairs(pp, vpp, m):
+    lists = compositions(m, pp, 10_000)
+    for forward in lists:
+        for backward in lists:
+            try:
+                yield ScheduleConfig(pp, vpp, m, forward, backward)
+            except ScheduleConfigError:
+                continue
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (2, 2, 6), (2, 3, 8), (3, 2, 6), (4, 2, 8)])
+@pytest.mark.parametrize("budget_gb", [1.5, 2.0, 4.0])
+def test_auto_matches_or_beats_every_manual_group_list(pp, vpp, m, budget_gb):
+    costs = _direct_costs(pp)
+    best, _ = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB)
+    for config in _all_pairs(pp, vpp, m):
+        manual = fit_with_recompute(config, costs, budget_gb * GB)
+        if manual.fits:
+            assert best.result.iteration_s <= manual.result.iteration_s + 1e-12, config.describe()
+
+
+def test_recompute_goes_to_early_ranks_and_long_waits():
+    pp, vpp, m = 4, 2, 12
+    costs = _direct_costs(pp)
+    plan = fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 2.0 * GB)
+    assert plan.fits and plan.recompute
+    per_rank = [sum(1 for (r, _, _) in plan.recompute if r == rank) for rank in range(pp)]
+    assert per_rank[0] >= per_rank[-1]
+    # On rank 0 the first micro-batches of chunk 0 wait longest (their backward comes last).
+    rank0 = {(c, j) for (r, c, j) in plan.recompute if r == 0}
+    assert (0, 0) in rank0
+    assert plan.result.iteration_s > fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 100 * GB).result.iteration_s
+
+
+def test_no_plan_fits_names_what_would():
+    with pytest.raises(NoFeasiblePlan, match="smaller --micro-batch-size"):
+        plan_schedule(2, 2, 4, lambda cfg: _direct_costs(2), 0.5 * GB)
+
+
+def test_candidates_include_presets_for_large_spaces():
+    configs = candidate_configs(8, 4, 64)
+    names = {c.preset_name() for c in configs}
+    assert {"depth-first", "breadth-first"} <= names
+    assert len(configs) < 100
+
+
+PLAN = ["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "24", "--hidden-size", "2048",
+        "--num-attention-heads", "16", "--seq-length", "2048", "--dp", "2"]
+
+
+def test_plan_command_table_and_json(capsys, tmp_path):
+    assert main(PLAN + ["--device-memory-gb", "12", "--output", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pipemesh" in out and "depth-first" in out and "breadth-first" in out and "--forward-groups" in out
+    assert main(PLAN + ["--memory-budget-gb", "10.8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("forward_groups", "backward_groups", "predicted_iteration_time_s", "peak_memory_gb", "baselines"):
+        assert key in data
+    assert len(data["peak_memory_gb"]) == 4 and max(data["peak_memory_gb"]) <= 10.8
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["pp"] == 4 and saved["microbatches"] == 12
+
+
+def test_plan_command_nothing_fits_exits_2(capsys):
+    assert main(PLAN + ["--memory-budget-gb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no schedule fits" in err and "What would fit" in err and "Traceback" not in err
