@@ -29,6 +29,8 @@ class ResolvedPlan:
     config: ScheduleConfig
     recompute: Dict[Tuple[int, int, int], str]
     summary: str
+    replan: Optional[dict] = None
+    """Inputs for measured re-planning when --pipemesh-measure-iters > 0."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -72,16 +74,29 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         raise ValueError("--forward-groups auto needs --pipemesh-device-tflops: the device's peak 16-bit TFLOP/s is not "
                          "known here. Example: --pipemesh-device-tflops 312")
     model, cluster = model_and_cluster(args, tflops)
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    profile = getattr(args, "pipemesh_profile", None)
+    source, costs_for = "analytic costs", analytic
+    if profile and os.path.exists(profile):
+        from .measured import load_profile, with_measured_times
+        measured = load_profile(profile)
+        source, costs_for = f"measured costs from {profile}", lambda cfg: with_measured_times(analytic(cfg), measured)
     try:
-        best, evaluated = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget * GB)
+        best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
+    measure_iters = getattr(args, "pipemesh_measure_iters", 0) or 0
+    replan = None
+    if measure_iters and source == "analytic costs":
+        replan = {"analytic_costs_for": analytic, "budget_bytes": budget * GB, "pp": pp, "vpp": vpp,
+                  "microbatches": microbatches, "measure_iters": measure_iters, "profile_path": profile,
+                  "grad_bytes": model.grad_bytes, "distributed_optimizer": cluster.distributed_optimizer}
     d = best.to_dict()
-    summary = (f"PipeMesh plan (auto, {len(evaluated)} candidates, budget {budget:.2f} GiB): --forward-groups "
+    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): --forward-groups "
                f"{' '.join(map(str, d['forward_groups']))} --backward-groups {' '.join(map(str, d['backward_groups']))}; "
                f"predicted iteration {d['predicted_iteration_time_s'] * 1e3:.1f} ms, peak memory GiB per rank "
                f"{' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}, recompute {100 * d['recompute_share']:.2f}% of the time")
-    return ResolvedPlan(best.config, {k: v for k, v in best.recompute.items() if v != "none"}, summary)
+    return ResolvedPlan(best.config, {k: v for k, v in best.recompute.items() if v != "none"}, summary, replan)
 
 
 def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:

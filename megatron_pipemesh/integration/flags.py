@@ -60,6 +60,12 @@ def add_pipemesh_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="data-parallel bandwidth per device in Gbit/s, for 'auto' (default 25)")
     group.add_argument("--pipemesh-p2p-gbps", type=float, default=25.0, metavar="GBPS",
                        help="pipeline link bandwidth in Gbit/s, for 'auto' (default 25)")
+    group.add_argument("--pipemesh-measure-iters", type=int, default=0, metavar="N",
+                       help="with 'auto': time the first N training iterations, then re-plan from the measured costs "
+                            "(0: analytic costs only)")
+    group.add_argument("--pipemesh-profile", default=None, metavar="FILE.json",
+                       help="with 'auto': plan from the measured costs in FILE if it exists; measurements of "
+                            "--pipemesh-measure-iters are saved there")
     return parser
 
 
@@ -77,6 +83,8 @@ class PipeMeshArgs:
     """(pipeline rank, chunk, micro-batch) -> 'selective' | 'full' from a plan; None keeps all activations."""
     summary: str = ""
     """One line describing where the plan came from (printed by rank 0)."""
+    replan: Optional[dict] = None
+    """Inputs of the measured re-planning (``--pipemesh-measure-iters``), None when off."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -131,6 +139,12 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
     plan_file = getattr(args, "pipemesh_plan", None)
     auto = "auto" in (forward, backward)
+    measure_iters = getattr(args, "pipemesh_measure_iters", 0) or 0
+    if measure_iters < 0 or (measure_iters and not auto):
+        raise PipeMeshArgumentError(
+            f"--pipemesh-measure-iters {measure_iters} is invalid: it must be >= 0 and needs {FORWARD_FLAG} auto "
+            f"{BACKWARD_FLAG} auto (the measurements re-plan the groups). Example: {FORWARD_FLAG} auto {BACKWARD_FLAG} auto "
+            "--pipemesh-measure-iters 3")
     if auto and {forward, backward} - {"auto", None}:
         raise PipeMeshArgumentError(f"{FORWARD_FLAG} {_show(forward)} {BACKWARD_FLAG} {_show(backward)} mixes 'auto' and a "
                                     f"list; the planner chooses both. Example: {FORWARD_FLAG} auto {BACKWARD_FLAG} auto")
@@ -152,7 +166,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
-                            resolved.config, resolved.recompute, resolved.summary)
+                            resolved.config, resolved.recompute, resolved.summary, resolved.replan)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:

@@ -47,10 +47,21 @@ def activate(settings) -> None:
     if not settings.enabled:
         _STATE["schedule"] = None
         return
-    extra = {"recompute": settings.recompute} if settings.recompute else {}
-    options = PipeMeshOptions(forward_groups=settings.forward_groups, backward_groups=settings.backward_groups,
-                              recv_lookahead=settings.recv_lookahead, p2p_timeout_s=settings.timeout_s, **extra)
-    _STATE["schedule"] = PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
+
+    def make_schedule(forward_groups, backward_groups, recompute):
+        extra = {"recompute": recompute} if recompute else {}
+        options = PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
+                                  recv_lookahead=settings.recv_lookahead, p2p_timeout_s=settings.timeout_s, **extra)
+        return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
+
+    schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute)
+    if settings.replan:
+        from .measured import MeasuredReplanner
+        replan = dict(settings.replan)
+        schedule = MeasuredReplanner(
+            schedule, lambda config, recompute: make_schedule(config.forward_groups, config.backward_groups, recompute),
+            **replan)
+    _STATE["schedule"] = schedule
     if settings.summary and os.environ.get("RANK", "0") == "0":
         print(settings.summary, flush=True)
 

@@ -3,6 +3,7 @@
 * the per-iteration losses and gradient norms (and validation losses) equal the stock schedule's;
 * a run checkpointed under pipemesh resumes under pipemesh or default with the same trajectory.
 """
+import json
 import re
 import sys
 from pathlib import Path
@@ -79,3 +80,21 @@ def test_checkpoint_under_pipemesh_resumes_under_pipemesh_and_default(base_args,
     # schedule (the stock schedule shows the same value); the other iterations must agree exactly.
     for i in (4, 6):
         assert resumed_pipemesh[0][i][0] == uninterrupted[0][i][0]
+
+
+def test_auto_plan_measures_replans_and_keeps_the_losses(base_args, uninterrupted):
+    """auto: analytic plan at start-up, measured re-plan after 2 iterations, profile reused later;
+    the switch of plan mid-run does not change the training trajectory."""
+    work, args = base_args
+    profile = work / "profile.json"
+    auto = ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
+            "--pipemesh-memory-budget-gb", "2", "--pipemesh-device-tflops", "0.05", "--pipemesh-profile", str(profile)]
+    out = _train(args + auto + ["--pipemesh-measure-iters", "2"])
+    assert "PipeMesh plan (auto, analytic costs" in out
+    assert "PipeMesh measured costs" in out and "PipeMesh plan (measured)" in out
+    assert _log(out) == uninterrupted
+    measured = json.loads(profile.read_text())
+    assert measured["forward_s"] > 0 and measured["backward_s"] > 0 and measured["p2p_s"] > 0
+    again = _train(args + auto)
+    assert f"measured costs from {profile}" in again
+    assert _log(again) == uninterrupted

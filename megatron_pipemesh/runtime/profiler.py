@@ -1,0 +1,106 @@
+"""Measured cost inputs for the planner: per-op compute times from the runtime's timers of the
+first iterations, plus short micro-benchmarks of a pipeline transfer and a data-parallel
+all-reduce on the real process groups.
+
+Every rank measures locally; :func:`measure_costs` then gathers all ranks' numbers so that every
+rank builds the same :class:`~megatron_pipemesh.planning.costs.OpCosts` (the planner is
+deterministic, so all ranks pick the same plan without further agreement).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .stats import RuntimeStats
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def compute_medians(history: Sequence[RuntimeStats], vpp: int, pp_rank: int, pp: int) -> Dict[str, float]:
+    """Median forward/backward compute per chunk-micro-batch, split into the first stage
+    (embedding), the last stage (output layer and loss) and the others."""
+    buckets: Dict[str, List[float]] = {}
+    for stats in history:
+        for record in stats.records:
+            kind = record.op[0]
+            if kind not in ("F", "B"):
+                continue
+            chunk = int(record.op[1:].split(".")[0])
+            stage = chunk * pp + pp_rank
+            where = "first" if stage == 0 else "last" if stage == pp * vpp - 1 else "middle"
+            buckets.setdefault(f"{kind}_{where}", []).append(record.compute_s)
+    return {key: _median(values) for key, values in buckets.items()}
+
+
+def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> float:
+    """Median seconds to pass one activation to the next pipeline rank (all ranks at once)."""
+    pp, rank = pp_group.size(), pp_group.rank()
+    ranks = dist.get_process_group_ranks(pp_group)
+    send = torch.ones(shape, dtype=dtype, device=device)
+    recv = torch.empty(shape, dtype=dtype, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=pp_group)
+        start = time.perf_counter()
+        works = [dist.isend(send, ranks[(rank + 1) % pp], group=pp_group),
+                 dist.irecv(recv, ranks[(rank - 1) % pp], group=pp_group)]
+        for work in works:
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return _median(times[1:])
+
+
+def time_allreduce(numel: int, dtype, device, group, repeats: int = 3) -> float:
+    """Median seconds of an all-reduce of ``numel`` elements over ``group`` (0 for one rank)."""
+    if group is None or group.size() == 1 or numel == 0:
+        return 0.0
+    buffer = torch.zeros(numel, dtype=dtype, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return _median(times[1:])
+
+
+def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, dp_group, shape, dtype, device,
+                  chunk_params: int, grad_bytes: int, distributed_optimizer: bool) -> Dict[str, float]:
+    """Measure on this rank, gather every rank's numbers and combine them identically everywhere.
+
+    Returns seconds per chunk-micro-batch: forward, backward, first/last-stage extras, p2p
+    transfer, data-parallel gradient reduction and parameter gather per chunk.
+    """
+    pp_rank, pp = pp_group.rank(), pp_group.size()
+    local = compute_medians(history, vpp, pp_rank, pp)
+    local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group)
+    grad_dtype = torch.float32 if grad_bytes == 4 else torch.bfloat16
+    allreduce = time_allreduce(chunk_params, grad_dtype, device, dp_group)
+    d = dp_group.size() if dp_group is not None else 1
+    # Ring reduce-scatter and all-gather each move half of an all-reduce's data.
+    local["dp_reduce_s"] = allreduce / 2 if distributed_optimizer else allreduce
+    local["dp_gather_s"] = allreduce / 2 * (2 / grad_bytes if grad_bytes else 1) if distributed_optimizer and d > 1 else 0.0
+    gathered: List[Optional[Dict[str, float]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+
+    def worst(key: str) -> float:
+        return max((g.get(key, 0.0) for g in gathered if g), default=0.0)
+
+    forward = worst("F_middle") or worst("F_first") or worst("F_last")
+    backward = worst("B_middle") or worst("B_first") or worst("B_last")
+    return {
+        "forward_s": forward, "backward_s": backward,
+        "first_stage_extra_s": max(0.0, worst("F_first") - forward),
+        "last_stage_extra_s": max(0.0, worst("F_last") - forward),
+        "p2p_s": worst("p2p_s"), "dp_reduce_s": worst("dp_reduce_s"), "dp_gather_s": worst("dp_gather_s"),
+    }
