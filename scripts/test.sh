@@ -3,5 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# The Debian package shellcheck lints the launch scripts; its test is skipped where it cannot be installed.
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null 2>&1 || echo "note: could not install shellcheck"
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
