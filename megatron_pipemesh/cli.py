@@ -40,11 +40,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_schedule_args(parser: argparse.ArgumentParser) -> None:
+def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> None:
     group = parser.add_argument_group("schedule")
     group.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size p")
     group.add_argument("--vpp", type=_positive_int, required=True, help="virtual chunks per rank V")
     group.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
+    if not groups:
+        return
     group.add_argument("--forward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
                        help="forward group sizes (sum m); default: depth-first, groups of p")
     group.add_argument("--backward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
@@ -198,9 +200,8 @@ def _budget_bytes(args: argparse.Namespace) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planning.planner import NoFeasiblePlan, baseline_plans, plan_schedule
 
-    if args.pp < 2 or args.vpp < 1 or args.microbatches < args.pp:
-        config_from_args(argparse.Namespace(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
-                                            forward_groups=None, backward_groups=None))
+    config_from_args(argparse.Namespace(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
+                                        forward_groups=None, backward_groups=None))  # p, V, m rules first
     budget = _budget_bytes(args)
     costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
     try:
@@ -253,9 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
     sim.set_defaults(func=cmd_simulate)
     plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
-    plan.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size p")
-    plan.add_argument("--vpp", type=_positive_int, required=True, help="virtual chunks per rank V")
-    plan.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
+    add_schedule_args(plan, groups=False)
     add_cost_args(plan)
     plan.add_argument("--memory-budget-gb", type=float, default=None,
                       help=f"memory per device the plan may use (GiB); default: --device-memory-gb minus a {int(DEFAULT_MEMORY_MARGIN * 100)}%% margin")
