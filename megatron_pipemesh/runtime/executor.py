@@ -12,7 +12,10 @@ which comes from the validated plan:
 * ``PARAM_SYNC c`` calls ``param_sync_func[c]``; ``GRAD_SYNC c`` calls ``grad_sync_func[c]``;
   without ``grad_sync_func``, Megatron's ``no_sync_func`` is lifted for each chunk's last backward
   so that DDP's own hooks reduce its gradients; ``finalize_model_grads_func`` runs at the end;
-* every wait has a timeout and failures name the rank, the step and the op.
+* every wait has a timeout and failures name the rank, the step and the op;
+* ``PipeMeshOptions.recompute`` chooses per (pipeline rank, chunk, micro-batch) whether a training
+  forward keeps its activations, recomputes the attention core or recomputes the whole chunk
+  (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,8 @@ from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, Sched
 from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
+from .memory import make_memory_meter
+from .recompute import check_plan, recompute_scope
 from .stats import OpRecord, RuntimeStats
 
 
@@ -50,6 +55,12 @@ class PipeMeshOptions:
     """Timeout of every wait on a pipeline transfer; None uses 30 minutes (Megatron's default distributed timeout)."""
     check_plan_across_ranks: bool = True
     """Compare the plan digest across all ranks on first use (one all-gather) and fail on mismatch."""
+    recompute: Optional[Mapping[Tuple[int, int, int], str]] = None
+    """Recompute level ('none', 'selective', 'full') per (pipeline rank, chunk, micro-batch); missing keys
+    are 'none'. None leaves Megatron's own --recompute-* settings alone. Ignored by forward-only passes."""
+    measure_memory: bool = False
+    """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
+    CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -63,6 +74,7 @@ class PipeMeshSchedule:
 
     def __init__(self, options: PipeMeshOptions = PipeMeshOptions(),
                  p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
+        check_plan(options.recompute)
         self.options = options
         self._p2p_groups = p2p_groups
         self._plans: Dict[tuple, LoweredSchedule] = {}
@@ -194,6 +206,11 @@ class _Run:
                 self.last_backward[op.chunk] = op
         groups = owner._p2p_groups() if owner._p2p_groups is not None else None
         self.p2p_groups = groups or {}
+        self.recompute = None if forward_only else owner.options.recompute
+        self.meter = None
+        if owner.options.measure_memory and not forward_only:
+            self.meter = make_memory_meter(self.device, (t for chunk in model for t in
+                                                         (*chunk.parameters(), *chunk.buffers())))
 
     # Helpers -------------------------------------------------------------------------------
     def _disable_grad_sync(self):
@@ -233,6 +250,8 @@ class _Run:
             if mine and (block or only is not None or work.is_completed()):
                 if dealloc:
                     self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
+                    if self.meter is not None and self.config.deallocate_pipeline_outputs:
+                        self.meter.untrack((op.chunk, op.microbatch))
             else:
                 keep.append((work, tensor, dealloc, op))
         self.pending_sends = keep
@@ -241,6 +260,8 @@ class _Run:
     def execute(self):
         mcore, config, model = self.mcore, self.config, self.model
         stats = RuntimeStats(self.rank, self.pp_rank, self.schedule.digest(), self.forward_only)
+        if self.meter is not None:
+            self.meter.begin()
         self.owner._check_same_plan(self.schedule, self.rank)
         embedding_module = None
         if config.finalize_model_grads_func is not None and not self.forward_only:
@@ -303,7 +324,10 @@ class _Run:
                         synced.add(op.chunk)
                     # Megatron's custom_backward expects the sent output already deallocated.
                     self._drain_sends(block=False, step=step, only=forward_op)
-                    grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
+                    with self._recompute(op):  # the backward's replay takes the forward's path
+                        grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
+                    if self.meter is not None:
+                        self.meter.release((op.chunk, op.microbatch))
                     self._disable_grad_sync()
                     if grad is not None:
                         input_grads[op] = grad
@@ -333,12 +357,32 @@ class _Run:
         if config.timers is not None:
             config.timers("forward-backward").stop()
         stats.total_s = time.perf_counter() - begin
+        if self.meter is not None:
+            stats.memory_source = self.meter.kind
+            stats.peak_activation_bytes = int(self.meter.peak_bytes)
+            stats.saved_bytes = {key: int(v) for key, v in self.meter.saved_bytes.items()}
+            stats.output_bytes = {key: int(v) for key, v in self.meter.tracked_bytes.items()}
         self.owner.last_stats = stats
         return forward_data_store
+
+    def _recompute(self, op: Op):
+        if self.recompute is None:
+            return contextlib.nullcontext()
+        level = self.recompute.get((self.pp_rank, op.chunk, op.microbatch), "none")
+        return recompute_scope(self.model[op.chunk], level)
 
     def _forward(self, op: Op, received, forward_data_store):
         chunk, microbatch = op.chunk, op.microbatch
         last = chunk == self.vpp - 1 and self.pp_rank == self.pp - 1
+        with self._recompute(op), (self.meter.record((chunk, microbatch)) if self.meter is not None
+                                   else contextlib.nullcontext()):
+            output, num_tokens = self._forward_step(op, received, forward_data_store, last)
+        if self.meter is not None and not last:
+            self.meter.track((chunk, microbatch), output)  # kept for the send and the backward
+        return output, num_tokens
+
+    def _forward_step(self, op: Op, received, forward_data_store, last: bool):
+        chunk, microbatch = op.chunk, op.microbatch
         return self.mcore.forward_step(
             self.forward_step_func, self.data_iterator[chunk], self.model[chunk], self.m, received,
             forward_data_store, self.config, self.cp_size,

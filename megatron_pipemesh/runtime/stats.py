@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 @dataclass
@@ -31,6 +31,15 @@ class RuntimeStats:
     """Waiting for the last sends to complete at the end."""
     dp_sync_s: float = 0.0
     """Time inside finalize_model_grads (waiting for data-parallel reductions)."""
+    memory_source: str = ""
+    """How memory was measured ('saved-tensors' on CPU, 'cuda-allocator' on CUDA); empty when not measured
+    (``PipeMeshOptions.measure_memory``)."""
+    peak_activation_bytes: int = 0
+    """Peak bytes of activations held for backwards (plus runtime-held chunk outputs) during the call."""
+    saved_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    """Bytes each (chunk, micro-batch) forward kept for its backward."""
+    output_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    """Bytes of each (chunk, micro-batch) output the runtime held beyond its saved tensors (CPU meter)."""
 
     @property
     def forward_s(self) -> float:
@@ -46,4 +55,6 @@ class RuntimeStats:
 
     def summary(self) -> Dict[str, float]:
         return {"total_s": self.total_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "recv_wait_s": self.recv_wait_s, "send_drain_s": self.send_drain_s, "dp_sync_s": self.dp_sync_s}
+                "recv_wait_s": self.recv_wait_s, "send_drain_s": self.send_drain_s, "dp_sync_s": self.dp_sync_s,
+                "peak_activation_bytes": float(self.peak_activation_bytes),
+                "max_saved_bytes": float(max(self.saved_bytes.values(), default=0))}

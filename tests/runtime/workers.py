@@ -77,3 +77,84 @@ def faulty_peer(mode: str, timeout_s: float = 5.0):
     iterators = h.make_data_iterators(spec, 8, 2)
     schedule(forward_step_func=step, data_iterator=iterators, model=model, num_microbatches=8,
              seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size)
+
+
+# Recomputation and measured memory (tests/runtime/test_recompute.py, tests/planning/test_memory_model.py)
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+
+
+def recompute_plan(name: str, pp: int, vp: int, microbatches: int):
+    """Named recompute plans keyed (pipeline rank, chunk, micro-batch) -> level; None = no plan."""
+    if name in ("plain", "measured"):
+        return None
+    keys = [(r, c, j) for r in range(pp) for c in range(vp) for j in range(microbatches)]
+    if name == "mixed":  # every level on every rank and chunk, varying with the micro-batch
+        return {(r, c, j): RECOMPUTE_LEVELS[(r + c + j) % 3] for r, c, j in keys if (r + c + j) % 3}
+    if name in RECOMPUTE_LEVELS:
+        return {key: name for key in keys}
+    raise ValueError(name)
+
+
+def recompute_runs(runs: List[str], pp: int = 2, vp: int = 2, microbatches: int = 8,
+                   forward_groups=(6, 2), backward_groups=(4, 4), spec_kwargs: Optional[Dict] = None,
+                   config_overrides: Optional[Dict] = None):
+    """PipeMesh on the same model and data for each named run: 'plain' (no recompute plan, no meter),
+    'measured' (meter only), or a recompute plan name ('mixed', 'none', 'selective', 'full') with the
+    meter. Returns losses, grads and the memory statistics of each run, plus the recompute switches
+    after the runs (they must be restored)."""
+    h.init_parallel(pp=pp, vp=vp)
+    spec = h.TinyGPT(num_layers=pp * vp, **(spec_kwargs or {}))
+    config = h.make_config(spec, **(config_overrides or {}))
+    model = h.build_model(spec, config=config)
+    results = {}
+    for name in runs:
+        plan = recompute_plan(name, pp, vp, microbatches)
+        schedule = make_pipemesh(forward_groups, backward_groups, recompute=plan, measure_memory=name != "plain")
+        result = h.run_schedule(schedule, model, spec, microbatches)
+        stats = schedule.last_stats
+        result.update(summary=stats.summary(), peak=stats.peak_activation_bytes, saved=dict(stats.saved_bytes),
+                      outputs=dict(stats.output_bytes), source=stats.memory_source, plan=plan)
+        results[name] = result
+    attention = [m.checkpoint_core_attention for chunk in model for m in chunk.modules()
+                 if hasattr(m, "checkpoint_core_attention")]
+    results["restored"] = {"granularity": config.recompute_granularity, "method": config.recompute_method,
+                           "num_layers": config.recompute_num_layers, "attention": attention}
+    return results
+
+
+def single_chunk_memory(shapes: List[Dict], dtypes: List[str]):
+    """One whole-model chunk (PP=1; first and last stage), one forward+backward per level under the
+    meter, for each TinyGPT shape and dtype ('fp32', 'bf16' through Megatron's Float16Module).
+    Returns [(shape, dtype, level, saved bytes, loss, grads)]."""
+    h.init_parallel(pp=1)
+    import torch
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_pipemesh.runtime.memory import SavedTensorMeter
+    from megatron_pipemesh.runtime.recompute import recompute_scope
+
+    out = []
+    for shape in shapes:
+        spec = h.TinyGPT(**shape)
+        for dtype in dtypes:
+            overrides = {}
+            if dtype == "bf16":
+                overrides = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+            config = h.make_config(spec, **overrides)
+            chunk = h.build_model(spec, config=config)[0]
+            if dtype == "bf16":
+                chunk = Float16Module(config, chunk)
+            batch = h.make_batch(spec, 0)
+            for level in RECOMPUTE_LEVELS:
+                meter = SavedTensorMeter([*chunk.parameters(), *chunk.buffers()])
+                chunk.zero_grad()
+                with recompute_scope(chunk, level), meter.record("F"):
+                    losses = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                                   labels=batch["labels"])
+                    loss = (losses.float() * batch["loss_mask"]).sum()  # saves the mask, like loss_func
+                with recompute_scope(chunk, level):
+                    loss.backward()
+                meter.release("F")
+                grads = {n: p.grad.detach().float().clone() for n, p in chunk.named_parameters()}
+                out.append((shape, dtype, level, meter.saved_bytes["F"], float(loss), grads, meter.live_bytes))
+    return out

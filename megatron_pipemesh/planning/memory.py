@@ -1,0 +1,196 @@
+"""Activation memory model: bytes one chunk-micro-batch keeps alive until its backward.
+
+Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+2205.05198, Table 2) count, per layer in 16-bit with dropout, s*b*h*(34 + 5*a*s/h) bytes without
+recompute, 34*s*b*h with selective recompute and the layer input 2*s*b*h with full recompute. This
+module states the same count term by term, for Megatron's *local* (non-fused) layer spec, with the
+terms Korthikanti leaves out (norm statistics, fp32 softmax copies, masks, token ids, logits), so
+that it can be checked against what the runtime measures (``runtime/memory.py``). The terms and
+their sources (measured with ``SavedTensorMeter`` on CPU, fp32 and bf16, megatron-core 0.19.2,
+``get_gpt_layer_local_spec``; s = sequence, b = micro-batch, h = hidden, a = heads, f = FFN hidden,
+d = bytes per element of the compute dtype, t = TP, SP = sequence parallel):
+
+Per transformer layer, in elements of the compute dtype:
+
+====================================  ========  ==================================================
+saved tensor                          elements  saved by
+====================================  ========  ==================================================
+input_layernorm input                 sbh       LayerNorm backward (the layer input)
+linear_qkv input (norm output)        sbh       ColumnParallelLinear (weight grad)
+q, k, v (one qkv storage)             3sbh/t    baddbmm (QK^T) and bmm (probs x V)
+linear_proj input (context)           sbh/t     RowParallelLinear (weight grad)
+pre_mlp_layernorm input               sbh       LayerNorm backward
+linear_fc1 input (norm output)        sbh       ColumnParallelLinear
+linear_fc1 output (GeLU input)        fsb/t     GeLU backward
+GeLU output (linear_fc2 input)        fsb/t     RowParallelLinear
+====================================  ========  ==================================================
+
+= (4 + 3/t + 1/t) sbh + 2 fsb/t = 16 sbh at t = 1, f = 4h; the four replicated sbh terms are divided
+by t too under SP (the column-parallel linears then save the sequence-sharded input). Korthikanti's
+16-bit count is the same 32 sbh bytes plus 2 sbh bytes of hidden-dropout masks = 34 sbh.
+
+Also per layer: LayerNorm mean and rstd, 2 x 2 x sb values (in the input dtype on CPU, fp32 on CUDA:
+``norm_stat_bytes``); with ``hidden_dropout > 0`` two dropout masks of sbh elements (in the compute dtype
+on CPU, measured; 1-byte bool masks with CUDA's ``native_dropout``: ``dropout_mask_bytes``); with RoPE
+the rotated q and k (2sbh/t) and four cos/sin tables s*(h/a) (compute dtype); attention
+scores a*s*s*b/t elements: the softmax output (fp32 when ``attention_softmax_in_fp32`` and 16-bit
+compute: 4 bytes), plus the probabilities cast back to 16-bit for the bmm (d bytes; measured in bf16,
+absent in fp32 where it is the same storage), plus with attention dropout the mask (``dropout_mask_bytes``) and the
+dropped probabilities (d bytes) instead of the cast copy. Selective recompute removes exactly the
+attention-score terms; the core-attention checkpoint keeps q, k, v, the mask and a 4-byte mask-type
+tensor (ignored). Full recompute (``uniform``, one layer per checkpoint) keeps the layer input sbh
+(/t under SP) per layer (and, with RoPE, the fp32 rotary table s*(h/a) once per chunk).
+
+Per chunk: the attention mask s*s bytes (bool, local spec's explicit causal mask; 0 with
+``attention_mask=False``, e.g. TE/flash causal kernels). First stage: token ids and position ids
+(int64, b*s each; no position ids with RoPE) and, with dropout, the embedding-dropout mask (sbh elements).
+Last stage: final layernorm input sbh + statistics 2sb + output-layer input sbh (elements of d; /t
+under SP), the cross-entropy softmax s*b*vocab/t in fp32 (Megatron's vocab-parallel cross entropy
+upcasts the logits) and its target mask (sb bytes, bool) and masked targets (sb int64), and the
+fp32 loss mask (sb) that ``loss_func``'s masked sum saves (pipeline runs; the single-chunk check
+calls the model directly and sums with the mask itself, which saves the same sb fp32 values).
+
+``output_bytes`` is the chunk output s*b*h*d (/t under SP) that the pipeline keeps after the forward
+(not on the last stage); Megatron frees it after the send with ``--deallocate-pipeline-outputs``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+LEVELS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation model needs to know about the model and its parallelism."""
+
+    seq_length: int
+    micro_batch_size: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    ffn_hidden_size: Optional[int] = None
+    """Default 4 * hidden_size."""
+    dtype_bytes: int = 2
+    """Bytes per activation element in compute (2 for bf16/fp16, 4 for fp32)."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    attention_softmax_in_fp32: bool = True
+    """Megatron's default; keeps the softmax output in fp32 under 16-bit compute."""
+    norm_stat_bytes: Optional[int] = None
+    """Bytes of LayerNorm mean/rstd values; None = the compute dtype (CPU); 4 on CUDA."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    dropout_mask_bytes: Optional[int] = None
+    """Bytes per dropout-mask element; None = the compute dtype (torch's CPU dropout multiplies by a
+    mask of the input dtype, measured); 1 for CUDA's ``native_dropout`` (bool mask)."""
+    attention_mask: bool = True
+    """An explicit s x s bool mask per micro-batch (local spec); False for causal kernels without one."""
+    position_embedding: str = "learned_absolute"
+    """``learned_absolute`` (int64 position ids saved on the first stage) or ``rope``."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def layer_activation_bytes(shape: ActivationShape, level: str) -> float:
+    """Bytes one transformer layer keeps for its backward, for one micro-batch, at ``level``."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}")
+    s, b, h, a, f = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads, shape.ffn
+    d, t = shape.dtype_bytes, shape.tp
+    sp = t if shape.sequence_parallel else 1
+    sbh = s * b * h
+    if level == "full":
+        return sbh / sp * d
+    replicated = 4 * sbh / sp  # two norm inputs, two column-parallel linear inputs
+    sharded = 4 * sbh / t + 2 * f * s * b / t  # q, k, v, proj input; fc1 out, GeLU out
+    total = (replicated + sharded) * d
+    stat = d if shape.norm_stat_bytes is None else shape.norm_stat_bytes
+    mask = shape.dropout_mask_bytes or d
+    total += 2 * 2 * s * b / sp * stat
+    if shape.hidden_dropout > 0:
+        total += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
+    if shape.position_embedding == "rope":
+        total += 2 * sbh / t * d + 4 * s * (h // a) * d  # rotated q and k; cos/sin of q and k
+    if level == "none":
+        scores = a * s * s * b / t
+        softmax = 4 if (shape.attention_softmax_in_fp32 or d == 4) else d
+        if shape.attention_dropout > 0:
+            total += scores * (softmax + mask + d)
+        else:
+            total += scores * (softmax + (d if softmax != d else 0))
+    return total
+
+
+def activation_bytes(shape: ActivationShape, layers: int, level: str = "none", first_stage: bool = False,
+                     last_stage: bool = False) -> float:
+    """Bytes one chunk of ``layers`` layers keeps alive for one micro-batch until its backward."""
+    s, b, h, d = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.dtype_bytes
+    sp = shape.tp if shape.sequence_parallel else 1
+    total = layers * layer_activation_bytes(shape, level)
+    if layers and shape.attention_mask:
+        total += s * s
+    if layers and level == "full" and shape.position_embedding == "rope":
+        total += s * (h // shape.num_attention_heads) * 4  # the fp32 rotary embedding, a checkpoint input
+    if first_stage:
+        total += (2 if shape.position_embedding == "learned_absolute" else 1) * s * b * 8
+        if shape.hidden_dropout > 0:
+            total += s * b * h / sp * (shape.dropout_mask_bytes or d)  # embedding dropout mask
+    if last_stage:
+        stat = d if shape.norm_stat_bytes is None else shape.norm_stat_bytes
+        total += 2 * s * b * h / sp * d + 2 * s * b / sp * stat
+        total += s * b * shape.vocab_size / shape.tp * 4 + s * b * 1 + s * b * 8
+        total += s * b * 4  # the fp32 loss mask saved by the masked sum of Megatron's GPT loss_func
+    return total
+
+
+def output_bytes(shape: ActivationShape, last_stage: bool = False) -> float:
+    """The chunk output the pipeline holds after a forward (0 on the last stage: the loss)."""
+    if last_stage:
+        return 0.0
+    sp = shape.tp if shape.sequence_parallel else 1
+    return shape.seq_length * shape.micro_batch_size * shape.hidden_size / sp * shape.dtype_bytes
+
+
+def chunk_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, rank: int, chunk: int, level: str,
+                keep_outputs: bool = False) -> float:
+    """Bytes of chunk ``chunk`` on pipeline ``rank`` (stage chunk*pp + rank, Megatron's placement) for one
+    micro-batch: activations at ``level``, plus the held output when ``keep_outputs``
+    (no ``--deallocate-pipeline-outputs``)."""
+    stages = pp * vpp
+    if num_layers % stages:
+        raise ValueError(f"{num_layers} layers do not split evenly over p*V = {stages} stages")
+    stage = chunk * pp + rank
+    first, last = stage == 0, stage == stages - 1
+    total = activation_bytes(shape, num_layers // stages, level, first_stage=first, last_stage=last)
+    if keep_outputs:
+        total += output_bytes(shape, last_stage=last)
+    return total
+
+
+def peak_live_bytes(program: Iterable, bytes_of: Mapping[Tuple[int, int], float]) -> float:
+    """Peak of the bytes held by one rank's program: each forward ``F c.j`` adds ``bytes_of[(c, j)]``
+    until its backward ``B c.j`` (ops with ``kind``, ``chunk`` and ``microbatch``; others ignored)."""
+    from ..schedule.ops import OpKind
+
+    live = peak = 0.0
+    for op in program:
+        if op.kind is OpKind.FORWARD:
+            live += bytes_of[(op.chunk, op.microbatch)]
+            peak = max(peak, live)
+        elif op.kind is OpKind.BACKWARD:
+            live -= bytes_of[(op.chunk, op.microbatch)]
+    return peak
+
+
+def rank_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, microbatches: int, rank: int,
+               recompute: Optional[Mapping[Tuple[int, int, int], str]] = None,
+               keep_outputs: bool = False) -> Dict[Tuple[int, int], float]:
+    """``chunk_bytes`` of every (chunk, micro-batch) on ``rank`` under a recompute plan keyed
+    (pipeline rank, chunk, micro-batch) -> level (missing = 'none')."""
+    plan = recompute or {}
+    return {(c, j): chunk_bytes(shape, num_layers, pp, vpp, rank, c, plan.get((rank, c, j), "none"), keep_outputs)
+            for c in range(vpp) for j in range(microbatches)}

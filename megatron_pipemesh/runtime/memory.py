@@ -1,0 +1,233 @@
+"""Measured activation memory: what the runtime actually holds for each (chunk, micro-batch).
+
+Two meters with one interface, chosen by :func:`make_memory_meter` from the device:
+
+* :class:`SavedTensorMeter` (CPU, or anywhere on request): installs
+  ``torch.autograd.graph.saved_tensors_hooks`` around one forward and accounts every tensor autograd
+  saves for the backward. Bytes are counted per *storage* (a view keeps its whole storage alive;
+  the same storage saved twice counts once), parameters and tensors sharing storage with them are
+  not activations and are skipped. A key's storages stay live until :meth:`release` (called when
+  that key's backward finished). The pack hook stores a *detached* alias, never the tensor itself:
+  returning the tensor would create a reference cycle through its ``grad_fn`` for saved outputs and
+  keep them alive after the backward (the meter must not change what it measures).
+* :class:`AllocatorMeter` (CUDA): ``torch.cuda.memory_allocated()`` before/after each forward and
+  ``max_memory_allocated()`` over the iteration, relative to the allocation at :meth:`begin`. A
+  forward's delta includes everything it left allocated (saved tensors and its output).
+
+Both also account tensors the runtime itself keeps alive for a key (:meth:`track` / :meth:`untrack`:
+the chunk's output held until its backward, freed early when Megatron's ``deallocate_output_tensor``
+runs after the send); on CUDA these are already inside the allocator numbers and ignored.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Dict, Hashable, Iterable, Iterator, Optional, Tuple
+
+import torch
+
+Key = Hashable
+
+
+def _storage(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """(data pointer, bytes) of ``tensor``'s storage; None for tensors without real storage."""
+    try:
+        storage = tensor.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, meta, fake, ...
+        return None
+    if ptr == 0 or nbytes == 0:
+        return None
+    return ptr, nbytes
+
+
+class SavedTensorMeter:
+    """Saved-for-backward bytes per key (live, peak), deduplicated by storage, parameters excluded."""
+
+    kind = "saved-tensors"
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._excluded: set = set()
+        self.exclude(parameters)
+        self._held: Dict[Key, Dict[int, int]] = {}
+        """Live keys -> {storage pointer: bytes} they keep alive (saved tensors and tracked ones)."""
+        self._tracked: Dict[Key, Dict[int, int]] = {}
+        self._refs: Dict[int, int] = {}
+        self._aliases: Dict[Tuple[Key, int], list] = {}
+        """(key, storage pointer) -> [number of live saved aliases]."""
+        """Storage pointer -> number of live keys holding it (live bytes count each storage once)."""
+        self.saved_bytes: Dict[Key, int] = {}
+        """Bytes saved for backward by each key's forward (deduplicated within the key)."""
+        self.tracked_bytes: Dict[Key, int] = {}
+        """Bytes of runtime-held tensors (pipeline outputs) of each key, at their largest."""
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    # Set-up ----------------------------------------------------------------------------------
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages (parameters, buffers, main grads)."""
+        for tensor in tensors:
+            found = _storage(tensor)
+            if found is not None:
+                self._excluded.add(found[0])
+
+    def begin(self) -> None:
+        """Start of an iteration (kept for interface parity with :class:`AllocatorMeter`)."""
+
+    # Accounting ------------------------------------------------------------------------------
+    def _add(self, key: Key, ptr: int, nbytes: int) -> bool:
+        held = self._held.setdefault(key, {})
+        if ptr in held:
+            return False
+        held[ptr] = nbytes
+        count = self._refs.get(ptr, 0)
+        self._refs[ptr] = count + 1
+        if count == 0:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return True
+
+    def _drop(self, key: Key, ptr: int) -> None:
+        held = self._held.get(key, {})
+        nbytes = held.pop(ptr, None)
+        if nbytes is None:
+            return
+        count = self._refs.pop(ptr) - 1
+        if count:
+            self._refs[ptr] = count
+        else:
+            self.live_bytes -= nbytes
+
+    def _countable(self, tensor) -> Optional[Tuple[int, int]]:
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch.nn.Parameter):
+            return None
+        found = _storage(tensor)
+        if found is None or found[0] in self._excluded:
+            return None
+        return found
+
+    @contextlib.contextmanager
+    def record(self, key: Key) -> Iterator[None]:
+        """Account every tensor saved for backward inside the block to ``key``."""
+        self.saved_bytes.setdefault(key, 0)
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.Tensor):
+                return tensor
+            # A detached alias: same storage, no grad_fn, so no reference cycle (see module doc).
+            alias = tensor.detach()
+            found = self._countable(tensor)
+            if found is not None:
+                self._add(key, *found)
+                aliases = self._aliases.setdefault((key, found[0]), [0])
+                aliases[0] += 1
+                # Some packs are dropped at once (CPU dropout saves its mask even inside the no_grad
+                # forward of a checkpoint): a storage stops counting when its last alias dies.
+                weakref.finalize(alias, self._alias_dead, key, found[0])
+            return alias
+
+        def unpack(tensor):
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+        self.saved_bytes[key] = sum(self._held.get(key, {}).values())
+
+    def _alias_dead(self, key: Key, ptr: int) -> None:
+        aliases = self._aliases.get((key, ptr))
+        if aliases is None:
+            return
+        aliases[0] -= 1
+        if aliases[0] == 0:
+            del self._aliases[(key, ptr)]
+            if ptr not in self._tracked.get(key, {}):
+                self._drop(key, ptr)
+
+    def track(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
+        """Count a tensor the runtime keeps for ``key`` (e.g. a chunk output until its backward)."""
+        found = self._countable(tensor) if tensor is not None else None
+        if found is None:
+            return
+        if self._add(key, *found):
+            self._tracked.setdefault(key, {})[found[0]] = found[1]
+            self.tracked_bytes[key] = max(self.tracked_bytes.get(key, 0), sum(self._tracked[key].values()))
+
+    def untrack(self, key: Key) -> None:
+        """The runtime freed ``key``'s tracked tensors (e.g. Megatron deallocated a sent output)."""
+        for ptr in self._tracked.pop(key, {}):
+            self._drop(key, ptr)
+
+    def release(self, key: Key) -> None:
+        """``key``'s backward finished: everything it held is free."""
+        self._tracked.pop(key, None)
+        for ptr in list(self._held.get(key, {})):
+            self._drop(key, ptr)
+            self._aliases.pop((key, ptr), None)
+        self._held.pop(key, None)
+
+    def live_keys(self) -> Tuple[Key, ...]:
+        return tuple(self._held)
+
+
+class AllocatorMeter:
+    """CUDA caching-allocator deltas per key; peak over the iteration relative to :meth:`begin`."""
+
+    kind = "cuda-allocator"
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = device
+        self.baseline = 0
+        self.saved_bytes: Dict[Key, int] = {}
+        """Bytes each key's forward left allocated (saved tensors + output; may include caches)."""
+        self.tracked_bytes: Dict[Key, int] = {}
+        self.peak_bytes = 0
+
+    def begin(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Allocated before :meth:`begin`, so already in the baseline."""
+
+    @property
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.baseline
+
+    def _update_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+
+    @contextlib.contextmanager
+    def record(self, key: Key) -> Iterator[None]:
+        before = torch.cuda.memory_allocated(self.device)
+        try:
+            yield
+        finally:
+            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + torch.cuda.memory_allocated(self.device) - before
+            self._update_peak()
+
+    def _alias_dead(self, key: Key, ptr: int) -> None:
+        aliases = self._aliases.get((key, ptr))
+        if aliases is None:
+            return
+        aliases[0] -= 1
+        if aliases[0] == 0:
+            del self._aliases[(key, ptr)]
+            if ptr not in self._tracked.get(key, {}):
+                self._drop(key, ptr)
+
+    def track(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
+        """Already counted by the allocator."""
+
+    def untrack(self, key: Key) -> None:
+        """Already counted by the allocator."""
+
+    def release(self, key: Key) -> None:
+        self._update_peak()
+
+
+def make_memory_meter(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
+    """:class:`AllocatorMeter` on a CUDA device, :class:`SavedTensorMeter` elsewhere."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return AllocatorMeter(torch.device(device))
+    return SavedTensorMeter(parameters)
