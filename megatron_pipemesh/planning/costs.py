@@ -12,9 +12,10 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
   over the data-parallel link; with a distributed optimizer gradients are reduce-scattered and
   parameters all-gathered, otherwise gradients are all-reduced and nothing is gathered;
 * memory: weights/grads/optimizer 18 B/param (6 + 12/d with a distributed optimizer); activations
-  per layer and micro-batch s*b*h*(34 + 5*a*s/h) bytes in 16-bit without recompute, 34*s*b*h with
-  selective recompute (Korthikanti et al., arXiv 2205.05198), 2*s*b*h (the layer input) with full
-  recompute; all divided by TP when sequence parallel is on.
+  from :mod:`.memory` (Korthikanti et al., arXiv 2205.05198, term by term: s*b*h*(34 + 5*a*s/h)
+  bytes per layer in 16-bit without recompute, 34*s*b*h with selective recompute, the layer input
+  with full recompute, plus the embedding inputs on the first stage and the output layer and
+  fp32 cross-entropy on the last), with CUDA's 1-byte dropout masks and fp32 norm statistics.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Dict, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.ops import Op, OpKind
+from .memory import ActivationShape, activation_bytes
 
 GB = 1024 ** 3
 
@@ -49,6 +51,10 @@ class ModelSpec:
     """Bytes per parameter/activation element in compute (2 for bf16/fp16, 4 for fp32)."""
     grad_bytes: int = 4
     """Bytes per gradient element in the data-parallel reduction (Megatron keeps fp32 main grads)."""
+    hidden_dropout: float = 0.1
+    """Megatron's --hidden-dropout (dropout masks are kept for the backward)."""
+    attention_dropout: float = 0.1
+    """Megatron's --attention-dropout."""
 
     @property
     def ffn(self) -> int:
@@ -116,6 +122,10 @@ class OpCosts:
     """Extra forward time on the last stage (output layer and loss); backward gets twice this."""
     activation_bytes: Dict[str, float] = field(default_factory=lambda: {"none": 0.0, "selective": 0.0, "full": 0.0})
     """Activation bytes one chunk-micro-batch keeps alive until its backward, per recompute level."""
+    first_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
+    """Extra activation bytes of stage 0 (token/position ids, embedding dropout), per level."""
+    last_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
+    """Extra activation bytes of the last stage (final norm, output layer, fp32 cross-entropy), per level."""
     recompute_s: Dict[str, float] = field(default_factory=lambda: {"none": 0.0, "selective": 0.0, "full": 0.0})
     """Extra backward time per chunk-micro-batch for each recompute level."""
     static_bytes: Tuple[float, ...] = ()
@@ -153,12 +163,14 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     else:
         reduce = 2 * (d - 1) / d * grad_bytes * 8 / (cluster.dp_gbps * 1e9)
         gather = 0.0
-    scale = 1.0 / sp
-    per_layer = {
-        "none": s * b * h * (34 + 5 * a * s / h) * scale * model.dtype_bytes / 2,
-        "selective": 34 * s * b * h * scale * model.dtype_bytes / 2,
-        "full": 2 * s * b * h * scale * model.dtype_bytes / 2,
-    }
+    shape = ActivationShape(seq_length=s, micro_batch_size=b, hidden_size=h, num_attention_heads=a,
+                            vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
+                            dtype_bytes=model.dtype_bytes, tp=t, sequence_parallel=cluster.sequence_parallel,
+                            norm_stat_bytes=4, hidden_dropout=model.hidden_dropout,
+                            attention_dropout=model.attention_dropout, dropout_mask_bytes=1)
+    middle = {level: activation_bytes(shape, layers, level) for level in RECOMPUTE_LEVELS}
+    first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in RECOMPUTE_LEVELS}
+    last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in RECOMPUTE_LEVELS}
     static = []
     bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
     for rank in range(config.pp):
@@ -171,7 +183,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     return OpCosts(
         forward_s=forward, backward_s=2 * forward, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
         latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
-        activation_bytes={k: v * layers for k, v in per_layer.items()},
+        activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
         recompute_s={"none": 0.0, "selective": layers * attention_core_fwd, "full": forward},
         static_bytes=tuple(static),
     )
@@ -185,6 +197,17 @@ class ScheduleCosts:
 
     def level(self, rank: int, op: Op) -> str:
         return self.recompute.get((rank, op.chunk, op.microbatch), "none")
+
+    def activation(self, rank: int, op: Op) -> float:
+        """Bytes the chunk-micro-batch of ``op`` keeps alive on ``rank`` until its backward."""
+        level, c = self.level(rank, op), self.costs
+        stage = self.config.stage(rank, op.chunk)
+        size = c.activation_bytes[level]
+        if stage == 0:
+            size += c.first_stage_activation_bytes.get(level, 0.0)
+        if stage == self.config.num_stages - 1:
+            size += c.last_stage_activation_bytes.get(level, 0.0)
+        return size
 
     def compute(self, rank: int, op: Op) -> float:
         c = self.costs

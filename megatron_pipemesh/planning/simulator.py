@@ -103,7 +103,7 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
         static = costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0
         deltas = []
         for e in events:
-            size = costs.activation_bytes[adapter.level(rank, e.op)]
+            size = adapter.activation(rank, e.op)
             if e.op.kind is OpKind.FORWARD:
                 deltas.append((e.start, 1, size))
             else:

@@ -194,7 +194,7 @@ def test_activation_bytes_by_recompute_level():
     act = costs.activation_bytes
     assert act["none"] > act["selective"] > act["full"] > 0
     sp = analytic_costs(MODEL, ClusterSpec(dp=2, tp=2, sequence_parallel=True), DF).activation_bytes
-    assert sp["selective"] == pytest.approx(act["selective"] / 2)
+    assert sp["selective"] == pytest.approx(act["selective"] / 2, rel=0.02)  # the s*s mask is not split
 
 
 @pytest.mark.parametrize("layers", [10, 12, 20])
