@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
     plan.set_defaults(func=cmd_plan)
+    from .bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,137 @@
+"""Feed measured costs into the simulator and compare its iteration time with the measured one.
+
+Measured inputs (per schedule, from the unshaped run of that schedule):
+
+* forward / backward of one chunk-micro-batch: each rank's ``forward-compute`` / ``backward-compute``
+  timer (ms per iteration) divided by the chunk-micro-batches it runs (m x V; V = 1 for stock 1F1B).
+  The fastest rank gives the per-op cost; what the first / last pipeline rank spends on top of it
+  (embedding, output layer and loss) becomes ``first_stage_extra_s`` / ``last_stage_extra_s``
+  (split 1 : 2 between forward and backward, as the simulator applies it);
+* everything outside ``forward-backward`` (optimizer step, data loading between iterations) is the
+  measured iteration time minus the forward-backward time of the unshaped run, added as is;
+* pipeline transfer: activation bytes (s x b x h x 4, fp32 on CPU) / shaped bandwidth, plus the
+  netem delay, plus a fixed per-transfer overhead fitted on the unshaped run of one stock schedule
+  (:func:`fit_transfer_overhead`: gloo on a loopback shared with the compute is not free); the shaped loopback is one token bucket shared by every link and direction, so
+  ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent links;
+* data parallel: ring all-reduce of the chunk's fp32 gradients, 2(d-1)/d x bytes / bandwidth
+  (Megatron's default optimizer: no parameter gather), plus the tied-embedding all-reduce between the
+  first and last pipeline rank at the end of the iteration (both shaped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..planning.costs import ModelSpec, OpCosts
+from ..planning.simulator import simulate
+from ..schedule.config import ScheduleConfig
+from .runner import ModelSetup, ParallelConfig
+
+PADDED_VOCAB = 384
+"""NullTokenizer vocabulary 257 padded to a multiple of 128 (Megatron's default divisor)."""
+FP32 = 4
+
+
+def schedule_config(schedule: str, pp: int, vpp: int, m: int,
+                    groups: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> ScheduleConfig:
+    """The :class:`ScheduleConfig` whose order matches the benchmarked schedule."""
+    if schedule == "1f1b":
+        return ScheduleConfig(pp, 1, m)
+    if schedule == "interleaved":
+        return ScheduleConfig.depth_first(pp, vpp, m)
+    if schedule == "breadth-first":
+        return ScheduleConfig.breadth_first(pp, vpp, m)
+    if groups is None:
+        raise ValueError(f"schedule {schedule} needs its forward/backward groups")
+    return ScheduleConfig(pp, vpp, m, tuple(groups[0]), tuple(groups[1]))
+
+
+def model_spec(model: ModelSetup, pp: int) -> ModelSpec:
+    return ModelSpec(num_layers=model.num_layers(pp), hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
+                     micro_batch_size=model.micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=FP32, grad_bytes=FP32)
+
+
+@dataclass
+class MeasuredCompute:
+    """Per-rank compute of one iteration (ms), from Megatron's timers."""
+
+    forward_ms: List[float]
+    backward_ms: List[float]
+    overhead_ms: float
+    """Measured iteration time minus forward-backward (optimizer etc.)."""
+
+
+def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
+                   bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0) -> OpCosts:
+    """:class:`OpCosts` from measured compute and the shaped network (``bytes_per_s`` None: free network)."""
+    pp, vpp, m = sched.pp, sched.vpp, sched.microbatches
+    ops = m * vpp
+    fwd = [f / ops / 1e3 for f in compute.forward_ms]
+    bwd = [b / ops / 1e3 for b in compute.backward_ms]
+    base_f, base_b = min(fwd), min(bwd)
+    # extra per micro-batch on the first / last rank (one chunk there holds the first / last stage)
+    def extra(rank: int) -> float:
+        return ((fwd[rank] - base_f) + (bwd[rank] - base_b)) * vpp / 3.0
+    first_extra = extra(0)
+    last_extra = extra(pp - 1) if pp > 1 else 0.0
+    spec = model_spec(model, pp)
+    act_bytes = model.seq_length * model.micro_batch_size * model.hidden_size * FP32
+    layers_per_chunk = spec.num_layers // (pp * vpp)
+    chunk_grad_bytes = layers_per_chunk * spec.layer_params() * FP32
+    d = config.dp
+    latency = latency_s
+    if bytes_per_s:
+        rate = bytes_per_s * link_share
+        p2p = act_bytes / rate
+        reduce = 2 * (d - 1) / d * chunk_grad_bytes / rate if d > 1 else 0.0
+    else:
+        p2p = reduce = 0.0
+    return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=0.0,
+                   latency_s=latency, first_stage_extra_s=first_extra, last_stage_extra_s=last_extra,
+                   activation_bytes={"none": 0.0, "selective": 0.0, "full": 0.0},
+                   static_bytes=tuple(0.0 for _ in range(pp)))
+
+
+def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float]) -> float:
+    """Tied word-embedding gradient all-reduce between the first and last pipeline rank (2 ranks)."""
+    if not bytes_per_s:
+        return 0.0
+    return PADDED_VOCAB * model.hidden_size * FP32 / bytes_per_s
+
+
+def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
+                         bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0) -> Dict[str, float]:
+    """Simulated forward-backward and iteration time (ms) with measured costs."""
+    costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share)
+    result = simulate(sched, costs)
+    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s)
+    return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
+            "simulated_idle_fraction": result.idle_fraction,
+            "simulated_exposed_comm_ms": result.exposed_comm_s * 1e3,
+            "p2p_ms": costs.p2p_s * 1e3, "dp_reduce_ms": costs.dp_reduce_s * 1e3,
+            "forward_ms": costs.forward_s * 1e3, "backward_ms": costs.backward_s * 1e3}
+
+
+def fit_transfer_overhead(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
+                          measured_forward_backward_ms: float, upper_s: float = 0.05) -> float:
+    """The fixed cost per pipeline transfer (s) that makes the simulated unshaped forward-backward time of
+    ``sched`` equal the measured one: gloo over TCP loopback with ranks sharing the CPU cores is not free even
+    unshaped (thread hand-offs, copies). Fitted once per configuration on one stock schedule, then used for
+    every prediction of that configuration. 0 when the simulation is already as slow as the measurement."""
+    def fb(latency: float) -> float:
+        costs = measured_costs(model, config, sched, compute, None)
+        costs.latency_s = latency
+        return simulate(sched, costs).iteration_s * 1e3
+    if fb(0.0) >= measured_forward_backward_ms:
+        return 0.0
+    lo, hi = 0.0, upper_s
+    if fb(hi) < measured_forward_backward_ms:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if fb(mid) < measured_forward_backward_ms:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

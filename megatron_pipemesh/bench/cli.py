@@ -1,0 +1,319 @@
+"""The ``pipemesh bench`` subcommand: stock Megatron schedules vs PipeMesh, measured side by side.
+
+Hook (in ``megatron_pipemesh/cli.py``'s ``build_parser``)::
+
+    from .bench.cli import add_bench_parser
+    add_bench_parser(sub)
+
+Stand-alone: ``python -m megatron_pipemesh.bench [flags]`` or ``scripts/bench_schedules.py [flags]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .runner import SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
+
+QUICK = dict(configs=["pp2"], repeats=1, warmup=1, iters=4, rate="200mbit")
+"""``--quick``: one pipeline-only configuration, one repeat, 1 warm-up + 4 measured iterations."""
+DEFAULT_RATE = "200mbit"
+
+
+def _usage(message: str) -> Exception:
+    from ..cli import UsageError  # lazy: megatron_pipemesh.cli may import this module while it loads
+
+    return UsageError(message)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on the ``pipemesh`` command's subparsers; returns the subparser."""
+    p = subparsers.add_parser(
+        "bench", help="measure stock Megatron schedules against PipeMesh on an emulated slow network",
+        description="Run the same tiny GPT pretraining (CPU, gloo) under stock 1F1B, stock interleaved "
+                    "(depth-first), stock interleaved with group size m (breadth-first), PipeMesh with given groups "
+                    "and PipeMesh auto, round-robin over repeats, with all ranks in a network namespace whose "
+                    "loopback is shaped by tc, and the same runs unshaped (the limit). Needs root for the namespace "
+                    "unless --unshaped.")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="pp2 only, 1 repeat, 1 warm-up + 4 measured iterations, 200 Mbit/s (about 5 minutes on 2 cores)")
+    run = p.add_argument_group("what to run")
+    run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
+                     help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
+    run.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME",
+                     help=f"schedules to compare (default all: {' '.join(SCHEDULES)})")
+    run.add_argument("--repeats", type=int, default=None, help="runs per schedule and variant, round-robin (default 3)")
+    run.add_argument("--warmup", type=int, default=None, help="iterations excluded from the statistics (default 2)")
+    run.add_argument("--iters", type=int, default=None, help="measured iterations per run (default 6)")
+    run.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed (default 600)")
+    run.add_argument("--no-limit", action="store_true", help="skip the unshaped runs (no fraction of the limit)")
+    net = p.add_argument_group("emulated network")
+    net.add_argument("--rate", default=None, help=f"loopback bandwidth shared by all ranks, e.g. 200mbit, 1gbit "
+                                                  f"(default {DEFAULT_RATE})")
+    net.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay per packet (default 0)")
+    net.add_argument("--burst", type=int, default=None, help="tbf burst in bytes (default and minimum 4 x 65536)")
+    net.add_argument("--queue-ms", type=float, default=200.0, help="tbf latency (queue limit) in ms (default 200)")
+    net.add_argument("--unshaped", action="store_true",
+                     help="no namespace and no shaping (no root needed): only the plain-loopback runs")
+    model = p.add_argument_group("model and batch")
+    model.add_argument("--hidden-size", type=int, default=256)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--seq-length", type=int, default=128)
+    model.add_argument("--micro-batch-size", type=int, default=2)
+    model.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per iteration per replica")
+    model.add_argument("--vpp", type=int, default=2, help="virtual chunks per rank (interleaved, PipeMesh)")
+    model.add_argument("--layers-per-chunk", type=int, default=1)
+    pm = p.add_argument_group("PipeMesh")
+    pm.add_argument("--forward-groups", type=int, nargs="+", default=None, metavar="G",
+                    help="groups of the 'pipemesh' run (default: m-p then p, e.g. 6 2 for p=2, m=8)")
+    pm.add_argument("--backward-groups", type=int, nargs="+", default=None, metavar="G",
+                    help="backward groups of the 'pipemesh' run (default: two groups, the last one large)")
+    pm.add_argument("--memory-budget-gb", type=float, default=8.0, help="'pipemesh-auto' memory budget (default 8)")
+    pm.add_argument("--device-tflops", type=float, default=0.05,
+                    help="'pipemesh-auto' peak TFLOP/s of one rank (default 0.05: a CPU core)")
+    pm.add_argument("--mfu", type=float, default=0.45, help="'pipemesh-auto' fraction of peak (default 0.45)")
+    pm.add_argument("--link-share", type=float, default=1.0,
+                    help="calibration: fraction of the shaped rate one pipeline link gets (default 1)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    out.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per schedule, shaped and unshaped")
+    out.add_argument("--out-dir", default=None, help="where logs, data and summary.json go (default: a new temp dir)")
+    out.add_argument("--keep-going", action="store_true", default=True, help=argparse.SUPPRESS)
+
+
+def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
+    ok = value is not None and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        rule = "a number >= 0" if allow_zero else "a positive number"
+        raise _usage(f"{name} {value} is invalid: it must be {rule}. Example: {name} {example}")
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Validate the flags (UsageError on bad input) and fill in the --quick / default values."""
+    quick = args.quick
+    configs_text = args.configs or (QUICK["configs"] if quick else ["pp2", "pp4", "pp2xdp2"])
+    try:
+        configs = [ParallelConfig.parse(c) for c in configs_text]
+    except ValueError as error:
+        raise _usage(str(error)) from error
+    repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if quick else 3)
+    warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick else 2)
+    iters = args.iters if args.iters is not None else (QUICK["iters"] if quick else 6)
+    for name, value, example, zero in (("--repeats", repeats, "3", False), ("--warmup", warmup, "2", True),
+                                       ("--iters", iters, "6", False), ("--timeout", args.timeout, "600", False),
+                                       ("--hidden-size", args.hidden_size, "256", False),
+                                       ("--num-attention-heads", args.num_attention_heads, "4", False),
+                                       ("--seq-length", args.seq_length, "128", False),
+                                       ("--micro-batch-size", args.micro_batch_size, "2", False),
+                                       ("--microbatches", args.microbatches, "8", False), ("--vpp", args.vpp, "2", False),
+                                       ("--layers-per-chunk", args.layers_per_chunk, "1", False),
+                                       ("--delay-ms", args.delay_ms, "1", True), ("--queue-ms", args.queue_ms, "200", False),
+                                       ("--memory-budget-gb", args.memory_budget_gb, "8", False),
+                                       ("--device-tflops", args.device_tflops, "0.05", False),
+                                       ("--mfu", args.mfu, "0.45", False), ("--link-share", args.link_share, "0.5", False)):
+        _positive(name, value, example, zero)
+    for name, value in (("--repeats", repeats), ("--warmup", warmup), ("--iters", iters)):
+        if int(value) != value:
+            raise _usage(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")
+    if args.mfu > 1 or args.link_share > 1:
+        raise _usage(f"--mfu {args.mfu} / --link-share {args.link_share} is invalid: both are fractions in (0, 1]. "
+                     "Example: --mfu 0.45 --link-share 1")
+    if args.vpp < 2:
+        raise _usage(f"--vpp {args.vpp} is invalid: the interleaved and PipeMesh schedules need at least 2 chunks per "
+                     "rank. Example: --vpp 2")
+    if args.hidden_size % args.num_attention_heads:
+        raise _usage(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                     f"{args.num_attention_heads}. Example: --hidden-size 256 --num-attention-heads 4")
+    rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
+    shaping = None
+    if args.unshaped:
+        if args.rate or args.delay_ms:
+            raise _usage(f"--unshaped with --rate/--delay-ms is contradictory: --unshaped runs over the plain loopback. "
+                         f"Drop one of them. Example: --rate {rate_text}")
+    else:
+        from .netns import MIN_BURST_BYTES, Shaping, parse_rate_mbit
+
+        try:
+            rate = parse_rate_mbit(rate_text)
+        except ValueError as error:
+            raise _usage(f"--rate {rate_text}: {error}") from error
+        burst = args.burst if args.burst is not None else MIN_BURST_BYTES
+        if burst < MIN_BURST_BYTES:
+            raise _usage(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
+                         f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
+        shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
+    model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                       args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
+    groups: Dict[Tuple[str, str], tuple] = {}
+    from ..schedule.config import ScheduleConfig, ScheduleConfigError
+    from .runner import default_groups
+
+    for config in configs:
+        if args.microbatches < config.pp:
+            raise _usage(f"--microbatches {args.microbatches} is invalid for {config.name}: it must be at least the "
+                         f"pipeline size {config.pp}. Example: --microbatches {2 * config.pp}")
+        if "pipemesh" in args.schedules:
+            forward = tuple(args.forward_groups) if args.forward_groups else None
+            backward = tuple(args.backward_groups) if args.backward_groups else None
+            dflt = default_groups(config.pp, args.microbatches)
+            forward = forward or dflt[0]
+            backward = backward or (forward if args.forward_groups else dflt[1])
+            try:
+                ScheduleConfig(config.pp, args.vpp, args.microbatches, forward, backward)
+            except ScheduleConfigError as error:
+                raise _usage(f"{config.name}: {error}") from error
+            groups[(config.name, "pipemesh")] = (forward, backward)
+    return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
+            "auto": AutoPlanSettings(args.memory_budget_gb, args.device_tflops, args.mfu)}
+
+
+def machine_description() -> dict:
+    cores = os.cpu_count() or 1
+    mem_gb = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gb = int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    import torch
+
+    return {"cores": cores, "memory_gb": round(mem_gb, 1) if mem_gb else None, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "backend": "gloo (CPU)"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .netns import NamespaceError, ShapedNamespace
+    from .report import format_table, plot_summary, summarize
+    from .runner import (RunResult, error_excerpt, launch_command, parse_log, prepare_data, run_env,
+                         threads_per_rank, training_args)
+
+    setup = resolve(args)
+    configs, model, shaping, repeats = setup["configs"], setup["model"], setup["shaping"], setup["repeats"]
+    machine = machine_description()
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-")
+    os.makedirs(out_dir, exist_ok=True)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    variants = ([True] if shaping else []) + ([] if (shaping and args.no_limit) else [False])
+    bandwidth_gbps = shaping.rate_mbit / 1e3 if shaping else 25.0
+    plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in args.schedules for v in variants]
+    log(f"pipemesh bench: {len(plan)} runs ({repeats} repeat(s) x {len(configs)} config(s) x {len(args.schedules)} "
+        f"schedule(s) x {len(variants)} variant(s)); network: {shaping.describe() if shaping else 'unshaped'}; "
+        f"logs in {out_dir}")
+    for config in configs:
+        threads, over = threads_per_rank(config.world, machine["cores"])
+        if over:
+            log(f"note: {config.name} runs {config.world} ranks on {machine['cores']} cores: oversubscribed "
+                f"(1 thread per rank)")
+    try:
+        data_flags = prepare_data(os.path.join(out_dir, "data"))
+    except RuntimeError as error:
+        raise _usage(str(error)) from error
+    results: List[RunResult] = []
+    started = time.monotonic()
+    namespace = ShapedNamespace(shaping) if shaping else None
+    try:
+        if namespace:
+            try:
+                namespace.__enter__()
+            except NamespaceError as error:
+                raise _usage(str(error)) from error
+        for index, (repeat, config, schedule, shaped) in enumerate(plan, 1):
+            threads, _ = threads_per_rank(config.world, machine["cores"])
+            run_dir = os.path.join(out_dir, "runs")
+            train = training_args(model, config, schedule, data_flags, run_dir, setup["groups"].get((config.name, schedule)),
+                                  setup["auto"], bandwidth_gbps)
+            prefix = namespace.prefix() if (shaped and namespace) else []
+            cmd = launch_command(config.world, train, prefix)
+            name = f"{config.name}-{schedule}-{'shaped' if shaped else 'unshaped'}-r{repeat}"
+            code, wall, rss, text = _run_one(cmd, run_env(threads), os.path.join(out_dir, "logs", name + ".log"), args.timeout)
+            parsed = parse_log(text)
+            error = "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}"
+            results.append(RunResult(config=config.name, schedule=schedule, shaped=shaped, repeat=repeat, returncode=code,
+                                     wall_s=wall, log_path=os.path.join(out_dir, "logs", name + ".log"), parsed=parsed,
+                                     peak_rss_mb=rss, error=error))
+            measured = parsed.measured(model.warmup_iters)
+            ms = sorted(it.elapsed_ms for it in measured)
+            med = ms[len(ms) // 2] if ms else float("nan")
+            log(f"[{index}/{len(plan)}] {name}: " + (f"{med:.0f} ms/iteration, {wall:.0f} s" if code == 0
+                                                    else f"FAILED ({error.splitlines()[0] if error else code})"))
+    except KeyboardInterrupt:
+        log("pipemesh bench: interrupted; the namespace is being removed")
+        return 130
+    finally:
+        if namespace:
+            namespace.close()
+    summary = summarize(results, model, configs, args.schedules, setup["groups"],
+                        shaping.bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
+                        args.link_share)
+    for entry in summary:
+        threads, over = threads_per_rank(entry["world"], machine["cores"])
+        entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"]})
+    shaping_desc = shaping.describe() if shaping else "none (--unshaped)"
+    document = {
+        "machine": machine, "network": {"shaped": bool(shaping), "rate_mbit": shaping.rate_mbit if shaping else None,
+                                        "delay_ms": shaping.delay_ms if shaping else 0.0,
+                                        "burst_bytes": shaping.burst_bytes if shaping else None},
+        "model": {**model.__dict__, "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
+        "repeats": repeats, "wall_s": time.monotonic() - started, "out_dir": out_dir, "configs": summary,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
+    if args.plot:
+        plot_summary(summary, args.plot, shaping_desc)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    else:
+        print(f"machine: {machine['cores']} cores, {machine['memory_gb']} GiB, {machine['backend']}, torch {machine['torch']}; "
+              f"model: hidden {model.hidden_size}, seq {model.seq_length}, micro-batch {model.micro_batch_size}, "
+              f"m {model.microbatches}, V {model.vpp}, {model.layers_per_chunk} layer(s) per chunk; "
+              f"{model.warmup_iters} warm-up + {model.measured_iters} measured iterations, {repeats} repeat(s); "
+              f"wall {document['wall_s']:.0f} s")
+        print(format_table(summary, shaping_desc))
+        if args.plot:
+            print(f"wrote chart: {args.plot}")
+        print(f"logs and summary.json: {out_dir}")
+    failed = sum(1 for r in results if r.returncode != 0)
+    return 1 if failed == len(results) else 0
+
+
+def _run_one(cmd, env, log_path, timeout):
+    from .runner import run_once
+
+    return run_once(cmd, env, log_path, timeout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone ``pipemesh``-like parser holding only ``bench`` (for ``python -m megatron_pipemesh.bench``)."""
+    parser = argparse.ArgumentParser(prog="pipemesh")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ..cli import UsageError
+    from ..schedule.config import ScheduleConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "bench":
+        argv = ["bench"] + argv
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ScheduleConfigError) as error:
+        print(f"pipemesh {args.command}: error: {error}", file=sys.stderr)
+        return 2

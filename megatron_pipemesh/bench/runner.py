@@ -1,0 +1,291 @@
+"""Command lines for one benchmark run, and running them (processes, logs, memory sampling)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .logparse import ParsedLog, parse_log
+
+SCHEDULES = ("1f1b", "interleaved", "breadth-first", "pipemesh", "pipemesh-auto")
+"""Benchmarked schedules: stock 1F1B (no virtual pipeline), stock interleaved (depth-first), stock
+interleaved with group size m (breadth-first), PipeMesh with given groups, PipeMesh planned (auto)."""
+
+SCHEDULE_LABELS = {
+    "1f1b": "stock 1F1B",
+    "interleaved": "stock interleaved (depth-first)",
+    "breadth-first": "stock interleaved, group m (breadth-first)",
+    "pipemesh": "PipeMesh (given groups)",
+    "pipemesh-auto": "PipeMesh (auto)",
+}
+STOCK = ("1f1b", "interleaved", "breadth-first")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Pipeline x data-parallel layout of one benchmarked configuration."""
+
+    pp: int
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def name(self) -> str:
+        return f"pp{self.pp}" + (f"xdp{self.dp}" if self.dp > 1 else "")
+
+    @staticmethod
+    def parse(text: str) -> "ParallelConfig":
+        match = re.fullmatch(r"pp(\d+)(?:x?dp(\d+))?", text.strip().lower())
+        if not match:
+            raise ValueError(f"configuration {text!r} is not of the form ppN or ppNxdpM (e.g. pp2, pp4, pp2xdp2)")
+        pp, dp = int(match.group(1)), int(match.group(2) or 1)
+        if pp < 2:
+            raise ValueError(f"configuration {text!r}: the pipeline size must be >= 2 (interleaved and PipeMesh need it)")
+        if dp < 1:
+            raise ValueError(f"configuration {text!r}: the data-parallel size must be >= 1")
+        return ParallelConfig(pp, dp)
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """The tiny GPT and the batch of every benchmarked run."""
+
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    microbatches: int = 8
+    """m: micro-batches per iteration per data-parallel replica."""
+    vpp: int = 2
+    """Virtual chunks per rank for the interleaved and PipeMesh schedules."""
+    layers_per_chunk: int = 1
+    warmup_iters: int = 2
+    measured_iters: int = 6
+
+    def num_layers(self, pp: int) -> int:
+        return pp * self.vpp * self.layers_per_chunk
+
+    def global_batch(self, dp: int) -> int:
+        return self.microbatches * self.micro_batch_size * dp
+
+    def tokens_per_iteration(self, dp: int) -> int:
+        return self.global_batch(dp) * self.seq_length
+
+    @property
+    def train_iters(self) -> int:
+        return self.warmup_iters + self.measured_iters
+
+
+@dataclass(frozen=True)
+class AutoPlanSettings:
+    """The planner's inputs for ``pipemesh-auto`` (CPU has no device description to read)."""
+
+    memory_budget_gb: float = 8.0
+    device_tflops: float = 0.05
+    mfu: float = 0.45
+
+
+def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """A PipeMesh setting for the 'given groups' run: a large first forward group (long parameter-gather
+    window), then groups of p; backward: groups of p with a large last group (long reduction window)."""
+    forward = (m - pp, pp) if m - pp >= pp and m - pp != pp else (m,)
+    if m >= 2 * pp:
+        last = m - pp * ((m // 2) // pp) if (m // 2) >= pp else m
+        first = m - last
+        backward = ((first,) if first else ()) + (last,)
+    else:
+        backward = (m,)
+    # every backward prefix must be <= the forward prefix (groups are dequeued after being enqueued)
+    if backward[0] > forward[0]:
+        backward = (m,)
+    return forward, backward
+
+
+def training_args(model: ModelSetup, config: ParallelConfig, schedule: str, data_flags: Sequence[str], run_dir: str,
+                  groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None,
+                  auto: AutoPlanSettings = AutoPlanSettings(), bandwidth_gbps: float = 25.0) -> List[str]:
+    """Megatron/PipeMesh flags of one run (the same model, data, seed and batch for every schedule)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    m, pp = model.microbatches, config.pp
+    args = list(data_flags) + [
+        "--split", "98,1,1", "--data-cache-path", os.path.join(run_dir, "cache"),
+        "--num-layers", str(model.num_layers(pp)), "--hidden-size", str(model.hidden_size),
+        "--num-attention-heads", str(model.num_attention_heads), "--seq-length", str(model.seq_length),
+        "--max-position-embeddings", str(model.seq_length),
+        "--micro-batch-size", str(model.micro_batch_size), "--global-batch-size", str(model.global_batch(config.dp)),
+        "--pipeline-model-parallel-size", str(pp),
+        "--train-iters", str(model.train_iters), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
+        "--eval-interval", "100000", "--seed", "1234", "--num-workers", "0",
+        "--timing-log-level", "2", "--timing-log-option", "all",
+    ]
+    if config.dp > 1:
+        args += ["--overlap-grad-reduce"]
+    if schedule != "1f1b":
+        args += ["--num-layers-per-virtual-pipeline-stage", str(model.layers_per_chunk)]
+    if schedule == "breadth-first":
+        args += ["--microbatch-group-size-per-virtual-pipeline-stage", str(m)]
+    if schedule == "pipemesh":
+        forward, backward = groups or default_groups(pp, m)
+        args += ["--pipeline-schedule", "pipemesh", "--forward-groups", *map(str, forward),
+                 "--backward-groups", *map(str, backward)]
+    if schedule == "pipemesh-auto":
+        args += ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
+                 "--pipemesh-memory-budget-gb", f"{auto.memory_budget_gb:g}",
+                 "--pipemesh-device-tflops", f"{auto.device_tflops:g}", "--pipemesh-mfu", f"{auto.mfu:g}",
+                 "--pipemesh-dp-gbps", f"{bandwidth_gbps:g}", "--pipemesh-p2p-gbps", f"{bandwidth_gbps:g}"]
+    return args
+
+
+def launch_command(nproc: int, train_args: Sequence[str], prefix: Sequence[str] = (),
+                   python: str = sys.executable) -> List[str]:
+    return list(prefix) + [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           "-m", "megatron_pipemesh.training.pretrain_gpt", *train_args]
+
+
+def threads_per_rank(world: int, cores: Optional[int] = None) -> Tuple[int, bool]:
+    """(threads per rank, oversubscribed?) so that ranks x threads <= cores where possible."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // world), world > cores
+
+
+def run_env(threads: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+@dataclass
+class RunResult:
+    config: str
+    schedule: str
+    shaped: bool
+    repeat: int
+    returncode: int
+    wall_s: float
+    log_path: str
+    parsed: ParsedLog
+    peak_rss_mb: Dict[int, float] = field(default_factory=dict)
+    """Peak resident memory per global rank (MiB), sampled every 0.25 s."""
+    error: str = ""
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, pid: int, interval: float = 0.25):
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.peak = pid, interval, {}
+        self._halt = threading.Event()
+        self._rank_of: Dict[int, Optional[int]] = {}
+
+    def run(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover
+            return
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self._halt.is_set():
+            try:
+                children = root.children(recursive=True)
+            except psutil.Error:
+                break
+            for child in children:
+                try:
+                    rank = self._rank_of.get(child.pid)
+                    if rank is None:  # not cached: a process may be seen between fork and exec, so look again
+                        if "torch.distributed.run" in " ".join(child.cmdline()):
+                            continue
+                        text = child.environ().get("RANK")
+                        if text is None:
+                            continue
+                        rank = self._rank_of[child.pid] = int(text)
+                    rss = child.memory_info().rss / 2 ** 20
+                    self.peak[rank] = max(self.peak.get(rank, 0.0), rss)
+                except (psutil.Error, ValueError):
+                    continue
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_once(cmd: Sequence[str], env: Dict[str, str], log_path: str, timeout_s: float, cwd: Optional[str] = None,
+             sample_memory: bool = True) -> Tuple[int, float, Dict[int, float], str]:
+    """Run ``cmd`` in its own process group with output to ``log_path``.
+
+    Returns (exit code, wall seconds, peak RSS per rank, log text). On timeout or Ctrl-C the whole
+    process group of this run (and only it) is terminated.
+    """
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+        sampler = _RssSampler(proc.pid) if sample_memory else None
+        if sampler:
+            sampler.start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code = 124
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            if sampler:
+                sampler.stop()
+                sampler.join(timeout=2)
+    wall = time.monotonic() - start
+    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    return code, wall, (dict(sampler.peak) if sampler else {}), text
+
+
+def error_excerpt(text: str, lines: int = 12) -> str:
+    """The last lines of a failed run's log that look like an error."""
+    keep = [l for l in text.splitlines() if re.search(r"error|Error|Traceback|exception|Killed", l)]
+    return "\n".join((keep or text.splitlines())[-lines:])
+
+
+def prepare_data(out_dir: str, python: str = sys.executable) -> List[str]:
+    """Tokenize the shipped corpus into ``out_dir/corpus``; returns Megatron's data flags."""
+    prefix = os.path.join(out_dir, "corpus")
+    if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+        result = subprocess.run([python, "-m", "megatron_pipemesh.data.prepare", "--input",
+                                 str(Path(__file__).resolve().parents[1] / "data" / "corpus"), "--output-prefix", prefix],
+                                capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if result.returncode != 0:
+            raise RuntimeError(f"data preparation failed: {result.stderr.strip()[-2000:]}")
+        for line in result.stdout.splitlines():
+            if line.startswith("Megatron flags:"):
+                return line.split(":", 1)[1].split()
+    return ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]

@@ -1,0 +1,192 @@
+"""`pipemesh bench` argument validation, command lines, and the table / JSON / chart builders."""
+import argparse
+import copy
+import json
+
+import pytest
+
+from megatron_pipemesh.bench import cli as bench_cli
+from megatron_pipemesh.bench.calibrate import (MeasuredCompute, fit_transfer_overhead, measured_costs,
+                                               predict_iteration_ms, schedule_config)
+from megatron_pipemesh.bench.logparse import IterationRecord, ParsedLog
+from megatron_pipemesh.bench.report import format_table, plot_summary, summarize
+from megatron_pipemesh.bench.runner import (ModelSetup, ParallelConfig, RunResult, default_groups, launch_command,
+                                            threads_per_rank, training_args)
+from megatron_pipemesh.cli import UsageError
+from megatron_pipemesh.schedule.config import ScheduleConfig
+
+
+def _args(*argv):
+    return bench_cli.build_parser().parse_args(["bench", *argv])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rate", "0"], "--rate"),
+    (["--rate", "fast"], "--rate"),
+    (["--rate=-3mbit"], "--rate"),
+    (["--burst", "1000"], "MTU"),
+    (["--repeats", "0"], "--repeats"),
+    (["--iters", "0"], "--iters"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--delay-ms", "-1"], "--delay-ms"),
+    (["--configs", "dp2"], "ppN"),
+    (["--configs", "pp1"], "pipeline size"),
+    (["--vpp", "1"], "--vpp"),
+    (["--hidden-size", "250", "--num-attention-heads", "4"], "divisible"),
+    (["--mfu", "2"], "fractions"),
+    (["--unshaped", "--rate", "100mbit"], "contradictory"),
+    (["--configs", "pp4", "--microbatches", "2"], "at least the pipeline size"),
+    (["--configs", "pp2", "--forward-groups", "1", "7"], "smaller than the pipeline size"),
+    (["--configs", "pp2", "--forward-groups", "4", "4", "--backward-groups", "3"], "--backward-groups"),
+])
+def test_bad_input_is_a_usage_error(argv, match):
+    with pytest.raises(UsageError, match=match):
+        bench_cli.resolve(_args(*argv))
+
+
+def test_main_prints_one_paragraph_and_exits_2(capsys):
+    assert bench_cli.main(["--rate", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pipemesh bench: error: --rate nope") and "\n" not in err
+
+
+def test_quick_defaults():
+    setup = bench_cli.resolve(_args("--quick"))
+    assert [c.name for c in setup["configs"]] == ["pp2"]
+    assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 4
+    assert setup["shaping"].rate_mbit == 200 and setup["shaping"].burst_bytes >= 4 * 65536
+    assert setup["groups"][("pp2", "pipemesh")] == ((6, 2), (4, 4))
+    assert bench_cli.resolve(_args("--unshaped"))["shaping"] is None
+
+
+def test_add_bench_parser_hook():
+    parser = argparse.ArgumentParser(prog="pipemesh")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_cli.add_bench_parser(sub)
+    args = parser.parse_args(["bench", "--quick", "--json"])
+    assert args.func is bench_cli.cmd_bench and args.quick and args.json
+
+
+def test_config_parsing_and_threads():
+    assert ParallelConfig.parse("pp2xdp2") == ParallelConfig(2, 2)
+    assert ParallelConfig.parse("PP4") == ParallelConfig(4, 1)
+    assert ParallelConfig(2, 2).name == "pp2xdp2" and ParallelConfig(2, 2).world == 4
+    assert threads_per_rank(2, cores=2) == (1, False)
+    assert threads_per_rank(4, cores=2) == (1, True)
+    assert threads_per_rank(2, cores=16) == (8, False)
+
+
+def test_default_groups_are_valid():
+    for pp in (2, 3, 4):
+        for m in range(pp, 17):
+            forward, backward = default_groups(pp, m)
+            ScheduleConfig(pp, 2, m, forward, backward)
+    assert default_groups(2, 8) == ((6, 2), (4, 4))
+
+
+def _flag(args, flag):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_training_args_per_schedule():
+    model, config = ModelSetup(), ParallelConfig(2)
+    data = ["--data-path", "/d/corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]
+    one = training_args(model, config, "1f1b", data, "/r")
+    assert "--num-layers-per-virtual-pipeline-stage" not in one and "--pipeline-schedule" not in one
+    assert _flag(one, "--num-layers") == "4" and _flag(one, "--global-batch-size") == "16"
+    assert _flag(one, "--timing-log-level") == "2" and _flag(one, "--timing-log-option") == "all"
+    inter = training_args(model, config, "interleaved", data, "/r")
+    assert _flag(inter, "--num-layers-per-virtual-pipeline-stage") == "1"
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in inter
+    breadth = training_args(model, config, "breadth-first", data, "/r")
+    assert _flag(breadth, "--microbatch-group-size-per-virtual-pipeline-stage") == "8"
+    pm = training_args(model, config, "pipemesh", data, "/r", ((6, 2), (4, 4)))
+    i = pm.index("--forward-groups")
+    assert pm[i:i + 6] == ["--forward-groups", "6", "2", "--backward-groups", "4", "4"]
+    auto = training_args(model, config, "pipemesh-auto", data, "/r", bandwidth_gbps=0.2)
+    assert _flag(auto, "--forward-groups") == "auto" and _flag(auto, "--pipemesh-p2p-gbps") == "0.2"
+    assert _flag(auto, "--pipemesh-dp-gbps") == "0.2" and _flag(auto, "--pipemesh-memory-budget-gb") == "8"
+    dp = training_args(model, ParallelConfig(2, 2), "interleaved", data, "/r")
+    assert "--overlap-grad-reduce" in dp and _flag(dp, "--global-batch-size") == "32"
+    cmd = launch_command(2, ["--x"], ["ip", "netns", "exec", "ns"], python="py")
+    assert cmd == ["ip", "netns", "exec", "ns", "py", "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "-m", "megatron_pipemesh.training.pretrain_gpt", "--x"]
+
+
+def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):
+    """A parsed log with constant per-iteration numbers (ms; per-rank lists)."""
+    its = []
+    for i in range(1, warm + n + 1):
+        its.append(IterationRecord(i, iter_ms, 4.0, {
+            "forward-backward": dict(enumerate(fb)), "forward-compute": dict(enumerate(fwd)),
+            "backward-compute": dict(enumerate(bwd))}))
+    return ParsedLog(its, warm + n)
+
+
+def _results():
+    out = []
+    # schedule: (shaped iteration ms, unshaped iteration ms)
+    for schedule, shaped_ms, unshaped_ms in (("1f1b", 900, 700), ("interleaved", 800, 600), ("pipemesh", 700, 620)):
+        for repeat in range(2):
+            jitter = 10 * repeat
+            out.append(RunResult("pp2", schedule, True, repeat, 0, 1.0, "x",
+                                 _log(shaped_ms + jitter, [200, 210], [220, 230], [shaped_ms - 50] * 2), {0: 500.0, 1: 480.0}))
+            out.append(RunResult("pp2", schedule, False, repeat, 0, 1.0, "x",
+                                 _log(unshaped_ms + jitter, [200, 210], [220, 230], [unshaped_ms - 50] * 2)))
+    out.append(RunResult("pp2", "pipemesh", True, 2, 1, 1.0, "x", ParsedLog([]), {}, "exit 1: boom"))
+    return out
+
+
+def test_summary_table_json_and_plot(tmp_path):
+    model = ModelSetup(warmup_iters=1, measured_iters=4)
+    groups = {("pp2", "pipemesh"): ((6, 2), (4, 4))}
+    summary = summarize(_results(), model, [ParallelConfig(2)], ["1f1b", "interleaved", "pipemesh"], groups,
+                        200e6 / 8, 0.0)
+    (entry,) = summary
+    rows = {r["schedule"]: r for r in entry["schedules"]}
+    tokens = model.tokens_per_iteration(1)
+    shaped_tps = (tokens / 0.8 + tokens / 0.81) / 2  # median of the two repeats
+    unshaped_tps = (tokens / 0.6 + tokens / 0.61) / 2
+    assert rows["interleaved"]["shaped"]["tokens_per_s_median"] == pytest.approx(shaped_tps)
+    assert rows["interleaved"]["shaped"]["tokens_per_s_spread"] == pytest.approx((tokens / 0.8 - tokens / 0.81) / shaped_tps)
+    assert rows["interleaved"]["fraction_of_unshaped"] == pytest.approx(shaped_tps / unshaped_tps)
+    assert rows["interleaved"]["comm_share"] == pytest.approx(1 - 605 / 805)
+    assert rows["interleaved"]["shaped"]["idle_ms"] == [pytest.approx(750 - 420), pytest.approx(750 - 440)]
+    assert rows["interleaved"]["exposed_comm_ms"] == [pytest.approx(200), pytest.approx(200)]
+    assert rows["pipemesh"]["shaped"]["failed_runs"] == 1 and rows["pipemesh"]["shaped"]["runs"] == 2
+    assert rows["pipemesh"]["shaped"]["peak_rss_mb"] == [500.0, 480.0]
+    assert entry["best_stock_shaped"] == "interleaved"
+    pm_tps = (tokens / 0.7 + tokens / 0.71) / 2
+    assert entry["pipemesh_vs_best_stock_shaped"]["pipemesh"] == pytest.approx(pm_tps / shaped_tps)
+    cal = rows["interleaved"]["calibration"]
+    assert cal["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)  # the fitted overhead reproduces it
+    assert entry["fitted_transfer_overhead_ms"] > 0
+    text = format_table(summary, "200 Mbit/s")
+    assert f"PipeMesh / best stock (interleaved) throughput, shaped: pipemesh {pm_tps / shaped_tps:.3f}" in text
+    assert "1 run(s) failed: exit 1: boom" in text and "simulator calibration" in text
+    json.dumps(summary)
+    png = tmp_path / "bench.png"
+    plot_summary(summary, str(png), "200 Mbit/s")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_costs_and_fit():
+    model, config = ModelSetup(), ParallelConfig(2)
+    assert schedule_config("1f1b", 2, 2, 8).vpp == 1
+    assert schedule_config("breadth-first", 2, 2, 8).forward_groups == (8,)
+    assert schedule_config("interleaved", 2, 2, 8).forward_groups == (2, 2, 2, 2)
+    sched = schedule_config("interleaved", 2, 2, 8)
+    compute = MeasuredCompute([160.0, 176.0], [320.0, 320.0], 50.0)
+    costs = measured_costs(model, config, sched, compute, 25e6, latency_s=0.001)
+    assert costs.forward_s == pytest.approx(0.010) and costs.backward_s == pytest.approx(0.020)
+    assert costs.first_stage_extra_s == 0 and costs.last_stage_extra_s == pytest.approx(0.001 * 2 / 3)
+    assert costs.p2p_s == pytest.approx(128 * 2 * 256 * 4 / 25e6) and costs.latency_s == 0.001
+    free = predict_iteration_ms(model, config, sched, compute, None)
+    shaped = predict_iteration_ms(model, config, sched, compute, 25e6)
+    assert shaped["iteration_ms"] > free["iteration_ms"] >= 50 + 496
+    target = free["forward_backward_ms"] + 40
+    fitted = fit_transfer_overhead(model, config, sched, compute, target)
+    check = copy.copy(measured_costs(model, config, sched, compute, None, latency_s=fitted))
+    from megatron_pipemesh.planning.simulator import simulate
+    assert simulate(sched, check).iteration_s * 1e3 == pytest.approx(target, rel=1e-3)
+    assert fit_transfer_overhead(model, config, sched, compute, 1.0) == 0.0
