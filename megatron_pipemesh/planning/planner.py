@@ -8,9 +8,9 @@ Search (each candidate is simulated with the same engine the runtime's plan is c
   f_1 and b_last range over the multiples of p up to m (and m itself);
 * for a candidate whose peak memory exceeds the budget on some rank, pipeline-aware
   recomputation is added greedily: on each rank over budget, the chunk-micro-batches alive at
-  that rank's peak are upgraded none -> selective -> full, those that wait longest between their
-  forward and backward first (early micro-batches on early ranks), until the rank fits; the
-  extra backward time is part of the simulated time;
+  that rank's peak are upgraded, those that wait longest between their forward and backward first
+  (early micro-batches on early ranks), until the rank fits: first to selective (attention core)
+  wherever that helps, only then to full; the extra backward time is part of the simulated time;
 * the fastest candidate that fits on every rank wins (ties: less memory, less recompute).
 
 Pure: no torch, no processes.
@@ -174,31 +174,35 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     """Add pipeline-aware recomputation to ``config`` until every rank fits ``budget_bytes``
     (or nothing is left to recompute; the returned plan then has ``fits == False``)."""
     plan: RecomputePlan = {}
-    levels = ("none",) + tuple(level for level in ("selective", "full") if level in options.allow_recompute)
+    allowed = [level for level in ("selective", "full") if level in options.allow_recompute]
     result = simulate(config, costs, plan)
-    for _ in range(options.max_recompute_rounds):
-        over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
-        if not over:
-            break
-        changed = False
-        for rank_result in over:
-            rank = rank_result.rank
-            excess = rank_result.peak_memory_bytes - budget_bytes
-            for _, chunk, microbatch in _live_at_peak(result, rank, costs, plan):
-                if excess <= 0:
-                    break
-                key = (rank, chunk, microbatch)
-                level = plan.get(key, "none")
-                index = levels.index(level) if level in levels else len(levels) - 1
-                if index + 1 >= len(levels):
-                    continue
-                new = levels[index + 1]
-                excess -= costs.activation_bytes[level] - costs.activation_bytes[new]
-                plan[key] = new
-                changed = True
-        if not changed:
-            break
-        result = simulate(config, costs, plan)
+    # Selective recompute is far cheaper per byte than full, so exhaust it everywhere it helps
+    # before recomputing any chunk fully.
+    for ceiling in range(1, len(allowed) + 1):
+        levels = ("none",) + tuple(allowed[:ceiling])
+        for _ in range(options.max_recompute_rounds):
+            over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
+            if not over:
+                return Plan(config, plan, result, budget_bytes)
+            changed = False
+            for rank_result in over:
+                rank = rank_result.rank
+                excess = rank_result.peak_memory_bytes - budget_bytes
+                for _, chunk, microbatch in _live_at_peak(result, rank, costs, plan):
+                    if excess <= 0:
+                        break
+                    key = (rank, chunk, microbatch)
+                    level = plan.get(key, "none")
+                    index = levels.index(level) if level in levels else len(levels) - 1
+                    if index + 1 >= len(levels):
+                        continue
+                    new = levels[index + 1]
+                    excess -= costs.activation_bytes[level] - costs.activation_bytes[new]
+                    plan[key] = new
+                    changed = True
+            if not changed:
+                break
+            result = simulate(config, costs, plan)
     return Plan(config, plan, result, budget_bytes)
 
 
