@@ -206,16 +206,6 @@ class AllocatorMeter:
             self.saved_bytes[key] = self.saved_bytes.get(key, 0) + torch.cuda.memory_allocated(self.device) - before
             self._update_peak()
 
-    def _alias_dead(self, key: Key, ptr: int) -> None:
-        aliases = self._aliases.get((key, ptr))
-        if aliases is None:
-            return
-        aliases[0] -= 1
-        if aliases[0] == 0:
-            del self._aliases[(key, ptr)]
-            if ptr not in self._tracked.get(key, {}):
-                self._drop(key, ptr)
-
     def track(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
         """Already counted by the allocator."""
 
