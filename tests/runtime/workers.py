@@ -158,3 +158,47 @@ def single_chunk_memory(shapes: List[Dict], dtypes: List[str]):
                 grads = {n: p.grad.detach().float().clone() for n, p in chunk.named_parameters()}
                 out.append((shape, dtype, level, meter.saved_bytes["F"], float(loss), grads, meter.live_bytes))
     return out
+
+
+def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, microbatches: int = 8):
+    """Plan groups + recomputation for a budget below the no-recompute peak (memory model of
+    planning/memory.py for this model), run the plan with the meter, and return measured peaks and
+    losses next to a plain run's."""
+    h.init_parallel(pp=pp, vp=vp)
+    from megatron_pipemesh.planning.costs import OpCosts
+    from megatron_pipemesh.planning.memory import ActivationShape, chunk_bytes
+    from megatron_pipemesh.planning.planner import plan_schedule
+
+    spec = h.TinyGPT(num_layers=pp * vp)
+    model = h.build_model(spec)
+    plain = h.run_schedule(make_pipemesh(measure_memory=True), model, spec, microbatches)
+    shape = ActivationShape(seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size,
+                            hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                            vocab_size=spec.vocab_size, dtype_bytes=4)
+
+    def stage_bytes(stage, level):
+        return chunk_bytes(shape, spec.num_layers, pp, vp, stage % pp, stage // pp, level, keep_outputs=True)
+
+    levels = ("none", "selective", "full")
+    middle = {lv: stage_bytes(1, lv) for lv in levels}
+    costs = OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0,
+                    activation_bytes=middle,
+                    first_stage_activation_bytes={lv: stage_bytes(0, lv) - middle[lv] for lv in levels},
+                    last_stage_activation_bytes={lv: stage_bytes(pp * vp - 1, lv) - middle[lv] for lv in levels},
+                    recompute_s={"none": 0.0, "selective": 0.1, "full": 1.0}, static_bytes=tuple(0.0 for _ in range(pp)))
+    import torch.distributed as dist
+
+    from megatron_pipemesh.planning.simulator import simulate
+    from megatron_pipemesh.schedule.config import ScheduleConfig
+
+    unplanned = max(r.peak_memory_bytes for r in simulate(ScheduleConfig.depth_first(pp, vp, microbatches), costs).ranks)
+    budget = budget_fraction * unplanned
+    best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget)
+    schedule = make_pipemesh(best.config.forward_groups, best.config.backward_groups,
+                             recompute={k: v for k, v in best.recompute.items() if v != "none"}, measure_memory=True)
+    planned = h.run_schedule(schedule, model, spec, microbatches)
+    return {"plain": plain, "planned": planned, "budget": budget, "unplanned_model_peak": unplanned,
+            "measured_peak": schedule.last_stats.peak_activation_bytes,
+            "predicted_peak": best.result.ranks[dist.get_rank() % pp].peak_memory_bytes,
+            "recomputed": sum(1 for v in best.recompute.values() if v != "none"),
+            "groups": (best.config.forward_groups, best.config.backward_groups)}
