@@ -15,7 +15,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from .planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
-from .planning.simulator import SimulationResult, simulate
+from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig, ScheduleConfigError
 from .schedule.lower import lower
 from .schedule.timeline import ScheduleError
@@ -230,8 +230,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{name:<14} {groups:<22} {d['predicted_iteration_time_s'] * 1e3:>9.2f} {100 * d['idle_fraction']:>7.1f} "
               f"{exposed * 1e3:>11.2f} "
               f"{recompute:>18} {'yes' if d['fits'] else 'NO':>5}  {' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}")
-    print(f"\nuse: --pipeline-schedule pipemesh --forward-groups {' '.join(map(str, best.config.forward_groups))} "
-          f"--backward-groups {' '.join(map(str, best.config.backward_groups))}"
+    print(f"\nuse: --pipeline-schedule pipemesh {best.config.group_flags()}"
           + (f" --pipemesh-plan {args.output}" if args.output else ""))
     print(f"recompute: {100 * best.recompute_share:.2f}% of the iteration")
     return 0

@@ -519,7 +519,6 @@ def merge_rank_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 def max_rel_diff(a, b) -> float:
     """max |a-b| / max(max|b|, tiny) — a scale-aware relative difference for whole tensors."""
-    import torch
 
     denom = max(float(b.abs().max()), 1e-30)
     return float((a - b).abs().max()) / denom

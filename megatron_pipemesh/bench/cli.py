@@ -198,8 +198,9 @@ def machine_description() -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .netns import NamespaceError, ShapedNamespace
     from .report import format_table, plot_summary, summarize
-    from .runner import (RunResult, error_excerpt, launch_command, parse_log, prepare_data, run_env,
-                         threads_per_rank, training_args)
+    from .logparse import parse_log
+    from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
+                         training_args)
 
     setup = resolve(args)
     configs, model, shaping, repeats = setup["configs"], setup["model"], setup["shaping"], setup["repeats"]

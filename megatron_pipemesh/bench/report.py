@@ -64,7 +64,6 @@ def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence
     out = []
     for config in configs:
         entry = {"config": config.name, "pp": config.pp, "dp": config.dp, "world": config.world, "schedules": []}
-        rows_by_schedule = {}
         for schedule in schedules:
             runs = [r for r in results if r.config == config.name and r.schedule == schedule]
             shaped = variant_metrics([r for r in runs if r.shaped], model, config) if any(r.shaped for r in runs) else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .logparse import ParsedLog, parse_log
+from .logparse import ParsedLog
 
 SCHEDULES = ("1f1b", "interleaved", "breadth-first", "pipemesh", "pipemesh-auto")
 """Benchmarked schedules: stock 1F1B (no virtual pipeline), stock interleaved (depth-first), stock

@@ -91,12 +91,8 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         replan = {"analytic_costs_for": analytic, "budget_bytes": budget * GB, "pp": pp, "vpp": vpp,
                   "microbatches": microbatches, "measure_iters": measure_iters, "profile_path": profile,
                   "grad_bytes": model.grad_bytes, "distributed_optimizer": cluster.distributed_optimizer}
-    d = best.to_dict()
-    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): --forward-groups "
-               f"{' '.join(map(str, d['forward_groups']))} --backward-groups {' '.join(map(str, d['backward_groups']))}; "
-               f"predicted iteration {d['predicted_iteration_time_s'] * 1e3:.1f} ms, peak memory GiB per rank "
-               f"{' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}, recompute {100 * d['recompute_share']:.2f}% of the time")
-    return ResolvedPlan(best.config, {k: v for k, v in best.recompute.items() if v != "none"}, summary, replan)
+    summary = f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): {best.summary()}"
+    return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
 
 
 def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:

@@ -151,15 +151,13 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
     if plan_file and (forward or backward):
         raise PipeMeshArgumentError(f"--pipemesh-plan {plan_file} and {FORWARD_FLAG}/{BACKWARD_FLAG} both given; the plan "
                                     f"file holds the groups. Drop one of them")
-    if getattr(args, "rampup_batch_size", None) and (forward or backward):
+    if getattr(args, "rampup_batch_size", None) and (forward or backward or plan_file):
         raise PipeMeshArgumentError(
-            f"{FORWARD_FLAG}/{BACKWARD_FLAG} with --rampup-batch-size is invalid: explicit groups fix the number of "
-            f"micro-batches per iteration, which batch-size ramp-up changes. Drop --rampup-batch-size or the group flags")
+            f"{FORWARD_FLAG}/{BACKWARD_FLAG} (lists or auto) or --pipemesh-plan with --rampup-batch-size is invalid: groups "
+            f"and plans are made for one number of micro-batches per iteration, which batch-size ramp-up changes. Drop "
+            f"--rampup-batch-size or the group flags")
     m = microbatches_per_iteration(args)
     if auto or plan_file:
-        if getattr(args, "rampup_batch_size", None):
-            raise PipeMeshArgumentError("--forward-groups auto / --pipemesh-plan with --rampup-batch-size is invalid: a plan "
-                                        "is made for one number of micro-batches per iteration. Drop --rampup-batch-size")
         from .auto_plan import auto_plan, load_plan
         try:
             resolved = load_plan(plan_file, pp, vpp, m) if plan_file else auto_plan(args, pp, vpp, m)

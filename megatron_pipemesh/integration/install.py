@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 SUPPORTED = "0.19."
 _STATE = {"installed": False, "schedule": None, "args": None}

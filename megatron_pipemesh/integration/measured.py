@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Dict, List, Optional
 
-from ..planning.costs import GB, OpCosts
+from ..planning.costs import OpCosts
 from ..planning.planner import NoFeasiblePlan, plan_schedule
 
 TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s", "dp_gather_s")
@@ -100,10 +99,6 @@ class MeasuredReplanner:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)
             return
-        recompute = {k: v for k, v in best.recompute.items() if v != "none"}
-        self.schedule = self.make_schedule(best.config, recompute)
+        self.schedule = self.make_schedule(best.config, dict(best.recompute))
         if rank0:
-            d = best.to_dict()
-            print(f"PipeMesh plan (measured): --forward-groups {' '.join(map(str, d['forward_groups']))} --backward-groups "
-                  f"{' '.join(map(str, d['backward_groups']))}; predicted iteration {d['predicted_iteration_time_s'] * 1e3:.1f} ms, "
-                  f"peak memory GiB per rank {' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}", flush=True)
+            print(f"PipeMesh plan (measured): {best.summary()}", flush=True)

@@ -17,8 +17,8 @@ Pure: no torch, no processes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
@@ -50,6 +50,12 @@ class Plan:
         """Recompute time as a fraction of the iteration (mean over ranks)."""
         ranks = self.result.ranks
         return sum(r.recompute_s for r in ranks) / (len(ranks) * self.result.iteration_s) if self.result.iteration_s else 0.0
+
+    def summary(self) -> str:
+        """One line: the group flags, predicted iteration time, peak memory per rank, recompute share."""
+        peaks = " ".join(f"{r.peak_memory_bytes / GB:.2f}" for r in self.result.ranks)
+        return (f"{self.config.group_flags()}; predicted iteration {self.result.iteration_s * 1e3:.1f} ms, peak memory "
+                f"GiB per rank {peaks}, recompute {100 * self.recompute_share:.2f}% of the time")
 
     def to_dict(self) -> dict:
         counts = {level: 0 for level in RECOMPUTE_LEVELS if level != "none"}
@@ -152,7 +158,7 @@ def candidate_configs(pp: int, vpp: int, microbatches: int, options: PlannerOpti
     return configs
 
 
-def _live_at_peak(result: SimulationResult, rank: int, costs: OpCosts, plan: RecomputePlan) -> List[Tuple[float, int, int]]:
+def _live_at_peak(result: SimulationResult, rank: int) -> List[Tuple[float, int, int]]:
     """(wait between forward end and backward start, chunk, micro-batch) of activations alive at the rank's peak."""
     events = result.timeline.compute[rank]
     forward_end = {(e.op.chunk, e.op.microbatch): (e.start, e.end) for e in events if e.op.kind is OpKind.FORWARD}
@@ -188,7 +194,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
             for rank_result in over:
                 rank = rank_result.rank
                 excess = rank_result.peak_memory_bytes - budget_bytes
-                for _, chunk, microbatch in _live_at_peak(result, rank, costs, plan):
+                for _, chunk, microbatch in _live_at_peak(result, rank):
                     if excess <= 0:
                         break
                     key = (rank, chunk, microbatch)

@@ -116,9 +116,12 @@ class ScheduleConfig:
         """(rank, chunk) holding a global stage."""
         return stage % self.pp, stage // self.pp
 
+    def group_flags(self) -> str:
+        """The command-line flags that select these groups."""
+        return f"{FORWARD_FLAG} {_fmt(self.forward_groups)} {BACKWARD_FLAG} {_fmt(self.backward_groups)}"
+
     def describe(self) -> str:
-        return (f"p={self.pp} V={self.vpp} m={self.microbatches} {FORWARD_FLAG} {_fmt(self.forward_groups)} "
-                f"{BACKWARD_FLAG} {_fmt(self.backward_groups)}")
+        return f"p={self.pp} V={self.vpp} m={self.microbatches} {self.group_flags()}"
 
     def preset_name(self) -> Optional[str]:
         """'depth-first', 'breadth-first', 'uniform-g' or None (free elastic lists)."""

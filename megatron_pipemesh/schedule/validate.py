@@ -48,15 +48,18 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         done = set()
         posted = set()
         param_launched = set()
-        last_backward = {c: max((i for i, x in enumerate(program) if x.kind is OpKind.BACKWARD and x.chunk == c), default=-1)
-                         for c in range(cfg.vpp)}
+        param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
+        last_backward = {c: -1 for c in range(cfg.vpp)}
+        for index, x in enumerate(program):
+            if x.kind is OpKind.BACKWARD:
+                last_backward[x.chunk] = index
         for step, op in enumerate(program):
             if op.kind.is_compute:
                 if op.kind is OpKind.BACKWARD and F(op.chunk, op.microbatch) not in done:
                     raise _fail(schedule, rank, step, f"{op} runs before its forward {F(op.chunk, op.microbatch)}")
                 if input_source(cfg, rank, op) is not None and op not in posted:
                     raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
-                if op.kind is OpKind.FORWARD and op.chunk not in param_launched and _has_param_sync(program, op.chunk):
+                if op.kind is OpKind.FORWARD and op.chunk not in param_launched and op.chunk in param_chunks:
                     raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
                 done.add(op)
             elif op.kind.is_p2p:
@@ -101,10 +104,6 @@ def _check_dp_counts(schedule: LoweredSchedule, rank: int, kind: OpKind, enabled
     extra = sorted(set(counts) - set(range(schedule.config.vpp)))
     if extra:
         raise _fail(schedule, rank, len(program) - 1, f"{kind.value} for chunk(s) {extra} that do not exist")
-
-
-def _has_param_sync(program: List[Op], chunk: int) -> bool:
-    return any(op.kind is OpKind.PARAM_SYNC and op.chunk == chunk for op in program)
 
 
 def _check_links(schedule: LoweredSchedule, sends, recvs) -> None:

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from .helpers import (BENCH, ENTRY, PYTHON, REPO, SBATCH, SINGLE, FAKE_PYTHON, clean_env, commands, exports,
+from .helpers import (BENCH, PYTHON, REPO, SBATCH, SINGLE, FAKE_PYTHON, clean_env, commands, exports,
                       fake_slurm, find, option, run, training_args, write_exe)
 
 TINY = "configs/tiny-cpu.env"
