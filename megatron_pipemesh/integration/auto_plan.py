@@ -30,7 +30,9 @@ class ResolvedPlan:
     recompute: Dict[Tuple[int, int, int], str]
     summary: str
     replan: Optional[dict] = None
-    """Inputs for measured re-planning when --pipemesh-measure-iters > 0."""
+    """Inputs of :class:`~.measured.MeasuredReplanner` (re-planning from measured costs with
+    --pipemesh-measure-iters > 0, and from the minimum free memory over ranks when the budget was read
+    from the device); None when neither applies."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -85,12 +87,16 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
-    measure_iters = getattr(args, "pipemesh_measure_iters", 0) or 0
+    measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
+    # A budget read from this rank's free memory differs between ranks; the schedule's first call (a point
+    # every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ.
+    agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
-    if measure_iters and source == "analytic costs":
-        replan = {"analytic_costs_for": analytic, "budget_bytes": budget * GB, "pp": pp, "vpp": vpp,
-                  "microbatches": microbatches, "measure_iters": measure_iters, "profile_path": profile,
-                  "grad_bytes": model.grad_bytes, "distributed_optimizer": cluster.distributed_optimizer}
+    if measure_iters or agree_on_budget:
+        replan = {"analytic_costs_for": analytic, "costs_for": costs_for, "budget_bytes": budget * GB,
+                  "agree_on_budget": agree_on_budget, "pp": pp, "vpp": vpp, "microbatches": microbatches,
+                  "measure_iters": measure_iters, "profile_path": profile, "grad_bytes": model.grad_bytes,
+                  "distributed_optimizer": cluster.distributed_optimizer}
     summary = f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): {best.summary()}"
     return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
 

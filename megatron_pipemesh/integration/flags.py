@@ -137,6 +137,8 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
             f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
+    from .unsupported import check_unsupported_args
+    check_unsupported_args(args)
     plan_file = getattr(args, "pipemesh_plan", None)
     auto = "auto" in (forward, backward)
     measure_iters = getattr(args, "pipemesh_measure_iters", 0) or 0

@@ -1,21 +1,31 @@
 """``megatron_pipemesh.install()``: plug PipeMesh into a running Megatron without forking it.
 
-Patches (each idempotent, each leaving ``--pipeline-schedule default`` runs untouched):
+Patches (each idempotent, each leaving ``--pipeline-schedule default`` runs untouched, each wrapper
+taking ``*args, **kwargs`` and binding them to the wrapped function's own signature, so new keyword
+arguments of a megatron-core patch release pass through):
 
 1. ``megatron.training.arguments.parse_args``: chains an ``extra_args_provider`` that adds
-   PipeMesh's flags (``parse_and_validate_args`` looks the function up at call time).
-2. ``megatron.training.arguments.validate_args``: after Megatron's checks, validates PipeMesh's
-   flags (exit 2 with one paragraph on every rank) and activates the PipeMesh schedule.
+   PipeMesh's flags (``parse_and_validate_args`` looks the function up at call time). With
+   ``--yaml-cfg`` Megatron replaces the parsed flags by the YAML file's values; PipeMesh then reads
+   its settings from the YAML's top-level keys (``pipeline_schedule: pipemesh``,
+   ``forward_groups: [6, 2]``, ...; :func:`merge_yaml_settings`).
+2. ``megatron.training.arguments.validate_args`` and, for ``--yaml-cfg``,
+   ``megatron.training.yaml_arguments.validate_yaml`` (which replaces ``validate_args`` there): after
+   Megatron's checks, validates PipeMesh's flags (exit 2 with one paragraph on every rank) and
+   activates the PipeMesh schedule.
 3. ``get_forward_backward_func`` in ``megatron.training.training`` (bound there at import, used by
    ``train()`` and ``evaluate()``), ``megatron.core.pipeline_parallel`` and its ``schedules``: return
-   the PipeMesh schedule for interleaved pipelines when active, else defer to Megatron's.
-4. ``megatron.core.parallel_state.initialize_model_parallel``: also creates PipeMesh's per-link
-   pipeline groups when the PipeMesh schedule is active.
+   the PipeMesh schedule exactly where Megatron's rule returns its interleaved schedule (an explicit
+   ``vp_size=None`` stays non-interleaved), else defer to Megatron's.
+4. ``megatron.core.parallel_state.initialize_model_parallel``: also creates and warms up PipeMesh's
+   per-link pipeline groups, with that call's timeout and NCCL options, when PipeMesh is active.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from typing import Optional
 
 SUPPORTED = "0.19."
 _STATE = {"installed": False, "schedule": None, "args": None}
@@ -65,6 +75,78 @@ def activate(settings) -> None:
         print(settings.summary, flush=True)
 
 
+def _bind(function, args, kwargs) -> Optional[inspect.BoundArguments]:
+    """``args``/``kwargs`` bound to ``function``'s signature with defaults applied; None if they do not fit
+    (the caller then calls ``function`` unchanged, which raises its own error)."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def routes_to_interleaved(arguments, parallel_state) -> bool:
+    """Megatron 0.19's rule for choosing its interleaved schedule, from ``get_forward_backward_func``'s
+    bound arguments: both sizes None means "read parallel_state"; otherwise the given values are used as
+    they are, so an explicit ``vp_size=None`` is non-interleaved."""
+    collection = arguments.get("schedule_pg_collection")
+    if type(collection).__name__ == "MultiModuleProcessGroupCollection":
+        return False
+    pp, vp = arguments.get("pp_size"), arguments.get("vp_size")
+    if pp is None and vp is None:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return pp is not None and pp > 1 and vp is not None
+
+
+def _pipemesh_actions(parser):
+    from .flags import SCHEDULE_FLAG
+
+    for group in parser._action_groups:
+        if any(SCHEDULE_FLAG in action.option_strings for action in group._group_actions):
+            return list(group._group_actions)
+    return []
+
+
+def _yaml_value(action, value):
+    """A YAML value for a PipeMesh flag, converted as argparse would convert the command-line text."""
+    if action.nargs in ("+", "*") and not isinstance(value, (list, tuple)):
+        value = str(value).split()
+    convert = (lambda v: action.type(str(v))) if action.type is not None else (lambda v: v)
+    value = [convert(v) for v in value] if isinstance(value, (list, tuple)) else (
+        convert(value) if value is not None else None)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{value!r} is not one of {list(action.choices)}")
+    return value
+
+
+def merge_yaml_settings(args, parser, argv=None) -> None:
+    """Give ``args`` (Megatron's namespace built from ``--yaml-cfg``) PipeMesh's settings: YAML keys named
+    like the flags' destinations (``pipeline_schedule``, ``forward_groups``, ``pipemesh_recv_lookahead``,
+    ...), else the value of the flag on the command line (Megatron ignores its own flags there, PipeMesh's
+    are honoured), else the flag's default. A flag given on the command line with another value than the
+    YAML's is an error."""
+    from .flags import PipeMeshArgumentError
+
+    cli, _ = parser.parse_known_args(argv)
+    for action in _pipemesh_actions(parser):
+        flag, on_cli = action.option_strings[0], getattr(cli, action.dest, action.default)
+        if hasattr(args, action.dest):
+            try:
+                value = _yaml_value(action, getattr(args, action.dest))
+            except Exception as error:  # argparse type functions raise several kinds
+                raise PipeMeshArgumentError(f"--yaml-cfg {args.yaml_cfg}: key {action.dest} (flag {flag}) is invalid: "
+                                            f"{error}") from error
+            if on_cli != action.default and on_cli != value:
+                raise PipeMeshArgumentError(
+                    f"{flag} is given on the command line ({on_cli!r}) and as {action.dest}: {value!r} in --yaml-cfg "
+                    f"{args.yaml_cfg}; keep one of them")
+        else:
+            value = on_cli
+        setattr(args, action.dest, value)
+
+
 def install() -> None:
     """Patch Megatron's argument parsing and schedule selection (idempotent)."""
     if _STATE["installed"]:
@@ -80,38 +162,52 @@ def install() -> None:
 
     from .flags import PipeMeshArgumentError, add_pipemesh_arguments, check_pipemesh_args, fail
 
-    original_parse = arguments.parse_args
-
-    @functools.wraps(original_parse)
-    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        def provider(parser):
-            parser = add_pipemesh_arguments(parser)
-            return extra_args_provider(parser) if extra_args_provider is not None else parser
-        return original_parse(provider, ignore_unknown_args)
-
-    original_validate = arguments.validate_args
-
-    @functools.wraps(original_validate)
-    def validate_args(args, defaults={}):
-        result = original_validate(args, defaults)
+    def activate_from(args) -> None:
         try:
             activate(check_pipemesh_args(args))
         except PipeMeshArgumentError as error:
             fail(error)
+
+    original_parse = arguments.parse_args
+
+    @functools.wraps(original_parse)
+    def parse_args(*args, **kwargs):
+        bound = _bind(original_parse, args, kwargs)
+        if bound is None or "extra_args_provider" not in bound.arguments:
+            return original_parse(*args, **kwargs)
+        caller_provider, parsers = bound.arguments["extra_args_provider"], []
+
+        def provider(parser):
+            parser = add_pipemesh_arguments(parser)
+            parsers.append(parser)
+            return caller_provider(parser) if caller_provider is not None else parser
+        bound.arguments["extra_args_provider"] = provider
+        result = original_parse(*bound.args, **bound.kwargs)
+        if getattr(result, "yaml_cfg", None) is not None and parsers:
+            try:
+                merge_yaml_settings(result, parsers[-1])
+            except PipeMeshArgumentError as error:
+                fail(error)
+        return result
+
+    original_validate = arguments.validate_args
+
+    @functools.wraps(original_validate)
+    def validate_args(args, *rest, **kwargs):
+        result = original_validate(args, *rest, **kwargs)
+        activate_from(args)
         return result
 
     original_getter = schedules.get_forward_backward_func
 
     @functools.wraps(original_getter)
-    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+    def get_forward_backward_func(*args, **kwargs):
         schedule = _STATE["schedule"]
         if schedule is not None:
-            pp = pp_size if pp_size is not None else parallel_state.get_pipeline_model_parallel_world_size()
-            vp = vp_size if vp_size is not None else parallel_state.get_virtual_pipeline_model_parallel_world_size()
-            multimodule = type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection"
-            if pp > 1 and vp is not None and not multimodule:
+            bound = _bind(original_getter, args, kwargs)
+            if bound is not None and routes_to_interleaved(bound.arguments, parallel_state):
                 return schedule
-        return original_getter(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
+        return original_getter(*args, **kwargs)
 
     original_init = parallel_state.initialize_model_parallel
 
@@ -119,11 +215,25 @@ def install() -> None:
     def initialize_model_parallel(*args, **kwargs):
         original_init(*args, **kwargs)
         if _STATE["schedule"] is not None:
-            from .parallel_state import create_pipemesh_groups
-            create_pipemesh_groups()
+            from .parallel_state import create_pipemesh_groups, megatron_group_options
+            bound = _bind(original_init, args, kwargs)
+            create_pipemesh_groups(**(megatron_group_options(**bound.arguments) if bound is not None else {}))
 
     arguments.parse_args = parse_args
     arguments.validate_args = validate_args
+    try:
+        from megatron.training import yaml_arguments
+    except ImportError:  # pragma: no cover - part of megatron.training in 0.19
+        yaml_arguments = None
+    if yaml_arguments is not None:
+        original_validate_yaml = yaml_arguments.validate_yaml
+
+        @functools.wraps(original_validate_yaml)
+        def validate_yaml(args, *rest, **kwargs):
+            result = original_validate_yaml(args, *rest, **kwargs)  # returns a new, flattened namespace
+            activate_from(result)
+            return result
+        yaml_arguments.validate_yaml = validate_yaml
     schedules.get_forward_backward_func = get_forward_backward_func
     pipeline_parallel.get_forward_backward_func = get_forward_backward_func
     parallel_state.initialize_model_parallel = initialize_model_parallel

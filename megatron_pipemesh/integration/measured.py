@@ -5,6 +5,9 @@ training iterations (per-op compute from the runtime's timers, plus short transf
 all-reduce benchmarks on the real groups), prints what it measured, saves it to
 ``--pipemesh-profile`` (if given) and switches to the plan the measured costs give. A later run
 with an existing ``--pipemesh-profile`` file plans from it at start-up and measures nothing.
+
+When the ``auto`` budget was read from the device (no ``--pipemesh-memory-budget-gb``), the same
+wrapper makes the ranks agree on the minimum free memory over all ranks at the first call.
 """
 from __future__ import annotations
 
@@ -36,15 +39,24 @@ def load_profile(path: str) -> Dict[str, float]:
 
 
 class MeasuredReplanner:
-    """Callable wrapper around the PipeMesh schedule that re-plans once from measured costs."""
+    """Callable wrapper around the PipeMesh schedule that re-plans from facts only known in training.
+
+    * ``agree_on_budget``: the start-up plan used this rank's free device memory, which differs between
+      ranks; at the first call (reached by every rank, with process groups) the ranks exchange their
+      budgets and, if they differ, all re-plan for the minimum, so ranks near a threshold agree instead
+      of failing the plan-digest check.
+    * ``measure_iters`` > 0: after that many training calls, re-plan once from measured costs.
+    """
 
     def __init__(self, schedule, make_schedule, analytic_costs_for, budget_bytes: float, pp: int, vpp: int,
                  microbatches: int, measure_iters: int, profile_path: Optional[str], grad_bytes: int,
-                 distributed_optimizer: bool):
+                 distributed_optimizer: bool, costs_for=None, agree_on_budget: bool = False):
         self.schedule, self.make_schedule, self.analytic_costs_for = schedule, make_schedule, analytic_costs_for
+        self.costs_for = costs_for or analytic_costs_for
         self.budget_bytes, self.pp, self.vpp, self.microbatches = budget_bytes, pp, vpp, microbatches
         self.measure_iters, self.profile_path = measure_iters, profile_path
         self.grad_bytes, self.distributed_optimizer = grad_bytes, distributed_optimizer
+        self.agree_on_budget = agree_on_budget
         self.history: List = []
         self.measured: Optional[Dict[str, float]] = None
 
@@ -57,12 +69,36 @@ class MeasuredReplanner:
         return self.schedule.last_stats
 
     def __call__(self, **kwargs):
+        if self.agree_on_budget:
+            self.agree_on_budget = False
+            self._agree_on_budget()
         result = self.schedule(**kwargs)
-        if not kwargs.get("forward_only") and self.measured is None:
+        if self.measure_iters and not kwargs.get("forward_only") and self.measured is None:
             self.history.append(self.schedule.last_stats)
             if len(self.history) >= self.measure_iters:
                 self._replan(kwargs)
         return result
+
+    def _agree_on_budget(self) -> None:
+        import torch.distributed as dist
+
+        budgets: List[Optional[float]] = [None] * dist.get_world_size()
+        dist.all_gather_object(budgets, float(self.budget_bytes))
+        low, high = min(budgets), max(budgets)
+        if low == high:
+            return
+        self.budget_bytes = low
+        rank0 = dist.get_rank() == 0
+        try:
+            best, _ = plan_schedule(self.pp, self.vpp, self.microbatches, self.costs_for, low)
+        except NoFeasiblePlan as error:
+            raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
+                                 f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
+                                 "memory on that device or give --pipemesh-memory-budget-gb") from error
+        self.schedule = self.make_schedule(best.config, dict(best.recompute))
+        if rank0:
+            print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
+                  f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
 
     def _replan(self, kwargs) -> None:
         import torch.distributed as dist
@@ -94,7 +130,7 @@ class MeasuredReplanner:
         try:
             best, _ = plan_schedule(self.pp, self.vpp, self.microbatches,
                                     lambda cfg: with_measured_times(self.analytic_costs_for(cfg), self.measured),
-                                    self.budget_bytes)
+                                    self.budget_bytes)  # the minimum over ranks once agreed
         except NoFeasiblePlan as error:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)

@@ -12,7 +12,18 @@ which comes from the validated plan:
 * ``PARAM_SYNC c`` calls ``param_sync_func[c]``; ``GRAD_SYNC c`` calls ``grad_sync_func[c]``;
   without ``grad_sync_func``, Megatron's ``no_sync_func`` is lifted for each chunk's last backward
   so that DDP's own hooks reduce its gradients; ``finalize_model_grads_func`` runs at the end;
-* every wait has a timeout and failures name the rank, the step and the op;
+* waits on gloo (CPU) have a timeout and failures name the rank, the step, the op and the plan; on
+  NCCL a wait takes no timeout (``work.wait(timeout)`` blocks the host until the transfer is done,
+  which would stop the CPU from running ahead of the GPU): the link groups carry the distributed
+  timeout and NCCL's watchdog ends a stuck job, as with Megatron's own schedules;
+* every transfer uses its link's own process group (:mod:`..integration.parallel_state`); a missing
+  link group is an error, never a fall-back to the shared pipeline group;
+* each call tags its transfers with a call counter (gloo matches tags; NCCL ignores them), so the
+  receives a failed call left posted can never take a later call's data; an exception leaves
+  Megatron usable: ``no_sync`` exited, the ``forward-backward`` timer stopped (on NCCL, where posted
+  receives cannot be cancelled, the next call fails naming the links instead of mismatching data);
+* every op runs inside ``torch.profiler.record_function("PipeMesh <op>")`` so profiler traces show
+  the plan; with ``measure_memory`` or on CUDA, compute ops are also timed with CUDA events;
 * ``PipeMeshOptions.recompute`` chooses per (pipeline rank, chunk, micro-batch) whether a training
   forward keeps its activations, recomputes the attention core or recomputes the whole chunk
   (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`).
@@ -20,6 +31,7 @@ which comes from the validated plan:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,7 +46,7 @@ from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
 from .memory import make_memory_meter
 from .recompute import check_plan, recompute_scope
-from .stats import OpRecord, RuntimeStats
+from .stats import OpClock, OpRecord, RuntimeStats
 
 
 class PipeMeshRuntimeError(RuntimeError):
@@ -52,7 +64,8 @@ class PipeMeshOptions:
     recv_lookahead: int = 1
     """Post each receive this many compute ops before its consumer."""
     p2p_timeout_s: Optional[float] = None
-    """Timeout of every wait on a pipeline transfer; None uses 30 minutes (Megatron's default distributed timeout)."""
+    """Timeout of every wait on a gloo pipeline transfer (NCCL waits use the link group's timeout); None uses
+    30 minutes."""
     check_plan_across_ranks: bool = True
     """Compare the plan digest across all ranks on first use (one all-gather) and fail on mismatch."""
     recompute: Optional[Mapping[Tuple[int, int, int], str]] = None
@@ -61,6 +74,24 @@ class PipeMeshOptions:
     measure_memory: bool = False
     """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
+
+
+TAG_LIMIT = 1 << 30
+"""Transfer tags cycle below this (gloo tags are 32-bit)."""
+
+
+def timed_waits(backend: str, device: torch.device) -> bool:
+    """Whether waits on a group with ``backend`` for tensors on ``device`` may carry a timeout.
+
+    Only gloo: its transfers run on the host, so a timed wait costs nothing and turns a dead peer into a
+    clear error. On NCCL ``work.wait(timeout)`` blocks the host until the transfer has finished (an
+    untimed wait only makes the current stream wait), so the runtime relies on the group's timeout and
+    NCCL's watchdog there. ``backend`` may be a device map such as ``"cpu:gloo,cuda:nccl"``.
+    """
+    if ":" in backend:
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        backend = per_device.get(torch.device(device).type, "")
+    return backend == "gloo"
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -76,9 +107,16 @@ class PipeMeshSchedule:
                  p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
         check_plan(options.recompute)
         self.options = options
+        if p2p_groups is None:  # the per-link groups of integration.parallel_state (created on first use)
+            from ..integration.parallel_state import get_pipemesh_p2p_groups as p2p_groups
         self._p2p_groups = p2p_groups
         self._plans: Dict[tuple, LoweredSchedule] = {}
         self._checked: set = set()
+        self._calls = itertools.count()
+        self._stuck_links: List[str] = []
+        """Links whose posted NCCL receives a failed call could not cancel (the next call fails on them)."""
+        self.abandoned_receives = 0
+        """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
         self.last_stats: Optional[RuntimeStats] = None
 
     # Planning ------------------------------------------------------------------------------
@@ -133,14 +171,19 @@ class PipeMeshSchedule:
         if adjust_tensor_shapes_fn is not None:
             raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
         config = get_model_config(model[0])
-        if getattr(config, "variable_seq_lengths", False):
-            raise PipeMeshRuntimeError("variable_seq_lengths is not supported by the PipeMesh runtime yet")
+        from ..integration.unsupported import check_model_config
+        check_model_config(config)  # features the stock interleaved schedule handles and this one does not
+        if self._stuck_links:
+            raise PipeMeshRuntimeError(
+                f"rank {dist.get_rank()}: an earlier call of the PipeMesh schedule failed with NCCL receives posted on "
+                f"{', '.join(self._stuck_links)}; NCCL cannot cancel them, so these links would hand later data to "
+                "the wrong receive. Restart the job (e.g. from the last checkpoint)")
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         run = _Run(self, config, mcore, model, data_iterator, forward_step_func, num_microbatches, seq_length,
                    micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection, pp_group,
-                   force_all_reduce)
+                   force_all_reduce, tag=next(self._calls) % TAG_LIMIT)
         return run.execute()
 
 
@@ -149,7 +192,7 @@ class _Run:
 
     def __init__(self, owner: PipeMeshSchedule, config, mcore, model, data_iterator, forward_step_func, num_microbatches,
                  seq_length, micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection,
-                 pp_group, force_all_reduce):
+                 pp_group, force_all_reduce, tag: int = 0):
         self.owner, self.config, self.mcore, self.model = owner, config, mcore, model
         self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
         self.m, self.forward_only, self.collect_non_loss_data = num_microbatches, forward_only, collect_non_loss_data
@@ -170,6 +213,10 @@ class _Run:
         self.dtype = config.pipeline_dtype or torch.float32
         timeout = owner.options.p2p_timeout_s
         self.timeout = timedelta(seconds=timeout if timeout is not None else 30 * 60)
+        self.tag = tag
+        self.timed = timed_waits(dist.get_backend(pp_group), self.device)
+        self.clock = OpClock(self.device)
+        self.timer_started = False
 
         # Megatron disables the DP hooks entirely for forward-only passes.
         self.grad_sync_func = None if forward_only else config.grad_sync_func
@@ -204,8 +251,7 @@ class _Run:
         for op in self.program:
             if op.kind is OpKind.BACKWARD:
                 self.last_backward[op.chunk] = op
-        groups = owner._p2p_groups() if owner._p2p_groups is not None else None
-        self.p2p_groups = groups or {}
+        self.p2p_groups = owner._p2p_groups() if any(op.kind.is_p2p for op in self.program) else {}
         self.recompute = None if forward_only else owner.options.recompute
         self.meter = None
         if owner.options.measure_memory and not forward_only:
@@ -227,13 +273,24 @@ class _Run:
         return (f"rank {self.rank} (pipeline rank {self.pp_rank}), step {step} ({op}) of plan "
                 f"{self.schedule.digest()} [{self.schedule.config.describe()}]")
 
-    def _group_for(self, direction: str, src_pp: int, dst_pp: int):
+    def _group_for(self, direction: str, src_pp: int, dst_pp: int, step: int, op: Op):
         key = (direction, self.pp_ranks[src_pp], self.pp_ranks[dst_pp])
-        return self.p2p_groups.get(key, self.pp_group)
+        group = (self.p2p_groups or {}).get(key)
+        if group is None:
+            raise PipeMeshRuntimeError(
+                f"{self._where(step, op)}: no process group for the pipeline link {key[0]} {key[1]}->{key[2]} "
+                f"({'activations' if direction == 'F' else 'gradients'} from global rank {key[1]} to {key[2]}). "
+                "PipeMesh sends each link's transfers on the link's own group; call megatron_pipemesh.install() before "
+                "Megatron's initialize_model_parallel (or megatron_pipemesh.integration.parallel_state."
+                "create_pipemesh_groups() on every rank after it)")
+        return group
 
     def _wait(self, work, step: int, op: Op, what: str) -> None:
         try:
-            completed = work.wait(self.timeout)
+            # gloo: a timed wait turns a dead peer into an error naming rank, step and op. NCCL: no timeout,
+            # which only makes the current stream wait (a timed wait would block the host until the transfer
+            # ends); the link group's timeout and NCCL's watchdog end a stuck job as in Megatron's schedules.
+            completed = work.wait(self.timeout) if self.timed else work.wait()
         except Exception as error:  # the backend reports dead peers and timeouts as RuntimeError
             raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} failed: {error}") from error
         if completed is False:
@@ -268,71 +325,111 @@ class _Run:
             embedding_module = mcore.clear_embedding_activation_buffer(config, model, self.pp_rank == self.pp - 1)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        self._disable_grad_sync()
+            self.timer_started = True
+        self.recvs: Dict[Op, Tuple[object, torch.Tensor, str]] = {}
+        self.pending_sends = []
+        try:
+            self._disable_grad_sync()
+            forward_data_store = self._run_program(stats, embedding_module)
+        except BaseException as error:
+            self._abandon(error)
+            raise
+        self.owner.last_stats = stats
+        return forward_data_store
+
+    def _abandon(self, error: BaseException) -> None:
+        """Leave Megatron as the call found it after ``error``: DDP's ``no_sync`` exited, the
+        ``forward-backward`` timer stopped, and posted receives accounted for (see the module docstring)."""
+        if self.no_sync_context is not None:
+            context, self.no_sync_context = self.no_sync_context, None
+            with contextlib.suppress(Exception):
+                context.__exit__(type(error), error, error.__traceback__)
+        if self.timer_started:
+            self.timer_started = False
+            with contextlib.suppress(Exception):
+                self.config.timers("forward-backward").stop()
+        if self.recvs:
+            self.owner.abandoned_receives += len(self.recvs)
+            if not self.timed:
+                self.owner._stuck_links.extend(sorted({link for _, _, link in self.recvs.values()}))
+        self.recvs, self.pending_sends = {}, []
+
+    def _op_range(self, op: Op):
+        return torch.profiler.record_function(f"PipeMesh {op}")
+
+    def _run_program(self, stats: RuntimeStats, embedding_module):
+        mcore, config, model = self.mcore, self.config, self.model
         synced = set()
         inputs: Dict[Op, Optional[torch.Tensor]] = {}
         outputs: Dict[Op, torch.Tensor] = {}
         input_grads: Dict[Op, torch.Tensor] = {}
-        recvs: Dict[Op, Tuple[object, torch.Tensor]] = {}
-        self.pending_sends = []
+        recvs = self.recvs
         forward_data_store: List = []
         total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         begin = time.perf_counter()
 
         for step, op in enumerate(self.program):
-            start = time.perf_counter()
+            start, start_event = self.clock.mark() if op.kind.is_compute else (time.perf_counter(), None)
+            events = None
             wait_s = compute_s = 0.0
             kind = op.kind
-            if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
-                forward = kind is OpKind.RECV_FORWARD
-                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
-                group = self._group_for("F" if forward else "B", op.peer, self.pp_rank)
-                recvs[op.compute] = (dist.irecv(buffer, src=self.pp_ranks[op.peer], group=group), buffer)
-            elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
-                forward = kind is OpKind.SEND_FORWARD
-                if forward:  # training keeps the output (its graph) for the backward
-                    tensor = outputs.pop(op.compute) if self.forward_only else outputs[op.compute]
-                else:
-                    tensor = input_grads.pop(op.compute)
-                group = self._group_for("F" if forward else "B", self.pp_rank, op.peer)
-                work = dist.isend(tensor.detach(), dst=self.pp_ranks[op.peer], group=group)
-                self.pending_sends.append((work, tensor, forward, op))
-            elif kind is OpKind.PARAM_SYNC:
-                self.param_sync_func[op.chunk](model[op.chunk].parameters())
-            elif kind is OpKind.GRAD_SYNC:
-                self._enable_grad_sync()
-                self.grad_sync_func[op.chunk](model[op.chunk].parameters())
-                synced.add(op.chunk)
-                self._disable_grad_sync()
-            else:
-                received = None
-                if op in recvs:
-                    work, received = recvs.pop(op)
-                    self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}")
-                wait_s = time.perf_counter() - start
-                if kind is OpKind.FORWARD:
-                    output, num_tokens = self._forward(op, received, forward_data_store)
-                    total_num_tokens += num_tokens
-                    if not self.forward_only:
-                        inputs[op], outputs[op] = received, output
-                    elif op in self.sent:
-                        outputs[op] = output  # until its SEND; evaluation keeps nothing else
-                else:
-                    forward_op = F(op.chunk, op.microbatch)
-                    if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
-                        self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
-                        synced.add(op.chunk)
-                    # Megatron's custom_backward expects the sent output already deallocated.
-                    self._drain_sends(block=False, step=step, only=forward_op)
-                    with self._recompute(op):  # the backward's replay takes the forward's path
-                        grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
-                    if self.meter is not None:
-                        self.meter.release((op.chunk, op.microbatch))
+            with self._op_range(op):
+                if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
+                    forward = kind is OpKind.RECV_FORWARD
+                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
+                    group = self._group_for("F" if forward else "B", op.peer, self.pp_rank, step, op)
+                    link = f"{'F' if forward else 'B'} {self.pp_ranks[op.peer]}->{self.rank}"
+                    work = dist.irecv(buffer, src=self.pp_ranks[op.peer], group=group, tag=self.tag)
+                    recvs[op.compute] = (work, buffer, link)
+                elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
+                    forward = kind is OpKind.SEND_FORWARD
+                    if forward:  # training keeps the output (its graph) for the backward
+                        tensor = outputs.pop(op.compute) if self.forward_only else outputs[op.compute]
+                    else:
+                        tensor = input_grads.pop(op.compute)
+                    group = self._group_for("F" if forward else "B", self.pp_rank, op.peer, step, op)
+                    work = dist.isend(tensor.detach(), dst=self.pp_ranks[op.peer], group=group, tag=self.tag)
+                    self.pending_sends.append((work, tensor, forward, op))
+                elif kind is OpKind.PARAM_SYNC:
+                    self.param_sync_func[op.chunk](model[op.chunk].parameters())
+                elif kind is OpKind.GRAD_SYNC:
+                    self._enable_grad_sync()
+                    self.grad_sync_func[op.chunk](model[op.chunk].parameters())
+                    synced.add(op.chunk)
                     self._disable_grad_sync()
-                    if grad is not None:
-                        input_grads[op] = grad
-                compute_s = time.perf_counter() - start - wait_s
-            stats.records.append(OpRecord(step, str(op), start - begin, wait_s, compute_s))
+                else:
+                    received = None
+                    if op in recvs:
+                        work, received, _ = recvs.pop(op)
+                        self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}")
+                    ready, ready_event = self.clock.mark()
+                    wait_s = ready - start
+                    if kind is OpKind.FORWARD:
+                        output, num_tokens = self._forward(op, received, forward_data_store)
+                        total_num_tokens += num_tokens
+                        if not self.forward_only:
+                            inputs[op], outputs[op] = received, output
+                        elif op in self.sent:
+                            outputs[op] = output  # until its SEND; evaluation keeps nothing else
+                    else:
+                        forward_op = F(op.chunk, op.microbatch)
+                        if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
+                            self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
+                            synced.add(op.chunk)
+                        # Megatron's custom_backward expects the sent output already deallocated.
+                        self._drain_sends(block=False, step=step, only=forward_op)
+                        with self._recompute(op):  # the backward's replay takes the forward's path
+                            grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
+                        if self.meter is not None:
+                            self.meter.release((op.chunk, op.microbatch))
+                        self._disable_grad_sync()
+                        if grad is not None:
+                            input_grads[op] = grad
+                    end, end_event = self.clock.mark()
+                    compute_s = end - ready
+                    if start_event is not None:
+                        events = (start_event, ready_event, end_event)
+            stats.records.append(OpRecord(step, str(op), start - begin, wait_s, compute_s, events))
             self._drain_sends(block=False, step=step)
 
         drain = time.perf_counter()
@@ -354,7 +451,8 @@ class _Run:
                 model, total_num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
             stats.dp_sync_s = time.perf_counter() - finalize
-        if config.timers is not None:
+        if self.timer_started:
+            self.timer_started = False
             config.timers("forward-backward").stop()
         stats.total_s = time.perf_counter() - begin
         if self.meter is not None:
@@ -362,7 +460,6 @@ class _Run:
             stats.peak_activation_bytes = int(self.meter.peak_bytes)
             stats.saved_bytes = {key: int(v) for key, v in self.meter.saved_bytes.items()}
             stats.output_bytes = {key: int(v) for key, v in self.meter.tracked_bytes.items()}
-        self.owner.last_stats = stats
         return forward_data_store
 
     def _recompute(self, op: Op):

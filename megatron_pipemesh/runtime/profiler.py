@@ -1,6 +1,6 @@
 """Measured cost inputs for the planner: per-op compute times from the runtime's timers of the
-first iterations, plus short micro-benchmarks of a pipeline transfer and a data-parallel
-all-reduce on the real process groups.
+first iterations (GPU times from CUDA events on CUDA, see :mod:`.stats`), plus short
+micro-benchmarks of a pipeline transfer and a data-parallel all-reduce on the real process groups.
 
 Every rank measures locally; :func:`measure_costs` then gathers all ranks' numbers so that every
 rank builds the same :class:`~megatron_pipemesh.planning.costs.OpCosts` (the planner is
@@ -27,7 +27,7 @@ def compute_medians(history: Sequence[RuntimeStats], vpp: int, pp_rank: int, pp:
     (embedding), the last stage (output layer and loss) and the others."""
     buckets: Dict[str, List[float]] = {}
     for stats in history:
-        for record in stats.records:
+        for record in stats.resolve().records:  # CUDA-event (GPU) times on CUDA, host times on CPU
             kind = record.op[0]
             if kind not in ("F", "B"):
                 continue
@@ -39,7 +39,13 @@ def compute_medians(history: Sequence[RuntimeStats], vpp: int, pp_rank: int, pp:
 
 
 def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> float:
-    """Median seconds to pass one activation to the next pipeline rank (all ranks at once)."""
+    """Median seconds to pass one activation to the next pipeline rank (all ranks at once).
+
+    Each rank's send to the next rank and receive from the previous one go out as one
+    ``batch_isend_irecv`` (one NCCL group call), so no rank waits for its send to complete before
+    posting its receive: the unbatched order deadlocks for large messages, which Megatron avoids the
+    same way (or by even/odd ordering).
+    """
     pp, rank = pp_group.size(), pp_group.rank()
     ranks = dist.get_process_group_ranks(pp_group)
     send = torch.ones(shape, dtype=dtype, device=device)
@@ -47,12 +53,14 @@ def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> 
     times = []
     for _ in range(repeats + 1):
         dist.barrier(group=pp_group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        works = [dist.isend(send, ranks[(rank + 1) % pp], group=pp_group),
-                 dist.irecv(recv, ranks[(rank - 1) % pp], group=pp_group)]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, ranks[(rank + 1) % pp], group=pp_group),
+                                        dist.P2POp(dist.irecv, recv, ranks[(rank - 1) % pp], group=pp_group)])
         for work in works:
             work.wait()
-        if device.type == "cuda":
+        if device.type == "cuda":  # wall time of the transfer itself, not of its launch
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return _median(times[1:])

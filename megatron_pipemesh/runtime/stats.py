@@ -1,8 +1,18 @@
-"""Per-op timers of one executed iteration, read by benchmarks and the planner's calibration."""
+"""Per-op timers of one executed iteration, read by benchmarks and the planner's calibration.
+
+On CPU an op's times are host wall-clock (``perf_counter``), which is when the work happens. On
+CUDA the host only launches kernels, so :class:`OpClock` also records CUDA events around each op on
+the current stream and the op's ``wait_s``/``compute_s`` become GPU times. The events are read
+lazily (:meth:`RuntimeStats.resolve`, called by every reader), so timing adds no host
+synchronisation to the iteration itself.
+"""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 
 @dataclass
@@ -10,11 +20,30 @@ class OpRecord:
     step: int
     op: str
     start_s: float
-    """Wall-clock start relative to the iteration start."""
+    """Host wall-clock start relative to the iteration start."""
     wait_s: float
-    """Time spent waiting for the op's received input (compute ops) before computing."""
+    """Time spent waiting for the op's received input (compute ops) before computing: host time on CPU,
+    GPU time (the stream waiting for the transfer) on CUDA."""
     compute_s: float
-    """Time spent in forward_step / backward_step (0 for communication ops)."""
+    """Time spent in forward_step / backward_step (0 for communication ops): host time on CPU, GPU time
+    on CUDA."""
+    events: Optional[Tuple[Any, Any, Any]] = None
+    """CUDA events (start, input ready, end) until :meth:`RuntimeStats.resolve` reads them; None on CPU."""
+
+
+class OpClock:
+    """Times one op: host ``perf_counter`` always, plus CUDA events on a CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self) -> Tuple[float, Any]:
+        """(host time, CUDA event recorded on the current stream or None)."""
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
 
 
 @dataclass
@@ -40,18 +69,33 @@ class RuntimeStats:
     """Bytes each (chunk, micro-batch) forward kept for its backward."""
     output_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
     """Bytes of each (chunk, micro-batch) output the runtime held beyond its saved tensors (CPU meter)."""
+    time_source: str = "host"
+    """'host' (perf_counter) or 'cuda-events' (GPU times of compute ops)."""
+
+    def resolve(self) -> "RuntimeStats":
+        """Turn recorded CUDA events into seconds (waits for the last one); a no-op on CPU."""
+        pending = [r for r in self.records if r.events is not None]
+        if pending:
+            pending[-1].events[2].synchronize()
+            for record in pending:
+                start, ready, end = record.events
+                record.wait_s = start.elapsed_time(ready) / 1e3
+                record.compute_s = ready.elapsed_time(end) / 1e3
+                record.events = None
+            self.time_source = "cuda-events"
+        return self
 
     @property
     def forward_s(self) -> float:
-        return sum(r.compute_s for r in self.records if r.op.startswith("F"))
+        return sum(r.compute_s for r in self.resolve().records if r.op.startswith("F"))
 
     @property
     def backward_s(self) -> float:
-        return sum(r.compute_s for r in self.records if r.op.startswith("B"))
+        return sum(r.compute_s for r in self.resolve().records if r.op.startswith("B"))
 
     @property
     def recv_wait_s(self) -> float:
-        return sum(r.wait_s for r in self.records)
+        return sum(r.wait_s for r in self.resolve().records)
 
     def summary(self) -> Dict[str, float]:
         return {"total_s": self.total_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
