@@ -147,6 +147,81 @@ def merge_yaml_settings(args, parser, argv=None) -> None:
         setattr(args, action.dest, value)
 
 
+def _activate_from(args) -> None:
+    from .flags import PipeMeshArgumentError, check_pipemesh_args, fail
+
+    try:
+        activate(check_pipemesh_args(args))
+    except PipeMeshArgumentError as error:
+        fail(error)
+
+
+def wrap_parse_args(original):
+    """``parse_args`` that chains PipeMesh's flags into ``extra_args_provider`` (and, with ``--yaml-cfg``,
+    merges PipeMesh's settings into the YAML namespace); any other argument passes through."""
+    from .flags import PipeMeshArgumentError, add_pipemesh_arguments, fail
+
+    @functools.wraps(original)
+    def parse_args(*args, **kwargs):
+        bound = _bind(original, args, kwargs)
+        if bound is None or "extra_args_provider" not in bound.arguments:
+            return original(*args, **kwargs)
+        caller_provider, parsers = bound.arguments["extra_args_provider"], []
+
+        def provider(parser):
+            parser = add_pipemesh_arguments(parser)
+            parsers.append(parser)
+            return caller_provider(parser) if caller_provider is not None else parser
+        bound.arguments["extra_args_provider"] = provider
+        result = original(*bound.args, **bound.kwargs)
+        if getattr(result, "yaml_cfg", None) is not None and parsers:
+            try:
+                merge_yaml_settings(result, parsers[-1])
+            except PipeMeshArgumentError as error:
+                fail(error)
+        return result
+    return parse_args
+
+
+def wrap_validator(original):
+    """``validate_args`` / ``validate_yaml`` followed by PipeMesh's validation and activation (of the
+    namespace the validator returns: ``validate_yaml`` returns a new, flattened one)."""
+    @functools.wraps(original)
+    def validate(args, *rest, **kwargs):
+        result = original(args, *rest, **kwargs)
+        _activate_from(result if result is not None else args)
+        return result
+    return validate
+
+
+def wrap_getter(original, parallel_state):
+    """``get_forward_backward_func`` returning the active PipeMesh schedule where Megatron's rule picks
+    its interleaved schedule (:func:`routes_to_interleaved`); otherwise Megatron's answer."""
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = _STATE["schedule"]
+        if schedule is not None:
+            bound = _bind(original, args, kwargs)
+            if bound is not None and routes_to_interleaved(bound.arguments, parallel_state):
+                return schedule
+        return original(*args, **kwargs)
+    return get_forward_backward_func
+
+
+def wrap_initialize(original):
+    """``initialize_model_parallel`` that then creates and warms up the per-link groups with the call's
+    timeout, backend and NCCL options (when PipeMesh is active)."""
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if _STATE["schedule"] is not None:
+            from .parallel_state import create_pipemesh_groups, megatron_group_options
+            bound = _bind(original, args, kwargs)
+            create_pipemesh_groups(**(megatron_group_options(**bound.arguments) if bound is not None else {}))
+        return result
+    return initialize_model_parallel
+
+
 def install() -> None:
     """Patch Megatron's argument parsing and schedule selection (idempotent)."""
     if _STATE["installed"]:
@@ -158,88 +233,18 @@ def install() -> None:
     from megatron.core import parallel_state
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
-    from megatron.training import arguments
+    from megatron.training import arguments, yaml_arguments
 
-    from .flags import PipeMeshArgumentError, add_pipemesh_arguments, check_pipemesh_args, fail
-
-    def activate_from(args) -> None:
-        try:
-            activate(check_pipemesh_args(args))
-        except PipeMeshArgumentError as error:
-            fail(error)
-
-    original_parse = arguments.parse_args
-
-    @functools.wraps(original_parse)
-    def parse_args(*args, **kwargs):
-        bound = _bind(original_parse, args, kwargs)
-        if bound is None or "extra_args_provider" not in bound.arguments:
-            return original_parse(*args, **kwargs)
-        caller_provider, parsers = bound.arguments["extra_args_provider"], []
-
-        def provider(parser):
-            parser = add_pipemesh_arguments(parser)
-            parsers.append(parser)
-            return caller_provider(parser) if caller_provider is not None else parser
-        bound.arguments["extra_args_provider"] = provider
-        result = original_parse(*bound.args, **bound.kwargs)
-        if getattr(result, "yaml_cfg", None) is not None and parsers:
-            try:
-                merge_yaml_settings(result, parsers[-1])
-            except PipeMeshArgumentError as error:
-                fail(error)
-        return result
-
-    original_validate = arguments.validate_args
-
-    @functools.wraps(original_validate)
-    def validate_args(args, *rest, **kwargs):
-        result = original_validate(args, *rest, **kwargs)
-        activate_from(args)
-        return result
-
-    original_getter = schedules.get_forward_backward_func
-
-    @functools.wraps(original_getter)
-    def get_forward_backward_func(*args, **kwargs):
-        schedule = _STATE["schedule"]
-        if schedule is not None:
-            bound = _bind(original_getter, args, kwargs)
-            if bound is not None and routes_to_interleaved(bound.arguments, parallel_state):
-                return schedule
-        return original_getter(*args, **kwargs)
-
-    original_init = parallel_state.initialize_model_parallel
-
-    @functools.wraps(original_init)
-    def initialize_model_parallel(*args, **kwargs):
-        original_init(*args, **kwargs)
-        if _STATE["schedule"] is not None:
-            from .parallel_state import create_pipemesh_groups, megatron_group_options
-            bound = _bind(original_init, args, kwargs)
-            create_pipemesh_groups(**(megatron_group_options(**bound.arguments) if bound is not None else {}))
-
-    arguments.parse_args = parse_args
-    arguments.validate_args = validate_args
-    try:
-        from megatron.training import yaml_arguments
-    except ImportError:  # pragma: no cover - part of megatron.training in 0.19
-        yaml_arguments = None
-    if yaml_arguments is not None:
-        original_validate_yaml = yaml_arguments.validate_yaml
-
-        @functools.wraps(original_validate_yaml)
-        def validate_yaml(args, *rest, **kwargs):
-            result = original_validate_yaml(args, *rest, **kwargs)  # returns a new, flattened namespace
-            activate_from(result)
-            return result
-        yaml_arguments.validate_yaml = validate_yaml
-    schedules.get_forward_backward_func = get_forward_backward_func
-    pipeline_parallel.get_forward_backward_func = get_forward_backward_func
-    parallel_state.initialize_model_parallel = initialize_model_parallel
+    arguments.parse_args = wrap_parse_args(arguments.parse_args)
+    arguments.validate_args = wrap_validator(arguments.validate_args)
+    yaml_arguments.validate_yaml = wrap_validator(yaml_arguments.validate_yaml)  # --yaml-cfg bypasses validate_args
+    getter = wrap_getter(schedules.get_forward_backward_func, parallel_state)
+    schedules.get_forward_backward_func = getter
+    pipeline_parallel.get_forward_backward_func = getter
+    parallel_state.initialize_model_parallel = wrap_initialize(parallel_state.initialize_model_parallel)
     try:
         from megatron.training import training
-        training.get_forward_backward_func = get_forward_backward_func
+        training.get_forward_backward_func = getter
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass
     _STATE["installed"] = True

@@ -1,0 +1,100 @@
+"""The executor's GPU-path decisions, pinned on CPU with recording stand-ins (no process group needed)."""
+from datetime import timedelta
+
+import pytest
+import torch
+
+from megatron_pipemesh.runtime.executor import PipeMeshRuntimeError, _Run, timed_waits
+from megatron_pipemesh.runtime.stats import OpRecord, RuntimeStats
+from megatron_pipemesh.schedule.ops import Op, OpKind
+
+
+class RecordingWork:
+    """Stands in for a c10d Work: records how it was waited on."""
+
+    def __init__(self, completes=True):
+        self.calls = []
+        self.completes = completes
+
+    def wait(self, *args):
+        self.calls.append(args)
+        return self.completes
+
+    def is_completed(self):
+        return True
+
+
+def _run(backend: str, device: str = "cpu", groups=None):
+    run = _Run.__new__(_Run)  # only the fields the helpers read
+    run.timed = timed_waits(backend, torch.device(device))
+    run.timeout = timedelta(seconds=7)
+    run.rank, run.pp_rank, run.pp_ranks = 3, 1, [2, 3]
+    run.p2p_groups = groups if groups is not None else {}
+
+    class Plan:
+        def digest(self):
+            return "abc123"
+
+        class config:
+            @staticmethod
+            def describe():
+                return "p=2 V=2 m=4"
+    run.schedule = Plan()
+    return run
+
+
+@pytest.mark.parametrize("backend,device,timed", [
+    ("gloo", "cpu", True), ("nccl", "cuda", False), ("cpu:gloo,cuda:nccl", "cuda", False),
+    ("cpu:gloo,cuda:nccl", "cpu", True), ("ucc", "cuda", False)])
+def test_only_gloo_waits_carry_a_timeout(backend, device, timed):
+    """NCCL (and any non-gloo) work is waited on without a timeout; gloo work with one."""
+    assert timed_waits(backend, torch.device(device)) is timed
+
+
+def test_nccl_wait_has_no_timeout_and_gloo_wait_has_one():
+    """The executor's wait passes no timeout on NCCL (a timed NCCL wait blocks the host) and the
+    configured timeout on gloo."""
+    op = Op(OpKind.FORWARD, 1, 2)
+    nccl, gloo = RecordingWork(), RecordingWork()
+    _run("nccl", "cuda")._wait(nccl, 5, op, "receive")
+    _run("gloo")._wait(gloo, 5, op, "receive")
+    assert nccl.calls == [()]
+    assert gloo.calls == [(timedelta(seconds=7),)]
+
+
+def test_gloo_timeout_names_rank_step_op_and_plan():
+    """A gloo wait that times out raises naming the rank, pipeline rank, step, op and plan digest."""
+    with pytest.raises(PipeMeshRuntimeError) as info:
+        _run("gloo")._wait(RecordingWork(completes=False), 5, Op(OpKind.FORWARD, 1, 2), "receive of its input")
+    text = str(info.value)
+    for part in ("rank 3 (pipeline rank 1)", "step 5", "F1.2", "abc123", "timed out after 7 s"):
+        assert part in text
+
+
+def test_missing_link_group_is_an_error_naming_the_link():
+    """No silent fall-back to the shared pipeline group: a missing link group raises naming the link."""
+    run = _run("gloo", groups={("F", 2, 3): "group-F-2-3"})
+    op = Op(OpKind.RECV_FORWARD, 0, 0, peer=0)
+    assert run._group_for("F", 0, 1, 4, op) == "group-F-2-3"
+    with pytest.raises(PipeMeshRuntimeError) as info:
+        run._group_for("B", 1, 0, 4, Op(OpKind.SEND_BACKWARD, 0, 0, peer=0))
+    assert "pipeline link B 3->2" in str(info.value) and "install()" in str(info.value)
+
+
+def test_stats_resolve_reads_cuda_style_events_lazily():
+    """Compute times come from the (start, ready, end) events when present, read only on demand."""
+    class Event:
+        def __init__(self, ms):
+            self.ms, self.synced = ms, False
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            self.synced = True
+    events = (Event(0.0), Event(2.0), Event(12.0))
+    stats = RuntimeStats(0, 0, "d", False, [OpRecord(0, "F0.0", 0.0, 0.5, 0.5, events)])
+    assert stats.records[0].compute_s == 0.5  # not read yet: no synchronisation happened
+    assert stats.forward_s == pytest.approx(0.010)
+    assert stats.records[0].wait_s == pytest.approx(0.002)
+    assert events[2].synced and stats.time_source == "cuda-events"
