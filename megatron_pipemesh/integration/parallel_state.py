@@ -47,7 +47,7 @@ def pipeline_links(pipelines: Sequence[Sequence[int]]) -> List[LinkKey]:
     unfinished link always has both of its ranks waiting on it.
     """
     links = []
-    for ranks in sorted(tuple(r) for r in pipelines):
+    for ranks in sorted({tuple(r) for r in pipelines}):  # each rank reports its own pipeline
         p = len(ranks)
         if p < 2:
             continue

@@ -113,8 +113,9 @@ class PipeMeshSchedule:
         self._plans: Dict[tuple, LoweredSchedule] = {}
         self._checked: set = set()
         self._calls = itertools.count()
-        self._stuck_links: List[str] = []
-        """Links whose posted NCCL receives a failed call could not cancel (the next call fails on them)."""
+        self._broken_links: List[str] = []
+        """Links a failed call left unusable: a gloo wait that timed out or failed (gloo closes the link's
+        connection) or posted NCCL receives (NCCL cannot cancel them). The next call fails naming them."""
         self.abandoned_receives = 0
         """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
         self.last_stats: Optional[RuntimeStats] = None
@@ -173,11 +174,12 @@ class PipeMeshSchedule:
         config = get_model_config(model[0])
         from ..integration.unsupported import check_model_config
         check_model_config(config)  # features the stock interleaved schedule handles and this one does not
-        if self._stuck_links:
+        if self._broken_links:
             raise PipeMeshRuntimeError(
-                f"rank {dist.get_rank()}: an earlier call of the PipeMesh schedule failed with NCCL receives posted on "
-                f"{', '.join(self._stuck_links)}; NCCL cannot cancel them, so these links would hand later data to "
-                "the wrong receive. Restart the job (e.g. from the last checkpoint)")
+                f"rank {dist.get_rank()}: an earlier call of the PipeMesh schedule failed and left the pipeline links "
+                f"{', '.join(sorted(set(self._broken_links)))} unusable (a timed-out gloo transfer closes its link; "
+                "posted NCCL receives cannot be cancelled and would take later data). Restart the job (e.g. from the "
+                "last checkpoint)")
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
@@ -285,15 +287,17 @@ class _Run:
                 "create_pipemesh_groups() on every rank after it)")
         return group
 
-    def _wait(self, work, step: int, op: Op, what: str) -> None:
+    def _wait(self, work, step: int, op: Op, what: str, link: str = "") -> None:
         try:
             # gloo: a timed wait turns a dead peer into an error naming rank, step and op. NCCL: no timeout,
             # which only makes the current stream wait (a timed wait would block the host until the transfer
             # ends); the link group's timeout and NCCL's watchdog end a stuck job as in Megatron's schedules.
             completed = work.wait(self.timeout) if self.timed else work.wait()
         except Exception as error:  # the backend reports dead peers and timeouts as RuntimeError
+            self.owner._broken_links.append(link)
             raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} failed: {error}") from error
         if completed is False:
+            self.owner._broken_links.append(link)
             raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} timed out after {self.timeout.total_seconds():.0f} s")
 
     def _drain_sends(self, block: bool, step: int, only: Optional[Op] = None) -> None:
@@ -303,7 +307,8 @@ class _Run:
         for work, tensor, dealloc, op in self.pending_sends:
             mine = only is None or op.compute == only
             if mine and (block or only is not None):
-                self._wait(work, step, op, f"send to pipeline rank {op.peer}")
+                link = f"{'F' if op.kind is OpKind.SEND_FORWARD else 'B'} {self.rank}->{self.pp_ranks[op.peer]}"
+                self._wait(work, step, op, f"send to pipeline rank {op.peer}", link)
             if mine and (block or only is not None or work.is_completed()):
                 if dealloc:
                     self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
@@ -348,10 +353,17 @@ class _Run:
             self.timer_started = False
             with contextlib.suppress(Exception):
                 self.config.timers("forward-backward").stop()
+            # Megatron's forward_step/backward_step leave their own timer running when the step raises,
+            # and its Timer.start asserts on the next call.
+            for name in ("forward-compute", "backward-compute"):
+                with contextlib.suppress(Exception):
+                    timer = self.config.timers(name, log_level=2)
+                    if getattr(timer, "_started", False):
+                        timer.stop()
         if self.recvs:
             self.owner.abandoned_receives += len(self.recvs)
             if not self.timed:
-                self.owner._stuck_links.extend(sorted({link for _, _, link in self.recvs.values()}))
+                self.owner._broken_links.extend(link for _, _, link in self.recvs.values())
         self.recvs, self.pending_sends = {}, []
 
     def _op_range(self, op: Op):
@@ -400,8 +412,9 @@ class _Run:
                 else:
                     received = None
                     if op in recvs:
-                        work, received, _ = recvs.pop(op)
-                        self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}")
+                        work, received, link = recvs.pop(op)
+                        self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}",
+                                   link)
                     ready, ready_event = self.clock.mark()
                     wait_s = ready - start
                     if kind is OpKind.FORWARD:

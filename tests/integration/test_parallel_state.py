@@ -45,6 +45,7 @@ def test_shared_link_order_cannot_deadlock(pipelines):
     p = len(pipelines[0])
     assert len(order) == len(set(order)) == 2 * p * len(pipelines)
     assert order == pipeline_links(list(reversed(pipelines)))  # the same on every rank, whatever it gathered
+    assert order == pipeline_links([ranks for ranks in pipelines for _ in ranks])  # one report per rank
     assert _blocking_run(_per_rank(order))
 
 

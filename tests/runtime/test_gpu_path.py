@@ -1,5 +1,6 @@
 """The executor's GPU-path decisions, pinned on CPU with recording stand-ins (no process group needed)."""
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def _run(backend: str, device: str = "cpu", groups=None):
     run.timeout = timedelta(seconds=7)
     run.rank, run.pp_rank, run.pp_ranks = 3, 1, [2, 3]
     run.p2p_groups = groups if groups is not None else {}
+    run.owner = SimpleNamespace(_broken_links=[])
 
     class Plan:
         def digest(self):
@@ -63,12 +65,15 @@ def test_nccl_wait_has_no_timeout_and_gloo_wait_has_one():
 
 
 def test_gloo_timeout_names_rank_step_op_and_plan():
-    """A gloo wait that times out raises naming the rank, pipeline rank, step, op and plan digest."""
+    """A gloo wait that times out raises naming the rank, pipeline rank, step, op and plan digest, and
+    marks its link unusable."""
+    run = _run("gloo")
     with pytest.raises(PipeMeshRuntimeError) as info:
-        _run("gloo")._wait(RecordingWork(completes=False), 5, Op(OpKind.FORWARD, 1, 2), "receive of its input")
+        run._wait(RecordingWork(completes=False), 5, Op(OpKind.FORWARD, 1, 2), "receive of its input", "F 2->3")
     text = str(info.value)
     for part in ("rank 3 (pipeline rank 1)", "step 5", "F1.2", "abc123", "timed out after 7 s"):
         assert part in text
+    assert run.owner._broken_links == ["F 2->3"]  # gloo closed that link: the next call must say so
 
 
 def test_missing_link_group_is_an_error_naming_the_link():

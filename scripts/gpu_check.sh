@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One-GPU check of PipeMesh's GPU path, <= 8 minutes on one GPU with 16 CPU cores and no network:
+# the executor's CUDA path for every pipeline rank role in one process, the CUDA allocator meter vs the
+# activation model, Megatron's recomputation switches on CUDA, CUDA-event op timing vs wall time, then
+# the memory-fair CPU benchmark with 8 ranks. Writes a JSON summary ($OUT/gpu_check.json when $OUT is
+# set, else ./gpu_check.json, or --out PATH) and prints it; exit status 0 when every check passed or was
+# skipped. --cpu-only runs every check on the CPU (no GPU needed); --bench {auto,run,skip}.
+# Python: $PYTHON, else .venv/bin/python, else python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=$(command -v python3)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+exec timeout --signal=TERM --kill-after=10 480 "$PY" scripts/gpu_check.py "$@"
