@@ -523,6 +523,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"the 8-rank CPU benchmark: auto runs it with >= {BENCH_RANKS} cores (default)")
     parser.add_argument("--budget-s", type=float, default=470.0, help="time budget of the whole check (default 470 s)")
     args = parser.parse_args(argv)
+    # Only the JSON summary goes to stdout; Megatron's logging and prints go to stderr.
+    sys.stdout.flush()
+    summary_stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     begin = time.monotonic()
     deadline = begin + args.budget_s
     out = Path(args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else "gpu_check.json"))
@@ -550,7 +554,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     text = json.dumps(summary, indent=1, default=str)
     out.write_text(text)
-    print(text)
+    print(text, file=summary_stream, flush=True)
     print(f"gpu_check: {'PASSED' if summary['passed'] else 'FAILED'}; summary in {out}", file=sys.stderr)
     import torch.distributed as dist
     with contextlib.suppress(Exception):

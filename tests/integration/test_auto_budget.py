@@ -1,0 +1,82 @@
+"""--forward-groups auto with the budget read from each device: ranks agree on the minimum free memory."""
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_pipemesh.integration import auto_plan as auto
+from megatron_pipemesh.integration.measured import MeasuredReplanner
+from megatron_pipemesh.planning.planner import NoFeasiblePlan
+
+MIB = 2 ** 20
+
+
+def _args(**overrides):
+    base = dict(pipemesh_device_tflops=1.0, pipemesh_memory_budget_gb=None, pipemesh_mfu=0.45, pipemesh_dp_gbps=25.0,
+                pipemesh_p2p_gbps=25.0, pipemesh_profile=None, pipemesh_measure_iters=0, num_layers=8, hidden_size=256,
+                num_attention_heads=4, seq_length=256, micro_batch_size=2, vocab_size=128,
+                tensor_model_parallel_size=1, data_parallel_size=1, bf16=False, fp16=False)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _resolve(monkeypatch, free_mib):
+    monkeypatch.setattr(auto, "_device_defaults", lambda args: (None, free_mib * MIB / 2 ** 30))
+    return auto.auto_plan(_args(), 4, 2, 12)
+
+
+class FakeWorld:
+    """all_gather_object over ranks whose budgets are given; this process is rank ``rank``."""
+
+    def __init__(self, monkeypatch, budgets, rank=0):
+        import torch.distributed as dist
+
+        self.budgets = budgets
+        monkeypatch.setattr(dist, "get_world_size", lambda: len(budgets))
+        monkeypatch.setattr(dist, "get_rank", lambda: rank)
+        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
+
+    def all_gather_object(self, out, value):
+        out[:] = [b * MIB for b in self.budgets]
+
+
+def _replanner(resolved):
+    made = []
+
+    def make_schedule(config, recompute):
+        made.append((config.forward_groups, config.backward_groups, sum(1 for v in recompute.values() if v != "none")))
+        return lambda **kwargs: "ran"
+    replanner = MeasuredReplanner(lambda **kwargs: "ran", make_schedule, **resolved.replan)
+    return replanner, made
+
+
+def test_device_budget_is_agreed_on_at_the_first_call(monkeypatch):
+    """A rank that read 1000 MiB free re-plans for the 100 MiB another rank read (the plan that rank made),
+    once, at the first call; an explicit --pipemesh-memory-budget-gb needs no agreement."""
+    rich, poor = _resolve(monkeypatch, 1000), _resolve(monkeypatch, 100)
+    assert rich.replan["agree_on_budget"] and (rich.config, rich.recompute) != (poor.config, poor.recompute)
+    FakeWorld(monkeypatch, [1000, 100])
+    replanner, made = _replanner(rich)
+    assert replanner() == "ran" and replanner() == "ran"
+    assert made == [(poor.config.forward_groups, poor.config.backward_groups,
+                     sum(1 for v in poor.recompute.values() if v != "none"))]
+    assert replanner.budget_bytes == 100 * MIB
+    explicit = auto.auto_plan(_args(pipemesh_memory_budget_gb=1.0), 4, 2, 12)
+    assert explicit.replan is None
+
+
+def test_equal_budgets_keep_the_plan(monkeypatch):
+    """Ranks that read the same free memory keep their start-up plan (no re-planning)."""
+    resolved = _resolve(monkeypatch, 1000)
+    FakeWorld(monkeypatch, [1000, 1000, 1000])
+    replanner, made = _replanner(resolved)
+    replanner()
+    assert made == []
+
+
+def test_no_plan_for_the_minimum_names_the_rank(monkeypatch):
+    """When the smallest budget admits no plan, every rank fails naming that rank and the way out."""
+    resolved = _resolve(monkeypatch, 1000)
+    FakeWorld(monkeypatch, [1000, 5], rank=0)
+    replanner, _ = _replanner(resolved)
+    with pytest.raises(NoFeasiblePlan, match=r"rank 1\).*--pipemesh-memory-budget-gb"):
+        replanner()
