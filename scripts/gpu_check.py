@@ -69,7 +69,8 @@ def setup(cpu_only: bool):
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel()
+    # No gloo side groups on GPU: the box may have no usable network interface, and nothing here needs them.
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=not use_cuda)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -419,9 +420,9 @@ def check_timing(device, repeats: int = 20):
 
     from megatron_pipemesh.runtime.stats import OpClock, OpRecord, RuntimeStats
 
-    a = torch.randn((4096, 4096), device=device)
+    a = torch.randn((4096, 4096), device=device) / 64  # keeps repeated products finite
     clock, stats = OpClock(device), RuntimeStats(0, 0, "check", False)
-    torch.cuda.synchronize(device)
+    (a @ a).sum().item()  # cuBLAS start-up outside the measured window
     wall_start = time.perf_counter()
     launch = 0.0
     for step in range(repeats):
@@ -472,6 +473,8 @@ def check_bench(out_dir: Path, deadline: float, mode: str):
     else:
         notes.append("this bench has no '--json FILE'; its summary.json is read from --out-dir")
         command += ["--out-dir", str(out_dir / "bench")]
+    if "--pin-cores" in options:
+        command.append("--pin-cores")  # one rank per core
     if "--activation-budget-mb" in options:
         command += ["--activation-budget-mb", "auto"]
     else:
