@@ -14,6 +14,7 @@ import math
 import sys
 from typing import List, Optional, Sequence
 
+from .config import add_cli_arguments
 from .planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig, ScheduleConfigError
@@ -47,10 +48,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> N
     group.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
     if not groups:
         return
-    group.add_argument("--forward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
-                       help="forward group sizes (sum m); default: depth-first, groups of p")
-    group.add_argument("--backward-groups", type=_positive_int, nargs="+", default=None, metavar="G",
-                       help="backward group sizes (sum m); default: the forward groups")
+    add_cli_arguments(group, ("forward_groups", "backward_groups"))
 
 
 def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
@@ -72,11 +70,9 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster (analytic costs)")
     cluster.add_argument("--tp", type=_positive_int, default=d_cluster.tp, help="tensor-parallel size")
     cluster.add_argument("--dp", type=_positive_int, default=2, help="data-parallel size")
-    cluster.add_argument("--device-tflops", type=float, default=d_cluster.device_tflops, help="peak TFLOP/s per device")
-    cluster.add_argument("--mfu", type=float, default=d_cluster.mfu, help="fraction of peak reached")
+    add_cli_arguments(cluster, ("device_tflops", "mfu"))
     cluster.add_argument("--device-memory-gb", type=float, default=d_cluster.device_memory_gb)
-    cluster.add_argument("--dp-gbps", type=float, default=d_cluster.dp_gbps, help="data-parallel bandwidth (Gbit/s)")
-    cluster.add_argument("--p2p-gbps", type=float, default=d_cluster.p2p_gbps, help="pipeline link bandwidth (Gbit/s)")
+    add_cli_arguments(cluster, ("dp_gbps", "p2p_gbps"))
     cluster.add_argument("--latency-us", type=float, default=d_cluster.latency_us)
     cluster.add_argument("--sequence-parallel", action="store_true")
     cluster.add_argument("--no-distributed-optimizer", action="store_true",
@@ -255,8 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
     add_schedule_args(plan, groups=False)
     add_cost_args(plan)
-    plan.add_argument("--memory-budget-gb", type=float, default=None,
-                      help=f"memory per device the plan may use (GiB); default: --device-memory-gb minus a {int(DEFAULT_MEMORY_MARGIN * 100)}%% margin")
+    add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb",))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
     plan.set_defaults(func=cmd_plan)

@@ -39,7 +39,7 @@ def active_schedule():
 
 def activate(settings) -> None:
     """Activate (or deactivate) PipeMesh from validated :class:`~.flags.PipeMeshArgs`."""
-    from ..runtime import PipeMeshOptions, PipeMeshSchedule
+    from ..runtime import PipeMeshSchedule
     from .parallel_state import get_pipemesh_p2p_groups
 
     _STATE["args"] = settings
@@ -48,9 +48,7 @@ def activate(settings) -> None:
         return
 
     def make_schedule(forward_groups, backward_groups, recompute):
-        extra = {"recompute": recompute} if recompute else {}
-        options = PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
-                                  recv_lookahead=settings.recv_lookahead, p2p_timeout_s=settings.timeout_s, **extra)
+        options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s)
         return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
 
     schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute)
