@@ -37,6 +37,22 @@ def active_schedule():
     return _STATE["schedule"]
 
 
+def reported_schedule():
+    """The schedule whose statistics the training log reports: PipeMesh's, or the metered stock one."""
+    return _STATE["schedule"] or _STATE.get("stock")
+
+
+def _metered_stock(function):
+    """Megatron's schedule wrapped by the activation meter (``--pipemesh-measure-memory`` under the stock
+    schedule); one wrapper per function, so its statistics survive across iterations."""
+    from ..runtime.stock_meter import MeteredStockSchedule
+
+    stock = _STATE.get("stock")
+    if stock is None or stock.function is not function:
+        stock = _STATE["stock"] = MeteredStockSchedule(function)
+    return stock
+
+
 def activate(settings) -> None:
     """Activate (or deactivate) PipeMesh from validated :class:`~.flags.PipeMeshArgs`."""
     from ..runtime import PipeMeshSchedule
@@ -77,6 +93,7 @@ def install() -> None:
     from megatron.training import arguments
 
     from .flags import PipeMeshArgumentError, add_pipemesh_arguments, check_pipemesh_args, fail
+    from .report import announce_plan, patch_training_log
 
     original_parse = arguments.parse_args
 
@@ -93,9 +110,11 @@ def install() -> None:
     def validate_args(args, defaults={}):
         result = original_validate(args, defaults)
         try:
-            activate(check_pipemesh_args(args))
+            settings = check_pipemesh_args(args)
+            activate(settings)
         except PipeMeshArgumentError as error:
             fail(error)
+        announce_plan(args, settings)
         return result
 
     original_getter = schedules.get_forward_backward_func
@@ -109,7 +128,11 @@ def install() -> None:
             multimodule = type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection"
             if pp > 1 and vp is not None and not multimodule:
                 return schedule
-        return original_getter(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
+        function = original_getter(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
+        settings = _STATE["args"]
+        if settings is not None and settings.flags.measure_memory:
+            return _metered_stock(function)
+        return function
 
     original_init = parallel_state.initialize_model_parallel
 
@@ -128,6 +151,7 @@ def install() -> None:
     try:
         from megatron.training import training
         training.get_forward_backward_func = get_forward_backward_func
+        patch_training_log(training)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass
     _STATE["installed"] = True

@@ -116,6 +116,10 @@ class SavedTensorMeter:
                 return tensor
             # A detached alias: same storage, no grad_fn, so no reference cycle (see module doc).
             alias = tensor.detach()
+            if torch._C._current_graph_task_id() != -1:
+                # Saved while a backward runs (a recomputed forward): transient, freed by that same
+                # backward, and not an activation held between forward and backward.
+                return alias
             found = self._countable(tensor)
             if found is not None:
                 self._add(key, *found)
@@ -214,6 +218,14 @@ class AllocatorMeter:
 
     def release(self, key: Key) -> None:
         self._update_peak()
+
+
+def model_tensors(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """Parameters and registered buffers of model chunks: never activations. (``nn.Module.buffers`` is
+    called unbound because Megatron's DDP wrapper shadows ``buffers`` with its list of gradient buffers.)"""
+    for chunk in chunks:
+        yield from chunk.parameters()
+        yield from torch.nn.Module.buffers(chunk)
 
 
 def make_memory_meter(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
