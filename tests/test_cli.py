@@ -70,6 +70,17 @@ def test_show_text_lowered():
     assert lines == [f"rank {r}: " + " ".join(map(str, p)) for r, p in enumerate(lower(CONFIG).programs)]
 
 
+def test_show_picture_with_two_digit_microbatches():
+    """`show --picture -m 12` lists every rank's ops as separate words in compute order (no `F0.10B1.4`)."""
+    code, out, _ = run(["show", "--picture"] + SCHEDULE)
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4
+    for r, row in enumerate(rows):
+        words = [w for w in row.split("|", 1)[1].split() if w != "."]
+        assert words == [str(op) for op in compute_program(CONFIG, r)]
+
+
 def test_show_default_groups_are_depth_first():
     """Without group flags `show` prints Megatron's depth-first order."""
     code, out, _ = run(["show", "--pp", "4", "--vpp", "2", "-m", "8", "--json"])
