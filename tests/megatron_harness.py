@@ -457,12 +457,6 @@ def collect_grads(model: Sequence[Any]) -> Dict[str, Any]:
     return grads
 
 
-def collect_params(model: Sequence[Any]) -> Dict[str, Any]:
-    """Every parameter on this rank by global name (CPU copies)."""
-    return {global_param_name(c, n): p.detach().float().cpu().clone()
-            for c in model for n, p in c.named_parameters()}
-
-
 def run_schedule(
     fb_func: Callable,
     model: Sequence[Any],
