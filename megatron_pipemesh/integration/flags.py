@@ -10,63 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
+from ..config import PipeMeshConfig, add_megatron_arguments
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
 
 SCHEDULE_FLAG = "--pipeline-schedule"
-Groups = Union[None, str, Tuple[int, ...]]
-
-
-def _group_value(text: str) -> Union[int, str]:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of micro-batches or 'auto', got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a group must hold at least one micro-batch, got {value}")
-    return value
 
 
 def add_pipemesh_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add PipeMesh's flags to a Megatron parser (idempotent)."""
-    if any(SCHEDULE_FLAG in action.option_strings for action in parser._actions):
-        return parser
-    group = parser.add_argument_group("PipeMesh", "elastic pipeline schedule (megatron_pipemesh)")
-    group.add_argument(SCHEDULE_FLAG, choices=("default", "pipemesh"), default="default",
-                       help="'default' keeps Megatron's schedules untouched; 'pipemesh' runs the elastic "
-                            "schedule given by --forward-groups/--backward-groups (needs pipeline and virtual "
-                            "pipeline parallelism)")
-    group.add_argument(FORWARD_FLAG, type=_group_value, nargs="+", default=None, metavar="G",
-                       help="forward (enqueue) group sizes, summing to the micro-batches per iteration; "
-                            "default: groups of --microbatch-group-size-per-virtual-pipeline-stage (depth-first)")
-    group.add_argument(BACKWARD_FLAG, type=_group_value, nargs="+", default=None, metavar="G",
-                       help="backward (dequeue) group sizes, summing to the micro-batches per iteration; "
-                            "default: the forward groups")
-    group.add_argument("--pipemesh-recv-lookahead", type=int, default=1, metavar="N",
-                       help="post each pipeline receive N compute steps before it is needed (default 1)")
-    group.add_argument("--pipemesh-plan", default=None, metavar="PLAN.json",
-                       help="groups and recomputation from `pipemesh plan --output PLAN.json` (instead of the group flags)")
-    group.add_argument("--pipemesh-memory-budget-gb", type=float, default=None, metavar="GB",
-                       help="memory per device a plan may use with 'auto' (default on GPU: free memory minus 10%%; "
-                            "required without CUDA)")
-    group.add_argument("--pipemesh-device-tflops", type=float, default=None, metavar="TFLOPS",
-                       help="peak 16-bit TFLOP/s of one device for 'auto' (default: known GPU models)")
-    group.add_argument("--pipemesh-mfu", type=float, default=0.45, metavar="F",
-                       help="fraction of peak the layers reach, for 'auto' (default 0.45)")
-    group.add_argument("--pipemesh-dp-gbps", type=float, default=25.0, metavar="GBPS",
-                       help="data-parallel bandwidth per device in Gbit/s, for 'auto' (default 25)")
-    group.add_argument("--pipemesh-p2p-gbps", type=float, default=25.0, metavar="GBPS",
-                       help="pipeline link bandwidth in Gbit/s, for 'auto' (default 25)")
-    group.add_argument("--pipemesh-measure-iters", type=int, default=0, metavar="N",
-                       help="with 'auto': time the first N training iterations, then re-plan from the measured costs "
-                            "(0: analytic costs only)")
-    group.add_argument("--pipemesh-profile", default=None, metavar="FILE.json",
-                       help="with 'auto': plan from the measured costs in FILE if it exists; measurements of "
-                            "--pipemesh-measure-iters are saved there")
-    return parser
+    """Add PipeMesh's flags (declared once, in :class:`~megatron_pipemesh.config.PipeMeshConfig`) to a
+    Megatron parser (idempotent)."""
+    return add_megatron_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -74,32 +29,29 @@ class PipeMeshArgs:
     """The validated PipeMesh settings of a run."""
 
     enabled: bool
+    """True with --pipeline-schedule pipemesh."""
     forward_groups: Optional[Tuple[int, ...]]
+    """Validated forward groups; None: Megatron's group size decides at run time."""
     backward_groups: Optional[Tuple[int, ...]]
+    """Validated backward groups; None: the forward groups."""
     recv_lookahead: int
+    """Compute ops between posting a receive and its consumer."""
     timeout_s: float
+    """Timeout of every wait on a pipeline transfer (--distributed-timeout-minutes)."""
     config: Optional[ScheduleConfig]
+    """The schedule of a training iteration (None when PipeMesh is off)."""
     recompute: Optional[dict] = None
     """(pipeline rank, chunk, micro-batch) -> 'selective' | 'full' from a plan; None keeps all activations."""
     summary: str = ""
     """One line describing where the plan came from (printed by rank 0)."""
     replan: Optional[dict] = None
     """Inputs of the measured re-planning (``--pipemesh-measure-iters``), None when off."""
+    flags: PipeMeshConfig = PipeMeshConfig()
+    """The flags as given (the source of the runtime's options and of the start-up report)."""
 
 
 class PipeMeshArgumentError(ValueError):
     """Invalid PipeMesh flags (message: flag, values, rule, example)."""
-
-
-def _normalize(flag: str, values: Optional[Sequence[Union[int, str]]]) -> Groups:
-    if values is None:
-        return None
-    if "auto" in values:
-        if len(values) != 1:
-            raise PipeMeshArgumentError(f"{flag} {' '.join(map(str, values))} is invalid: 'auto' stands alone. "
-                                        f"Example of a valid setting: {flag} auto")
-        return "auto"
-    return tuple(int(v) for v in values)
 
 
 def _show(value) -> str:
@@ -112,18 +64,21 @@ def microbatches_per_iteration(args) -> int:
 
 def check_pipemesh_args(args) -> PipeMeshArgs:
     """Validate PipeMesh's flags against Megatron's validated ``args``; raise PipeMeshArgumentError."""
-    forward = _normalize(FORWARD_FLAG, getattr(args, "forward_groups", None))
-    backward = _normalize(BACKWARD_FLAG, getattr(args, "backward_groups", None))
-    enabled = getattr(args, "pipeline_schedule", "default") == "pipemesh"
+    try:
+        settings = PipeMeshConfig.from_args(args)
+    except ValueError as error:
+        raise PipeMeshArgumentError(str(error)) from error
+    forward, backward = settings.forward_groups, settings.backward_groups
+    enabled = settings.enabled
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
-    lookahead = getattr(args, "pipemesh_recv_lookahead", 1)
+    lookahead = settings.recv_lookahead
     if not enabled:
         given = [flag for flag, value in ((FORWARD_FLAG, forward), (BACKWARD_FLAG, backward)) if value is not None]
         if given:
             raise PipeMeshArgumentError(
                 f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
-        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None)
+        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings)
     if lookahead < 0:
         raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
@@ -139,9 +94,9 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
     from .unsupported import check_unsupported_args
     check_unsupported_args(args)
-    plan_file = getattr(args, "pipemesh_plan", None)
+    plan_file = settings.plan
     auto = "auto" in (forward, backward)
-    measure_iters = getattr(args, "pipemesh_measure_iters", 0) or 0
+    measure_iters = settings.measure_iters or 0
     if measure_iters < 0 or (measure_iters and not auto):
         raise PipeMeshArgumentError(
             f"--pipemesh-measure-iters {measure_iters} is invalid: it must be >= 0 and needs {FORWARD_FLAG} auto "
@@ -166,7 +121,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
-                            resolved.config, resolved.recompute, resolved.summary, resolved.replan)
+                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:
@@ -179,7 +134,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
     return PipeMeshArgs(True, config.forward_groups if forward else None, config.backward_groups if backward else None,
-                        lookahead, timeout_s, config)
+                        lookahead, timeout_s, config, flags=settings)
 
 
 def fail(error: Exception) -> "NoReturn":  # noqa: F821

@@ -47,9 +47,25 @@ def active_schedule():
     return _STATE["schedule"]
 
 
+def reported_schedule():
+    """The schedule whose statistics the training log reports: PipeMesh's, or the metered stock one."""
+    return _STATE["schedule"] or _STATE.get("stock")
+
+
+def _metered_stock(function):
+    """Megatron's schedule wrapped by the activation meter (``--pipemesh-measure-memory`` under the stock
+    schedule); one wrapper per function, so its statistics survive across iterations."""
+    from ..runtime.stock_meter import MeteredStockSchedule
+
+    stock = _STATE.get("stock")
+    if stock is None or stock.function is not function:
+        stock = _STATE["stock"] = MeteredStockSchedule(function)
+    return stock
+
+
 def activate(settings) -> None:
     """Activate (or deactivate) PipeMesh from validated :class:`~.flags.PipeMeshArgs`."""
-    from ..runtime import PipeMeshOptions, PipeMeshSchedule
+    from ..runtime import PipeMeshSchedule
     from .parallel_state import get_pipemesh_p2p_groups
 
     _STATE["args"] = settings
@@ -58,9 +74,7 @@ def activate(settings) -> None:
         return
 
     def make_schedule(forward_groups, backward_groups, recompute):
-        extra = {"recompute": recompute} if recompute else {}
-        options = PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
-                                  recv_lookahead=settings.recv_lookahead, p2p_timeout_s=settings.timeout_s, **extra)
+        options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s)
         return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
 
     schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute)
@@ -149,11 +163,14 @@ def merge_yaml_settings(args, parser, argv=None) -> None:
 
 def _activate_from(args) -> None:
     from .flags import PipeMeshArgumentError, check_pipemesh_args, fail
+    from .report import announce_plan
 
     try:
-        activate(check_pipemesh_args(args))
+        settings = check_pipemesh_args(args)
+        activate(settings)
     except PipeMeshArgumentError as error:
         fail(error)
+    announce_plan(args, settings)
 
 
 def wrap_parse_args(original):
@@ -204,7 +221,11 @@ def wrap_getter(original, parallel_state):
             bound = _bind(original, args, kwargs)
             if bound is not None and routes_to_interleaved(bound.arguments, parallel_state):
                 return schedule
-        return original(*args, **kwargs)
+        function = original(*args, **kwargs)
+        settings = _STATE["args"]
+        if settings is not None and settings.flags.measure_memory:
+            return _metered_stock(function)
+        return function
     return get_forward_backward_func
 
 
@@ -235,6 +256,8 @@ def install() -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.training import arguments, yaml_arguments
 
+    from .report import patch_training_log
+
     arguments.parse_args = wrap_parse_args(arguments.parse_args)
     arguments.validate_args = wrap_validator(arguments.validate_args)
     yaml_arguments.validate_yaml = wrap_validator(yaml_arguments.validate_yaml)  # --yaml-cfg bypasses validate_args
@@ -245,10 +268,7 @@ def install() -> None:
     try:
         from megatron.training import training
         training.get_forward_backward_func = getter
+        patch_training_log(training)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass
     _STATE["installed"] = True
-
-
-def is_installed() -> bool:
-    return bool(_STATE["installed"])

@@ -67,9 +67,6 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size + self.seq_length * self.hidden_size
 
-    def total_params(self) -> int:
-        return self.num_layers * self.layer_params() + self.embedding_params()
-
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -130,11 +127,6 @@ class OpCosts:
     """Extra backward time per chunk-micro-batch for each recompute level."""
     static_bytes: Tuple[float, ...] = ()
     """Weights + grads + optimizer state per pipeline rank."""
-
-    @property
-    def dp_total_s(self) -> float:
-        return self.dp_reduce_s + self.dp_gather_s
-
 
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig) -> OpCosts:
     """Derive :class:`OpCosts` for ``config`` from the model and cluster."""

@@ -25,8 +25,6 @@ from ..schedule.ops import OpKind
 from .costs import GB, RECOMPUTE_LEVELS, OpCosts
 from .simulator import RecomputePlan, SimulationResult, simulate
 
-NEXT_LEVEL = {"none": "selective", "selective": "full"}
-
 
 class NoFeasiblePlan(ValueError):
     """Nothing fits the memory budget; the message says what would."""

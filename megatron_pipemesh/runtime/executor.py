@@ -44,7 +44,7 @@ from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, Sched
 from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
-from .memory import make_memory_meter
+from .memory import make_memory_meter, model_tensors
 from .recompute import check_plan, recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
 
@@ -257,8 +257,7 @@ class _Run:
         self.recompute = None if forward_only else owner.options.recompute
         self.meter = None
         if owner.options.measure_memory and not forward_only:
-            self.meter = make_memory_meter(self.device, (t for chunk in model for t in
-                                                         (*chunk.parameters(), *chunk.buffers())))
+            self.meter = make_memory_meter(self.device, model_tensors(model))
 
     # Helpers -------------------------------------------------------------------------------
     def _disable_grad_sync(self):

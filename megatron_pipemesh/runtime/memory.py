@@ -216,6 +216,14 @@ class AllocatorMeter:
         self._update_peak()
 
 
+def model_tensors(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """Parameters and registered buffers of model chunks: never activations. (``nn.Module.buffers`` is
+    called unbound because Megatron's DDP wrapper shadows ``buffers`` with its list of gradient buffers.)"""
+    for chunk in chunks:
+        yield from chunk.parameters()
+        yield from torch.nn.Module.buffers(chunk)
+
+
 def make_memory_meter(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
     """:class:`AllocatorMeter` on a CUDA device, :class:`SavedTensorMeter` elsewhere."""
     if torch.device(device).type == "cuda" and torch.cuda.is_available():

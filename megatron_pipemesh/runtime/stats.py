@@ -60,6 +60,9 @@ class RuntimeStats:
     """Waiting for the last sends to complete at the end."""
     dp_sync_s: float = 0.0
     """Time inside finalize_model_grads (waiting for data-parallel reductions)."""
+    timed_waits: bool = True
+    """Whether the waits (pipeline, data-parallel) were timed; False for a metered stock schedule, whose
+    internals are Megatron's."""
     memory_source: str = ""
     """How memory was measured ('saved-tensors' on CPU, 'cuda-allocator' on CUDA); empty when not measured
     (``PipeMeshOptions.measure_memory``)."""

@@ -78,11 +78,15 @@ pm_is_uint() {
 # Configs: configs/*.env hold KEY=VALUE lines (see configs/README.md and docs/launching.md).
 # They are parsed, not sourced: no shell expansion, unknown keys are errors.
 # --------------------------------------------------------------------------------------------------
+# PipeMesh's own keys (SCHEDULE, FORWARD_GROUPS, ...) and their flags are generated from the
+# PipeMeshConfig dataclass (python -m megatron_pipemesh.config --bash > scripts/lib/pipemesh_keys.sh).
+# shellcheck source-path=SCRIPTDIR source=pipemesh_keys.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pipemesh_keys.sh"
 PM_CONFIG_KEYS=(
   NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH
   MAX_POSITION_EMBEDDINGS MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE
   TP PP VP LAYERS_PER_VP_STAGE SEQUENCE_PARALLEL
-  SCHEDULE FORWARD_GROUPS BACKWARD_GROUPS RECV_LOOKAHEAD
+  "${PM_PIPEMESH_KEYS[@]}"
   NNODES GPUS_PER_NODE NETWORK EXTRA_ARGS
 )
 declare -A PM_CFG=()
@@ -100,22 +104,34 @@ pm_is_config_key() {
 pm_check_value() {
   local key=$1 value=$2 where=$3 w
   [ -z "$value" ] && return 0
+  local kind=${PM_PIPEMESH_KIND[$key]:-}
   case $key in
     NUM_LAYERS|HIDDEN_SIZE|FFN_HIDDEN_SIZE|NUM_ATTENTION_HEADS|NUM_QUERY_GROUPS|SEQ_LENGTH|\
     MAX_POSITION_EMBEDDINGS|MICRO_BATCH_SIZE|GLOBAL_BATCH_SIZE|TP|PP|VP|LAYERS_PER_VP_STAGE|\
-    RECV_LOOKAHEAD|NNODES|GPUS_PER_NODE)
-      pm_is_uint "$value" || pm_die "$where: $key=$value is not a non-negative integer"
+    NNODES|GPUS_PER_NODE)
+      kind=uint
       ;;
     SEQUENCE_PARALLEL)
-      [[ $value =~ ^[01]$ ]] || pm_die "$where: SEQUENCE_PARALLEL=$value must be 0 or 1"
-      ;;
-    SCHEDULE)
-      [[ $value =~ ^(default|pipemesh)$ ]] || pm_die "$where: SCHEDULE=$value must be 'default' or 'pipemesh'"
+      kind=bool
       ;;
     NETWORK)
-      [[ $value =~ ^(auto|ethernet|ib)$ ]] || pm_die "$where: NETWORK=$value must be auto, ethernet or ib"
+      kind='choice:auto|ethernet|ib'
       ;;
-    FORWARD_GROUPS|BACKWARD_GROUPS)
+  esac
+  case $kind in
+    uint)
+      pm_is_uint "$value" || pm_die "$where: $key=$value is not a non-negative integer"
+      ;;
+    number)
+      [[ $value =~ ^[0-9]+([.][0-9]*)?$ ]] || pm_die "$where: $key=$value is not a non-negative number"
+      ;;
+    bool)
+      [[ $value =~ ^[01]$ ]] || pm_die "$where: $key=$value must be 0 or 1"
+      ;;
+    choice:*)
+      [[ "|${kind#choice:}|" == *"|$value|"* ]] || pm_die "$where: $key=$value must be one of: ${kind#choice:}"
+      ;;
+    groups)
       for w in $value; do
         pm_is_uint "$w" || [ "$w" = auto ] ||
           pm_die "$where: $key='$value': each group must be a positive integer (or 'auto'), e.g. $key=\"8 4\""
@@ -229,13 +245,19 @@ pm_model_args() {
   elif [ -n "$schedule" ]; then
     PM_MODEL_ARGS+=(--pipeline-schedule "$schedule")
   fi
-  if [ "$schedule" = pipemesh ] && ! pm_has_flag --pipemesh-plan "${pass[@]}"; then
-    v=$(pm_cfg FORWARD_GROUPS)
-    if [ -n "$v" ]; then read -ra words <<<"$v"; PM_MODEL_ARGS+=(--forward-groups "${words[@]}"); fi
-    v=$(pm_cfg BACKWARD_GROUPS)
-    if [ -n "$v" ]; then read -ra words <<<"$v"; PM_MODEL_ARGS+=(--backward-groups "${words[@]}"); fi
-    v=$(pm_cfg RECV_LOOKAHEAD)
-    if [ -n "$v" ]; then PM_MODEL_ARGS+=(--pipemesh-recv-lookahead "$v"); fi
+  if [ "$schedule" = pipemesh ]; then
+    # Every other PipeMesh key, generically from the generated tables; a plan file holds the groups.
+    for key in "${PM_PIPEMESH_KEYS[@]}"; do
+      [ "$key" = SCHEDULE ] && continue
+      v=$(pm_cfg "$key")
+      [ -n "$v" ] || continue
+      if [ "${PM_PIPEMESH_KIND[$key]}" = groups ] && pm_has_flag --pipemesh-plan "${pass[@]}"; then continue; fi
+      case ${PM_PIPEMESH_KIND[$key]} in
+        bool) if [ "$v" = 1 ]; then PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}"); fi ;;
+        groups) read -ra words <<<"$v"; PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}" "${words[@]}") ;;
+        *) PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}" "$v") ;;
+      esac
+    done
   fi
   v=$(pm_cfg EXTRA_ARGS)
   if [ -n "$v" ]; then read -ra words <<<"$v"; PM_MODEL_ARGS+=("${words[@]}"); fi

@@ -59,3 +59,21 @@ def test_interleaved_lines_and_auto_plan():
 def test_no_iterations():
     parsed = parse_log("Traceback (most recent call last):\nRuntimeError: boom\n")
     assert parsed.iterations == [] and parsed.measured(0) == []
+
+
+def test_iteration_line_fields():
+    """parse_iteration_line reads iteration, total, time, loss and global batch size, tolerates rank prefixes
+    and non-numbers (nan), and ignores validation lines and lines without a time."""
+    from megatron_pipemesh.bench.logparse import parse_argument_line, parse_iteration_line
+
+    line = ("[default1]: [2026-01-01 00:00:00] iteration       12/      30 | consumed samples: 384 | elapsed time "
+            "per iteration (ms): 1234.5 | learning rate: 1.0E-04 | global batch size:    32 | lm loss: 2.1E+00 |")
+    found = parse_iteration_line(line)
+    assert (found.iteration, found.train_iters, found.elapsed_ms, found.loss, found.global_batch_size) == \
+        (12, 30, 1234.5, 2.1, 32)
+    nan = parse_iteration_line(line.replace("1234.5", "nan").replace("2.1E+00", "nan"))
+    assert nan.elapsed_ms != nan.elapsed_ms and nan.loss != nan.loss
+    assert parse_iteration_line(" validation loss at iteration 20 | lm loss value: 2.98E+00 |") is None
+    assert parse_iteration_line(" iteration 3/ 8 | consumed samples: 48 |") is None
+    assert parse_argument_line("[default0]:  seq_length ...................... 2048") == ("seq_length", 2048)
+    assert parse_argument_line("  tokenizer_type .................. NullTokenizer") is None

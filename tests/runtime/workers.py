@@ -36,14 +36,16 @@ def stock_vs_pipemesh(pp: int, vp: int, microbatches: int, groups: Dict[str, Opt
     return results
 
 
-def single_rank_reference(num_layers: int, microbatches: int):
-    """The whole model on one rank through Megatron's no-pipelining schedule."""
+def single_rank_reference(num_layers: int, microbatches: int, replicas: int = 1):
+    """The whole model on one rank through Megatron's no-pipelining schedule, on the micro-batches of
+    ``replicas`` data-parallel replicas one after the other (what their averaged gradients must equal)."""
     h.init_parallel(pp=1)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     spec = h.TinyGPT(num_layers=num_layers)
     model = h.build_model(spec)
-    return h.run_schedule(get_forward_backward_func(), model, spec, microbatches)
+    data = [iter([h.make_batch(spec, j, k) for k in range(replicas) for j in range(microbatches)])]
+    return h.run_schedule(get_forward_backward_func(), model, spec, microbatches * replicas, data_iterators=data)
 
 
 def plan_mismatch():

@@ -69,6 +69,22 @@ def test_single_node_dry_run(tmp_path):
         assert cpu_flag not in args
 
 
+def test_every_pipemesh_config_key_becomes_its_flag(tmp_path):
+    """PipeMesh's config keys (generated from PipeMeshConfig) map to their Megatron flags by kind."""
+    res = run(SINGLE, ["--dry-run", "--config", TINY, "--nproc", "2", "--python", PYTHON, "--run-dir", str(tmp_path / "r"),
+                       "--set", "MEASURE_MEMORY=1", "--set", "PRINT_SCHEDULE=0", "--set", "DP_GBPS=6.25",
+                       "--set", "RECV_LOOKAHEAD=2", "--set", "PROFILE=/tmp/p.json"])
+    assert res.returncode == 0, res.stderr
+    args = training_args(_torchrun(commands(res.stdout)))
+    assert "--pipemesh-measure-memory" in args and "--pipemesh-print-schedule" not in args
+    assert option(args, "--pipemesh-dp-gbps") == "6.25" and option(args, "--pipemesh-recv-lookahead") == "2"
+    assert option(args, "--pipemesh-profile") == "/tmp/p.json"
+    bad = run(SINGLE, ["--dry-run", "--config", TINY, "--nproc", "2", "--python", PYTHON, "--set", "MEASURE_MEMORY=yes"])
+    assert bad.returncode == 2 and "MEASURE_MEMORY=yes must be 0 or 1" in bad.stderr
+    bad = run(SINGLE, ["--dry-run", "--config", TINY, "--nproc", "2", "--python", PYTHON, "--set", "MFU=high"])
+    assert bad.returncode == 2 and "MFU=high is not a non-negative number" in bad.stderr
+
+
 def test_single_node_env_vars_and_overrides(tmp_path):
     env = clean_env({"PIPEMESH_CONFIG": TINY, "NPROC_PER_NODE": "3", "PIPEMESH_PYTHON": PYTHON,
                      "PIPEMESH_RUN_DIR": str(tmp_path / "r"), "PIPEMESH_IFNAME": "ens5",

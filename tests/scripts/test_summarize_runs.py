@@ -128,3 +128,21 @@ def test_cli(tmp_path):
     assert res.returncode == 1 and "failed" in res.stdout
     res = subprocess.run([sys.executable, script, "justapath"], capture_output=True, text=True)
     assert res.returncode == 2 and "NAME=PATH" in res.stderr
+
+
+def test_runs_on_a_bare_python(tmp_path):
+    """The script (and the log parser it shares with `pipemesh bench`) needs only the standard library:
+    it runs with site-packages off (-S) and PYTHONPATH ignored (-I), from another directory."""
+    a = write_run(tmp_path / "a", [9, 9, 2, 2, 2])
+    res = subprocess.run([sys.executable, "-I", "-S", str(REPO / "scripts" / "summarize_runs.py"), f"a={a}"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "| a (stock) | 3 | 2.0 |" in res.stdout
+
+
+def test_uses_the_package_log_parser():
+    """One Megatron log parser: the script's iteration lines come from megatron_pipemesh.bench.logparse."""
+    from megatron_pipemesh.bench import logparse
+
+    assert sr.logparse.parse_iteration_line.__code__.co_filename == logparse.parse_iteration_line.__code__.co_filename
+    assert not hasattr(sr, "ITERATION_RE") and not hasattr(sr, "TIME_RE")

@@ -1,0 +1,268 @@
+"""``PipeMeshConfig``: the one declaration of PipeMesh's settings.
+
+Every surface is derived from the dataclass below, so a setting is declared once:
+
+* the Megatron flags that :func:`megatron_pipemesh.install` adds (:func:`add_megatron_arguments`);
+* the flags of the ``pipemesh`` command that share a setting (:func:`add_cli_arguments`; the planner's
+  cluster description drops the ``--pipemesh-`` prefix there, e.g. ``--dp-gbps``);
+* the runtime's options (:meth:`PipeMeshConfig.executor_options`);
+* the keys of the launch scripts' config files (``configs/*.env``), generated into
+  ``scripts/lib/pipemesh_keys.sh`` by ``python -m megatron_pipemesh.config --bash`` (a test checks the
+  committed file is current);
+* the flags a benchmark or script passes back to Megatron (:meth:`PipeMeshConfig.megatron_flags`).
+
+Pure: no torch, no processes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+Groups = Union[None, str, Tuple[int, ...]]
+"""A group list, 'auto', or None (not given)."""
+
+
+def _group_value(text: str) -> Union[int, str]:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of micro-batches or 'auto', got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a group must hold at least one micro-batch, got {value}")
+    return value
+
+
+def _positive_group(text: str) -> int:
+    value = _group_value(text)
+    if value == "auto":
+        raise argparse.ArgumentTypeError("'auto' is for training runs; `pipemesh plan` chooses groups here")
+    return value
+
+
+def _setting(flag: str, help: str, default: Any = None, *, env: Optional[str] = None, cli: Optional[str] = None,
+             cli_default: Any = MISSING, **argparse_kwargs) -> Any:
+    """A dataclass field carrying how the setting appears on each surface.
+
+    ``flag``: the Megatron flag; ``env``: the launch-config key (None: not a config key); ``cli``: the
+    ``pipemesh`` command's flag (None: not there); ``cli_default``: its default there, if different.
+    """
+    meta = {"flag": flag, "help": help, "env": env, "cli": cli, "argparse": argparse_kwargs}
+    if cli_default is not MISSING:
+        meta["cli_default"] = cli_default
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class PipeMeshConfig:
+    """PipeMesh's settings of one training run, as given on the command line (before validation)."""
+
+    pipeline_schedule: str = _setting(
+        "--pipeline-schedule", "'default' keeps Megatron's schedules untouched; 'pipemesh' runs the elastic schedule "
+        "given by --forward-groups/--backward-groups (needs pipeline and virtual pipeline parallelism)",
+        "default", env="SCHEDULE", choices=("default", "pipemesh"))
+    """'default' (stock Megatron) or 'pipemesh'."""
+    forward_groups: Groups = _setting(
+        "--forward-groups", "forward (enqueue) group sizes, summing to the micro-batches per iteration, or 'auto'; "
+        "default: groups of --microbatch-group-size-per-virtual-pipeline-stage (depth-first)",
+        env="FORWARD_GROUPS", cli="--forward-groups", type=_group_value, nargs="+", metavar="G")
+    """Forward group sizes f_1..f_k (sum m), 'auto' (the planner chooses), or None (Megatron's group size)."""
+    backward_groups: Groups = _setting(
+        "--backward-groups", "backward (dequeue) group sizes, summing to the micro-batches per iteration, or 'auto'; "
+        "default: the forward groups", env="BACKWARD_GROUPS", cli="--backward-groups", type=_group_value,
+        nargs="+", metavar="G")
+    """Backward group sizes b_1..b_l (sum m), 'auto', or None (the forward groups)."""
+    recv_lookahead: int = _setting(
+        "--pipemesh-recv-lookahead", "post each pipeline receive N compute steps before it is needed (default 1)",
+        1, env="RECV_LOOKAHEAD", type=int, metavar="N")
+    """Compute ops between posting a pipeline receive and its consumer."""
+    plan: Optional[str] = _setting(
+        "--pipemesh-plan", "groups and recomputation from `pipemesh plan --output PLAN.json` (instead of the group "
+        "flags)", env="PLAN", metavar="PLAN.json")
+    """Path of a plan saved by ``pipemesh plan --output``."""
+    memory_budget_gb: Optional[float] = _setting(
+        "--pipemesh-memory-budget-gb", "memory per device a plan may use (GiB); default in training on GPU: free "
+        "memory minus 10%%, required without CUDA; default in `pipemesh plan`: --device-memory-gb minus 10%%", env="MEMORY_BUDGET_GB", cli="--memory-budget-gb", type=float,
+        metavar="GB")
+    """Per-device memory the plan may use (GiB); None: free device memory minus 10%."""
+    device_tflops: Optional[float] = _setting(
+        "--pipemesh-device-tflops", "peak 16-bit TFLOP/s of one device for the analytic costs (default in training: "
+        "known GPU models; in the `pipemesh` command: 312)", env="DEVICE_TFLOPS", cli="--device-tflops", cli_default=312.0, type=float, metavar="TFLOPS")
+    """Peak dense TFLOP/s of one device; None: looked up from the GPU's name."""
+    mfu: float = _setting(
+        "--pipemesh-mfu", "fraction of peak the layers reach, for the analytic costs (default 0.45)", 0.45,
+        env="MFU", cli="--mfu", type=float, metavar="F")
+    """Fraction of peak FLOP/s the layers reach."""
+    dp_gbps: float = _setting(
+        "--pipemesh-dp-gbps", "data-parallel bandwidth per device in Gbit/s, for the analytic costs (default 25)",
+        25.0, env="DP_GBPS", cli="--dp-gbps", type=float, metavar="GBPS")
+    """Data-parallel collective bandwidth per device (Gbit/s)."""
+    p2p_gbps: float = _setting(
+        "--pipemesh-p2p-gbps", "pipeline link bandwidth in Gbit/s, for the analytic costs (default 25)", 25.0,
+        env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")
+    """Pipeline link bandwidth (Gbit/s)."""
+    measure_iters: int = _setting(
+        "--pipemesh-measure-iters", "with 'auto': time the first N training iterations, then re-plan from the "
+        "measured costs (0: analytic costs only)", 0, env="MEASURE_ITERS", type=int, metavar="N")
+    """Iterations timed before re-planning with measured costs (auto only)."""
+    profile: Optional[str] = _setting(
+        "--pipemesh-profile", "with 'auto': plan from the measured costs in FILE if it exists; measurements of "
+        "--pipemesh-measure-iters are saved there", env="PROFILE", metavar="FILE.json")
+    """Measured-cost file read at start-up and written by --pipemesh-measure-iters."""
+    measure_memory: bool = _setting(
+        "--pipemesh-measure-memory", "measure the activation memory each rank holds (saved-tensor accounting on CPU, "
+        "allocator statistics on CUDA) and report its peak every --log-interval", False, env="MEASURE_MEMORY",
+        action="store_true")
+    """Meter activation memory and report the measured peak per rank in the training log."""
+    print_schedule: bool = _setting(
+        "--pipemesh-print-schedule", "print the text timeline of the first pipeline ranks at start-up "
+        "(`pipemesh show --picture`)", False, env="PRINT_SCHEDULE", action="store_true")
+    """Print the schedule picture with the start-up plan line."""
+
+    # Derived views ----------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: Any) -> "PipeMeshConfig":
+        """The settings of a parsed Megatron namespace (missing attributes keep their defaults)."""
+        values = {}
+        for f in fields(cls):
+            value = getattr(args, dest(f.name), f.default)
+            if f.name in ("forward_groups", "backward_groups"):
+                value = normalize_groups(f.metadata["flag"], value)
+            values[f.name] = value
+        return cls(**values)
+
+    @property
+    def enabled(self) -> bool:
+        return self.pipeline_schedule == "pipemesh"
+
+    def megatron_flags(self) -> List[str]:
+        """Megatron flags that reproduce these settings (defaults left out)."""
+        out: List[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default or value is None:
+                continue
+            flag = f.metadata["flag"]
+            if isinstance(value, bool):
+                out.append(flag)
+            elif isinstance(value, tuple):
+                out += [flag, *map(str, value)]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None):
+        """The runtime's :class:`~megatron_pipemesh.runtime.PipeMeshOptions` for these settings, with the
+        validated groups and recomputation (imports the runtime, hence torch)."""
+        from .runtime import PipeMeshOptions
+
+        return PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
+                               recv_lookahead=self.recv_lookahead, p2p_timeout_s=timeout_s,
+                               recompute=recompute or None, measure_memory=self.measure_memory)
+
+
+def dest(name: str) -> str:
+    """argparse destination of a field (Megatron's namespace attribute)."""
+    flag = PIPEMESH_FIELDS[name].metadata["flag"]
+    return flag.lstrip("-").replace("-", "_")
+
+
+PIPEMESH_FIELDS = {f.name: f for f in fields(PipeMeshConfig)}
+
+
+def normalize_groups(flag: str, values: Optional[Sequence[Union[int, str]]]) -> Groups:
+    """A parsed group flag as None, 'auto' or a tuple of ints; ValueError for 'auto' mixed with sizes."""
+    if values is None or isinstance(values, str) and values == "auto":
+        return values
+    if isinstance(values, str):
+        values = values.split()
+    values = list(values)
+    if "auto" in values:
+        if len(values) != 1:
+            raise ValueError(f"{flag} {' '.join(map(str, values))} is invalid: 'auto' stands alone. "
+                             f"Example of a valid setting: {flag} auto")
+        return "auto"
+    return tuple(int(v) for v in values)
+
+
+def megatron_flag_names() -> Tuple[str, ...]:
+    """Every Megatron flag PipeMesh adds, in declaration order."""
+    return tuple(f.metadata["flag"] for f in fields(PipeMeshConfig))
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add PipeMesh's flags to a Megatron parser (idempotent)."""
+    if any(megatron_flag_names()[0] in action.option_strings for action in parser._actions):
+        return parser
+    group = parser.add_argument_group("PipeMesh", "elastic pipeline schedule (megatron_pipemesh)")
+    for f in fields(PipeMeshConfig):
+        meta = f.metadata
+        group.add_argument(meta["flag"], default=f.default, help=meta["help"], **meta["argparse"])
+    return parser
+
+
+def add_cli_arguments(group, names: Sequence[str]) -> None:
+    """Add the ``pipemesh`` command's flags for the settings ``names`` to an argparse group."""
+    for name in names:
+        f = PIPEMESH_FIELDS[name]
+        meta = f.metadata
+        if meta["cli"] is None:
+            raise KeyError(f"{name} is not a `pipemesh` command flag")
+        kwargs = dict(meta["argparse"])
+        if name in ("forward_groups", "backward_groups"):
+            kwargs["type"] = _positive_group
+        group.add_argument(meta["cli"], default=meta.get("cli_default", f.default), help=meta["help"], **kwargs)
+
+
+def env_keys() -> Dict[str, str]:
+    """Launch-config key -> Megatron flag, for every setting that has a key."""
+    return {f.metadata["env"]: f.metadata["flag"] for f in fields(PipeMeshConfig) if f.metadata["env"]}
+
+
+def bash_keys() -> str:
+    """``scripts/lib/pipemesh_keys.sh``: the launch scripts' PipeMesh config keys and their flags."""
+    kinds = {}
+    for f in fields(PipeMeshConfig):
+        if not f.metadata["env"]:
+            continue
+        action = f.metadata["argparse"].get("action")
+        choices = f.metadata["argparse"].get("choices")
+        if action == "store_true":
+            kind = "bool"
+        elif f.metadata["argparse"].get("nargs") == "+":
+            kind = "groups"
+        elif choices:
+            kind = "choice:" + "|".join(choices)
+        elif f.metadata["argparse"].get("type") is int:
+            kind = "uint"
+        elif f.metadata["argparse"].get("type") is float:
+            kind = "number"
+        else:
+            kind = "path"
+        kinds[f.metadata["env"]] = kind
+    lines = ["# Generated by `python -m megatron_pipemesh.config --bash` from PipeMeshConfig; do not edit.",
+             "# shellcheck shell=bash disable=SC2034",
+             "PM_PIPEMESH_KEYS=(" + " ".join(env_keys()) + ")",
+             "declare -A PM_PIPEMESH_FLAG=(" + " ".join(f"[{k}]={v}" for k, v in env_keys().items()) + ")",
+             "declare -A PM_PIPEMESH_KIND=(" + " ".join(f"[{k}]='{v}'" for k, v in kinds.items()) + ")"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_pipemesh.config",
+                                     description="Print PipeMesh's settings for other tools.")
+    parser.add_argument("--bash", action="store_true", help="the launch scripts' key file (scripts/lib/pipemesh_keys.sh)")
+    parser.add_argument("--flags", action="store_true", help="the Megatron flags, one per line")
+    args = parser.parse_args(argv)
+    if args.bash:
+        sys.stdout.write(bash_keys())
+    else:
+        print("\n".join(megatron_flag_names()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

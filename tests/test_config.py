@@ -1,0 +1,70 @@
+"""PipeMeshConfig: one declaration from which every surface's flags are derived."""
+import argparse
+from pathlib import Path
+
+import pytest
+
+from megatron_pipemesh.config import (PipeMeshConfig, add_cli_arguments, add_megatron_arguments, bash_keys, env_keys,
+                                      megatron_flag_names)
+
+REPO = Path(__file__).resolve().parents[1]
+
+FROZEN_FLAGS = (
+    "--pipeline-schedule", "--forward-groups", "--backward-groups", "--pipemesh-recv-lookahead", "--pipemesh-plan",
+    "--pipemesh-memory-budget-gb", "--pipemesh-device-tflops", "--pipemesh-mfu", "--pipemesh-dp-gbps",
+    "--pipemesh-p2p-gbps", "--pipemesh-measure-iters", "--pipemesh-profile", "--pipemesh-measure-memory",
+    "--pipemesh-print-schedule",
+)
+
+
+def test_flag_set_is_frozen():
+    """The Megatron flags PipeMesh adds change only deliberately (update FROZEN_FLAGS and the README together)."""
+    assert megatron_flag_names() == FROZEN_FLAGS
+
+
+def test_every_field_has_a_docstring_and_help():
+    """Each setting documents itself: a help text for its flag."""
+    import dataclasses
+    for f in dataclasses.fields(PipeMeshConfig):
+        assert f.metadata["help"].strip(), f.name
+
+
+def test_megatron_flags_round_trip():
+    """Flags produced from a config parse back into the same config."""
+    config = PipeMeshConfig(pipeline_schedule="pipemesh", forward_groups=(6, 2), backward_groups=(4, 4),
+                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True)
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    assert PipeMeshConfig.from_args(parser.parse_args(config.megatron_flags())) == config
+    assert PipeMeshConfig.from_args(parser.parse_args([])) == PipeMeshConfig()
+
+
+def test_auto_must_stand_alone():
+    """'auto' mixed with sizes is rejected with a message naming the flag."""
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    with pytest.raises(ValueError, match="--forward-groups 8 auto is invalid: 'auto' stands alone"):
+        PipeMeshConfig.from_args(parser.parse_args(["--forward-groups", "8", "auto"]))
+
+
+def test_cli_flags_are_derived_with_cli_defaults():
+    """The `pipemesh` command's shared flags come from the same fields, with the planner's defaults."""
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, ("forward_groups", "device_tflops", "dp_gbps"))
+    args = parser.parse_args(["--forward-groups", "8", "4"])
+    assert args.forward_groups == [8, 4] and args.device_tflops == 312.0 and args.dp_gbps == 25.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--forward-groups", "auto"])
+    with pytest.raises(KeyError):
+        add_cli_arguments(parser, ("recv_lookahead",))
+
+
+def test_launch_script_keys_are_generated_from_the_config():
+    """scripts/lib/pipemesh_keys.sh is current (regenerate with `python -m megatron_pipemesh.config --bash`)."""
+    assert (REPO / "scripts/lib/pipemesh_keys.sh").read_text() == bash_keys()
+    assert env_keys()["FORWARD_GROUPS"] == "--forward-groups" and env_keys()["SCHEDULE"] == "--pipeline-schedule"
+
+
+def test_executor_options_carry_the_settings():
+    """The runtime's options are derived from the config (lookahead, memory meter, groups, recompute)."""
+    options = PipeMeshConfig(recv_lookahead=3, measure_memory=True).executor_options((4, 4), (8,), {(0, 0, 0): "full"}, 60.0)
+    assert (options.recv_lookahead, options.measure_memory, options.forward_groups, options.backward_groups,
+            options.p2p_timeout_s, options.recompute) == (3, True, (4, 4), (8,), 60.0, {(0, 0, 0): "full"})
