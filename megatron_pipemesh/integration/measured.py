@@ -95,7 +95,7 @@ class MeasuredReplanner:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
                                  "memory on that device or give --pipemesh-memory-budget-gb") from error
-        self.schedule = self.make_schedule(best.config, dict(best.recompute))
+        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
         if rank0:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
                   f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
@@ -135,6 +135,6 @@ class MeasuredReplanner:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)
             return
-        self.schedule = self.make_schedule(best.config, dict(best.recompute))
+        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
         if rank0:
             print(f"PipeMesh plan (measured): {best.summary()}", flush=True)

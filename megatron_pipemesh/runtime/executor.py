@@ -120,6 +120,13 @@ class PipeMeshSchedule:
         """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
         self.last_stats: Optional[RuntimeStats] = None
 
+    def continue_from(self, previous: "PipeMeshSchedule") -> "PipeMeshSchedule":
+        """Take over ``previous``'s call counter (transfer tags) and failure state, when this schedule
+        replaces it mid-run (re-planning), so stale receives of its failed calls still cannot match."""
+        self._calls, self._broken_links = previous._calls, previous._broken_links
+        self.abandoned_receives = previous.abandoned_receives
+        return self
+
     # Planning ------------------------------------------------------------------------------
     def schedule_config(self, pp: int, vpp: int, microbatches: int, group_size: Optional[int] = None,
                         forward_only: bool = False) -> ScheduleConfig:

@@ -39,13 +39,27 @@ class FakeWorld:
         out[:] = [b * MIB for b in self.budgets]
 
 
+class StandInSchedule:
+    """Stands in for PipeMeshSchedule; remembers which schedule it continued from."""
+
+    def __init__(self):
+        self.previous = None
+
+    def __call__(self, **kwargs):
+        return "ran"
+
+    def continue_from(self, previous):
+        self.previous = previous
+        return self
+
+
 def _replanner(resolved):
     made = []
 
     def make_schedule(config, recompute):
         made.append((config.forward_groups, config.backward_groups, sum(1 for v in recompute.values() if v != "none")))
-        return lambda **kwargs: "ran"
-    replanner = MeasuredReplanner(lambda **kwargs: "ran", make_schedule, **resolved.replan)
+        return StandInSchedule()
+    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, **resolved.replan)
     return replanner, made
 
 
@@ -56,7 +70,9 @@ def test_device_budget_is_agreed_on_at_the_first_call(monkeypatch):
     assert rich.replan["agree_on_budget"] and (rich.config, rich.recompute) != (poor.config, poor.recompute)
     FakeWorld(monkeypatch, [1000, 100])
     replanner, made = _replanner(rich)
+    start_up = replanner.schedule
     assert replanner() == "ran" and replanner() == "ran"
+    assert replanner.schedule.previous is start_up  # transfer tags continue across the swap
     assert made == [(poor.config.forward_groups, poor.config.backward_groups,
                      sum(1 for v in poor.recompute.values() if v != "none"))]
     assert replanner.budget_bytes == 100 * MIB
