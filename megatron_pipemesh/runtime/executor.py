@@ -23,7 +23,7 @@ which comes from the validated plan:
   Megatron usable: ``no_sync`` exited, the ``forward-backward`` timer stopped (on NCCL, where posted
   receives cannot be cancelled, the next call fails naming the links instead of mismatching data);
 * every op runs inside ``torch.profiler.record_function("PipeMesh <op>")`` so profiler traces show
-  the plan; with ``measure_memory`` or on CUDA, compute ops are also timed with CUDA events;
+  the plan; on CUDA, compute ops are also timed with CUDA events (GPU time, read lazily);
 * ``PipeMeshOptions.recompute`` chooses per (pipeline rank, chunk, micro-batch) whether a training
   forward keeps its activations, recomputes the attention core or recomputes the whole chunk
   (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`).

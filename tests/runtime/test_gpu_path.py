@@ -103,3 +103,15 @@ def test_stats_resolve_reads_cuda_style_events_lazily():
     assert stats.forward_s == pytest.approx(0.010)
     assert stats.records[0].wait_s == pytest.approx(0.002)
     assert events[2].synced and stats.time_source == "cuda-events"
+
+
+def test_a_replacing_schedule_continues_the_transfer_tags():
+    """A schedule that replaces another mid-run (re-planning) continues its call counter and failure
+    state, so a stale receive of an earlier failed call keeps a tag no later call uses."""
+    from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
+
+    old = PipeMeshSchedule(PipeMeshOptions(), p2p_groups=dict)
+    next(old._calls), next(old._calls)
+    old._broken_links.append("F 0->1")
+    new = PipeMeshSchedule(PipeMeshOptions(), p2p_groups=dict).continue_from(old)
+    assert next(new._calls) == 2 and new._broken_links == ["F 0->1"]
