@@ -4,6 +4,7 @@ from megatron_pipemesh.planning.study import StudyCase, markdown, run_case
 
 
 def test_study_case_reports_all_schedules():
+    """A study case reports all schedules; PipeMesh is no slower than either, the limit no slower than it."""
     case = StudyCase("GPT-tiny", ModelSpec(8, 1024, 8, 1024, 1), tp=1, pp=2, vpp=2, dp=2, microbatches=4)
     row = run_case(case, gbps=10, memory_gb=40)
     assert row["depth-first"] and row["breadth-first"] and row["pipemesh"]
