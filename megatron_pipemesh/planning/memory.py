@@ -174,7 +174,14 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
     mask = shape.dropout_mask_bytes or d
     # The layer input and the attention-block output (norm inputs, checkpoint inputs of 'layernorm').
     kept = 2 * sbh / sp * d
-    kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
+    if local and kv < sbh:
+        # Local spec, GQA: a reshape copies q, k and v are repeated to a heads (all saved); recomputing
+        # core_attn keeps the q copy and the q/k/v storage (h + 2kv) instead of the 3h it saved.
+        kept += (2 * sbh + 2 * kv) / t * d + sbh / t * d
+        gqa_repeat = (sbh - 2 * kv) / t * d
+    else:
+        kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
+        gqa_repeat = 0.0
     if shape.hidden_dropout > 0:
         kept += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
     if shape.position_embedding == "rope":
@@ -192,8 +199,7 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
             attn = scores * (softmax + mask + d)
         else:
             attn = scores * (softmax + (d if softmax != d else 0))
-        if shape.kv_width < h:
-            attn += 2 * sbh / t * d  # the local spec repeats k and v to a heads (repeat_interleave)
+        attn += gqa_repeat
     else:
         attn = a * s * b / t * 4  # flash attention's fp32 log-sum-exp
     return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn}
