@@ -19,6 +19,7 @@ def _run(code: str) -> dict:
 
 
 def test_cpu_args_complete_and_missing_only():
+    """cpu_megatron_args lists every CPU flag; missing_cpu_args keeps only those argv lacks (alternatives count)."""
     args = cpu_megatron_args()
     for flag in ["--transformer-impl", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
                  "--distributed-backend", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
@@ -35,6 +36,7 @@ def test_cpu_args_complete_and_missing_only():
 
 
 def test_noop_when_cuda_available():
+    """With CUDA available apply_cpu_compat patches nothing and does not import megatron."""
     res = _run("""
         import json, torch
         torch.cuda.is_available = lambda: True
@@ -82,6 +84,7 @@ def test_rng_fork_stays_quiet_on_cpu():
 
 
 def test_patches_on_cpu():
+    """On CPU devices, streams, RNG tracker, clipping, helpers, init and autocast map to CPU, idempotently."""
     res = _run("""
         import json, torch
         if torch.cuda.is_available():

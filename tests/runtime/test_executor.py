@@ -51,6 +51,7 @@ def reference_pp2():
 
 
 def test_pp2_vp2_matches_stock_and_single_rank(reference_pp2):
+    """PP=2, VP=2: every group list matches stock (which matches one rank) and is its own plan on all ranks."""
     groups = {"depth-first": None, "breadth-first": [[8], [8]], "elastic": [[6, 2], [4, 4]],
               "elastic-2": [[4, 4], [2, 6]], "uniform-4": [[4, 4], [4, 4]]}
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
@@ -64,6 +65,7 @@ def test_pp2_vp2_matches_stock_and_single_rank(reference_pp2):
 
 
 def test_pp4_vp2_matches_stock():
+    """PP=4, VP=2, m=12: depth-first, breadth-first and elastic groups match the stock schedule."""
     groups = {"depth-first": None, "breadth-first": [[12], [12]], "elastic": [[8, 4], [6, 6]]}
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=4, timeout=180,
                            kwargs={"pp": 4, "vp": 2, "microbatches": 12, "groups": groups})
@@ -85,6 +87,7 @@ def test_pp2_dp2_overlap_grad_reduce_matches_stock():
 
 
 def test_pp2_ddp_without_overlap_matches_stock():
+    """With Megatron DDP and no overlapped reduction, elastic groups match the stock schedule."""
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
                            kwargs={"pp": 2, "vp": 2, "microbatches": 8, "groups": {"elastic": [[6, 2], [4, 4]]},
                                    "ddp": True})
@@ -92,6 +95,7 @@ def test_pp2_ddp_without_overlap_matches_stock():
 
 
 def test_forward_only_evaluation_matches_stock():
+    """Forward-only evaluation under PipeMesh gives the stock schedule's losses."""
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
                            kwargs={"pp": 2, "vp": 2, "microbatches": 8, "forward_only": True,
                                    "groups": {"elastic": [[6, 2], [4, 4]], "breadth-first": [[8], [8]]}})
