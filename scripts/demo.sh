@@ -39,7 +39,7 @@ if [ ! -f "$RUN_DIR/corpus.idx" ]; then
 fi
 model=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
        --micro-batch-size "$MBS" --global-batch-size "$GBS")
-job=(--data-path "$RUN_DIR/corpus" --tokenizer-type NullTokenizer --vocab-size 257 --split 98,1,1
+job=(--data-path "$RUN_DIR/corpus" --tokenizer-type NullTokenizer --vocab-size 257 --split "98,1,1"
      --data-cache-path "$RUN_DIR/cache" "${model[@]}"
      --pipeline-model-parallel-size "$PP" --num-layers-per-virtual-pipeline-stage 1
      --train-iters 40 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 4 --weight-decay 0.01
