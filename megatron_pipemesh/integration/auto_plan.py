@@ -65,14 +65,28 @@ def layer_spec_fields(args) -> dict:
             "attention_dropout": float(getattr(args, "attention_dropout", 0.1))}
 
 
+def _on_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
 def model_and_cluster(args, tflops: float) -> Tuple[ModelSpec, ClusterSpec]:
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 50304
+    vocab = getattr(args, "padded_vocab_size", None)
+    if vocab is None and getattr(args, "vocab_size", None):
+        # Megatron pads the vocabulary only when it builds the tokenizer, after argument validation
+        # (megatron/training/tokenizer: _vocab_size_with_padding): do the same here.
+        multiple = (getattr(args, "make_vocab_size_divisible_by", 128) or 1) * args.tensor_model_parallel_size
+        vocab = -(-args.vocab_size // multiple) * multiple
+    vocab = vocab or 50304
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, vocab_size=vocab,
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
-                      **layer_spec_fields(args))
+                      dropout_mask_bytes=1 if _on_cuda() else None, **layer_spec_fields(args))
     cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=tflops,
                           mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),

@@ -62,6 +62,9 @@ class ModelSpec:
     """Megatron's --hidden-dropout (dropout masks are kept for the backward)."""
     attention_dropout: float = 0.1
     """Megatron's --attention-dropout."""
+    dropout_mask_bytes: Optional[int] = 1
+    """Bytes per dropout-mask element: 1 with CUDA's ``native_dropout`` (bool mask); None = the compute dtype,
+    as on CPU, where ``torch.dropout`` keeps its scaled noise tensor."""
     layer_spec: str = "local"
     """Layer implementation: 'local' (get_gpt_layer_local_spec, unfused attention with s*s scores) or
     'te' (Transformer Engine, --transformer-impl transformer_engine: flash/fused attention, fused norms)."""
@@ -259,7 +262,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                             vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
                             dtype_bytes=model.dtype_bytes, tp=t, sequence_parallel=cluster.sequence_parallel,
                             norm_stat_bytes=4, hidden_dropout=model.hidden_dropout,
-                            attention_dropout=model.attention_dropout, dropout_mask_bytes=1,
+                            attention_dropout=model.attention_dropout, dropout_mask_bytes=model.dropout_mask_bytes,
                             attention_mask=model.layer_spec == "local",
                             position_embedding=model.position_embedding, layer_spec=model.layer_spec,
                             num_query_groups=model.num_query_groups, swiglu=model.swiglu,
