@@ -29,7 +29,7 @@ def worker(pp, vp, wrap_ddp=False):
 def reference():
     """The same global model and data through forward_backward_no_pipelining on one rank."""
     return h.merge_rank_results(h.run_worker(f"{__file__}:worker", nproc=1,
-                                             kwargs={"pp": 1, "vp": None}, timeout=90))
+                                             kwargs={"pp": 1, "vp": None}, timeout=240))
 
 
 @pytest.mark.parametrize("wrap_ddp", [False, True], ids=["plain", "megatron_ddp"])
@@ -38,7 +38,7 @@ def test_interleaved_pp2_vp2_matches_no_pipelining(reference, wrap_ddp):
     ref = reference
     got = h.merge_rank_results(h.run_worker(f"{__file__}:worker", nproc=2,
                                             kwargs={"pp": 2, "vp": 2, "wrap_ddp": wrap_ddp},
-                                            timeout=90))
+                                            timeout=240))
     assert len(ref["losses"]) == NUM_MICROBATCHES
     assert got["losses"] == ref["losses"]
     diffs = h.compare_grads(got["grads"], ref["grads"])
