@@ -10,8 +10,7 @@ megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more det
 implementation, CPU initialization, no fused kernels, gloo); :func:`missing_cpu_args` keeps only the
 ones a given argv does not already set, so a single command line works on CPU and on GPU.
 
-Not solved (GPU-only): ``--use-distributed-optimizer`` (``distrib_optimizer.py:477`` requires
-``torch.cuda.*Tensor`` parameters) and hence ``--overlap-param-gather``; CUDA graphs; combined 1F1B.
+Not solved (GPU-only): CUDA graphs; combined 1F1B.
 """
 from __future__ import annotations
 
