@@ -15,11 +15,12 @@ setup(
     package_data={"megatron_pipemesh": ["data/corpus/*.txt"]},
     # torch and megatron-core are deliberately not hard requirements: GPU users install the package
     # into an environment that already has them (CUDA torch, megatron-core 0.19.x); the pure
-    # schedule/planning layers and the `pipemesh` command need neither.
-    install_requires=["numpy"],
+    # schedule/planning layers and the `pipemesh` command need neither.  matplotlib is, so that
+    # `pipemesh simulate --plot` / `pipemesh bench --plot` work after a plain `pip install`.
+    install_requires=["numpy", "matplotlib"],
     extras_require={
-        "plot": ["matplotlib"],
-        "test": ["pytest", "hypothesis", "matplotlib", "typing_extensions"],
+        "plot": [],  # kept so that `pip install megatron_pipemesh[plot]` still works; now a requirement
+        "test": ["pytest", "hypothesis", "typing_extensions"],
     },
     entry_points={
         "console_scripts": [

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import List, Optional, Sequence
 
+from .cli_common import UsageError, check_number, positive_int, require_matplotlib, run_command
 from .config import add_cli_arguments
 from .planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from .planning.simulator import simulate
-from .schedule.config import ScheduleConfig, ScheduleConfigError
+from .schedule.config import ScheduleConfig
 from .schedule.lower import lower
-from .schedule.timeline import ScheduleError
 from .schedule.validate import validate
 
 
@@ -27,25 +26,11 @@ DEFAULT_MEMORY_MARGIN = 0.10
 """Fraction of device memory kept free by default (allocator fragmentation, buffers, workspace)."""
 
 
-class UsageError(Exception):
-    """Bad command-line input; printed as one paragraph, exit code 2."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
-    return value
-
-
 def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> None:
     group = parser.add_argument_group("schedule")
-    group.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel size p")
-    group.add_argument("--vpp", type=_positive_int, required=True, help="virtual chunks per rank V")
-    group.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="micro-batches per iteration m")
+    group.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel size p")
+    group.add_argument("--vpp", type=positive_int, required=True, help="virtual chunks per rank V")
+    group.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches per iteration m")
     if not groups:
         return
     add_cli_arguments(group, ("forward_groups", "backward_groups"))
@@ -59,17 +44,17 @@ def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
     d_model, d_cluster = ModelSpec(), ClusterSpec()
     model = parser.add_argument_group("model (analytic costs)")
-    model.add_argument("--num-layers", type=_positive_int, default=d_model.num_layers)
-    model.add_argument("--hidden-size", type=_positive_int, default=d_model.hidden_size)
-    model.add_argument("--num-attention-heads", type=_positive_int, default=d_model.num_attention_heads)
-    model.add_argument("--seq-length", type=_positive_int, default=d_model.seq_length)
-    model.add_argument("--micro-batch-size", type=_positive_int, default=d_model.micro_batch_size)
-    model.add_argument("--vocab-size", type=_positive_int, default=d_model.vocab_size)
-    model.add_argument("--ffn-hidden-size", type=_positive_int, default=None)
+    model.add_argument("--num-layers", type=positive_int, default=d_model.num_layers)
+    model.add_argument("--hidden-size", type=positive_int, default=d_model.hidden_size)
+    model.add_argument("--num-attention-heads", type=positive_int, default=d_model.num_attention_heads)
+    model.add_argument("--seq-length", type=positive_int, default=d_model.seq_length)
+    model.add_argument("--micro-batch-size", type=positive_int, default=d_model.micro_batch_size)
+    model.add_argument("--vocab-size", type=positive_int, default=d_model.vocab_size)
+    model.add_argument("--ffn-hidden-size", type=positive_int, default=None)
     model.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     cluster = parser.add_argument_group("cluster (analytic costs)")
-    cluster.add_argument("--tp", type=_positive_int, default=d_cluster.tp, help="tensor-parallel size")
-    cluster.add_argument("--dp", type=_positive_int, default=2, help="data-parallel size")
+    cluster.add_argument("--tp", type=positive_int, default=d_cluster.tp, help="tensor-parallel size")
+    cluster.add_argument("--dp", type=positive_int, default=2, help="data-parallel size")
     add_cli_arguments(cluster, ("device_tflops", "mfu"))
     cluster.add_argument("--device-memory-gb", type=float, default=d_cluster.device_memory_gb)
     add_cli_arguments(cluster, ("dp_gbps", "p2p_gbps"))
@@ -86,24 +71,13 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     direct.add_argument("--activation-mb", type=float, default=1.0, help="activations of one chunk-micro-batch (MiB)")
 
 
-def _check_number(flag: str, value: Optional[float], example: str, positive: bool = False, at_most: Optional[float] = None) -> None:
-    if value is None:
-        return
-    bad = not math.isfinite(value) or value < 0 or (positive and value == 0) or (at_most is not None and value > at_most)
-    if bad:
-        rule = "a positive number" if positive else "a number >= 0"
-        if at_most is not None:
-            rule += f" and at most {at_most:g}"
-        raise UsageError(f"{flag} {value} is invalid: it must be {rule}. Example: {flag} {example}")
-
-
 def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
     for flag, example, positive in (("forward_ms", "10", True), ("backward_ms", "20", True), ("p2p_ms", "1", False),
                                     ("dp_reduce_ms", "5", False), ("dp_gather_ms", "5", False), ("activation_mb", "64", False),
                                     ("device_tflops", "312", True), ("dp_gbps", "25", True), ("p2p_gbps", "25", True),
                                     ("latency_us", "30", False), ("device_memory_gb", "80", True)):
-        _check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
-    _check_number("--mfu", args.mfu, "0.45", positive=True, at_most=1.0)
+        check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
+    check_number("--mfu", args.mfu, "0.45", positive=True, at_most=1.0)
     if args.forward_ms is not None:
         backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
         act = args.activation_mb * 1024 ** 2
@@ -166,6 +140,8 @@ def _format_table(rows: Sequence[tuple]) -> str:
 def cmd_simulate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     validate(lower(config))
+    if args.plot:
+        require_matplotlib("--plot")
     rows = _comparison(config, lambda cfg: costs_from_args(args, cfg))
     if args.trace:
         from .planning.trace import write_trace
@@ -185,7 +161,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _budget_bytes(args: argparse.Namespace) -> float:
     if args.memory_budget_gb is not None:
-        _check_number("--memory-budget-gb", args.memory_budget_gb, "70", positive=True)
+        check_number("--memory-budget-gb", args.memory_budget_gb, "70", positive=True)
         return args.memory_budget_gb * GB
     if args.forward_ms is not None:
         raise UsageError("--memory-budget-gb is required with direct costs (--forward-ms ...): there is no device "
@@ -257,17 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from .planning.study import add_study_parser
+    add_study_parser(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ScheduleConfigError, UsageError, ScheduleError) as error:
-        print(f"pipemesh {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

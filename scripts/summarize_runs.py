@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compare Megatron training runs from their logs: one table of iteration time and throughput.
 
-Used by ``scripts/slurm/bench_schedules.sbatch``; standard library only, so any Python 3.8+ runs it::
+Used by ``scripts/slurm/bench_schedules.sbatch``; standard library only (with this checkout's
+``megatron_pipemesh/bench/logparse.py``, the project's one Megatron log parser), so any Python 3.8+ runs it::
 
     python scripts/summarize_runs.py --warmup 5 1f1b=runs/bench/1f1b depth-first=runs/bench/depth-first \\
         breadth-first=runs/bench/breadth-first pipemesh=runs/bench/pipemesh
@@ -27,20 +28,21 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+# The log parser is this checkout's (standard library only too): the same code as `pipemesh bench`, and
+# no installed package is needed (nor used, if an older one happens to be installed).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_pipemesh.bench import logparse  # noqa: E402
+
 __all__ = ["Iteration", "RunLog", "RunSummary", "parse_lines", "read_run", "summarize", "format_table",
            "main"]
 
-ITERATION_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
-TIME_RE = re.compile(r"elapsed time per iteration \(ms\):\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
-LOSS_RE = re.compile(r"\blm loss:\s*([-+0-9.eE]+|nan|inf)", re.IGNORECASE)
-GBS_RE = re.compile(r"global batch size:\s*(\d+)")
-ARG_RE = re.compile(r"(?<![A-Za-z0-9_])(seq_length|global_batch_size)\s+\.{2,}\s+(\d+)\s*$")
+ARGUMENTS = ("seq_length", "global_batch_size")
+"""The values taken from Megatron's argument dump."""
 
 
 @dataclass
@@ -82,32 +84,19 @@ class RunSummary:
     source: Optional[str] = None
 
 
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan
-
-
 def parse_lines(lines: Iterable[str]) -> Tuple[List[Iteration], Dict[str, int]]:
-    """Iteration records (last one wins for a repeated iteration number) and the argument values seen."""
+    """Iteration records (last one wins for a repeated iteration number) and the :data:`ARGUMENTS` seen."""
     records: Dict[int, Iteration] = {}
     args: Dict[str, int] = {}
     for line in lines:
-        m = ITERATION_RE.search(line)
-        if m:
-            t = TIME_RE.search(line)
-            if t is None:
-                continue
-            loss = LOSS_RE.search(line)
-            gbs = GBS_RE.search(line)
-            it = int(m.group(1))
-            records[it] = Iteration(it, _float(t.group(1)), _float(loss.group(1)) if loss else None,
-                                    int(gbs.group(1)) if gbs else None)
+        found = logparse.parse_iteration_line(line)
+        if found is not None:
+            records[found.iteration] = Iteration(found.iteration, found.elapsed_ms, found.loss,
+                                                 found.global_batch_size)
             continue
-        a = ARG_RE.search(line)
-        if a and a.group(1) not in args:
-            args[a.group(1)] = int(a.group(2))
+        argument = logparse.parse_argument_line(line)
+        if argument and argument[0] in ARGUMENTS and argument[0] not in args:
+            args[argument[0]] = argument[1]
     return [records[k] for k in sorted(records)], args
 
 

@@ -20,11 +20,13 @@ Two halves:
   parameter from a generator seeded by its *global* name, so every PP/VP layout holds identical
   weights; optional Megatron DDP wrapping (``wrap_ddp=True``) with the hooks ``train()`` installs.
 * :func:`make_data_iterators` — one iterator per chunk, each yielding the same deterministic
-  micro-batches (``tokens, labels, loss_mask, attention_mask, position_ids``).
+  micro-batches (``tokens, labels, loss_mask, attention_mask, position_ids``); each data-parallel
+  replica gets its own micro-batches, so a missing or early gradient reduction shows.
 * :func:`forward_step_func` — Megatron-GPT-style ``(data_iterator, model) -> (output, loss_func)``.
 * :func:`run_schedule` — calls a megatron-style forward-backward function and returns the losses
   (last stage) and every parameter's gradient (``main_grad`` under DDP) keyed by a global name that
-  is stable across PP layouts (``decoder.layers.<global layer index>.…``).
+  is stable across PP layouts (``decoder.layers.<global layer index>.…``); :func:`merge_replicas`
+  puts the ranks' results together, one merged result per data-parallel replica.
 
 Example (see ``tests/runtime``/``tests/integration`` for real uses)::
 
@@ -33,7 +35,7 @@ Example (see ``tests/runtime``/``tests/integration`` for real uses)::
         spec = h.TinyGPT()
         model = h.build_model(spec)
         out = h.run_schedule(get_forward_backward_func(), model, spec, num_microbatches=4)
-        return h.gather_to_rank0(out)   # or return out directly: one result per rank
+        return out                      # one result per rank
 
     results = h.run_worker("tests.some_test_module:worker", nproc=2, kwargs={"pp": 2, "vp": 2})
 """
@@ -75,9 +77,10 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
-def torchrun_cmd(nproc: int) -> List[str]:
+def torchrun_cmd(nproc: int, torchrun_args: Sequence[str] = ()) -> List[str]:
     """``python -m torch.distributed.run`` with a free rendezvous port on localhost."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            *torchrun_args]
 
 
 def run_torchrun(
@@ -86,13 +89,15 @@ def run_torchrun(
     timeout: float = 120.0,
     env: Optional[Dict[str, str]] = None,
     cwd: Optional[str] = None,
+    torchrun_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
     """Run ``torchrun ... <target...>`` (``target`` = ``[script, args...]`` or ``["-m", mod, ...]``).
 
     Returns the CompletedProcess with stdout and stderr merged into ``.stdout``.  Raises
-    :class:`WorkerError` on timeout (never leaves ranks running: the process group is killed).
+    :class:`WorkerError` on timeout (never leaves ranks running: torchrun and every rank are killed).
+    ``torchrun_args`` go to torchrun itself (e.g. ``--monitor-interval 10``).
     """
-    cmd = torchrun_cmd(nproc) + list(target)
+    cmd = torchrun_cmd(nproc, torchrun_args) + list(target)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -105,12 +110,42 @@ def run_torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise WorkerError(f"timed out after {timeout}s: {' '.join(cmd)}\n{(out or '')[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (Linux /proc; [] elsewhere)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and its ranks. The ranks run in sessions of their own (torch elastic starts them
+    with start_new_session), so killing torchrun's process group alone would leave them running, holding
+    the output pipe open."""
+    import signal
+
+    for victim in [pid] + _descendants(pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_worker(
@@ -119,6 +154,7 @@ def run_worker(
     kwargs: Optional[Dict[str, Any]] = None,
     timeout: float = 120.0,
     env: Optional[Dict[str, str]] = None,
+    torchrun_args: Sequence[str] = (),
 ) -> List[Any]:
     """Run ``"package.module:function"`` or ``"/path/to/file.py:function"`` with ``**kwargs`` on
     ``nproc`` ranks; return the per-rank results.
@@ -132,7 +168,7 @@ def run_worker(
         extra = {_RESULT_DIR_ENV: tmp}
         extra.update(env or {})
         target = [str(Path(__file__).resolve()), "--call", func, "--kwargs", json.dumps(kwargs or {})]
-        cp = run_torchrun(target, nproc, timeout=timeout, env=extra)
+        cp = run_torchrun(target, nproc, timeout=timeout, env=extra, torchrun_args=torchrun_args)
         if cp.returncode != 0:
             raise WorkerError(f"{func} failed with exit code {cp.returncode}:\n{cp.stdout[-8000:]}")
         results = []
@@ -388,11 +424,12 @@ def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool
     return chunks
 
 
-def make_batch(spec: TinyGPT, microbatch: int) -> Dict[str, Any]:
-    """Deterministic micro-batch ``microbatch`` (independent of rank and layout)."""
+def make_batch(spec: TinyGPT, microbatch: int, replica: int = 0) -> Dict[str, Any]:
+    """Deterministic micro-batch ``microbatch`` of data-parallel replica ``replica`` (independent of the
+    pipeline layout)."""
     import torch
 
-    gen = torch.Generator().manual_seed(spec.seed * 100003 + microbatch)
+    gen = torch.Generator().manual_seed(spec.seed * 100003 + microbatch + 1000003 * replica)
     b, s = spec.micro_batch_size, spec.seq_length
     text = torch.randint(0, spec.vocab_size, (b, s + 1), generator=gen)
     loss_mask = (torch.rand((b, s), generator=gen) < spec.loss_mask_density).float()
@@ -408,13 +445,23 @@ def make_batch(spec: TinyGPT, microbatch: int) -> Dict[str, Any]:
     }
 
 
-def make_data_iterators(spec: TinyGPT, num_microbatches: int, num_chunks: int) -> List[Iterator]:
-    """One iterator per chunk, each yielding micro-batches 0..num_microbatches-1 in order.
+def make_data_iterators(spec: TinyGPT, num_microbatches: int, num_chunks: int,
+                        replica: Optional[int] = None) -> List[Iterator]:
+    """One iterator per chunk, each yielding micro-batches 0..num_microbatches-1 of ``replica`` in order
+    (default: this rank's data-parallel rank, so replicas see different data as in training).
 
     Every schedule runs each chunk's forwards in increasing micro-batch order, so each chunk may
     simply consume its own iterator on every forward.
     """
-    return [iter([make_batch(spec, j) for j in range(num_microbatches)]) for _ in range(num_chunks)]
+    if replica is None:
+        replica = _data_parallel_rank()
+    return [iter([make_batch(spec, j, replica) for j in range(num_microbatches)]) for _ in range(num_chunks)]
+
+
+def _data_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
 
 
 def loss_func(loss_mask, output_tensor):
@@ -463,12 +510,6 @@ def collect_grads(model: Sequence[Any]) -> Dict[str, Any]:
     return grads
 
 
-def collect_params(model: Sequence[Any]) -> Dict[str, Any]:
-    """Every parameter on this rank by global name (CPU copies)."""
-    return {global_param_name(c, n): p.detach().float().cpu().clone()
-            for c in model for n, p in c.named_parameters()}
-
-
 def run_schedule(
     fb_func: Callable,
     model: Sequence[Any],
@@ -508,19 +549,30 @@ def run_schedule(
         "grads": {} if forward_only else collect_grads(model),
         "rank": torch.distributed.get_rank(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
     }
 
 
 def merge_rank_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Merge per-rank :func:`run_schedule` results of one DP replica into the global picture."""
+    """Merge the per-rank :func:`run_schedule` results of one data-parallel replica (its pipeline
+    ranks) into the whole model's losses and gradients; several replicas: use :func:`merge_replicas`."""
+    replicas = {r.get("dp_rank", 0) for r in results}
+    if len(replicas) > 1:
+        raise ValueError(f"results of data-parallel replicas {sorted(replicas)}: use merge_replicas")
     losses = [r["losses"] for r in results if r["losses"]]
     grads: Dict[str, Any] = {}
     for r in results:
         for k, v in r["grads"].items():
-            if k in grads and grads[k] is not None and v is not None:
-                continue  # same parameter on several DP ranks: keep the first
+            if k in grads:
+                raise ValueError(f"parameter {k} reported by two pipeline ranks of one replica")
             grads[k] = v
     return {"losses": losses[0] if losses else [], "grads": grads}
+
+
+def merge_replicas(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One :func:`merge_rank_results` per data-parallel replica, in replica order."""
+    replicas = sorted({r.get("dp_rank", 0) for r in results})
+    return [merge_rank_results([r for r in results if r.get("dp_rank", 0) == k]) for k in replicas]
 
 
 def max_rel_diff(a, b) -> float:

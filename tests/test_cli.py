@@ -70,6 +70,17 @@ def test_show_text_lowered():
     assert lines == [f"rank {r}: " + " ".join(map(str, p)) for r, p in enumerate(lower(CONFIG).programs)]
 
 
+def test_show_picture_with_two_digit_microbatches():
+    """`show --picture -m 12` lists every rank's ops as separate words in compute order (no `F0.10B1.4`)."""
+    code, out, _ = run(["show", "--picture"] + SCHEDULE)
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4
+    for r, row in enumerate(rows):
+        words = [w for w in row.split("|", 1)[1].split() if w != "."]
+        assert words == [str(op) for op in compute_program(CONFIG, r)]
+
+
 def test_show_default_groups_are_depth_first():
     """Without group flags `show` prints Megatron's depth-first order."""
     code, out, _ = run(["show", "--pp", "4", "--vpp", "2", "-m", "8", "--json"])
@@ -116,23 +127,43 @@ def test_simulate_json():
 def test_simulate_trace_and_plot(tmp_path):
     """--trace and --plot write a JSON trace and a PNG, and say so."""
     trace, plot = tmp_path / "t.json", tmp_path / "p.png"
-    code, out, _ = run(["simulate"] + SCHEDULE + DIRECT + ["--trace", str(trace)]
-                       + (["--plot", str(plot)] if _has_matplotlib() else []))
+    code, out, _ = run(["simulate"] + SCHEDULE + DIRECT + ["--trace", str(trace), "--plot", str(plot)])
     assert code == 0
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e["ph"] == "X" and e.get("cat") == "compute") == 4 * 2 * 2 * 12
     assert f"wrote trace: {trace}" in out
-    if _has_matplotlib():
-        assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 1000
-        assert f"wrote timeline picture: {plot}" in out
+    assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 1000
+    assert f"wrote timeline picture: {plot}" in out
 
 
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+    """Where matplotlib cannot be imported, --plot exits 2 with one line naming `pip install matplotlib`."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    plot = tmp_path / "p.png"
+    code, out, err = run(["simulate"] + SCHEDULE + DIRECT + ["--plot", str(plot)])
+    assert (code, out) == (2, "")
+    assert len(err.strip().splitlines()) == 1 and "pip install matplotlib" in err and "--plot" in err
+    assert not plot.exists()
+
+
+def test_cli_and_bench_cli_do_not_import_each_other():
+    """megatron_pipemesh/cli.py may import bench/cli.py (to add `bench`), never the reverse, at any depth."""
+    import ast
+
+    def imported(path, package):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                names.update([module] + [f"{module}.{alias.name}" for alias in node.names])
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        return names
+
+    pkg = REPO / "megatron_pipemesh"
+    assert "megatron_pipemesh.bench.cli" in imported(pkg / "cli.py", "megatron_pipemesh")
+    assert "megatron_pipemesh.cli" not in imported(pkg / "bench" / "cli.py", "megatron_pipemesh.bench")
 
 
 # ---------------------------------------------------------------------------------------------

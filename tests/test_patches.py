@@ -34,6 +34,7 @@ def _apply(folder: Path) -> str:
 
 
 def test_patch_adds_install_before_megatron_imports(tmp_path):
+    """The patch inserts megatron_pipemesh.install() after `import torch` and before Megatron's imports."""
     (tmp_path / "pretrain_gpt.py").write_text(UPSTREAM_HEAD)
     text = _apply(tmp_path)
     assert text.index("megatron_pipemesh.install()") < text.index("from gpt_builders import")
@@ -42,5 +43,6 @@ def test_patch_adds_install_before_megatron_imports(tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout")
 def test_patch_applies_to_a_real_checkout(tmp_path):
+    """The patch applies to a real Megatron-LM pretrain_gpt.py."""
     shutil.copy(Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
     assert "megatron_pipemesh.install()" in _apply(tmp_path)

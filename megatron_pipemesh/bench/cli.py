@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -19,17 +18,12 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..cli_common import UsageError, check_number, require_matplotlib, run_command
 from .runner import SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
 
 QUICK = dict(configs=["pp2"], repeats=1, warmup=1, iters=4, rate="200mbit")
 """``--quick``: one pipeline-only configuration, one repeat, 1 warm-up + 4 measured iterations."""
 DEFAULT_RATE = "200mbit"
-
-
-def _usage(message: str) -> Exception:
-    from ..cli import UsageError  # lazy: megatron_pipemesh.cli may import this module while it loads
-
-    return UsageError(message)
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -93,13 +87,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--keep-going", action="store_true", default=True, help=argparse.SUPPRESS)
 
 
-def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
-    ok = value is not None and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        rule = "a number >= 0" if allow_zero else "a positive number"
-        raise _usage(f"{name} {value} is invalid: it must be {rule}. Example: {name} {example}")
-
-
 def resolve(args: argparse.Namespace) -> dict:
     """Validate the flags (UsageError on bad input) and fill in the --quick / default values."""
     quick = args.quick
@@ -107,7 +94,7 @@ def resolve(args: argparse.Namespace) -> dict:
     try:
         configs = [ParallelConfig.parse(c) for c in configs_text]
     except ValueError as error:
-        raise _usage(str(error)) from error
+        raise UsageError(str(error)) from error
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if quick else 3)
     warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick else 2)
     iters = args.iters if args.iters is not None else (QUICK["iters"] if quick else 6)
@@ -123,24 +110,24 @@ def resolve(args: argparse.Namespace) -> dict:
                                        ("--memory-budget-gb", args.memory_budget_gb, "8", False),
                                        ("--device-tflops", args.device_tflops, "0.05", False),
                                        ("--mfu", args.mfu, "0.45", False), ("--link-share", args.link_share, "0.5", False)):
-        _positive(name, value, example, zero)
+        check_number(name, value, example, positive=not zero)
     for name, value in (("--repeats", repeats), ("--warmup", warmup), ("--iters", iters)):
         if int(value) != value:
-            raise _usage(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")
+            raise UsageError(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")
     if args.mfu > 1 or args.link_share > 1:
-        raise _usage(f"--mfu {args.mfu} / --link-share {args.link_share} is invalid: both are fractions in (0, 1]. "
+        raise UsageError(f"--mfu {args.mfu} / --link-share {args.link_share} is invalid: both are fractions in (0, 1]. "
                      "Example: --mfu 0.45 --link-share 1")
     if args.vpp < 2:
-        raise _usage(f"--vpp {args.vpp} is invalid: the interleaved and PipeMesh schedules need at least 2 chunks per "
+        raise UsageError(f"--vpp {args.vpp} is invalid: the interleaved and PipeMesh schedules need at least 2 chunks per "
                      "rank. Example: --vpp 2")
     if args.hidden_size % args.num_attention_heads:
-        raise _usage(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+        raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                      f"{args.num_attention_heads}. Example: --hidden-size 256 --num-attention-heads 4")
     rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
     shaping = None
     if args.unshaped:
         if args.rate or args.delay_ms:
-            raise _usage(f"--unshaped with --rate/--delay-ms is contradictory: --unshaped runs over the plain loopback. "
+            raise UsageError(f"--unshaped with --rate/--delay-ms is contradictory: --unshaped runs over the plain loopback. "
                          f"Drop one of them. Example: --rate {rate_text}")
     else:
         from .netns import MIN_BURST_BYTES, Shaping, parse_rate_mbit
@@ -148,10 +135,10 @@ def resolve(args: argparse.Namespace) -> dict:
         try:
             rate = parse_rate_mbit(rate_text)
         except ValueError as error:
-            raise _usage(f"--rate {rate_text}: {error}") from error
+            raise UsageError(f"--rate {rate_text}: {error}") from error
         burst = args.burst if args.burst is not None else MIN_BURST_BYTES
         if burst < MIN_BURST_BYTES:
-            raise _usage(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
+            raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
@@ -162,7 +149,7 @@ def resolve(args: argparse.Namespace) -> dict:
 
     for config in configs:
         if args.microbatches < config.pp:
-            raise _usage(f"--microbatches {args.microbatches} is invalid for {config.name}: it must be at least the "
+            raise UsageError(f"--microbatches {args.microbatches} is invalid for {config.name}: it must be at least the "
                          f"pipeline size {config.pp}. Example: --microbatches {2 * config.pp}")
         if "pipemesh" in args.schedules:
             forward = tuple(args.forward_groups) if args.forward_groups else None
@@ -173,7 +160,7 @@ def resolve(args: argparse.Namespace) -> dict:
             try:
                 ScheduleConfig(config.pp, args.vpp, args.microbatches, forward, backward)
             except ScheduleConfigError as error:
-                raise _usage(f"{config.name}: {error}") from error
+                raise UsageError(f"{config.name}: {error}") from error
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
             "auto": AutoPlanSettings(args.memory_budget_gb, args.device_tflops, args.mfu)}
@@ -203,6 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          training_args)
 
     setup = resolve(args)
+    if args.plot:
+        require_matplotlib("--plot")  # before the runs, not after them
     configs, model, shaping, repeats = setup["configs"], setup["model"], setup["shaping"], setup["repeats"]
     machine = machine_description()
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-")
@@ -222,7 +211,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         data_flags = prepare_data(os.path.join(out_dir, "data"))
     except RuntimeError as error:
-        raise _usage(str(error)) from error
+        raise UsageError(str(error)) from error
     results: List[RunResult] = []
     started = time.monotonic()
     namespace = ShapedNamespace(shaping) if shaping else None
@@ -231,7 +220,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             try:
                 namespace.__enter__()
             except NamespaceError as error:
-                raise _usage(str(error)) from error
+                raise UsageError(str(error)) from error
         for index, (repeat, config, schedule, shaped) in enumerate(plan, 1):
             threads, _ = threads_per_rank(config.world, machine["cores"])
             run_dir = os.path.join(out_dir, "runs")
@@ -306,15 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..cli import UsageError
-    from ..schedule.config import ScheduleConfigError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "bench":
         argv = ["bench"] + argv
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (UsageError, ScheduleConfigError) as error:
-        print(f"pipemesh {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    return run_command(args)

@@ -1,5 +1,6 @@
-"""Parse Megatron's training log: iteration lines, per-rank timers (``--timing-log-option all``),
-the PipeMesh auto plan line.
+"""The one parser of Megatron's training log text (standard library only, so that
+``scripts/summarize_runs.py`` runs it on a bare cluster node): iteration lines, the argument dump,
+per-rank timers (``--timing-log-option all``) and the PipeMesh auto plan line.
 
 Megatron prints, on the last rank, for every ``--log-interval`` iterations::
 
@@ -12,6 +13,8 @@ Megatron prints, on the last rank, for every ``--log-interval`` iterations::
          rank  0: 314.66
       ...
 
+and, on rank 0 at start-up, its arguments (``  seq_length ..... 2048``).
+
 With ``--log-interval 1`` each timer block belongs to the iteration line printed just before it.
 Timer values are per iteration (Megatron divides by the log interval), except that the block after
 the second iteration also holds the first (Megatron does not reset timers after the first
@@ -19,16 +22,58 @@ iteration); :func:`parse_log` subtracts it.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([0-9.]+)")
+_NUMBER = r"([-+0-9.eE]+|nan|inf)"
+ITERATION_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+TIME_RE = re.compile(r"elapsed time per iteration \(ms\):\s*" + _NUMBER, re.IGNORECASE)
+LOSS_RE = re.compile(r"\blm loss:\s*" + _NUMBER, re.IGNORECASE)
+GLOBAL_BATCH_RE = re.compile(r"global batch size:\s*(\d+)")
+ARGUMENT_RE = re.compile(r"(?<![A-Za-z0-9_])([a-z0-9_]+)\s+\.{2,}\s+(\d+)\s*$")
 TIMER_HEADER_RE = re.compile(r"times across ranks \(ms\):")
 TIMER_NAME_RE = re.compile(r"^\s{2}([A-Za-z0-9_/\-]+):\s*$")
 TIMER_RANK_RE = re.compile(r"^\s+rank\s+(\d+):\s*([0-9.]+)\s*$")
 AUTO_PLAN_RE = re.compile(r"PipeMesh plan \(auto.*?--forward-groups ([0-9 ]+) --backward-groups ([0-9 ]+);")
-LOSS_RE = re.compile(r"lm loss:\s*([0-9.Ee+\-]+)")
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+@dataclass
+class IterationLine:
+    """The numbers of one Megatron iteration line."""
+
+    iteration: int
+    train_iters: int
+    elapsed_ms: float
+    """nan when Megatron printed something that is not a number."""
+    loss: Optional[float] = None
+    global_batch_size: Optional[int] = None
+
+
+def parse_iteration_line(line: str) -> Optional[IterationLine]:
+    """The iteration line's numbers, or None if ``line`` is not an iteration line with a time."""
+    match = ITERATION_RE.search(line)
+    time = TIME_RE.search(line) if match else None
+    if time is None:
+        return None
+    loss = LOSS_RE.search(line)
+    batch = GLOBAL_BATCH_RE.search(line)
+    return IterationLine(int(match.group(1)), int(match.group(2)), _float(time.group(1)),
+                         _float(loss.group(1)) if loss else None, int(batch.group(1)) if batch else None)
+
+
+def parse_argument_line(line: str) -> Optional[Tuple[str, int]]:
+    """``(name, value)`` of an integer line of Megatron's argument dump (``  seq_length ..... 2048``)."""
+    match = ARGUMENT_RE.search(line)
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 @dataclass
@@ -61,16 +106,11 @@ def parse_log(text: str) -> ParsedLog:
     in_timers = False
     auto_f = auto_b = None
     for line in text.splitlines():
-        match = ITERATION_RE.search(line)
-        if match:
-            current = IterationRecord(int(match.group(1)), float(match.group(3)))
-            loss = LOSS_RE.search(line)
-            if loss:
-                try:
-                    current.loss = float(loss.group(1))
-                except ValueError:
-                    pass
-            train_iters = int(match.group(2))
+        found = parse_iteration_line(line)
+        if found is not None and math.isfinite(found.elapsed_ms):
+            loss = found.loss if found.loss is not None and math.isfinite(found.loss) else None
+            current = IterationRecord(found.iteration, found.elapsed_ms, loss)
+            train_iters = found.train_iters
             iterations.append(current)
             in_timers, timer_name = False, None
             continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Iterable, List, Optional, Sequence
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "cpu_megatron_args",
     "missing_cpu_args",
     "CudaToCpuMode",
+    "RNG_FORK_WARNING",
 ]
 
 _ACTIVE = False
@@ -138,6 +140,25 @@ def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+#: Logged by ``CudaRNGStatesTracker.fork`` (``tensor_parallel/random.py:326-333``) when the CPU default
+#: generator moved inside a fork.
+RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+class _OneGeneratorForkFilter(logging.Filter):
+    """Drops :data:`RNG_FORK_WARNING`, and only it, while the CPU layer is active.
+
+    ``fork()`` records ``torch.get_rng_state()`` after switching to the tracker's state and warns if it
+    differs on exit, to catch CPU randomness drawn inside a GPU fork.  Here the "CUDA" generator *is* the
+    CPU default generator (item 1), so the check compares the fork's own stream with itself and fires on
+    every dropout inside it (attention dropout, ``dot_product_attention.py:217``: once per micro-batch and
+    chunk).  Nothing can leak: ``fork()`` restores the default stream on exit (random.py:340-346).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != RNG_FORK_WARNING
+
+
 # --------------------------------------------------------------------------------------------------
 # Gradient clipping without the torch.cuda.FloatTensor assertion
 # --------------------------------------------------------------------------------------------------
@@ -244,6 +265,8 @@ def apply_cpu_compat() -> bool:
 
     tp_random._get_cuda_rng_state = _cpu_get_rng_state
     tp_random._set_cuda_rng_state = _cpu_set_rng_state
+    #    ... which makes fork()'s "CPU RNG changed" check (random.py:326-333) fire on every dropout.
+    logging.getLogger(tp_random.__name__).addFilter(_OneGeneratorForkFilter())
 
     # 2. current_device(): p2p_communication.py:211-223,334,342 (buffers), RoPE :162, initialize.py:131.
     cuda.current_device = lambda: 0

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..config import PipeMeshConfig, add_megatron_arguments, normalize_groups
+from ..config import PipeMeshConfig, add_megatron_arguments
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
 
 SCHEDULE_FLAG = "--pipeline-schedule"

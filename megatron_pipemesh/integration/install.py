@@ -155,7 +155,3 @@ def install() -> None:
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass
     _STATE["installed"] = True
-
-
-def is_installed() -> bool:
-    return bool(_STATE["installed"])

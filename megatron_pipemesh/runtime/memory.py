@@ -116,10 +116,6 @@ class SavedTensorMeter:
                 return tensor
             # A detached alias: same storage, no grad_fn, so no reference cycle (see module doc).
             alias = tensor.detach()
-            if torch._C._current_graph_task_id() != -1:
-                # Saved while a backward runs (a recomputed forward): transient, freed by that same
-                # backward, and not an activation held between forward and backward.
-                return alias
             found = self._countable(tensor)
             if found is not None:
                 self._add(key, *found)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .config import ScheduleConfig
-from .ops import Op, OpKind, format_ops, parse_op
+from .ops import Op, OpKind, parse_op
 from .order import compute_programs, first_last_positions
 
 
@@ -93,11 +93,6 @@ class LoweredSchedule:
                                 tuple(data["forward_groups"]), tuple(data["backward_groups"]))
         return cls(config, LoweringOptions(**data.get("options", {})),
                    [[parse_op(text) for text in program] for program in data["programs"]])
-
-    def to_text(self) -> str:
-        lines = [f"# {self.config.describe()}"]
-        lines += [f"rank {rank}: {format_ops(program)}" for rank, program in enumerate(self.programs)]
-        return "\n".join(lines)
 
     def digest(self) -> str:
         """Stable hash of the whole plan; ranks compare it at start-up."""

@@ -40,17 +40,20 @@ def _args(*argv):
     (["--configs", "pp2", "--forward-groups", "4", "4", "--backward-groups", "3"], "--backward-groups"),
 ])
 def test_bad_input_is_a_usage_error(argv, match):
+    """Each invalid bench setting raises UsageError naming the offending flag or rule."""
     with pytest.raises(UsageError, match=match):
         bench_cli.resolve(_args(*argv))
 
 
 def test_main_prints_one_paragraph_and_exits_2(capsys):
+    """`pipemesh bench` with a bad --rate exits 2 with one line naming the flag and value."""
     assert bench_cli.main(["--rate", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pipemesh bench: error: --rate nope") and "\n" not in err
 
 
 def test_quick_defaults():
+    """--quick: pp2, 1 repeat, 1 warm-up + 4 iterations, 200 Mbit/s, groups 6 2 / 4 4; --unshaped: no shaping."""
     setup = bench_cli.resolve(_args("--quick"))
     assert [c.name for c in setup["configs"]] == ["pp2"]
     assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 4
@@ -60,6 +63,7 @@ def test_quick_defaults():
 
 
 def test_add_bench_parser_hook():
+    """add_bench_parser registers `bench` on a `pipemesh` parser with cmd_bench as its handler."""
     parser = argparse.ArgumentParser(prog="pipemesh")
     sub = parser.add_subparsers(dest="command", required=True)
     bench_cli.add_bench_parser(sub)
@@ -68,6 +72,7 @@ def test_add_bench_parser_hook():
 
 
 def test_config_parsing_and_threads():
+    """ppNxdpM names parse to ParallelConfig; cores split into threads per rank, oversubscription flagged."""
     assert ParallelConfig.parse("pp2xdp2") == ParallelConfig(2, 2)
     assert ParallelConfig.parse("PP4") == ParallelConfig(4, 1)
     assert ParallelConfig(2, 2).name == "pp2xdp2" and ParallelConfig(2, 2).world == 4
@@ -77,6 +82,7 @@ def test_config_parsing_and_threads():
 
 
 def test_default_groups_are_valid():
+    """The bench's default group lists are valid for p = 2..4 and every m >= p (6 2 / 4 4 for p = 2, m = 8)."""
     for pp in (2, 3, 4):
         for m in range(pp, 17):
             forward, backward = default_groups(pp, m)
@@ -89,6 +95,7 @@ def _flag(args, flag):
 
 
 def test_training_args_per_schedule():
+    """Each schedule gets its Megatron flags (VP, group size, groups, auto plan, DP overlap) and torchrun line."""
     model, config = ModelSetup(), ParallelConfig(2)
     data = ["--data-path", "/d/corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]
     one = training_args(model, config, "1f1b", data, "/r")
@@ -138,6 +145,7 @@ def _results():
 
 
 def test_summary_table_json_and_plot(tmp_path):
+    """summarize gives medians, spreads, limit fractions, idle/exposed times, failures and ratios; table/JSON/PNG."""
     model = ModelSetup(warmup_iters=1, measured_iters=4)
     groups = {("pp2", "pipemesh"): ((6, 2), (4, 4))}
     summary = summarize(_results(), model, [ParallelConfig(2)], ["1f1b", "interleaved", "pipemesh"], groups,
@@ -171,6 +179,7 @@ def test_summary_table_json_and_plot(tmp_path):
 
 
 def test_calibration_costs_and_fit():
+    """Timers become simulator costs, shaping slows predictions, the fitted overhead reproduces a target time."""
     model, config = ModelSetup(), ParallelConfig(2)
     assert schedule_config("1f1b", 2, 2, 8).vpp == 1
     assert schedule_config("breadth-first", 2, 2, 8).forward_groups == (8,)

@@ -13,16 +13,19 @@ from megatron_pipemesh.bench.netns import (MIN_BURST_BYTES, NamespaceError, Shap
 @pytest.mark.parametrize("text,mbit", [("200mbit", 200), ("1gbit", 1000), ("500", 500), ("250kbit", 0.25),
                                        ("25mbps", 200), ("1.5Gbit", 1500)])
 def test_parse_rate(text, mbit):
+    """Rates in mbit, gbit, kbit, mbps or bare numbers convert to Mbit/s."""
     assert parse_rate_mbit(text) == pytest.approx(mbit)
 
 
 @pytest.mark.parametrize("text", ["", "fast", "-5mbit", "0", "0mbit", "mbit"])
 def test_parse_rate_rejects(text):
+    """Empty, zero, negative or unit-only rates raise ValueError."""
     with pytest.raises(ValueError):
         parse_rate_mbit(text)
 
 
 def test_setup_commands_tbf_only():
+    """Without delay the namespace gets lo up and one tbf qdisc with the rate, the minimum burst and 200 ms latency."""
     cmds = setup_commands("pmbench-x", Shaping(200.0))
     assert cmds == [
         ["ip", "netns", "add", "pmbench-x"],
@@ -33,6 +36,7 @@ def test_setup_commands_tbf_only():
 
 
 def test_setup_commands_with_delay():
+    """With a delay, netem is the root qdisc and tbf its child with the given burst and queue latency."""
     cmds = setup_commands("n1", Shaping(50.0, delay_ms=2.5, burst_bytes=10 ** 6, queue_ms=100))
     assert cmds[2] == ["ip", "netns", "exec", "n1", "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
                        "netem", "delay", "2.5ms"]
@@ -41,6 +45,7 @@ def test_setup_commands_with_delay():
 
 
 def test_unshaped_namespace_and_teardown():
+    """An unshaped namespace gets no qdisc; teardown deletes it; the exec prefix runs commands in it."""
     assert setup_commands("n2", None) == [["ip", "netns", "add", "n2"],
                                           ["ip", "netns", "exec", "n2", "ip", "link", "set", "lo", "up"]]
     assert teardown_commands("n2") == [["ip", "netns", "delete", "n2"]]
@@ -48,6 +53,7 @@ def test_unshaped_namespace_and_teardown():
 
 
 def test_shaping_validation():
+    """Shaping rejects bursts below 4 x MTU, a zero rate and a negative delay; bytes_per_s converts Mbit/s."""
     with pytest.raises(ValueError, match="MTU"):
         Shaping(100.0, burst_bytes=65536)
     with pytest.raises(ValueError):
@@ -59,6 +65,7 @@ def test_shaping_validation():
 
 
 def test_unique_names():
+    """Two new namespace names differ."""
     assert netns.new_namespace_name() != netns.new_namespace_name()
 
 
@@ -75,6 +82,7 @@ def _fake(monkeypatch, fail_on=None):
 
 
 def test_namespace_deleted_after_error_in_body(monkeypatch):
+    """The namespace is deleted exactly once when the body raises (even KeyboardInterrupt)."""
     calls, runner = _fake(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         with ShapedNamespace(Shaping(100.0), name="nsA", runner=runner):
@@ -84,6 +92,7 @@ def test_namespace_deleted_after_error_in_body(monkeypatch):
 
 
 def test_namespace_deleted_when_shaping_fails(monkeypatch):
+    """A failing tc command still deletes the namespace and raises NamespaceError."""
     calls, runner = _fake(monkeypatch, fail_on="tc")
     with pytest.raises(NamespaceError):
         ShapedNamespace(Shaping(100.0), name="nsB", runner=runner).__enter__()
@@ -91,6 +100,7 @@ def test_namespace_deleted_when_shaping_fails(monkeypatch):
 
 
 def test_no_permission_message(monkeypatch):
+    """Without permission to create a namespace the error points to --unshaped."""
     monkeypatch.setattr(netns, "permission_problem", lambda: "creating a network namespace needs root")
     with pytest.raises(NamespaceError, match="--unshaped"):
         ShapedNamespace(Shaping(100.0), name="nsC", runner=lambda cmd: None).__enter__()
@@ -108,6 +118,7 @@ def _netns_works() -> bool:
 
 @pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
 def test_real_shaped_namespace_is_created_and_removed():
+    """With root, a real namespace has lo up and a 200 Mbit tbf qdisc, and is gone afterwards."""
     with ShapedNamespace(Shaping(200.0)) as ns:
         shown = subprocess.run(ns.prefix() + ["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
         assert "tbf" in shown and "rate 200Mbit" in shown

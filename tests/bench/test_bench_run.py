@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_pipemesh.bench.runner import default_groups
+
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_unshaped_bench(tmp_path):
+    """A real tiny unshaped bench reports throughput and timers for both schedules and PipeMesh's default groups."""
     cmd = [sys.executable, "-m", "megatron_pipemesh.bench", "--unshaped", "--configs", "pp2",
            "--schedules", "interleaved", "pipemesh", "--repeats", "1", "--warmup", "1", "--iters", "2",
            "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "1", "--microbatches", "4",
@@ -24,6 +27,8 @@ def test_tiny_unshaped_bench(tmp_path):
         assert u["runs"] == 1 and u["tokens_per_s_median"] > 0 and u["iteration_ms_median"] > 0
         assert all(x is not None and x > 0 for x in u["forward_backward_ms"] + u["forward_compute_ms"])
         assert "unshaped" in rows[name]["calibration"]
-    assert rows["pipemesh"]["groups"] == [[2, 2], [2, 2]] or sum(rows["pipemesh"]["groups"][0]) == 4
+    forward, backward = default_groups(2, 4)  # no group flags given: the bench's default for p = 2, m = 4
+    assert rows["pipemesh"]["groups"] == [list(forward), list(backward)] == [[4], [2, 2]]
+    assert rows["interleaved"]["groups"] is None
     assert "pipemesh" in entry["pipemesh_vs_best_stock_unshaped"]
     assert (tmp_path / "summary.json").exists()

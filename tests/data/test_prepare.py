@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_tokenizer_roundtrip_and_nulltokenizer_consistency():
+    """The byte tokenizer round-trips text, and its vocabulary and EOD id match Megatron's NullTokenizer(257)."""
     tok = ByteTokenizer()
     text = "Bread, water & salt — café."
     ids = tok.encode(text)
@@ -37,6 +38,7 @@ def test_tokenizer_roundtrip_and_nulltokenizer_consistency():
 
 
 def test_shipped_corpus_size_and_documents():
+    """The shipped corpus has at least 5 files, 30-80 kB and more than 50 non-empty documents."""
     files = sorted(default_corpus_dir().glob("*.txt"))
     assert len(files) >= 5
     total = sum(f.stat().st_size for f in files)
@@ -46,6 +48,7 @@ def test_shipped_corpus_size_and_documents():
 
 
 def test_prepare_writes_readable_dataset_and_skips_empty(tmp_path):
+    """prepare_corpus writes an IndexedDataset: one EOD-terminated document per paragraph, empty ones skipped."""
     src = tmp_path / "in"
     src.mkdir()
     (src / "a.txt").write_text("First paragraph\nwrapped line.\n\n\n   \n\nSecond one.\n")
@@ -66,12 +69,14 @@ def test_prepare_writes_readable_dataset_and_skips_empty(tmp_path):
 
 
 def test_split_per_file(tmp_path):
+    """split='file' makes one document per file."""
     (tmp_path / "a.txt").write_text("one\n\ntwo\n")
     stats = prepare_corpus(tmp_path / "a.txt", tmp_path / "ds", split="file")
     assert stats["documents"] == 1
 
 
 def test_errors(tmp_path):
+    """A missing path, a folder without .txt files or only blank documents raise clear errors and write nothing."""
     with pytest.raises(FileNotFoundError, match="no such file"):
         prepare_corpus(tmp_path / "missing", tmp_path / "x")
     (tmp_path / "empty_dir").mkdir()
@@ -84,6 +89,7 @@ def test_errors(tmp_path):
 
 
 def test_cli(tmp_path):
+    """The prepare command tokenizes the shipped corpus and prints Megatron's data flags; a missing input exits 2."""
     out = subprocess.run([sys.executable, "-m", "megatron_pipemesh.data.prepare",
                           "--output-prefix", str(tmp_path / "corpus")],
                          capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -17,6 +17,7 @@ def _run(code: str, extra_path=None) -> dict:
 
 
 def test_stub_only_paged_stash_when_triton_missing_and_megatron_imports():
+    """Without triton only paged_stash is stubbed (never triton), megatron imports, and the fix is idempotent."""
     res = _run("""
         import importlib.util, json, warnings
         warnings.simplefilter("ignore")
@@ -44,6 +45,7 @@ def test_stub_only_paged_stash_when_triton_missing_and_megatron_imports():
 
 
 def test_inert_when_triton_present(tmp_path):
+    """With a triton package importable, no stub is registered."""
     fake = tmp_path / "triton"
     fake.mkdir()
     (fake / "__init__.py").write_text("")
@@ -58,6 +60,7 @@ def test_inert_when_triton_present(tmp_path):
 
 
 def test_typing_override_untouched_on_312():
+    """On Python 3.12+ typing.override is left as it is."""
     res = _run("""
         import json, typing
         sys.version_info = (3, 12, 0, "final", 0)
@@ -70,6 +73,7 @@ def test_typing_override_untouched_on_312():
 
 
 def test_typing_override_alias_is_typing_extensions():
+    """On Python < 3.12 typing.override becomes typing_extensions.override."""
     if sys.version_info >= (3, 12):
         return
     res = _run("""

@@ -19,6 +19,7 @@ def _run(code: str) -> dict:
 
 
 def test_cpu_args_complete_and_missing_only():
+    """cpu_megatron_args lists every CPU flag; missing_cpu_args keeps only those argv lacks (alternatives count)."""
     args = cpu_megatron_args()
     for flag in ["--transformer-impl", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
                  "--distributed-backend", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
@@ -35,6 +36,7 @@ def test_cpu_args_complete_and_missing_only():
 
 
 def test_noop_when_cuda_available():
+    """With CUDA available apply_cpu_compat patches nothing and does not import megatron."""
     res = _run("""
         import json, torch
         torch.cuda.is_available = lambda: True
@@ -47,7 +49,42 @@ def test_noop_when_cuda_available():
     assert res == {"ret": False, "active": False, "same": True, "megatron": False}
 
 
+def test_rng_fork_stays_quiet_on_cpu():
+    """Dropout inside the RNG tracker's fork() logs no `CPU RNG state changed` warning on CPU (demo.sh printed
+    1,280), while other warnings of that logger still get through and the fork still isolates the stream."""
+    res = _run("""
+        import inspect, json, logging, torch
+        if torch.cuda.is_available():
+            print(json.dumps({"skip": True})); raise SystemExit
+        from megatron_pipemesh.integration.cpu_compat import RNG_FORK_WARNING, apply_cpu_compat
+        assert apply_cpu_compat()
+        from megatron.core.tensor_parallel import random as tp_random
+        seen = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                seen.append(record.getMessage())
+        logging.getLogger().addHandler(Keep())
+        tp_random.initialize_rng_tracker(force_reset=True)
+        tracker = tp_random.get_cuda_rng_tracker()
+        tracker.add(tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, 1234)
+        before = torch.get_rng_state().clone()
+        for _ in range(5):
+            with tracker.fork():
+                torch.nn.functional.dropout(torch.ones(64), p=0.5, training=True)
+        after = torch.get_rng_state()
+        logging.getLogger(tp_random.__name__).warning("another warning")
+        print(json.dumps({"skip": False, "seen": seen, "restored": bool(torch.equal(before, after)),
+                          "upstream": RNG_FORK_WARNING in inspect.getsource(tp_random.CudaRNGStatesTracker.fork)}))
+    """)
+    if res["skip"]:
+        return
+    assert res["upstream"], "megatron-core no longer logs this message from fork(): re-check the filter"
+    assert res["seen"] == ["another warning"]
+    assert res["restored"]
+
+
 def test_patches_on_cpu():
+    """On CPU devices, streams, RNG tracker, clipping, helpers, init and autocast map to CPU, idempotently."""
     res = _run("""
         import json, torch
         if torch.cuda.is_available():

@@ -21,6 +21,7 @@ def _args(**overrides):
 
 
 def test_parser_accepts_groups_and_auto():
+    """The PipeMesh flags parse group lists and 'auto', are added once, and reject 0 and unknown schedules."""
     parser = add_pipemesh_arguments(argparse.ArgumentParser())
     add_pipemesh_arguments(parser)  # idempotent
     ns = parser.parse_args(["--pipeline-schedule", "pipemesh", "--forward-groups", "8", "4", "--backward-groups", "auto"])
@@ -32,17 +33,20 @@ def test_parser_accepts_groups_and_auto():
 
 
 def test_valid_elastic_groups():
+    """Valid elastic groups enable PipeMesh with exactly those groups and the default 600 s timeout."""
     settings = check_pipemesh_args(_args(forward_groups=[8, 4], backward_groups=[6, 6]))
     assert settings.enabled and settings.config.forward_groups == (8, 4) and settings.config.backward_groups == (6, 6)
     assert settings.timeout_s == 600
 
 
 def test_default_groups_follow_megatron_group_size():
+    """Without group flags the groups follow --microbatch-group-size-per-virtual-pipeline-stage."""
     settings = check_pipemesh_args(_args(microbatch_group_size_per_vp_stage=6))
     assert settings.forward_groups is None and settings.config.forward_groups == (6, 6)
 
 
 def test_default_schedule_untouched_and_rejects_groups():
+    """--pipeline-schedule default leaves PipeMesh off and rejects group flags."""
     assert not check_pipemesh_args(_args(pipeline_schedule="default")).enabled
     with pytest.raises(PipeMeshArgumentError, match="--forward-groups given with --pipeline-schedule default"):
         check_pipemesh_args(_args(pipeline_schedule="default", forward_groups=[12]))
@@ -63,6 +67,7 @@ def test_default_schedule_untouched_and_rejects_groups():
     (dict(rampup_batch_size=[8, 8, 100], forward_groups=[12]), "--rampup-batch-size"),
 ])
 def test_invalid_settings_name_flag_rule_and_example(overrides, needle):
+    """Each invalid setting raises PipeMeshArgumentError naming the flag and rule, with a hint or example."""
     with pytest.raises(PipeMeshArgumentError) as info:
         check_pipemesh_args(_args(**overrides))
     message = str(info.value)
@@ -71,11 +76,13 @@ def test_invalid_settings_name_flag_rule_and_example(overrides, needle):
 
 
 def test_error_reports_how_m_was_derived():
+    """Group errors show how m was derived from the batch flags."""
     with pytest.raises(PipeMeshArgumentError, match=r"--global-batch-size 24 / \(--micro-batch-size 2 x data-parallel size 1\) = 12"):
         check_pipemesh_args(_args(forward_groups=[8, 8], backward_groups=[8, 8]))
 
 
 def test_auto_runs_the_planner_within_the_budget():
+    """'auto' groups run the planner; its groups sum to m and the plan summary is given."""
     settings = check_pipemesh_args(_args(forward_groups=["auto"], backward_groups=["auto"],
                                          pipemesh_memory_budget_gb=1.0, pipemesh_device_tflops=1.0))
     assert sum(settings.config.forward_groups) == 12 and sum(settings.config.backward_groups) == 12
@@ -83,6 +90,7 @@ def test_auto_runs_the_planner_within_the_budget():
 
 
 def test_plan_file_round_trip(tmp_path):
+    """A plan saved by `pipemesh plan --output` is loaded by --pipemesh-plan, and rejected for another p, V, m."""
     import json
 
     from megatron_pipemesh.cli import main

@@ -38,6 +38,7 @@ def _parse(extra, world_size=4):
 
 
 def test_pipemesh_flags_parse_and_route_schedule():
+    """After install() PipeMesh flags parse and interleaved runs (only) are routed to PipeMeshSchedule."""
     proc = _parse(["--pipeline-schedule", "pipemesh", "--forward-groups", "8", "4", "--backward-groups", "6", "6"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "schedule pipemesh (8, 4) (6, 6)" in proc.stdout
@@ -46,6 +47,7 @@ def test_pipemesh_flags_parse_and_route_schedule():
 
 
 def test_default_schedule_is_megatron():
+    """Without PipeMesh flags Megatron's own schedule function is returned."""
     proc = _parse([])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "schedule default None None" in proc.stdout
@@ -53,6 +55,7 @@ def test_default_schedule_is_megatron():
 
 
 def test_bad_groups_exit_2_at_parse_time_with_one_paragraph():
+    """Invalid groups exit 2 at argument parsing with a one-line message and an example, no traceback."""
     proc = _parse(["--pipeline-schedule", "pipemesh", "--forward-groups", "4", "4", "--backward-groups", "4"])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     message = [line for line in proc.stderr.splitlines() if line.startswith("megatron_pipemesh: error:")]

@@ -34,6 +34,7 @@ def reference():
 
 @pytest.mark.parametrize("wrap_ddp", [False, True], ids=["plain", "megatron_ddp"])
 def test_interleaved_pp2_vp2_matches_no_pipelining(reference, wrap_ddp):
+    """Stock interleaved PP=2, VP=2 (plain and DDP) gives the no-pipelining schedule's losses and gradients."""
     ref = reference
     got = h.merge_rank_results(h.run_worker(f"{__file__}:worker", nproc=2,
                                             kwargs={"pp": 2, "vp": 2, "wrap_ddp": wrap_ddp},

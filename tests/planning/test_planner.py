@@ -21,6 +21,7 @@ def _direct_costs(pp, act_mb=100.0, dp_ms=20.0):
 
 
 def test_compositions():
+    """compositions lists the ordered group lists with parts >= the minimum, or None above the limit."""
     assert compositions(6, 2, 100) == [(2, 2, 2), (2, 4), (3, 3), (4, 2), (6,)]
     assert compositions(40, 2, 10) is None
 
@@ -57,6 +58,7 @@ def _all_pairs(pp, vpp, m):
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (2, 2, 6), (2, 3, 8), (3, 2, 6), (4, 2, 8)])
 @pytest.mark.parametrize("budget_gb", [1.5, 2.0, 4.0])
 def test_auto_matches_or_beats_every_manual_group_list(pp, vpp, m, budget_gb):
+    """The planner's choice is at least as fast as every manual group pair that fits the budget."""
     costs = _direct_costs(pp)
     best, _ = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB)
     for config in _all_pairs(pp, vpp, m):
@@ -66,6 +68,7 @@ def test_auto_matches_or_beats_every_manual_group_list(pp, vpp, m, budget_gb):
 
 
 def test_recompute_goes_to_early_ranks_and_long_waits():
+    """Under a tight budget recomputation goes to early ranks and long-waiting micro-batches, and costs time."""
     pp, vpp, m = 4, 2, 12
     costs = _direct_costs(pp)
     plan = fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 2.0 * GB)
@@ -79,11 +82,13 @@ def test_recompute_goes_to_early_ranks_and_long_waits():
 
 
 def test_no_plan_fits_names_what_would():
+    """When nothing fits, the error names what would (e.g. a smaller --micro-batch-size)."""
     with pytest.raises(NoFeasiblePlan, match="smaller --micro-batch-size"):
         plan_schedule(2, 2, 4, lambda cfg: _direct_costs(2), 0.5 * GB)
 
 
 def test_candidates_include_presets_for_large_spaces():
+    """Large search spaces are cut below 100 candidates but keep depth-first and breadth-first."""
     configs = candidate_configs(8, 4, 64)
     names = {c.preset_name() for c in configs}
     assert {"depth-first", "breadth-first"} <= names
@@ -95,6 +100,7 @@ PLAN = ["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "24", "--
 
 
 def test_plan_command_table_and_json(capsys, tmp_path):
+    """`pipemesh plan` prints a table with the baselines and JSON whose peaks fit the budget, and saves the plan."""
     assert main(PLAN + ["--device-memory-gb", "12", "--output", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "pipemesh" in out and "depth-first" in out and "breadth-first" in out and "--forward-groups" in out
@@ -108,6 +114,7 @@ def test_plan_command_table_and_json(capsys, tmp_path):
 
 
 def test_plan_command_nothing_fits_exits_2(capsys):
+    """`pipemesh plan` with an impossible budget exits 2 naming what would fit, no traceback."""
     assert main(PLAN + ["--memory-budget-gb", "1"]) == 2
     err = capsys.readouterr().err
     assert "no schedule fits" in err and "What would fit" in err and "Traceback" not in err

@@ -17,17 +17,29 @@ def _flat(losses):
 
 
 def _check(results, reference=None):
-    merged = {name: h.merge_rank_results([r[name] for r in results]) for name in results[0]}
+    """Every schedule's losses and gradients equal the stock schedule's on every data-parallel replica;
+    after the reduction all replicas hold the same gradients; the stock run equals ``reference`` (one
+    rank running all replicas' micro-batches) when given. Returns {name: [merged result per replica]}."""
+    merged = {name: h.merge_replicas([r[name] for r in results]) for name in results[0]}
     stock = merged.pop("stock")
-    assert stock["losses"], "the last stage reported no losses"
-    for name, got in merged.items():
-        assert _flat(got["losses"]) == pytest.approx(_flat(stock["losses"]), rel=TOL, abs=0), name
-        if stock["grads"]:
-            diffs = h.compare_grads(got["grads"], stock["grads"])
-            assert max(diffs.values()) <= TOL, (name, max(diffs.items(), key=lambda kv: kv[1]))
+    assert all(replica["losses"] for replica in stock), "a last stage reported no losses"
+    if len(stock) > 1:  # the replicas really saw different data
+        assert _flat(stock[0]["losses"]) != pytest.approx(_flat(stock[1]["losses"]), rel=1e-3)
+    for name, replicas in [("stock", stock)] + list(merged.items()):
+        for k, replica in enumerate(replicas):
+            if k and stock[0]["grads"]:
+                diffs = h.compare_grads(replica["grads"], replicas[0]["grads"])
+                assert max(diffs.values()) <= TOL, (name, f"replica {k} vs 0", max(diffs.items(), key=lambda kv: kv[1]))
+            if name == "stock":
+                continue
+            assert _flat(replica["losses"]) == pytest.approx(_flat(stock[k]["losses"]), rel=TOL, abs=0), (name, k)
+            if stock[k]["grads"]:
+                diffs = h.compare_grads(replica["grads"], stock[k]["grads"])
+                assert max(diffs.values()) <= TOL, (name, k, max(diffs.items(), key=lambda kv: kv[1]))
     if reference is not None:
-        assert _flat(stock["losses"]) == pytest.approx(_flat(reference["losses"]), rel=1e-5)
-        diffs = h.compare_grads(stock["grads"], reference["grads"])
+        every_replica = [loss for replica in stock for loss in _flat(replica["losses"])]
+        assert every_replica == pytest.approx(_flat(reference["losses"]), rel=1e-5)
+        diffs = h.compare_grads(stock[0]["grads"], reference["grads"])
         assert max(diffs.values()) <= 1e-5, max(diffs.items(), key=lambda kv: kv[1])
     return merged
 
@@ -39,6 +51,7 @@ def reference_pp2():
 
 
 def test_pp2_vp2_matches_stock_and_single_rank(reference_pp2):
+    """PP=2, VP=2: every group list matches stock (which matches one rank) and is its own plan on all ranks."""
     groups = {"depth-first": None, "breadth-first": [[8], [8]], "elastic": [[6, 2], [4, 4]],
               "elastic-2": [[4, 4], [2, 6]], "uniform-4": [[4, 4], [4, 4]]}
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
@@ -52,6 +65,7 @@ def test_pp2_vp2_matches_stock_and_single_rank(reference_pp2):
 
 
 def test_pp4_vp2_matches_stock():
+    """PP=4, VP=2, m=12: depth-first, breadth-first and elastic groups match the stock schedule."""
     groups = {"depth-first": None, "breadth-first": [[12], [12]], "elastic": [[8, 4], [6, 6]]}
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=4, timeout=180,
                            kwargs={"pp": 4, "vp": 2, "microbatches": 12, "groups": groups})
@@ -59,14 +73,21 @@ def test_pp4_vp2_matches_stock():
 
 
 def test_pp2_dp2_overlap_grad_reduce_matches_stock():
+    """PP=2 x DP=2 with overlapped gradient reduction, different data on each replica: every replica's
+    losses and reduced gradients equal the stock schedule's, and the stock gradients equal one rank
+    running both replicas' micro-batches (so an early, partial or missing reduction fails)."""
     groups = {"depth-first": None, "elastic": [[6, 2], [4, 4]]}
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=4, timeout=180,
                            kwargs={"pp": 2, "vp": 2, "dp": 2, "microbatches": 8, "groups": groups,
                                    "ddp": True, "overlap_grad_reduce": True})
-    _check(results)
+    reference = h.run_worker("tests.runtime.workers:single_rank_reference", nproc=1,
+                             kwargs={"num_layers": 4, "microbatches": 8, "replicas": 2})[0]
+    merged = _check(results, reference)
+    assert all(len(replicas) == 2 for replicas in merged.values())
 
 
 def test_pp2_ddp_without_overlap_matches_stock():
+    """With Megatron DDP and no overlapped reduction, elastic groups match the stock schedule."""
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
                            kwargs={"pp": 2, "vp": 2, "microbatches": 8, "groups": {"elastic": [[6, 2], [4, 4]]},
                                    "ddp": True})
@@ -74,6 +95,7 @@ def test_pp2_ddp_without_overlap_matches_stock():
 
 
 def test_forward_only_evaluation_matches_stock():
+    """Forward-only evaluation under PipeMesh gives the stock schedule's losses."""
     results = h.run_worker("tests.runtime.workers:stock_vs_pipemesh", nproc=2,
                            kwargs={"pp": 2, "vp": 2, "microbatches": 8, "forward_only": True,
                                    "groups": {"elastic": [[6, 2], [4, 4]], "breadth-first": [[8], [8]]}})

@@ -12,6 +12,7 @@ def _bytes(t):
 
 
 def test_same_storage_saved_twice_counts_once():
+    """A storage saved several times (and its views) counts once."""
     x = torch.randn(64, 32, requires_grad=True)
     meter = SavedTensorMeter()
     with meter.record("a"):
@@ -24,6 +25,7 @@ def test_same_storage_saved_twice_counts_once():
 
 
 def test_parameters_and_their_views_are_not_activations():
+    """Registered parameters and their views do not count; inputs saved for weight gradients do."""
     linear = torch.nn.Linear(32, 16)
     x = torch.randn(8, 32)  # an input without grad is still saved by the weight's backward
     meter = SavedTensorMeter(linear.parameters())
@@ -37,6 +39,7 @@ def test_parameters_and_their_views_are_not_activations():
 
 
 def test_parameter_objects_excluded_without_being_registered():
+    """Parameter objects never count, even when not registered."""
     weight = torch.nn.Parameter(torch.randn(16, 16))
     meter = SavedTensorMeter()
     with meter.record("a"):
@@ -46,6 +49,7 @@ def test_parameter_objects_excluded_without_being_registered():
 
 
 def test_release_frees_key_and_keeps_peak():
+    """Releasing a key frees its bytes while the peak is kept."""
     x = torch.randn(128, requires_grad=True)
     meter = SavedTensorMeter()
     with meter.record((0, 0)):
@@ -63,6 +67,7 @@ def test_release_frees_key_and_keeps_peak():
 
 
 def test_storage_shared_by_two_keys_is_live_once():
+    """A storage saved under two keys is live once, until both keys are released."""
     x = torch.randn(256, requires_grad=True)
     h = x * 1.0  # one storage, saved by both keys
     meter = SavedTensorMeter()
@@ -80,6 +85,7 @@ def test_storage_shared_by_two_keys_is_live_once():
 
 
 def test_saved_tensors_of_a_dropped_graph_stop_counting():
+    """Tensors saved by a graph dropped during the forward stop counting."""
     x = torch.randn(1000, requires_grad=True)
     meter = SavedTensorMeter()
     with meter.record("a"):
@@ -92,6 +98,7 @@ def test_saved_tensors_of_a_dropped_graph_stop_counting():
 
 
 def test_meter_does_not_keep_memory_alive_or_change_gradients():
+    """The meter keeps no tensor alive (no reference cycle) and leaves gradients unchanged."""
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
 
@@ -116,6 +123,7 @@ def test_meter_does_not_keep_memory_alive_or_change_gradients():
 
 
 def test_track_and_untrack_runtime_held_outputs():
+    """Tracked outputs are live until untracked or released, and the peak keeps them."""
     x = torch.randn(100, requires_grad=True)
     meter = SavedTensorMeter()
     with meter.record("a"):
@@ -130,6 +138,7 @@ def test_track_and_untrack_runtime_held_outputs():
 
 
 def test_make_memory_meter_picks_by_device():
+    """make_memory_meter: saved-tensor meter on CPU (and CUDA names without CUDA), allocator meter on CUDA."""
     assert isinstance(make_memory_meter(torch.device("cpu")), SavedTensorMeter)
     if torch.cuda.is_available():
         meter = make_memory_meter(torch.device("cuda", 0))

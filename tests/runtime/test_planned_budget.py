@@ -5,6 +5,7 @@ from tests import megatron_harness as h
 
 
 def test_tight_budget_recomputes_stays_within_budget_and_keeps_numerics():
+    """At 70% of the unplanned peak: recomputation, peaks within budget, numerics of a plain run."""
     results = h.run_worker("tests.runtime.workers:planned_under_budget", nproc=2, kwargs={"budget_fraction": 0.7})
     merged_plain = h.merge_rank_results([r["plain"] for r in results])
     merged_planned = h.merge_rank_results([r["planned"] for r in results])

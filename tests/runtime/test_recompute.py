@@ -30,6 +30,7 @@ def _merged(runs, name):
 
 @pytest.mark.parametrize("name", RUNS[1:])
 def test_recompute_and_meter_leave_losses_and_grads_unchanged(runs, name):
+    """Each recompute plan and the meter leave losses and gradients equal to the plain run's."""
     plain, got = _merged(runs, "plain"), _merged(runs, name)
     assert plain["losses"]
     assert _flat(got["losses"]) == pytest.approx(_flat(plain["losses"]), rel=TOL, abs=0)
@@ -38,6 +39,7 @@ def test_recompute_and_meter_leave_losses_and_grads_unchanged(runs, name):
 
 
 def test_mixed_plan_mixes_every_level_on_every_rank_and_chunk(runs):
+    """The 'mixed' test plan holds all three levels on every rank and chunk."""
     plan = runs[0]["mixed"]["plan"]
     for rank in range(2):
         for chunk in range(2):
@@ -46,6 +48,7 @@ def test_mixed_plan_mixes_every_level_on_every_rank_and_chunk(runs):
 
 
 def test_recompute_lowers_measured_peak(runs):
+    """The measured peak falls from none to mixed to full; without the meter nothing is measured."""
     for r in runs:
         assert r["measured"]["source"] == "saved-tensors"
         none, mixed, full = r["measured"]["peak"], r["mixed"]["peak"], r["full"]["peak"]
@@ -55,6 +58,7 @@ def test_recompute_lowers_measured_peak(runs):
 
 
 def test_saved_bytes_order_none_selective_full_per_chunk(runs):
+    """Per chunk, saved bytes fall none > selective > full; unplanned micro-batches save what a plain run saves."""
     for r in runs:
         plan, saved = r["mixed"]["plan"], r["mixed"]["saved"]
         assert len(saved) == 16
@@ -71,6 +75,7 @@ def test_saved_bytes_order_none_selective_full_per_chunk(runs):
 
 
 def test_recompute_switches_restored(runs):
+    """After the runs the model's recompute settings are back to their originals."""
     for r in runs:
         restored = r["restored"]
         assert restored["granularity"] is None and restored["method"] is None and restored["num_layers"] is None
@@ -78,6 +83,7 @@ def test_recompute_switches_restored(runs):
 
 
 def test_plan_levels_checked_up_front():
+    """Unknown levels and malformed keys in a recompute plan are rejected when the schedule is built."""
     with pytest.raises(ValueError, match="unknown level 'partial'"):
         PipeMeshSchedule(PipeMeshOptions(recompute={(0, 0, 0): "partial"}))
     with pytest.raises(ValueError, match="not \\(pipeline rank, chunk, micro-batch\\)"):
@@ -85,6 +91,7 @@ def test_plan_levels_checked_up_front():
 
 
 def test_unsupported_configurations_raise_clearly():
+    """Unknown levels, FP8/FP4, CUDA graphs and --recompute-modules raise clear errors."""
     import types
 
     from megatron_pipemesh.integration.bootstrap import prepare_megatron_import

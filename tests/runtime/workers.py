@@ -36,14 +36,16 @@ def stock_vs_pipemesh(pp: int, vp: int, microbatches: int, groups: Dict[str, Opt
     return results
 
 
-def single_rank_reference(num_layers: int, microbatches: int):
-    """The whole model on one rank through Megatron's no-pipelining schedule."""
+def single_rank_reference(num_layers: int, microbatches: int, replicas: int = 1):
+    """The whole model on one rank through Megatron's no-pipelining schedule, on the micro-batches of
+    ``replicas`` data-parallel replicas one after the other (what their averaged gradients must equal)."""
     h.init_parallel(pp=1)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     spec = h.TinyGPT(num_layers=num_layers)
     model = h.build_model(spec)
-    return h.run_schedule(get_forward_backward_func(), model, spec, microbatches)
+    data = [iter([h.make_batch(spec, j, k) for k in range(replicas) for j in range(microbatches)])]
+    return h.run_schedule(get_forward_backward_func(), model, spec, microbatches * replicas, data_iterators=data)
 
 
 def plan_mismatch():
@@ -54,7 +56,7 @@ def plan_mismatch():
     spec = h.TinyGPT(num_layers=4)
     model = h.build_model(spec)
     groups = ([6, 2], [4, 4]) if dist.get_rank() == 0 else (None, None)
-    h.run_schedule(make_pipemesh(*groups), model, spec, 8)
+    _timed_failure(lambda: h.run_schedule(make_pipemesh(*groups), model, spec, 8))
 
 
 def faulty_peer(mode: str, timeout_s: float = 5.0):
@@ -75,8 +77,24 @@ def faulty_peer(mode: str, timeout_s: float = 5.0):
             time.sleep(120)
     schedule = make_pipemesh(p2p_timeout_s=timeout_s)
     iterators = h.make_data_iterators(spec, 8, 2)
-    schedule(forward_step_func=step, data_iterator=iterators, model=model, num_microbatches=8,
-             seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size)
+    _timed_failure(lambda: schedule(forward_step_func=step, data_iterator=iterators, model=model,
+                                    num_microbatches=8, seq_length=spec.seq_length,
+                                    micro_batch_size=spec.micro_batch_size))
+
+
+def _timed_failure(run) -> None:
+    """Run the schedule; if it raises, first print how long it ran (start-up excluded) for the time bounds
+    of tests/runtime/test_failures.py."""
+    import time
+
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    try:
+        run()
+    except Exception:
+        print(f"worker: rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s", flush=True)
+        raise
 
 
 # Recomputation and measured memory (tests/runtime/test_recompute.py, tests/planning/test_memory_model.py)

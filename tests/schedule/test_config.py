@@ -37,10 +37,6 @@ def config_from_example(error: ScheduleConfigError, pp: int, vpp: int, m: int) -
     raise AssertionError(f"unrecognised example in {error}")
 
 
-def values_text(values) -> str:
-    return " ".join(str(v) for v in values) if isinstance(values, (list, tuple)) else str(values)
-
-
 # ---------------------------------------------------------------------------------------------
 # Presets
 

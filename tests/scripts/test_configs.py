@@ -24,11 +24,13 @@ def read(path):
 
 
 def test_shipped_configs():
+    """The tiny CPU config and the 1.3B, 7B and 13B GPU configs are shipped."""
     assert {p.name for p in CONFIGS} >= {"tiny-cpu.env", "gpt-1.3b.env", "gpt-7b.env", "gpt-13b.env"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_groups_valid_for_stated_cluster(path):
+    """Each config's groups are valid for the p, V and m that its stated cluster gives."""
     c = read(path)
     world = int(c["NNODES"]) * int(c["GPUS_PER_NODE"])
     tp, pp = int(c.get("TP", 1)), int(c["PP"])
@@ -43,6 +45,7 @@ def test_groups_valid_for_stated_cluster(path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.name.startswith("gpt-")], ids=lambda p: p.name)
 def test_gpu_configs_document_cluster_and_planner_command(path):
+    """GPU configs state the cluster, the network and the planner command whose choice they hold."""
     text = path.read_text()
     assert re.search(r"Cluster assumed: \d+ nodes x \d+ GPUs?, NVIDIA .* \d+ GB", text)
     assert re.search(r"\d+ Gbit/s Ethernet", text)
@@ -53,6 +56,7 @@ def test_gpu_configs_document_cluster_and_planner_command(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_launches_without_warnings(tmp_path, path):
+    """Each config dry-runs through its launcher without warnings, passing its layers and the PipeMesh schedule."""
     c = read(path)
     nodes, gpus = int(c["NNODES"]), c["GPUS_PER_NODE"]
     if nodes == 1:

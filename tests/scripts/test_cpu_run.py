@@ -7,6 +7,7 @@ from .helpers import PYTHON, REPO, SINGLE, clean_env, run
 
 
 def test_single_node_cpu_demo(tmp_path):
+    """The single-node launcher trains the tiny CPU config 3 iterations on the corpus, with per-rank logs."""
     prep = subprocess.run([PYTHON, "-m", "megatron_pipemesh.data.prepare", "--input",
                            str(REPO / "megatron_pipemesh" / "data" / "corpus"), "--output-prefix",
                            str(tmp_path / "corpus")], capture_output=True, text=True, cwd=str(REPO), timeout=120)

@@ -25,6 +25,7 @@ def _torchrun(cmds):
 # ---------------------------------------------------------------------------------------------- help
 @pytest.mark.parametrize("script", [SINGLE, SBATCH, BENCH], ids=lambda p: p.name)
 def test_help_documents_every_option(script):
+    """Each launcher's --help documents every option it accepts."""
     res = run(script, ["--help"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("Usage:")
@@ -41,6 +42,7 @@ def test_help_documents_every_option(script):
 
 # ---------------------------------------------------------------------------------- single node
 def test_single_node_dry_run(tmp_path):
+    """The dry run prints torchrun with config flags, then --set overrides, then the user's flags; creates nothing."""
     run_dir = tmp_path / "run"
     res = run(SINGLE, ["--dry-run", "--config", TINY, "--nproc", "2", "--python", PYTHON, "--run-dir", str(run_dir),
                        "--set", "GLOBAL_BATCH_SIZE=32", "--set", 'FORWARD_GROUPS=8 8', "--set", "BACKWARD_GROUPS=8 8",
@@ -86,6 +88,7 @@ def test_every_pipemesh_config_key_becomes_its_flag(tmp_path):
 
 
 def test_single_node_env_vars_and_overrides(tmp_path):
+    """Environment variables configure the launcher; a user-chosen stock schedule drops conflicting config flags."""
     env = clean_env({"PIPEMESH_CONFIG": TINY, "NPROC_PER_NODE": "3", "PIPEMESH_PYTHON": PYTHON,
                      "PIPEMESH_RUN_DIR": str(tmp_path / "r"), "PIPEMESH_IFNAME": "ens5",
                      "PIPEMESH_DRY_RUN": "1", "MASTER_PORT": "29511"})
@@ -108,6 +111,7 @@ def test_single_node_env_vars_and_overrides(tmp_path):
 
 
 def test_megatron_lm_checkout(tmp_path):
+    """A Megatron-LM checkout given by option or environment goes first on PYTHONPATH and its pretrain_gpt.py is run."""
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
     (checkout / "pretrain_gpt.py").write_text("# stand-in\n")
@@ -135,6 +139,7 @@ def test_megatron_lm_checkout(tmp_path):
     (["--set", "PP=two"], {}, ["PP=two"]),
 ])
 def test_single_node_errors(argv, env, needles):
+    """Bad launcher input exits 2 with an error naming the value and the fix."""
     base = ["--dry-run", "--python", PYTHON, "--nproc", "2"]
     res = run(SINGLE, base + argv, env=clean_env(env))
     assert res.returncode == 2, (res.stdout, res.stderr)
@@ -144,6 +149,7 @@ def test_single_node_errors(argv, env, needles):
 
 
 def test_bad_config_file_names_the_line(tmp_path):
+    """A bad config file is reported with its line number; the file is parsed, never evaluated."""
     cfg = tmp_path / "bad.env"
     cfg.write_text("# comment\nNUM_LAYERS=4\nPIPELINE=2\n")
     res = run(SINGLE, ["--dry-run", "--python", PYTHON, "--nproc", "2", "--config", str(cfg)])
@@ -155,6 +161,7 @@ def test_bad_config_file_names_the_line(tmp_path):
 
 
 def test_no_rank_count_is_an_error():
+    """Without --nproc and without GPUs the launcher exits 2 asking for --nproc N."""
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi: the GPU count is found")
     res = run(SINGLE, ["--dry-run", "--python", PYTHON, "--", "--mock-data"])
@@ -163,6 +170,7 @@ def test_no_rank_count_is_an_error():
 
 # --------------------------------------------------------------------------------------- slurm
 def test_sbatch_dry_run_fake_slurm(tmp_path):
+    """In a (fake) Slurm job: one srun with node count, master, port, log dirs, and a note per node."""
     env = fake_slurm(tmp_path)
     run_dir = tmp_path / "job"
     res = run(SBATCH, ["--dry-run", "--config", GPT13, "--python", PYTHON, "--run-dir", str(run_dir),
@@ -202,6 +210,7 @@ def test_sbatch_dry_run_fake_slurm(tmp_path):
 
 
 def test_sbatch_uses_scontrol_names(tmp_path):
+    """Host names come from scontrol when it is available."""
     env = fake_slurm(tmp_path, nodelist="gpu[1-2]", hostnames=["gpu-a.cluster", "gpu-b.cluster"], nnodes=2)
     res = run(SBATCH, ["--dry-run", "--python", PYTHON, "--", "--mock-data"], env=env)
     assert res.returncode == 0, res.stderr
@@ -210,6 +219,7 @@ def test_sbatch_uses_scontrol_names(tmp_path):
 
 
 def test_sbatch_without_scontrol_parses_the_nodelist(tmp_path):
+    """Without scontrol the script expands the nodelist itself and reads the GPU count from SLURM_GPUS_PER_NODE."""
     if shutil.which("scontrol"):
         pytest.skip("a real scontrol is on PATH")
     env = fake_slurm(tmp_path, nodelist="rack[2-3]-n[08-10],login1", scontrol=False, nnodes=None,
@@ -233,6 +243,7 @@ def test_sbatch_without_scontrol_parses_the_nodelist(tmp_path):
     ("a[1-2]-b[1,3]", "a1-b1 a1-b3 a2-b1 a2-b3"),
 ])
 def test_nodelist_parser(nodelist, hosts):
+    """pm_expand_nodelist expands Slurm node lists (ranges, zero padding, suffixes, several brackets)."""
     out = subprocess.run(["bash", "-c", f'source {REPO}/scripts/lib/common.sh && pm_expand_nodelist "$1"', "_",
                           nodelist], capture_output=True, text=True, check=True).stdout.split()
     assert out == hosts.split()
@@ -272,6 +283,7 @@ def test_sbatch_runs_one_torchrun_per_node(tmp_path):
     (None, {}, ["--config", "configs/missing.env"], ["configs/missing.env", "not found"]),
 ])
 def test_sbatch_errors(tmp_path, drop, set_env, argv, needles):
+    """Missing Slurm variables, too many nodes, a broken nodelist or a missing config exit 2 naming the problem."""
     env = fake_slurm(tmp_path, scontrol=False)
     if drop:
         env.pop(drop)
@@ -298,6 +310,7 @@ def test_sbatch_finds_repo_from_spool_copy(tmp_path):
 
 
 def test_config_groups_checked_against_job_size(tmp_path):
+    """Groups planned for another m give a warning naming FORWARD_GROUPS and the job's m."""
     env = fake_slurm(tmp_path, nodelist="n[1-4]", hostnames=["n1", "n2", "n3", "n4"], nnodes=4, gpus="1")
     res = run(SBATCH, ["--dry-run", "--config", GPT13, "--python", PYTHON], env=env)
     assert res.returncode == 0
@@ -307,6 +320,7 @@ def test_config_groups_checked_against_job_size(tmp_path):
 
 # ---------------------------------------------------------------------------------------- bench
 def test_bench_dry_run_fake_slurm(tmp_path):
+    """The bench script runs the 4 schedules with their own flags and ports, then summarize_runs.py."""
     env = fake_slurm(tmp_path, nodelist="node[1-8]", hostnames=[f"node{i}" for i in range(1, 9)], nnodes=8,
                      gpus="1")
     run_dir = tmp_path / "bench"
@@ -352,6 +366,7 @@ def test_bench_dry_run_fake_slurm(tmp_path):
 
 
 def test_bench_local_launcher_dry_run(tmp_path):
+    """--launcher local runs each chosen schedule with a standalone torchrun and its own log dir."""
     res = run(BENCH, ["--dry-run", "--launcher", "local", "--config", TINY, "--python", PYTHON, "--nproc", "2",
                       "--schedules", "depth-first,pipemesh", "--run-dir", str(tmp_path / "b"), "--",
                       "--mock-data"], env=clean_env())
@@ -371,6 +386,7 @@ def test_bench_local_launcher_dry_run(tmp_path):
     (["--config", TINY, "--launcher", "slurm"], ["SLURM_JOB_ID is not set"]),
 ])
 def test_bench_errors(argv, needles):
+    """Bad bench input (config, schedule, warm-up, VP, Slurm) exits 2 naming it."""
     res = run(BENCH, ["--dry-run", "--python", PYTHON, "--nproc", "2", *argv], env=clean_env())
     assert res.returncode == 2, (res.stdout, res.stderr)
     for n in needles:

@@ -13,6 +13,7 @@ SCRIPTS = sorted(p for pattern in ("scripts/**/*.sh", "scripts/**/*.sbatch") for
 
 
 def test_scripts_found():
+    """The shell scripts to check are all found."""
     names = {p.name for p in SCRIPTS}
     assert {"pretrain_gpt_pipemesh.sh", "pretrain_gpt_pipemesh.sbatch", "bench_schedules.sbatch", "common.sh",
             "srun_node.sh"} <= names
@@ -21,6 +22,7 @@ def test_scripts_found():
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not on PATH (apt-get install -y shellcheck)")
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_shellcheck(script):
+    """Every shell script passes shellcheck."""
     res = subprocess.run(["shellcheck", "--external-sources", "--shell=bash", str(script)], cwd=str(REPO),
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

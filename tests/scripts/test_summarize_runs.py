@@ -55,6 +55,7 @@ def test_parse_real_megatron_log():
 
 
 def test_parse_prefixed_lines_and_args():
+    """Rank prefixes parse, repeated iterations keep the last line, only two arguments are taken from the dump."""
     text = ARGS_DUMP.replace("  ", "[default0]:  ") + line(1, 10.0, prefix="[default3]:") + line(1, 12.0)
     its, args = sr.parse_lines(text.splitlines())
     assert len(its) == 1 and its[0].ms == 12.0  # the repeated iteration: last one wins
@@ -62,6 +63,7 @@ def test_parse_prefixed_lines_and_args():
 
 
 def test_median_after_warmup_tokens_and_ratio(tmp_path):
+    """Medians after the warm-up, tokens/s, ratios to the best stock run, the final loss and the table row are right."""
     a = write_run(tmp_path / "depth-first", [900, 500, 100, 200, 300, 1000])
     b = write_run(tmp_path / "pipemesh", [900, 500, 100, 100, 150, 200], prefix="[default7]:")
     c = write_run(tmp_path / "1f1b", [900, 900, 400, 400, 400, 400])
@@ -81,6 +83,7 @@ def test_median_after_warmup_tokens_and_ratio(tmp_path):
 
 
 def test_file_with_most_iterations_wins(tmp_path):
+    """Of a run's files the one with the most iteration lines is used; the sequence length may come from another."""
     d = write_run(tmp_path / "r", [100, 100, 100, 100])
     (d / "logs").mkdir()
     (d / "logs" / "1-node0.out").write_text(line(1, 5.0))  # a partial copy must not be used
@@ -90,6 +93,7 @@ def test_file_with_most_iterations_wins(tmp_path):
 
 
 def test_failures_are_rows_not_crashes(tmp_path):
+    """Short, empty and missing runs become failed rows that say why."""
     ok = write_run(tmp_path / "ok", [5, 5, 5, 5])
     short = write_run(tmp_path / "short", [5, 5])
     empty = tmp_path / "empty"
@@ -105,6 +109,7 @@ def test_failures_are_rows_not_crashes(tmp_path):
 
 
 def test_without_sequence_length_compares_times(tmp_path):
+    """Without a sequence length runs are compared by iteration time; --seq-length enables tokens/s."""
     a = write_run(tmp_path / "a", [1, 1, 200, 200], with_args=False)
     b = write_run(tmp_path / "pipemesh", [1, 1, 100, 100], with_args=False)
     s = sr.summarize([sr.read_run("a", str(a)), sr.read_run("pipemesh", str(b))], warmup=2)
@@ -114,6 +119,7 @@ def test_without_sequence_length_compares_times(tmp_path):
 
 
 def test_cli(tmp_path):
+    """The script writes the table and JSON, exits 1 when a run failed and 2 on a bad argument."""
     a = write_run(tmp_path / "a", [9, 9, 2, 2, 2])
     b = write_run(tmp_path / "b", [9, 9, 1, 1, 1])
     script = str(REPO / "scripts" / "summarize_runs.py")
@@ -128,3 +134,21 @@ def test_cli(tmp_path):
     assert res.returncode == 1 and "failed" in res.stdout
     res = subprocess.run([sys.executable, script, "justapath"], capture_output=True, text=True)
     assert res.returncode == 2 and "NAME=PATH" in res.stderr
+
+
+def test_runs_on_a_bare_python(tmp_path):
+    """The script (and the log parser it shares with `pipemesh bench`) needs only the standard library:
+    it runs with site-packages off (-S) and PYTHONPATH ignored (-I), from another directory."""
+    a = write_run(tmp_path / "a", [9, 9, 2, 2, 2])
+    res = subprocess.run([sys.executable, "-I", "-S", str(REPO / "scripts" / "summarize_runs.py"), f"a={a}"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "| a (stock) | 3 | 2.0 |" in res.stdout
+
+
+def test_uses_the_package_log_parser():
+    """One Megatron log parser: the script's iteration lines come from megatron_pipemesh.bench.logparse."""
+    from megatron_pipemesh.bench import logparse
+
+    assert sr.logparse.parse_iteration_line.__code__.co_filename == logparse.parse_iteration_line.__code__.co_filename
+    assert not hasattr(sr, "ITERATION_RE") and not hasattr(sr, "TIME_RE")

@@ -57,6 +57,7 @@ def uninterrupted(base_args):
 
 
 def test_pipemesh_matches_default_schedule(base_args, uninterrupted):
+    """Six iterations under PipeMesh log the same values as under the default schedule, and the loss falls."""
     _, args = base_args
     default = _log(_train(args))
     assert sorted(uninterrupted[0]) == [1, 2, 3, 4, 5, 6]
@@ -66,6 +67,7 @@ def test_pipemesh_matches_default_schedule(base_args, uninterrupted):
 
 
 def test_checkpoint_under_pipemesh_resumes_under_pipemesh_and_default(base_args, uninterrupted):
+    """A PipeMesh checkpoint resumes identically under PipeMesh and the default schedule."""
     work, args = base_args
     ckpt = str(work / "ckpt")
     first = _log(_train(args + ELASTIC + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]))
