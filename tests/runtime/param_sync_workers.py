@@ -94,8 +94,9 @@ def _replica_iterators(spec, microbatches: int, chunks: int, iteration: int):
     """Micro-batches of this data-parallel replica for ``iteration`` (distinct per replica and iteration)."""
     from megatron.core import parallel_state
 
-    first = (parallel_state.get_data_parallel_rank() * 100 + iteration) * microbatches
-    return [iter([h.make_batch(spec, first + j) for j in range(microbatches)]) for _ in range(chunks)]
+    replica = parallel_state.get_data_parallel_rank()
+    return [iter([h.make_batch(spec, iteration * microbatches + j, replica) for j in range(microbatches)])
+            for _ in range(chunks)]
 
 
 def train_runs(runs: Dict[str, Dict[str, Any]], pp: int = 2, vp: Optional[int] = 2, dp: int = 2,
