@@ -351,12 +351,15 @@ def _init_value(name: str, shape, seed: int):
 
 
 def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool = False,
-                config=None) -> List[Any]:
+                config=None, ddp_options: Optional[Dict[str, Any]] = None) -> List[Any]:
     """One ``GPTModel`` per virtual chunk on this rank, weights set from their global names.
 
     ``wrap_ddp``: wrap each chunk in Megatron's ``DistributedDataParallel`` (fp32 grad buffer,
     chunk 0 bucketed) and install ``no_sync_func`` / ``finalize_model_grads_func`` (and, with
     ``overlap_grad_reduce``, ``grad_sync_func``) on the config as ``train()`` does.
+    ``ddp_options``: further ``DistributedDataParallelConfig`` fields (e.g. the distributed optimizer's
+    ``use_distributed_optimizer``, ``overlap_param_gather``, ``align_param_gather``); with overlapped and
+    aligned parameter gathers ``param_sync_func`` is installed as ``train()`` does (``training.py:3544``).
     """
     import torch
     from megatron.core import parallel_state
@@ -396,10 +399,9 @@ def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool
             finalize_model_grads,
         )
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=False,
-        )
+        ddp_config = DistributedDataParallelConfig(**{
+            "grad_reduce_in_fp32": True, "overlap_grad_reduce": overlap_grad_reduce,
+            "use_distributed_optimizer": False, **(ddp_options or {})})
         chunks = [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
                                     disable_bucketing=(i > 0))
@@ -414,6 +416,10 @@ def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool
             config.grad_sync_func = [m.start_grad_sync for m in chunks]
             if len(chunks) == 1:
                 config.grad_sync_func = config.grad_sync_func[0]
+        if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+            config.param_sync_func = [m.start_param_sync for m in chunks]
+            if len(chunks) == 1:
+                config.param_sync_func = config.param_sync_func[0]
         config.finalize_model_grads_func = finalize_model_grads
     return chunks
 

@@ -10,8 +10,7 @@ megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more det
 implementation, CPU initialization, no fused kernels, gloo); :func:`missing_cpu_args` keeps only the
 ones a given argv does not already set, so a single command line works on CPU and on GPU.
 
-Not solved (GPU-only): ``--use-distributed-optimizer`` (``distrib_optimizer.py:477`` requires
-``torch.cuda.*Tensor`` parameters) and hence ``--overlap-param-gather``; CUDA graphs; combined 1F1B.
+Not solved (GPU-only): CUDA graphs; combined 1F1B.
 """
 from __future__ import annotations
 
@@ -196,6 +195,41 @@ class _CpuAutocast(torch.autocast):
         super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 
+# --------------------------------------------------------------------------------------------------
+# Distributed optimizer: CUDA tensor type names in its dtype dispatch
+# --------------------------------------------------------------------------------------------------
+class _CudaTypeNameMode(TorchFunctionMode):
+    """``Tensor.type()`` (no argument) of a CPU tensor reports the CUDA name, e.g. ``torch.cuda.FloatTensor``.
+
+    Entered only around ``DistributedOptimizer.__init__``, whose parameter sorting dispatches on those
+    names (``distrib_optimizer.py:401,466,758``) and rejects anything else (``:477``).  Conversions
+    (``Tensor.type(dtype)``) pass through unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(init):
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs):
+        with _CudaTypeNameMode():
+            return init(*args, **kwargs)
+
+    return wrapped
+
+
+def _patch_distributed_optimizer() -> None:
+    """Item 11: let ``DistributedOptimizer`` accept CPU parameters (see :class:`_CudaTypeNameMode`)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
+
+
 def cpu_compat_active() -> bool:
     """True once :func:`apply_cpu_compat` has patched this process."""
     return _ACTIVE
@@ -283,6 +317,9 @@ def apply_cpu_compat() -> bool:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    # 11. distrib_optimizer.py:401,466,758 sort parameters by CUDA tensor type names (:477 raises).
+    _patch_distributed_optimizer()
 
     _ACTIVE = True
     return True
