@@ -20,20 +20,15 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from .cli_common import positive_int
+
 Groups = Union[None, str, Tuple[int, ...]]
 """A group list, 'auto', or None (not given)."""
 
 
 def _group_value(text: str) -> Union[int, str]:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of micro-batches or 'auto', got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a group must hold at least one micro-batch, got {value}")
-    return value
+    """argparse type of a group flag: a positive number of micro-batches, or 'auto'."""
+    return text if text == "auto" else positive_int(text)
 
 
 def _positive_group(text: str) -> int:
