@@ -389,6 +389,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     script, argv = _pop_flag(argv, OWN_FLAG)
     cpu = _prepare_process()
+    # Benchmark hook (off unless PIPEMESH_BENCH_ACTIVATION_METER=1): each rank reports the peak activation
+    # bytes of every training iteration, for stock and PipeMesh schedules alike (bench/activation_meter.py).
+    from megatron_pipemesh.bench.activation_meter import install_from_env
+
+    install_from_env()
     argv = prepare_argv(argv, cuda=not cpu)
     sys.argv = [sys.argv[0] if sys.argv else "pipemesh-pretrain-gpt"] + argv
     if script is not None:
