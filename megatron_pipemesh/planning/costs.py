@@ -20,11 +20,11 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.ops import Op, OpKind
-from .memory import ActivationShape, activation_bytes
+from .memory import ActivationShape, activation_bytes, parse_level, transient_bytes
 
 GB = 1024 ** 3
 
@@ -50,22 +50,56 @@ class ModelSpec:
     dtype_bytes: int = 2
     """Bytes per parameter/activation element in compute (2 for bf16/fp16, 4 for fp32)."""
     grad_bytes: int = 4
-    """Bytes per gradient element in the data-parallel reduction (Megatron keeps fp32 main grads)."""
+    """Bytes per gradient element in the data-parallel reduction (Megatron keeps fp32 main grads;
+    2 with --grad-reduce-in-bf16)."""
     hidden_dropout: float = 0.1
     """Megatron's --hidden-dropout (dropout masks are kept for the backward)."""
     attention_dropout: float = 0.1
     """Megatron's --attention-dropout."""
+    layer_spec: str = "local"
+    """Layer implementation: 'local' (get_gpt_layer_local_spec, unfused attention with s*s scores) or
+    'te' (Transformer Engine, --transformer-impl transformer_engine: flash/fused attention, fused norms)."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention [--group-query-attention --num-query-groups]; None = a."""
+    swiglu: bool = False
+    """Gated SwiGLU MLP [--swiglu]: fc1 is h x 2f."""
+    bias_activation_fusion: bool = False
+    """Fused bias+activation kernel [--bias-swiglu-fusion / --bias-gelu-fusion]; matters for the local
+    spec's SwiGLU (the unfused product saves silu(gate) too)."""
+    position_embedding: str = "learned_absolute"
+    """[--position-embedding-type] 'learned_absolute' (an s x h table, int64 position ids) or 'rope'."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: h * g / a."""
+        return self.hidden_size * (self.num_query_groups or self.num_attention_heads) // self.num_attention_heads
+
+    @property
+    def fc1_width(self) -> int:
+        return (2 if self.swiglu else 1) * self.ffn
+
     def layer_params(self) -> int:
-        h = self.hidden_size
-        return 4 * h * h + 2 * h * self.ffn + 9 * h + self.ffn  # attention, MLP, biases and norms
+        h, f, kv = self.hidden_size, self.ffn, self.kv_width
+        attention = h * (h + 2 * kv) + h * h + (h + 2 * kv) + h  # qkv, proj, their biases
+        mlp = h * self.fc1_width + f * h + self.fc1_width + h  # fc1, fc2, their biases
+        return attention + mlp + 4 * h  # two norms (weight and bias)
+
+    def layer_forward_flops(self) -> float:
+        """Forward FLOPs of one layer for one micro-batch (2 per multiply-add)."""
+        s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
+        return (2 * b * s * h * (h + 2 * self.kv_width) + 2 * b * s * h * h + 4 * b * s * s * h
+                + self.mlp_forward_flops())
+
+    def mlp_forward_flops(self) -> float:
+        return 2 * self.seq_length * self.micro_batch_size * self.hidden_size * (self.fc1_width + self.ffn)
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size + self.seq_length * self.hidden_size
+        position = self.seq_length * self.hidden_size if self.position_embedding == "learned_absolute" else 0
+        return self.vocab_size * self.hidden_size + position
 
     def total_params(self) -> int:
         return self.num_layers * self.layer_params() + self.embedding_params()
@@ -95,6 +129,46 @@ class ClusterSpec:
     """Megatron sequence parallelism (activations and transfers split over TP)."""
     distributed_optimizer: bool = True
     """Megatron distributed optimizer: grads reduce-scattered, params all-gathered, optimizer sharded."""
+    memory_gbs: float = 1500.0
+    """Device memory bandwidth (GB/s): memory-bound work (norm recomputation, the optimizer step)."""
+    devices_per_node: int = 8
+    """Devices sharing one node's NIC (Megatron's rank order: TP fastest, then DP, then PP)."""
+    nic_gbps: Optional[float] = None
+    """Bandwidth of one node's network interface (Gbit/s), shared by every data-parallel ring and
+    pipeline link that leaves the node; None = no shared NIC (each link has its own bandwidth)."""
+    optimizer_step: bool = True
+    """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
+
+
+def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
+    """(data-parallel rings, pipeline links) that leave one node through its NIC at the same time.
+
+    Ranks are laid out TP-fastest, then DP, then PP. A DP group of t*d devices inside one node never
+    leaves it; otherwise each ring (one per TP rank in the node) crosses the node boundary once. A
+    node holds whole pipeline stages when t*d divides into it: only the t*d links of its last stage
+    leave it; otherwise every device of the node sends to a stage on another node."""
+    per_stage = cluster.tp * cluster.dp
+    node = cluster.devices_per_node
+    rings = 0 if (cluster.dp <= 1 or per_stage <= node) else min(cluster.tp, node)
+    if pp <= 1:
+        links = 0
+    elif per_stage >= node:
+        links = node
+    else:
+        links = per_stage if pp * per_stage > node else 0
+    return rings, links
+
+
+def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
+    """(data-parallel, pipeline) bandwidth per flow after sharing the node's NIC fairly between
+    every flow that leaves the node (the conservative case where the pipeline streams while the
+    rings reduce); links that stay inside the node keep their own bandwidth."""
+    dp, p2p = cluster.dp_gbps, cluster.p2p_gbps
+    if cluster.nic_gbps is None:
+        return dp, p2p
+    rings, links = node_flows(cluster, pp)
+    share = cluster.nic_gbps / max(rings + links, 1)
+    return (min(dp, share) if rings else dp), (min(p2p, share) if links else p2p)
 
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
@@ -128,16 +202,26 @@ class OpCosts:
     """Extra activation bytes of the last stage (final norm, output layer, fp32 cross-entropy), per level."""
     recompute_s: Dict[str, float] = field(default_factory=lambda: {"none": 0.0, "selective": 0.0, "full": 0.0})
     """Extra backward time per chunk-micro-batch for each recompute level."""
+    transient_bytes: Dict[str, float] = field(default_factory=dict)
+    """Bytes a level's recomputation re-creates during the chunk's backward (on top of what it kept)."""
     static_bytes: Tuple[float, ...] = ()
     """Weights + grads + optimizer state per pipeline rank."""
+    first_stage_dp_s: float = 0.0
+    """Extra data-parallel time (reduction + gather) of stage 0's chunk: the embedding parameters."""
+    last_stage_dp_s: float = 0.0
+    """Extra data-parallel time of the last stage's chunk: the output layer parameters."""
+    optimizer_s: Tuple[float, ...] = ()
+    """Optimizer step per pipeline rank, after its last gradient reduction."""
 
     @property
     def dp_total_s(self) -> float:
         return self.dp_reduce_s + self.dp_gather_s
 
 
-def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig) -> OpCosts:
-    """Derive :class:`OpCosts` for ``config`` from the model and cluster."""
+def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
+                   levels: Sequence[str] = RECOMPUTE_LEVELS) -> OpCosts:
+    """Derive :class:`OpCosts` for ``config`` from the model and cluster, with activation bytes and
+    recompute times for every recompute level in ``levels`` (see :func:`.memory.parse_level`)."""
     stages = config.pp * config.vpp
     if model.num_layers % stages:
         raise ValueError(f"--num-layers {model.num_layers} does not split evenly over p*V = {stages} stages; "
@@ -145,33 +229,56 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     layers = model.num_layers // stages
     s, b, h, a, t = model.seq_length, model.micro_batch_size, model.hidden_size, model.num_attention_heads, cluster.tp
     flops_per_s = cluster.device_tflops * 1e12 * cluster.mfu
-    layer_fwd_flops = 8 * b * s * h * h + 4 * b * s * h * model.ffn + 4 * b * s * s * h
-    forward = layers * layer_fwd_flops / t / flops_per_s
+    forward = layers * model.layer_forward_flops() / t / flops_per_s
     attention_core_fwd = 4 * b * s * s * h / t / flops_per_s
     head_fwd = 2 * b * s * h * model.vocab_size / t / flops_per_s
     sp = t if cluster.sequence_parallel else 1
     act_elems = s * b * h / sp
-    p2p = act_elems * model.dtype_bytes * 8 / (cluster.p2p_gbps * 1e9)
+    dp_gbps, p2p_gbps = link_gbps(cluster, config.pp)
+    p2p = act_elems * model.dtype_bytes * 8 / (p2p_gbps * 1e9)
     chunk_params = layers * model.layer_params() / t
     d = cluster.dp
-    grad_bytes = chunk_params * model.grad_bytes
-    if d <= 1:
-        reduce = gather = 0.0
-    elif cluster.distributed_optimizer:
-        reduce = (d - 1) / d * grad_bytes * 8 / (cluster.dp_gbps * 1e9)
-        gather = (d - 1) / d * chunk_params * model.dtype_bytes * 8 / (cluster.dp_gbps * 1e9)
-    else:
-        reduce = 2 * (d - 1) / d * grad_bytes * 8 / (cluster.dp_gbps * 1e9)
-        gather = 0.0
+
+    def sync_s(params: float) -> Tuple[float, float]:
+        """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP."""
+        if d <= 1:
+            return 0.0, 0.0
+        grads = params * model.grad_bytes * 8 / (dp_gbps * 1e9)
+        if cluster.distributed_optimizer:
+            return (d - 1) / d * grads, (d - 1) / d * params * model.dtype_bytes * 8 / (dp_gbps * 1e9)
+        return 2 * (d - 1) / d * grads, 0.0
+
+    reduce, gather = sync_s(chunk_params)
+    # The embedding (and position table) lives in stage 0's bucket, the untied output layer in the last's.
+    first_dp = sum(sync_s(model.embedding_params() / t))
+    last_dp = sum(sync_s(model.vocab_size * h / t))
     shape = ActivationShape(seq_length=s, micro_batch_size=b, hidden_size=h, num_attention_heads=a,
                             vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
                             dtype_bytes=model.dtype_bytes, tp=t, sequence_parallel=cluster.sequence_parallel,
                             norm_stat_bytes=4, hidden_dropout=model.hidden_dropout,
-                            attention_dropout=model.attention_dropout, dropout_mask_bytes=1)
-    middle = {level: activation_bytes(shape, layers, level) for level in RECOMPUTE_LEVELS}
-    first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in RECOMPUTE_LEVELS}
-    last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in RECOMPUTE_LEVELS}
-    static = []
+                            attention_dropout=model.attention_dropout, dropout_mask_bytes=1,
+                            attention_mask=model.layer_spec == "local",
+                            position_embedding=model.position_embedding, layer_spec=model.layer_spec,
+                            num_query_groups=model.num_query_groups, swiglu=model.swiglu,
+                            bias_activation_fusion=model.bias_activation_fusion)
+    levels = tuple(dict.fromkeys(("none",) + tuple(levels)))
+    middle = {level: activation_bytes(shape, layers, level) for level in levels}
+    first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}
+    last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in levels}
+    layer_fwd = forward / layers
+    module_s = {"core_attn": attention_core_fwd, "mlp": model.mlp_forward_flops() / t / flops_per_s,
+                # Norms are memory-bound: read the input, write the output, twice per layer.
+                "layernorm": 0.0 if model.layer_spec == "te" else 2 * 2 * act_elems * model.dtype_bytes / (cluster.memory_gbs * 1e9)}
+
+    def recompute_time(level: str) -> float:
+        kind, modules, k = parse_level(level)
+        if kind == "selective":
+            return layers * sum(module_s[m] for m in modules)
+        if kind == "block":
+            return min(k, layers) * layer_fwd
+        return forward if kind in ("full", "uniform") else 0.0
+
+    static, optimizer = [], []
     bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
     for rank in range(config.pp):
         params = config.vpp * chunk_params
@@ -180,11 +287,16 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         if rank == config.pp - 1:
             params += model.vocab_size * h / t  # untied output layer
         static.append(params * bytes_per_param)
+        # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
+        shard = params / d if cluster.distributed_optimizer else params
+        optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
     return OpCosts(
         forward_s=forward, backward_s=2 * forward, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
         latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
         activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
-        recompute_s={"none": 0.0, "selective": layers * attention_core_fwd, "full": forward},
+        recompute_s={level: recompute_time(level) for level in levels},
+        first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
+        transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
         static_bytes=tuple(static),
     )
 
@@ -221,6 +333,10 @@ class ScheduleCosts:
         return self.costs.p2p_s, self.costs.latency_s
 
     def data_parallel(self, rank: int, op: Op) -> float:
-        if op.kind is OpKind.PARAM_SYNC:
-            return self.costs.dp_gather_s
-        return self.costs.dp_reduce_s
+        c = self.costs
+        base, total = (c.dp_gather_s, c.dp_total_s) if op.kind is OpKind.PARAM_SYNC else (c.dp_reduce_s, c.dp_total_s)
+        stage = self.config.stage(rank, op.chunk)
+        extra = (c.first_stage_dp_s if stage == 0 else 0.0) + (c.last_stage_dp_s if stage == self.config.num_stages - 1 else 0.0)
+        # The embedding/output parameters split between gather and reduction like the chunk's own.
+        share = base / total if total else (0.0 if op.kind is OpKind.PARAM_SYNC else 1.0)
+        return base + extra * share

@@ -55,10 +55,52 @@ calls the model directly and sums with the mask itself, which saves the same sb 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 LEVELS = ("none", "selective", "full")
+"""The per-chunk-micro-batch levels PipeMesh's runtime applies (``runtime/recompute.py``)."""
+
+SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")
+"""``--recompute-modules`` values that act on a dense GPT layer in megatron-core 0.19.2
+(``moe_act``/``moe``/``shared_experts`` need MoE, ``mla_up_proj`` MLA, ``gdn_norm_out`` GatedDeltaNet)."""
+
+
+def selective_level(modules: Iterable[str]) -> str:
+    """Level name of selective recomputation of ``modules``: 'selective' for Megatron's default
+    ``core_attn``, else 'selective:<m1>+<m2>' in :data:`SELECTIVE_MODULES` order."""
+    chosen = set(modules)
+    bad = chosen - set(SELECTIVE_MODULES)
+    if bad or not chosen:
+        raise ValueError(f"--recompute-modules {' '.join(sorted(chosen))}: use a non-empty subset of "
+                         f"{' '.join(SELECTIVE_MODULES)} for a dense GPT layer")
+    if chosen == {"core_attn"}:
+        return "selective"
+    return "selective:" + "+".join(m for m in SELECTIVE_MODULES if m in chosen)
+
+
+def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:
+    """(kind, selective modules, k) of a level name.
+
+    Kinds: 'none'; 'selective' (modules); 'full' (every layer checkpointed on its own, PipeMesh's
+    runtime and Megatron's ``--recompute-method uniform --recompute-num-layers 1``); 'uniform' and
+    'block' with k layers (Megatron's ``--recompute-method uniform|block --recompute-num-layers k``).
+    """
+    if level in ("none", "full"):
+        return level, frozenset(), 1 if level == "full" else 0
+    if level == "selective":
+        return "selective", frozenset({"core_attn"}), 0
+    kind, _, arg = level.partition(":")
+    if kind == "selective" and arg:
+        modules = frozenset(arg.split("+"))
+        if modules <= set(SELECTIVE_MODULES):
+            return kind, modules, 0
+    if kind in ("uniform", "block") and arg.isdigit() and int(arg) >= 1:
+        return kind, frozenset(), int(arg)
+    raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}, "
+                     "'selective:<modules joined by +>' (modules from core_attn, layernorm, mlp), "
+                     "'uniform:<k>' or 'block:<k>'")
 
 
 @dataclass(frozen=True)
@@ -89,51 +131,118 @@ class ActivationShape:
     """An explicit s x s bool mask per micro-batch (local spec); False for causal kernels without one."""
     position_embedding: str = "learned_absolute"
     """``learned_absolute`` (int64 position ids saved on the first stage) or ``rope``."""
+    layer_spec: str = "local"
+    """``local`` (Megatron's ``get_gpt_layer_local_spec``: unfused attention keeps the a*s*s scores,
+    softmax and dropout mask) or ``te`` (Transformer Engine: flash/fused attention keeps only its fp32
+    log-sum-exp a*s*b, no s*s terms and no mask; norms fused into the following linear, so
+    ``--recompute-modules layernorm`` has nothing to act on; fused SwiGLU)."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads g for grouped-query attention [--num-query-groups]; None = a (multi-head)."""
+    swiglu: bool = False
+    """Gated SwiGLU MLP [--swiglu]: linear_fc1 outputs 2f (gate and up) and the activation f."""
+    bias_activation_fusion: bool = False
+    """[--bias-swiglu-fusion / --bias-gelu-fusion] With SwiGLU on the local spec, the fused kernel saves
+    only its input; unfused, ``silu(gate)`` is saved as well (f more per layer). TE always fuses."""
+
+    def __post_init__(self) -> None:
+        if self.layer_spec not in ("local", "te"):
+            raise ValueError(f"layer_spec {self.layer_spec!r}: use 'local' or 'te' (Transformer Engine)")
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads {self.num_attention_heads}")
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: h * g / a."""
+        groups = self.num_query_groups or self.num_attention_heads
+        return self.hidden_size * groups // self.num_attention_heads
 
-def layer_activation_bytes(shape: ActivationShape, level: str) -> float:
-    """Bytes one transformer layer keeps for its backward, for one micro-batch, at ``level``."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}")
+
+def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
+    """Bytes of one layer's saved tensors for one micro-batch, by the module that recomputation of
+    it frees ('core_attn', 'layernorm', 'mlp') or 'kept' (held at every selective level)."""
     s, b, h, a, f = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.num_attention_heads, shape.ffn
     d, t = shape.dtype_bytes, shape.tp
     sp = t if shape.sequence_parallel else 1
-    sbh = s * b * h
-    if level == "full":
-        return sbh / sp * d
-    replicated = 4 * sbh / sp  # two norm inputs, two column-parallel linear inputs
-    sharded = 4 * sbh / t + 2 * f * s * b / t  # q, k, v, proj input; fc1 out, GeLU out
-    total = (replicated + sharded) * d
+    sbh, kv = s * b * h, s * b * shape.kv_width
+    local = shape.layer_spec == "local"
     stat = d if shape.norm_stat_bytes is None else shape.norm_stat_bytes
     mask = shape.dropout_mask_bytes or d
-    total += 2 * 2 * s * b / sp * stat
+    # The layer input and the attention-block output (norm inputs, checkpoint inputs of 'layernorm').
+    kept = 2 * sbh / sp * d
+    kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
     if shape.hidden_dropout > 0:
-        total += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
+        kept += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
     if shape.position_embedding == "rope":
-        total += 2 * sbh / t * d + 4 * s * (h // a) * d  # rotated q and k; cos/sin of q and k
-    if level == "none":
+        kept += (sbh + kv) / t * d + 4 * s * (h // a) * d  # rotated q and k; cos/sin of q and k
+    norm = 2 * sbh / sp * d + 2 * 2 * s * b / sp * stat  # the two norm outputs (linear inputs) and mean/rstd
+    if not local:
+        kept, norm = kept + norm, 0.0  # TE fuses the norms into LayerNormLinear: nothing to recompute
+    mlp = ((2 if shape.swiglu else 1) * f + f) * s * b / t * d  # fc1 output, activation output
+    if shape.swiglu and local and not shape.bias_activation_fusion:
+        mlp += f * s * b / t * d  # silu(gate), saved by the unfused product
+    if local:
         scores = a * s * s * b / t
         softmax = 4 if (shape.attention_softmax_in_fp32 or d == 4) else d
         if shape.attention_dropout > 0:
-            total += scores * (softmax + mask + d)
+            attn = scores * (softmax + mask + d)
         else:
-            total += scores * (softmax + (d if softmax != d else 0))
-    return total
+            attn = scores * (softmax + (d if softmax != d else 0))
+        if shape.kv_width < h:
+            attn += 2 * sbh / t * d  # the local spec repeats k and v to a heads (repeat_interleave)
+    else:
+        attn = a * s * b / t * 4  # flash attention's fp32 log-sum-exp
+    return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn}
+
+
+def layer_activation_bytes(shape: ActivationShape, level: str) -> float:
+    """Bytes one transformer layer keeps for its backward, for one micro-batch, at ``level``
+    ('none', a selective level, or 'full' = only the checkpointed layer input)."""
+    kind, modules, _ = parse_level(level)
+    if kind in ("uniform", "block"):
+        raise ValueError(f"{level!r} is a per-chunk recompute level; use activation_bytes for a chunk")
+    if kind == "full":
+        sp = shape.tp if shape.sequence_parallel else 1
+        return shape.seq_length * shape.micro_batch_size * shape.hidden_size / sp * shape.dtype_bytes
+    return sum(size for name, size in _layer_terms(shape).items() if name not in modules)
+
+
+def transient_bytes(shape: ActivationShape, layers: int, level: str) -> float:
+    """Bytes recomputation re-creates inside a chunk's backward on top of what the chunk kept: the
+    activations of the largest unit recomputed at once (k layers for 'uniform:k', one layer for
+    'full' and 'block:k', the recomputed modules of one layer for selective levels)."""
+    kind, modules, k = parse_level(level)
+    if kind == "none" or not layers:
+        return 0.0
+    if kind == "selective":
+        return sum(size for name, size in _layer_terms(shape).items() if name in modules)
+    unit = min(k, layers) if kind == "uniform" else 1
+    return unit * (layer_activation_bytes(shape, "none") - layer_activation_bytes(shape, "full"))
 
 
 def activation_bytes(shape: ActivationShape, layers: int, level: str = "none", first_stage: bool = False,
                      last_stage: bool = False) -> float:
-    """Bytes one chunk of ``layers`` layers keeps alive for one micro-batch until its backward."""
+    """Bytes one chunk of ``layers`` layers keeps alive for one micro-batch until its backward.
+
+    Per-chunk levels: 'uniform:k' checkpoints the input of each group of k layers (ceil(L/k) inputs);
+    'block:k' checkpoints the first min(k, L) layers one by one and keeps the others whole."""
     s, b, h, d = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.dtype_bytes
     sp = shape.tp if shape.sequence_parallel else 1
-    total = layers * layer_activation_bytes(shape, level)
-    if layers and shape.attention_mask:
+    kind, _, k = parse_level(level)
+    if kind == "uniform":
+        total = math.ceil(layers / k) * layer_activation_bytes(shape, "full")
+    elif kind == "block":
+        done = min(k, layers)
+        total = done * layer_activation_bytes(shape, "full") + (layers - done) * layer_activation_bytes(shape, "none")
+    else:
+        total = layers * layer_activation_bytes(shape, level)
+    if layers and shape.attention_mask and shape.layer_spec == "local":
         total += s * s
-    if layers and level == "full" and shape.position_embedding == "rope":
+    if layers and kind in ("full", "uniform", "block") and shape.position_embedding == "rope":
         total += s * (h // shape.num_attention_heads) * 4  # the fp32 rotary embedding, a checkpoint input
     if first_stage:
         total += (2 if shape.position_embedding == "learned_absolute" else 1) * s * b * 8

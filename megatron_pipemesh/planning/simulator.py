@@ -88,7 +88,9 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
     schedule = schedule or lower(config, lowering_for(costs))
     adapter = ScheduleCosts(config, costs, recompute)
     timeline = execute(schedule, adapter)
-    end = timeline.makespan
+    optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
+    # Each rank steps its optimizer once its own gradients are reduced; the iteration ends with the slowest.
+    end = max(timeline.rank_end[r] + optimizer[r] for r in range(config.pp))
     ranks, memory = [], []
     for rank in range(config.pp):
         events = timeline.compute[rank]
@@ -97,8 +99,8 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
         waits_p2p = sum(e.comm_part for e in events if e.waited_on == "p2p")
         waits_param = sum(e.comm_part for e in events if e.waited_on == "param")
         last_compute = max(e.end for e in events)
-        dp_tail = max(0.0, timeline.rank_end[rank] - last_compute)
-        idle = end - busy
+        dp_tail = max(0.0, timeline.rank_end[rank] - last_compute)  # the optimizer step is neither idle nor comm
+        idle = end - busy - optimizer[rank]
         exposed_dp = waits_param + dp_tail
         static = costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0
         deltas = []
@@ -107,7 +109,10 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
             if e.op.kind is OpKind.FORWARD:
                 deltas.append((e.start, 1, size))
             else:
-                deltas.append((e.end, -1, -size))
+                # Recomputation re-creates activations inside the backward: held from its start.
+                transient = costs.transient_bytes.get(adapter.level(rank, e.op), 0.0)
+                deltas.append((e.start, 0, transient))
+                deltas.append((e.end, -1, -size - transient))
         deltas.sort(key=lambda d: (d[0], d[1]))  # frees before allocations at equal times
         live = peak_live = 0
         act = peak_act = 0.0

@@ -1,0 +1,311 @@
+"""Stock Megatron's whole option set for one (model, cluster, p, d, m), predicted and ranked.
+
+What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerates:
+
+* schedule: 1F1B (V = 1), or interleaved with V >= 2 virtual stages per rank for every V that
+  divides the layers per pipeline rank, with every group size
+  ``--microbatch-group-size-per-virtual-pipeline-stage g`` the schedule accepts: p <= g <= m and
+  the last group (m mod g) either empty or at least p (``schedules.py`` raises otherwise);
+* recomputation: none; ``--recompute-granularity selective`` with ``--recompute-modules`` any
+  non-empty subset of ``core_attn``, ``layernorm``, ``mlp`` (the modules a dense layer honours:
+  ``moe_act``/``moe``/``shared_experts`` need MoE, ``mla_up_proj`` MLA; ``layernorm`` acts only where
+  the norm is a separate module, i.e. not with Transformer Engine's fused LayerNormLinear);
+  ``--recompute-granularity full --recompute-method uniform|block --recompute-num-layers k`` for
+  every k from 1 to the layers of one model chunk (Megatron applies k per chunk; a larger k acts
+  like k = layers);
+* ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes).
+
+Megatron's ``num_microbatches_with_partial_activation_checkpoints`` is read by no layer in
+megatron-core 0.19.2, so stock has no per-micro-batch recomputation and none is offered here.
+
+Each setting is a frozen dataclass whose ``flags()`` are the exact Megatron flags. Its cost is
+predicted with the simulator (:mod:`.simulator`, the same engine and costs as PipeMesh's planner)
+and its per-rank peak activation bytes with :mod:`.memory`. Because a fixed-order schedule never
+finishes earlier when its ops get longer, the fastest setting of one (schedule, V, g) that fits a
+budget is the fitting one with the least recomputation time; :func:`best_stock` simulates only
+those.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from ..schedule.config import ScheduleConfig
+from ..schedule.lower import LoweredSchedule, lower
+from ..schedule.ops import OpKind
+from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
+from .memory import SELECTIVE_MODULES, selective_level
+from .simulator import lowering_for, simulate
+
+Budget = Union[float, Sequence[float]]
+"""Activation bytes allowed per pipeline rank: one number for every rank, or one per rank."""
+
+
+@dataclass(frozen=True)
+class StockRecompute:
+    """One of Megatron's recomputation settings (applied to every layer of every chunk and micro-batch)."""
+
+    granularity: str = "none"
+    """'none', 'selective' or 'full' [--recompute-granularity]."""
+    modules: Tuple[str, ...] = ()
+    """Selective only: the checkpointed submodules [--recompute-modules]; () = Megatron's default core_attn."""
+    method: Optional[str] = None
+    """Full only: 'uniform' or 'block' [--recompute-method]."""
+    num_layers: Optional[int] = None
+    """Full only: k [--recompute-num-layers]: layers per checkpoint (uniform) or checkpointed layers per chunk (block)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("none", "selective", "full"):
+            raise ValueError(f"--recompute-granularity {self.granularity}: use none, selective or full")
+        if self.granularity == "full" and (self.method not in ("uniform", "block") or not self.num_layers or self.num_layers < 1):
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
+                             "--recompute-num-layers k >= 1, e.g. --recompute-method block --recompute-num-layers 2")
+        if self.granularity != "full" and (self.method or self.num_layers):
+            raise ValueError("--recompute-method/--recompute-num-layers apply only to --recompute-granularity full")
+        if self.modules and self.granularity != "selective":
+            raise ValueError("--recompute-modules applies only to --recompute-granularity selective")
+        if self.modules:
+            selective_level(self.modules)  # validates the names
+
+    @property
+    def level(self) -> str:
+        """The planning level name (:func:`.memory.parse_level`) with the same memory and time."""
+        if self.granularity == "none":
+            return "none"
+        if self.granularity == "selective":
+            return selective_level(self.modules or ("core_attn",))
+        return f"{self.method}:{self.num_layers}"
+
+    def flags(self) -> List[str]:
+        if self.granularity == "none":
+            return []
+        out = ["--recompute-granularity", self.granularity]
+        if self.granularity == "selective":
+            if self.modules:
+                out += ["--recompute-modules", *self.modules]
+            return out
+        return out + ["--recompute-method", str(self.method), "--recompute-num-layers", str(self.num_layers)]
+
+    def describe(self) -> str:
+        return " ".join(self.flags()) or "no recomputation"
+
+
+@dataclass(frozen=True)
+class StockSetting:
+    """One stock Megatron configuration of the pipeline schedule and recomputation."""
+
+    pp: int
+    """Pipeline size p [--pipeline-model-parallel-size]."""
+    vpp: int
+    """Virtual stages per rank V [--num-virtual-stages-per-pipeline-rank]; 1 = 1F1B."""
+    microbatches: int
+    """Micro-batches per iteration per data-parallel replica m."""
+    group_size: Optional[int] = None
+    """Interleaved only: g [--microbatch-group-size-per-virtual-pipeline-stage]; None = Megatron's default p."""
+    recompute: StockRecompute = StockRecompute()
+    """Recomputation applied everywhere."""
+    grad_reduce_in_bf16: bool = False
+    """[--grad-reduce-in-bf16] Reduce gradients in bf16 (2 bytes) instead of fp32."""
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.vpp == 1 else "interleaved"
+
+    @property
+    def effective_group_size(self) -> Optional[int]:
+        return None if self.vpp == 1 else (self.group_size or self.pp)
+
+    def config(self) -> ScheduleConfig:
+        """The same schedule in PipeMesh notation (uniform groups of g; groups are irrelevant at V = 1)."""
+        if self.vpp == 1:
+            return ScheduleConfig.depth_first(self.pp, 1, self.microbatches)
+        return ScheduleConfig.uniform(self.pp, self.vpp, self.microbatches, self.effective_group_size)
+
+    def flags(self) -> List[str]:
+        out = ["--pipeline-model-parallel-size", str(self.pp)]
+        if self.vpp > 1:
+            out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp),
+                    "--microbatch-group-size-per-virtual-pipeline-stage", str(self.effective_group_size)]
+        out += self.recompute.flags()
+        if self.grad_reduce_in_bf16:
+            out.append("--grad-reduce-in-bf16")
+        return out
+
+    def describe(self) -> str:
+        sched = "1F1B" if self.vpp == 1 else f"interleaved V={self.vpp} g={self.effective_group_size}"
+        return f"{sched}, {self.recompute.describe()}" + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "vpp": self.vpp, "group_size": self.effective_group_size,
+                "recompute": self.recompute.describe(), "grad_reduce_in_bf16": self.grad_reduce_in_bf16,
+                "flags": self.flags()}
+
+
+def recompute_options(layers_per_chunk: int, layer_spec: str = "local") -> List[StockRecompute]:
+    """Every stock recomputation setting for chunks of ``layers_per_chunk`` layers."""
+    modules = [m for m in SELECTIVE_MODULES if not (layer_spec == "te" and m == "layernorm")]
+    out = [StockRecompute()]
+    for size in range(1, len(modules) + 1):
+        for chosen in combinations(modules, size):
+            out.append(StockRecompute("selective", () if chosen == ("core_attn",) else chosen))
+    for method in ("block", "uniform"):
+        for k in range(1, layers_per_chunk + 1):
+            out.append(StockRecompute("full", method=method, num_layers=k))
+    return out
+
+
+def group_sizes(pp: int, microbatches: int) -> List[int]:
+    """Every g Megatron's interleaved schedule accepts: p <= g <= m, m mod g = 0 or >= p."""
+    return [g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp]
+
+
+def schedule_options(pp: int, num_layers: int, microbatches: int) -> List[Tuple[int, Optional[int]]]:
+    """(V, g) of every stock schedule: 1F1B and interleaved for every V dividing the layers per rank."""
+    if num_layers % pp:
+        raise ValueError(f"--num-layers {num_layers} must be a multiple of --pipeline-model-parallel-size {pp}")
+    per_rank = num_layers // pp
+    out: List[Tuple[int, Optional[int]]] = [(1, None)]
+    for vpp in range(2, per_rank + 1):
+        if per_rank % vpp == 0:
+            out += [(vpp, g) for g in group_sizes(pp, microbatches)]
+    return out
+
+
+def stock_settings(pp: int, num_layers: int, microbatches: int, layer_spec: str = "local",
+                   grad_reduce_in_bf16: bool = False) -> List[StockSetting]:
+    """The whole stock option set (schedules x recomputation)."""
+    out = []
+    for vpp, g in schedule_options(pp, num_layers, microbatches):
+        for recompute in recompute_options(num_layers // (pp * vpp), layer_spec):
+            out.append(StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16))
+    return out
+
+
+@dataclass
+class StockResult:
+    """A stock setting with its predicted iteration time and per-rank peaks."""
+
+    setting: StockSetting
+    iteration_s: Optional[float]
+    """Simulated iteration time; None when not simulated (it does not fit, see :func:`best_stock`)."""
+    peak_activation_bytes: Tuple[float, ...]
+    """Per pipeline rank: the peak of activation bytes (transient recomputation included)."""
+    static_bytes: Tuple[float, ...]
+    """Per pipeline rank: weights, gradients and optimizer state."""
+
+    def fits(self, budget: Budget) -> bool:
+        return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, _per_rank(budget, len(self.peak_activation_bytes))))
+
+    def to_dict(self) -> dict:
+        return {**self.setting.to_dict(), "iteration_s": self.iteration_s,
+                "peak_activation_bytes": list(self.peak_activation_bytes)}
+
+
+def _per_rank(budget: Budget, pp: int) -> List[float]:
+    if isinstance(budget, (int, float)):
+        return [float(budget)] * pp
+    if len(budget) != pp:
+        raise ValueError(f"an activation budget per rank needs {pp} values, got {len(budget)}")
+    return [float(b) for b in budget]
+
+
+def _model_for(model: ModelSpec, setting: StockSetting) -> ModelSpec:
+    return dataclasses.replace(model, grad_bytes=2) if setting.grad_reduce_in_bf16 else model
+
+
+def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
+                schedule: Optional[LoweredSchedule] = None) -> Dict[str, Tuple[float, ...]]:
+    """Per-rank activation peak of ``config`` with each level of ``levels`` applied everywhere, from
+    the program order (one compute stream per rank, so the order fixes the peak): a forward adds
+    its chunk's bytes, a backward holds its recomputation's transient bytes until it frees them.
+
+    The live set at each step is counted once per rank as (chunks, of which stage 0, of which the
+    last stage); each level's peak is then a maximum over those counts."""
+    schedule = schedule or lower(config, lowering_for(costs))
+    last_stage = config.num_stages - 1
+    counts = []
+    for rank in range(config.pp):
+        live = [0, 0, 0]
+        states = set()
+        for op in schedule.compute_order(rank):
+            stage = config.stage(rank, op.chunk)
+            step = (1, int(stage == 0), int(stage == last_stage))
+            if op.kind is OpKind.FORWARD:
+                live = [x + y for x, y in zip(live, step)]
+                states.add((*live, 0))
+            else:
+                states.add((*live, 1))
+                live = [x - y for x, y in zip(live, step)]
+        counts.append(states)
+    out = {}
+    for level in levels:
+        middle = costs.activation_bytes[level]
+        first = costs.first_stage_activation_bytes.get(level, 0.0)
+        last = costs.last_stage_activation_bytes.get(level, 0.0)
+        transient = costs.transient_bytes.get(level, 0.0)
+        out[level] = tuple(max(n * middle + f * first + e * last + b * transient for n, f, e, b in states)
+                           for states in counts)
+    return out
+
+
+def uniform_plan(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
+    """A recompute plan with ``level`` for every (rank, chunk, micro-batch): stock's only kind."""
+    return {(r, c, j): level for r in range(config.pp) for c in range(config.vpp) for j in range(config.microbatches)}
+
+
+def _costs(model: ModelSpec, cluster: ClusterSpec, setting: StockSetting, levels: Iterable[str]) -> OpCosts:
+    return analytic_costs(_model_for(model, setting), cluster, setting.config(), levels=tuple(levels))
+
+
+def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> StockResult:
+    """Simulate one stock setting: iteration time and per-rank peaks."""
+    level = setting.recompute.level
+    config = setting.config()
+    costs = _costs(model, cluster, setting, (level,))
+    result = simulate(config, costs, uniform_plan(config, level))
+    return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
+                       tuple(costs.static_bytes))
+
+
+def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+                      grad_reduce_in_bf16: bool = False) -> Dict[Tuple[str, int, Optional[int]], StockResult]:
+    """For every stock (schedule kind, V, g): its fastest recomputation setting that fits ``budget``
+    (activation bytes per rank), simulated. Schedules where nothing fits are left out."""
+    out: Dict[Tuple[str, int, Optional[int]], StockResult] = {}
+    for vpp, g in schedule_options(pp, model.num_layers, microbatches):
+        options = recompute_options(model.num_layers // (pp * vpp), model.layer_spec)
+        probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
+        costs = _costs(model, cluster, probe, [o.level for o in options])
+        config = probe.config()
+        schedule = lower(config, lowering_for(costs))
+        peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
+        limits = _per_rank(budget, pp)
+        fitting = []
+        for option in options:
+            peaks = peaks_of[option.level]
+            if all(p <= b for p, b in zip(peaks, limits)):
+                fitting.append((costs.recompute_s[option.level], option, peaks))
+        if not fitting:
+            continue
+        _, option, peaks = min(fitting, key=lambda item: item[0])
+        setting = dataclasses.replace(probe, recompute=option)
+        result = simulate(config, costs, uniform_plan(config, option.level), schedule)
+        out[(setting.schedule, vpp, setting.effective_group_size)] = StockResult(
+            setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks), tuple(costs.static_bytes))
+    return out
+
+
+def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+               grad_reduce_in_bf16: bool = False) -> Optional[StockResult]:
+    """The fastest stock setting whose per-rank activation peak fits ``budget``; None if none fits."""
+    best = best_per_schedule(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16)
+    return min(best.values(), key=lambda r: r.iteration_s) if best else None
+
+
+def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float) -> Tuple[float, ...]:
+    """Activation bytes per rank left by ``memory_bytes`` of device memory after the static bytes
+    (weights, gradients, optimizer state; the same for every V and schedule)."""
+    costs = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, 1, pp))
+    return tuple(memory_bytes - static for static in costs.static_bytes)
