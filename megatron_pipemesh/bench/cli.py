@@ -58,6 +58,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                                           f"only g = p / g = m)")
     run.add_argument("--group-sizes", type=int, nargs="+", default=None, metavar="G",
                      help="stock interleaved group sizes to run (default: every size Megatron accepts, p..m)")
+    run.add_argument("--stock-vpp", type=int, nargs="+", default=None, metavar="V",
+                     help="stock interleaved V to run (default: every V dividing the layers per rank)")
     run.add_argument("--activation-budget-mb", default=None, metavar="MB|auto",
                      help="activation memory per rank that every schedule must fit (MiB), or 'auto': halfway between "
                           "the depth-first and the breadth-first peak of the configuration. Stock rows get the cheapest "
@@ -184,7 +186,7 @@ def resolve(args: argparse.Namespace) -> dict:
     from ..schedule.config import ScheduleConfig, ScheduleConfigError
     from .runner import default_groups
 
-    from .memory_fair import accepted_group_sizes
+    from ..planning.stock import group_sizes as accepted_group_sizes
 
     sizes: Dict[str, Optional[List[int]]] = {}
     for config in configs:
@@ -215,7 +217,7 @@ def resolve(args: argparse.Namespace) -> dict:
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
             "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu), "families": families,
-            "group_sizes": sizes, "budget_mb": "auto" if args.activation_budget_mb == "auto" else budget_mb}
+            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": "auto" if args.activation_budget_mb == "auto" else budget_mb}
 
 
 def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str):
@@ -226,7 +228,8 @@ def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str)
     budget_mb = setup["budget_mb"]
     budget = (auto_budget_bytes(model, config, auto, gbps) if budget_mb == "auto"
               else (budget_mb * MB if budget_mb is not None else None))
-    specs = stock_specs(model, config, families, budget, auto, gbps, setup["group_sizes"].get(config.name))
+    specs = stock_specs(model, config, budget, auto, gbps, families, setup["group_sizes"].get(config.name),
+                        setup["stock_vpps"])
     for family in ("pipemesh", "pipemesh-auto"):
         if family in families:
             try:
@@ -276,7 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         budget = budgets[config.name]
         log(f"{config.name}: activation budget per rank "
             + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none") + "; rows: "
-            + "; ".join(f"{spec.name} [{spec.setting()}]" for spec in specs[config.name]))
+            + "; ".join(f"{spec.name} [{spec.describe()}]" for spec in specs[config.name]))
     plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in specs[c.name] for v in variants]
     log(f"pipemesh bench: {len(plan)} runs ({repeats} repeat(s) x {len(configs)} config(s) x "
         f"{' / '.join(str(len(specs[c.name])) for c in configs)} row(s) x {len(variants)} variant(s)); network: "

@@ -2,20 +2,22 @@
 
 Rows (one training run per row and repeat):
 
-* ``1f1b``: stock 1F1B; ``interleaved-g<g>``: stock interleaved with
-  ``--microbatch-group-size-per-virtual-pipeline-stage g`` for every g Megatron accepts (p <= g <= m,
-  m % g == 0 or >= p; g = p is depth-first, g = m breadth-first). Each with the cheapest stock
-  recomputation predicted to fit the budget (the options and their order come from
-  :func:`stock_levels`); when nothing fits, the option with the smallest predicted peak (the row is
-  then measured and marked as not fitting);
+* stock: every (schedule, V, g) of :func:`megatron_pipemesh.planning.stock.schedule_options` (1F1B
+  ``1f1b``; interleaved ``interleaved-V<v>-g<g>`` for every V dividing the layers per rank and every
+  group size g Megatron accepts), each with its fastest stock recomputation predicted to fit the budget
+  (:func:`~megatron_pipemesh.planning.stock.best_per_schedule`: none, selective with each
+  ``--recompute-modules`` set, full uniform/block with each k); where nothing is predicted to fit, the
+  setting with the smallest predicted peak (measured, and then marked as not fitting);
 * ``pipemesh``: the given groups with the planner's pipeline-aware recomputation for the budget;
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
 
-Predictions use the simulator with analytic compute (the bench's ``--device-tflops``), the shaped
-rate, and the activation model of :mod:`megatron_pipemesh.planning.memory` for this CPU run (fp32,
-dropout masks in fp32, local layer spec; it matches the activation meter to a few bytes), with no
-static memory: the budget is for activations alone. Whether a row fits is decided by the
+Predictions (stock choice and PipeMesh plans alike) use the same simulator and analytic costs:
+compute at the bench's ``--device-tflops`` x ``--mfu``, the shaped rate for pipeline and
+data-parallel transfers, activation bytes of :mod:`megatron_pipemesh.planning.memory` for this run
+(fp32, local layer spec, dropout 0: the bench runs with ``--hidden-dropout 0 --attention-dropout 0``
+so that CPU and CUDA keep the same tensors; the model matches the activation meter to a few bytes),
+and no static memory: the budget is for activations alone. Whether a row fits is decided by the
 *measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
 """
 from __future__ import annotations
@@ -23,18 +25,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
-from ..planning.memory import ActivationShape, activation_bytes
-from ..planning.simulator import simulate
+from ..planning.stock import (StockSetting, best_per_schedule, evaluate, order_peaks,
+                              recompute_options, schedule_options)
 from ..schedule.config import ScheduleConfig
-from .calibrate import PADDED_VOCAB
+from .calibrate import model_spec as _model_spec
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
 
 MB = 2 ** 20
-DROPOUT = 0.1
-"""Megatron's default --hidden-dropout and --attention-dropout (the bench does not change them)."""
+CPU_MEMORY_GBS = 10.0
+"""Memory bandwidth one CPU core reaches (GB/s): the optimizer step and norm recomputation."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,11 @@ class RunSpec:
     """One row of the memory-fair benchmark: a schedule with its memory setting."""
 
     name: str
-    """Row name: ``1f1b``, ``interleaved-g<g>``, ``pipemesh``, ``pipemesh-auto``."""
+    """Row name: ``1f1b``, ``interleaved-V<v>-g<g>``, ``pipemesh``, ``pipemesh-auto``."""
     family: str
     """``1f1b``, ``interleaved``, ``pipemesh`` or ``pipemesh-auto``."""
-    group_size: Optional[int] = None
-    """Stock interleaved: ``--microbatch-group-size-per-virtual-pipeline-stage``."""
-    recompute: str = "none"
-    """Stock recomputation level (a name of :func:`stock_levels`); PipeMesh: 'planned'."""
-    stock_flags: Tuple[str, ...] = ()
-    """Megatron flags of the stock memory setting (group size and recomputation)."""
+    setting: Optional[StockSetting] = None
+    """Stock rows: schedule, V, g and recomputation (its ``flags()`` are what the run adds)."""
     groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
     """PipeMesh forward / backward groups."""
     plan_path: Optional[str] = None
@@ -60,139 +58,101 @@ class RunSpec:
     predicted_peak_bytes: Optional[Tuple[float, ...]] = None
     """Predicted peak activation bytes per pipeline rank."""
     predicted_iteration_s: Optional[float] = None
+    predicted_fits: bool = True
+    """Whether the prediction fits the budget (False: the least-memory stock setting of a schedule where
+    nothing is predicted to fit)."""
 
     @property
     def stock(self) -> bool:
         return self.family in STOCK_FAMILIES
 
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.setting.effective_group_size if self.setting else None
+
+    @property
+    def recompute(self) -> str:
+        return self.setting.recompute.describe() if self.setting else f"planned ({self.recomputed} recomputed)"
+
+    @property
+    def stock_flags(self) -> Tuple[str, ...]:
+        """Megatron flags of the stock setting beyond the pipeline size (V, g, recomputation)."""
+        return tuple(self.setting.flags()[2:]) if self.setting else ()
+
     def schedule_config(self, pp: int, vpp: int, m: int) -> ScheduleConfig:
         """The order this row runs (for the simulator and the calibration)."""
-        if self.family == "1f1b":
-            return ScheduleConfig(pp, 1, m)
-        if self.family == "interleaved":
-            return ScheduleConfig.uniform(pp, vpp, m, self.group_size or pp)
+        if self.setting is not None:
+            return self.setting.config()
         if self.groups is None:
             raise ValueError(f"row {self.name} has no groups")
         return ScheduleConfig(pp, vpp, m, *self.groups)
 
-    def setting(self) -> str:
+    def describe(self) -> str:
         """One line: what this row runs with."""
-        if self.stock:
-            return " ".join(self.stock_flags) or "(no extra flags)"
+        if self.setting is not None:
+            return self.setting.describe()
         groups = f"{' '.join(map(str, self.groups[0]))} / {' '.join(map(str, self.groups[1]))}" if self.groups else ""
-        return f"groups {groups}, {self.recomputed} recomputed chunk-micro-batches"
+        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches"
 
 
-def accepted_group_sizes(pp: int, m: int) -> List[int]:
-    """Group sizes Megatron's interleaved schedule accepts: p <= g <= m and m % g is 0 or >= p."""
-    return [g for g in range(pp, m + 1) if m % g == 0 or m % g >= pp]
+def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> ClusterSpec:
+    """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; every link at the shaped rate."""
+    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps, p2p_gbps=gbps,
+                       distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS)
 
 
-def stock_levels(layers_per_chunk: int) -> List[str]:
-    """Stock recomputation options, cheapest first in recompute work for the same memory freed."""
-    return ["none", "selective", "full"]
-
-
-def recompute_flags(level: str) -> Tuple[str, ...]:
-    """Megatron flags of a stock recomputation level."""
-    if level == "none":
-        return ()
-    if level == "selective":
-        return ("--recompute-granularity", "selective")
-    if level == "full":
-        return ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
-    raise ValueError(f"unknown stock recompute level {level!r}")
-
-
-def cpu_activation_shape(model: ModelSetup) -> ActivationShape:
-    """Activation shape of the bench's run: fp32 on CPU, local layer spec, Megatron's default dropout."""
-    return ActivationShape(seq_length=model.seq_length, micro_batch_size=model.micro_batch_size,
-                           hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-                           vocab_size=PADDED_VOCAB, dtype_bytes=4, hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
-
-
-def bench_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,
-                gbps: float, levels: Sequence[str] = ("none", "selective", "full")) -> OpCosts:
-    """Analytic times for this CPU (``auto.device_tflops`` x ``auto.mfu``) and the shaped rate; activation
-    bytes of the CPU run; no static memory (the budget is for activations)."""
-    layers_total = model.num_layers(config.pp)
-    spec = ModelSpec(num_layers=layers_total, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                     micro_batch_size=model.micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=4, grad_bytes=4,
-                     hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
-    cluster = ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps, p2p_gbps=gbps,
-                          distributed_optimizer=False)
-    costs = analytic_costs(spec, cluster, sched)
-    shape = cpu_activation_shape(model)
-    layers = layers_total // (sched.pp * sched.vpp)
-    middle = {lv: activation_bytes(shape, layers, lv) for lv in levels}
-    first = {lv: activation_bytes(shape, layers, lv, first_stage=True) - middle[lv] for lv in levels}
-    last = {lv: activation_bytes(shape, layers, lv, last_stage=True) - middle[lv] for lv in levels}
-    return replace(costs, activation_bytes=middle, first_stage_activation_bytes=first,
-                   last_stage_activation_bytes=last, static_bytes=tuple(0.0 for _ in range(sched.pp)))
-
-
-def uniform_plan(sched: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
-    """Every (rank, chunk, micro-batch) at one level: what Megatron's --recompute-* flags do."""
-    if level == "none":
-        return {}
-    return {(r, c, j): level for r in range(sched.pp) for c in range(sched.vpp) for j in range(sched.microbatches)}
-
-
-def predict(sched: ScheduleConfig, costs: OpCosts, level: str) -> Tuple[Tuple[float, ...], float]:
-    """(peak activation bytes per pipeline rank, iteration seconds) of a stock setting."""
-    result = simulate(sched, costs, uniform_plan(sched, level))
-    return tuple(r.peak_activation_bytes for r in result.ranks), result.iteration_s
+def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,
+                     gbps: float) -> OpCosts:
+    """Analytic costs with no static memory: what the planner sees under an activation budget."""
+    costs = analytic_costs(_model_spec(model, config.pp), cluster_spec(config, auto, gbps), sched)
+    return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
 
 def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> float:
     """``--activation-budget-mb auto``: halfway between the depth-first and the breadth-first peak
-    (largest rank, no recomputation) of stock interleaved for this configuration."""
+    (largest rank, no recomputation) of stock interleaved at the bench's V."""
     pp, vpp, m = config.pp, model.vpp, model.microbatches
-    peaks = []
-    for sched in (ScheduleConfig.depth_first(pp, vpp, m), ScheduleConfig.breadth_first(pp, vpp, m)):
-        peaks.append(max(predict(sched, bench_costs(model, config, sched, auto, gbps), "none")[0]))
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
+    peaks = [max(evaluate(StockSetting(pp, vpp, m, g), spec, cluster).peak_activation_bytes) for g in (pp, m)]
     return (peaks[0] + peaks[1]) / 2
 
 
-def stock_spec(model: ModelSetup, config: ParallelConfig, family: str, group_size: Optional[int],
-               budget: Optional[float], auto: AutoPlanSettings, gbps: float) -> RunSpec:
-    """The row of one stock schedule with the cheapest recomputation predicted to fit ``budget``
-    (no recomputation without a budget)."""
+def _row_name(setting: StockSetting) -> str:
+    return "1f1b" if setting.vpp == 1 else f"interleaved-V{setting.vpp}-g{setting.effective_group_size}"
+
+
+def _least_memory(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int]) -> StockSetting:
+    """The stock setting of one schedule with the smallest predicted peak (largest rank)."""
+    options = recompute_options(spec.num_layers // (pp * vpp), spec.layer_spec)
+    probe = StockSetting(pp, vpp, m, g)
+    costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
+    peaks = order_peaks(probe.config(), costs, [o.level for o in options])
+    best = min(options, key=lambda o: (max(peaks[o.level]), costs.recompute_s[o.level]))
+    return replace(probe, recompute=best)
+
+
+def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[float], auto: AutoPlanSettings,
+                gbps: float, families: Sequence[str] = STOCK_FAMILIES, group_sizes: Optional[Sequence[int]] = None,
+                vpps: Optional[Sequence[int]] = None) -> List[RunSpec]:
+    """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
+    fastest setting predicted to fit ``budget`` (no recomputation without a budget)."""
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
     pp, m = config.pp, model.microbatches
-    vpp = 1 if family == "1f1b" else model.vpp
-    base = RunSpec(name="1f1b" if family == "1f1b" else f"interleaved-g{group_size}", family=family,
-                   group_size=group_size)
-    sched = base.schedule_config(pp, vpp, m)
-    levels = stock_levels(model.layers_per_chunk * (model.vpp if family == "1f1b" else 1))
-    costs = bench_costs(model, config, sched, auto, gbps, levels)
-    options = []
-    for level in (levels if budget is not None else ["none"]):
-        peaks, time_s = predict(sched, costs, level)
-        options.append((level, peaks, time_s))
-    fitting = [o for o in options if budget is None or max(o[1]) <= budget]
-    level, peaks, time_s = (min(fitting, key=lambda o: o[2]) if fitting else min(options, key=lambda o: max(o[1])))
-    flags: Tuple[str, ...] = ()
-    if family == "interleaved":
-        flags = ("--microbatch-group-size-per-virtual-pipeline-stage", str(group_size))
-    return replace(base, recompute=level, stock_flags=flags + recompute_flags(level), predicted_peak_bytes=peaks,
-                   predicted_iteration_s=time_s)
-
-
-def stock_specs(model: ModelSetup, config: ParallelConfig, families: Sequence[str], budget: Optional[float],
-                auto: AutoPlanSettings, gbps: float, group_sizes: Optional[Sequence[int]] = None) -> List[RunSpec]:
-    """Every stock row: 1F1B and stock interleaved with each accepted group size (or ``group_sizes``)."""
-    specs = []
-    if "1f1b" in families:
-        specs.append(stock_spec(model, config, "1f1b", None, budget, auto, gbps))
-    if "interleaved" in families:
-        accepted = accepted_group_sizes(config.pp, model.microbatches)
-        for g in (group_sizes or accepted):
-            if g not in accepted:
-                raise ValueError(f"--group-sizes {g} is not accepted by Megatron for p={config.pp}, "
-                                 f"m={model.microbatches}: use one of {' '.join(map(str, accepted))}")
-            specs.append(stock_spec(model, config, "interleaved", g, budget, auto, gbps))
-    return specs
+    chosen = best_per_schedule(spec, cluster, pp, m, budget if budget is not None else float("inf"))
+    rows = []
+    for vpp, g in schedule_options(pp, spec.num_layers, m):
+        family = "1f1b" if vpp == 1 else "interleaved"
+        if family not in families or (vpp > 1 and ((group_sizes and g not in group_sizes)
+                                                   or (vpps and vpp not in vpps))):
+            continue
+        result = chosen.get((family, vpp, g if vpp > 1 else None))
+        fits_predicted = result is not None
+        if result is None:
+            result = evaluate(_least_memory(spec, cluster, pp, vpp, m, g), spec, cluster)
+        rows.append(RunSpec(name=_row_name(result.setting), family=family, setting=result.setting,
+                            predicted_peak_bytes=tuple(result.peak_activation_bytes),
+                            predicted_iteration_s=result.iteration_s, predicted_fits=fits_predicted))
+    return rows
 
 
 def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget: Optional[float],
@@ -204,7 +164,7 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     from ..planning.planner import fit_with_recompute, plan_schedule
 
     pp, vpp, m = config.pp, model.vpp, model.microbatches
-    costs_for = lambda cfg: bench_costs(model, config, cfg, auto, gbps)  # noqa: E731
+    costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps)  # noqa: E731
     limit = budget if budget is not None else float("inf")
     if family == "pipemesh-auto":
         plan, _ = plan_schedule(pp, vpp, m, costs_for, limit)
@@ -215,12 +175,12 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     path = os.path.join(plan_dir, f"{config.name}-{family}.json")
     data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1)
+        json.dump(data, handle, indent=1, default=str)
     recomputed = sum(1 for level in plan.recompute.values() if level != "none")
-    return RunSpec(name=family, family=family, recompute="planned",
-                   groups=(plan.config.forward_groups, plan.config.backward_groups), plan_path=path,
-                   recomputed=recomputed, predicted_peak_bytes=tuple(r.peak_activation_bytes for r in plan.result.ranks),
-                   predicted_iteration_s=plan.result.iteration_s)
+    return RunSpec(name=family, family=family, groups=(plan.config.forward_groups, plan.config.backward_groups),
+                   plan_path=path, recomputed=recomputed,
+                   predicted_peak_bytes=tuple(r.peak_activation_bytes for r in plan.result.ranks),
+                   predicted_iteration_s=plan.result.iteration_s, predicted_fits=plan.fits)
 
 
 def fits(peaks: Optional[Sequence[Optional[float]]], budget: Optional[float]) -> bool:

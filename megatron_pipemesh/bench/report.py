@@ -108,7 +108,7 @@ def _row(spec: RunSpec, shaped: Optional[dict], unshaped: Optional[dict], budget
         predicted = [spec.predicted_peak_bytes[pipeline_rank(r, config)] for r in range(config.world)]
     row = {"name": spec.name, "schedule": spec.name, "family": spec.family, "stock": spec.stock,
            "group_size": spec.group_size, "recompute": spec.recompute, "stock_flags": list(spec.stock_flags),
-           "setting": spec.setting(), "plan_file": spec.plan_path,
+           "setting": spec.describe(), "predicted_fits": spec.predicted_fits, "plan_file": spec.plan_path,
            "fits": fits(peaks, budget), "peak_activation_bytes": peaks,
            "predicted_peak_activation_bytes": predicted,
            "predicted_iteration_ms": spec.predicted_iteration_s * 1e3 if spec.predicted_iteration_s else None,
@@ -146,7 +146,7 @@ def pipeline_rank(rank: int, config: ParallelConfig) -> int:
 def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: Sequence[RunSpec]) -> Optional[float]:
     """Per-transfer overhead (s) fitted on the unshaped run of one stock row without recomputation
     (depth-first preferred, then 1F1B, then any other group size)."""
-    order = sorted((i for i, spec in enumerate(specs) if spec.stock and spec.recompute == "none"),
+    order = sorted((i for i, spec in enumerate(specs) if spec.stock and spec.setting.recompute.granularity == "none"),
                    key=lambda i: (specs[i].group_size != config.pp, specs[i].family != "1f1b"))
     for i in order:
         u = entry["schedules"][i].get("unshaped")

@@ -123,12 +123,15 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
         "--eval-interval", "100000", "--seed", "1234", "--num-workers", "0",
         "--timing-log-level", "2", "--timing-log-option", "all",
+        # No dropout: CPU dropout keeps fp32 masks where CUDA keeps bytes; without it both keep the same tensors
+        # and the activation model predicts the meter exactly.
+        "--hidden-dropout", "0", "--attention-dropout", "0",
     ]
     if config.dp > 1:
         args += ["--overlap-grad-reduce"]
-    if spec.family != "1f1b":
+    if spec.family in ("pipemesh", "pipemesh-auto"):
         args += ["--num-layers-per-virtual-pipeline-stage", str(model.layers_per_chunk)]
-    args += list(spec.stock_flags)
+    args += list(spec.stock_flags)  # stock: V (--num-virtual-stages-per-pipeline-rank), g, recomputation
     if spec.family in ("pipemesh", "pipemesh-auto"):
         if not spec.plan_path:
             raise ValueError(f"row {spec.name} needs a plan file")
