@@ -21,8 +21,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
 
-QUICK = dict(configs=["pp2"], repeats=1, warmup=1, iters=4, rate="200mbit")
-"""``--quick``: one pipeline-only configuration, one repeat, 1 warm-up + 4 measured iterations."""
+QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="400mbit", link_share=0.5,
+             activation_budget_mb="auto:0.2", pin_cores=True, no_limit=True,
+             hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, microbatches=4, vpp=4,
+             layers_per_chunk=1)
+"""``--quick``: PP=2 x DP=2 (gradient reduction over the shaped network), V = 4, m = 4, 400 Mbit/s shared by
+the two data-parallel rings (link share 0.5), an activation budget 20% of the way from the depth-first to the
+breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured iterations, no
+unshaped runs. Every value can be overridden by its flag."""
+MODEL_DEFAULTS = dict(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=2, microbatches=8, vpp=2,
+                      layers_per_chunk=1, link_share=1.0)
 DEFAULT_RATE = "200mbit"
 
 
@@ -82,13 +90,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--unshaped", action="store_true",
                      help="no namespace and no shaping (no root needed): only the plain-loopback runs")
     model = p.add_argument_group("model and batch")
-    model.add_argument("--hidden-size", type=int, default=256)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--seq-length", type=int, default=128)
-    model.add_argument("--micro-batch-size", type=int, default=2)
-    model.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per iteration per replica")
-    model.add_argument("--vpp", type=int, default=2, help="virtual chunks per rank (interleaved, PipeMesh)")
-    model.add_argument("--layers-per-chunk", type=int, default=1)
+    model.add_argument("--hidden-size", type=int, default=None, help="default 256 (--quick: 384)")
+    model.add_argument("--num-attention-heads", type=int, default=None, help="default 4 (--quick: 8)")
+    model.add_argument("--seq-length", type=int, default=None, help="default 128 (--quick: 64)")
+    model.add_argument("--micro-batch-size", type=int, default=None, help="default 2 (--quick: 1)")
+    model.add_argument("--microbatches", "-m", type=int, default=None,
+                       help="micro-batches per iteration per replica (default 8; --quick: 4)")
+    model.add_argument("--vpp", type=int, default=None,
+                       help="virtual chunks per rank of PipeMesh (default 2; --quick: 4); stock gets every V")
+    model.add_argument("--layers-per-chunk", type=int, default=None, help="default 1")
     pm = p.add_argument_group("PipeMesh")
     pm.add_argument("--forward-groups", type=int, nargs="+", default=None, metavar="G",
                     help="groups of the 'pipemesh' run (default: m-p then p, e.g. 6 2 for p=2, m=8)")
@@ -97,8 +107,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     pm.add_argument("--device-tflops", type=float, default=0.05,
                     help="planner and predictions: peak TFLOP/s of one rank (default 0.05: a CPU core)")
     pm.add_argument("--mfu", type=float, default=0.45, help="planner and predictions: fraction of peak (default 0.45)")
-    pm.add_argument("--link-share", type=float, default=1.0,
-                    help="calibration: fraction of the shaped rate one pipeline link gets (default 1)")
+    pm.add_argument("--link-share", type=float, default=None,
+                    help="fraction of the shaped rate one link gets (all ranks share one token bucket), for the "
+                         "predictions, the plans and the calibration (default 1; --quick: 0.5)")
     out = p.add_argument_group("output")
     out.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                      help="write the results as JSON to FILE (and print the table), or without FILE print JSON "
@@ -115,8 +126,43 @@ def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
         raise _usage(f"{name} {value} is invalid: it must be {rule}. Example: {name} {example}")
 
 
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Flags the user left out take their --quick value (with --quick) or their default."""
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else value)
+    if args.quick:
+        if args.activation_budget_mb is None:
+            args.activation_budget_mb = QUICK["activation_budget_mb"]
+        args.pin_cores = args.pin_cores or QUICK["pin_cores"]
+        args.no_limit = args.no_limit or QUICK["no_limit"]
+
+
+def parse_budget(text: Optional[str]):
+    """``--activation-budget-mb``: None, a number of MiB, or ('auto', fraction) for 'auto' / 'auto:F'."""
+    if text is None:
+        return None
+    if text == "auto" or text.startswith("auto:"):
+        fraction = 0.5 if text == "auto" else _number(text[5:])
+        if not (fraction is not None and 0.0 <= fraction <= 1.0):
+            raise _usage(f"--activation-budget-mb {text} is invalid: auto:F needs a fraction F in [0, 1] of the way "
+                         "from the depth-first to the breadth-first peak. Example: --activation-budget-mb auto:0.2")
+        return ("auto", fraction)
+    value = _number(text)
+    _positive("--activation-budget-mb", value, "64 (or auto)")
+    return value
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def resolve(args: argparse.Namespace) -> dict:
     """Validate the flags (UsageError on bad input) and fill in the --quick / default values."""
+    _fill_defaults(args)
     quick = args.quick
     configs_text = args.configs or (QUICK["configs"] if quick else ["pp2", "pp4", "pp2xdp2"])
     try:
@@ -170,13 +216,7 @@ def resolve(args: argparse.Namespace) -> dict:
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                        args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
-    budget_mb = None
-    if args.activation_budget_mb is not None and args.activation_budget_mb != "auto":
-        try:
-            budget_mb = float(args.activation_budget_mb)
-        except ValueError:
-            budget_mb = float("nan")
-        _positive("--activation-budget-mb", budget_mb, "64 (or auto)")
+    budget_mb = parse_budget(args.activation_budget_mb)
     families = [f for f in SCHEDULES if f in args.schedules]
     group_sizes = list(args.group_sizes) if args.group_sizes else None
     aliases = [a for a in SCHEDULE_ALIASES if a in args.schedules]
@@ -217,17 +257,26 @@ def resolve(args: argparse.Namespace) -> dict:
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
             "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu), "families": families,
-            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": "auto" if args.activation_budget_mb == "auto" else budget_mb}
+            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
+            "link_share": args.link_share}
 
 
-def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str):
-    """(activation budget in bytes or None, the rows of one configuration)."""
+def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str, cores: int):
+    """(activation budget in bytes or None, the rows of one configuration). Predictions see each link at
+    ``gbps`` x the link share and each rank at ``--device-tflops`` x cores / ranks when the ranks
+    outnumber the cores."""
+    from dataclasses import replace
+
     from .memory_fair import MB, auto_budget_bytes, pipemesh_spec, stock_specs
 
-    model, auto, families = setup["model"], setup["auto"], setup["families"]
+    model, families = setup["model"], setup["families"]
+    auto = replace(setup["auto"], device_tflops=setup["auto"].device_tflops * min(1.0, cores / config.world))
+    gbps = gbps * setup["link_share"]
     budget_mb = setup["budget_mb"]
-    budget = (auto_budget_bytes(model, config, auto, gbps) if budget_mb == "auto"
-              else (budget_mb * MB if budget_mb is not None else None))
+    if isinstance(budget_mb, tuple):
+        budget = auto_budget_bytes(model, config, auto, gbps, budget_mb[1])
+    else:
+        budget = budget_mb * MB if budget_mb is not None else None
     specs = stock_specs(model, config, budget, auto, gbps, families, setup["group_sizes"].get(config.name),
                         setup["stock_vpps"])
     for family in ("pipemesh", "pipemesh-auto"):
@@ -275,7 +324,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bandwidth_gbps = shaping.rate_mbit / 1e3 if shaping else 25.0
     specs, budgets = {}, {}
     for config in configs:
-        budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"))
+        budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"),
+                                                               machine["cores"])
         budget = budgets[config.name]
         log(f"{config.name}: activation budget per rank "
             + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none") + "; rows: "

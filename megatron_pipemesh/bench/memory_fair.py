@@ -5,9 +5,9 @@ Rows (one training run per row and repeat):
 * stock: every (schedule, V, g) of :func:`megatron_pipemesh.planning.stock.schedule_options` (1F1B
   ``1f1b``; interleaved ``interleaved-V<v>-g<g>`` for every V dividing the layers per rank and every
   group size g Megatron accepts), each with its fastest stock recomputation predicted to fit the budget
-  (:func:`~megatron_pipemesh.planning.stock.best_per_schedule`: none, selective with each
-  ``--recompute-modules`` set, full uniform/block with each k); where nothing is predicted to fit, the
-  setting with the smallest predicted peak (measured, and then marked as not fitting);
+  (:func:`choose_stock`: none, selective with each ``--recompute-modules`` set that runs on this CPU
+  stack, full uniform/block with each k); where nothing is predicted to fit, the setting with the
+  smallest predicted peak (measured, and then marked as not fitting);
 * ``pipemesh``: the given groups with the planner's pipeline-aware recomputation for the budget;
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
-from ..planning.stock import (StockSetting, best_per_schedule, evaluate, order_peaks,
-                              recompute_options, schedule_options)
+from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
+                              schedule_options)
 from ..schedule.config import ScheduleConfig
 from .calibrate import model_spec as _model_spec
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
@@ -108,47 +108,65 @@ def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleC
     return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
 
-def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> float:
-    """``--activation-budget-mb auto``: halfway between the depth-first and the breadth-first peak
-    (largest rank, no recomputation) of stock interleaved at the bench's V."""
+def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
+                      fraction: float = 0.5) -> float:
+    """``--activation-budget-mb auto[:F]``: ``fraction`` of the way from the depth-first to the breadth-first
+    peak (largest rank, no recomputation) of stock interleaved at the bench's V (auto: halfway)."""
     pp, vpp, m = config.pp, model.vpp, model.microbatches
     spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
     peaks = [max(evaluate(StockSetting(pp, vpp, m, g), spec, cluster).peak_activation_bytes) for g in (pp, m)]
-    return (peaks[0] + peaks[1]) / 2
+    return peaks[0] + fraction * (peaks[1] - peaks[0])
 
 
 def _row_name(setting: StockSetting) -> str:
     return "1f1b" if setting.vpp == 1 else f"interleaved-V{setting.vpp}-g{setting.effective_group_size}"
 
 
-def _least_memory(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int]) -> StockSetting:
-    """The stock setting of one schedule with the smallest predicted peak (largest rank)."""
-    options = recompute_options(spec.num_layers // (pp * vpp), spec.layer_spec)
+CPU_BROKEN_MODULES = frozenset({"layernorm", "mlp"})
+"""``--recompute-modules`` values that do not run on this CPU stack (megatron-core 0.19.2 without Transformer
+Engine): ``layernorm`` fails (``CheckpointWithoutOutput`` needs Transformer Engine's FP8GlobalStateManager),
+``mlp`` never finishes its first training step (nested reentrant checkpoint backwards). Stock rows leave them
+out here; PipeMesh's runtime has no module sets either (none / selective core_attn / full)."""
+
+
+def runnable_options(layers_per_chunk: int, layer_spec: str = "local",
+                     broken: frozenset = CPU_BROKEN_MODULES) -> List[StockRecompute]:
+    """Stock recomputation settings that run here: every option of :func:`recompute_options` whose
+    ``--recompute-modules`` avoid ``broken``."""
+    return [o for o in recompute_options(layers_per_chunk, layer_spec) if not (set(o.modules) & broken)]
+
+
+def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
+                 budget: Optional[float]) -> Tuple[StockResult, bool]:
+    """(simulated setting, predicted to fit) of one stock schedule: the fitting runnable recomputation with the
+    least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
+    none fits, the one with the smallest peak (largest rank)."""
+    options = runnable_options(spec.num_layers // (pp * vpp), spec.layer_spec)
     probe = StockSetting(pp, vpp, m, g)
     costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
     peaks = order_peaks(probe.config(), costs, [o.level for o in options])
-    best = min(options, key=lambda o: (max(peaks[o.level]), costs.recompute_s[o.level]))
-    return replace(probe, recompute=best)
+    fitting = [o for o in options if budget is None or max(peaks[o.level]) <= budget]
+    if fitting:
+        choice = min(fitting, key=lambda o: costs.recompute_s[o.level])
+    else:
+        choice = min(options, key=lambda o: (max(peaks[o.level]), costs.recompute_s[o.level]))
+    return evaluate(replace(probe, recompute=choice), spec, cluster), bool(fitting)
 
 
 def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[float], auto: AutoPlanSettings,
                 gbps: float, families: Sequence[str] = STOCK_FAMILIES, group_sizes: Optional[Sequence[int]] = None,
                 vpps: Optional[Sequence[int]] = None) -> List[RunSpec]:
     """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
-    fastest setting predicted to fit ``budget`` (no recomputation without a budget)."""
+    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget)."""
     spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
     pp, m = config.pp, model.microbatches
-    chosen = best_per_schedule(spec, cluster, pp, m, budget if budget is not None else float("inf"))
     rows = []
     for vpp, g in schedule_options(pp, spec.num_layers, m):
         family = "1f1b" if vpp == 1 else "interleaved"
         if family not in families or (vpp > 1 and ((group_sizes and g not in group_sizes)
                                                    or (vpps and vpp not in vpps))):
             continue
-        result = chosen.get((family, vpp, g if vpp > 1 else None))
-        fits_predicted = result is not None
-        if result is None:
-            result = evaluate(_least_memory(spec, cluster, pp, vpp, m, g), spec, cluster)
+        result, fits_predicted = choose_stock(spec, cluster, pp, vpp, m, g, budget)
         rows.append(RunSpec(name=_row_name(result.setting), family=family, setting=result.setting,
                             predicted_peak_bytes=tuple(result.peak_activation_bytes),
                             predicted_iteration_s=result.iteration_s, predicted_fits=fits_predicted))

@@ -53,12 +53,28 @@ def test_main_prints_one_paragraph_and_exits_2(capsys):
 
 
 def test_quick_defaults():
-    setup = bench_cli.resolve(_args("--quick"))
-    assert [c.name for c in setup["configs"]] == ["pp2"]
-    assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 4
-    assert setup["shaping"].rate_mbit == 200 and setup["shaping"].burst_bytes >= 4 * 65536
-    assert setup["groups"][("pp2", "pipemesh")] == ((6, 2), (4, 4))
+    """--quick: PP=2 x DP=2 with V=4, m=4, 400 Mbit/s shared by two rings, budget auto:0.2, pinned, no unshaped runs;
+    a flag the user gives wins over the --quick value."""
+    args = _args("--quick")
+    setup = bench_cli.resolve(args)
+    assert [c.name for c in setup["configs"]] == ["pp2xdp2"]
+    assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
+    assert (setup["model"].hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
+    assert setup["shaping"].rate_mbit == 400 and setup["shaping"].burst_bytes >= 4 * 65536
+    assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 0.5 and args.pin_cores and args.no_limit
+    assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
+    assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].hidden_size == 128
+    plain = bench_cli.resolve(_args())
+    assert plain["model"].hidden_size == 256 and plain["budget_mb"] is None and plain["link_share"] == 1.0
     assert bench_cli.resolve(_args("--unshaped"))["shaping"] is None
+    assert bench_cli.resolve(_args("--activation-budget-mb", "12.5"))["budget_mb"] == 12.5
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "lots", "auto:2", "auto:x"])
+def test_bad_budget_is_a_usage_error(text):
+    """A budget that is not a positive number, auto or auto:F with F in [0, 1] is rejected with an example."""
+    with pytest.raises(UsageError, match="--activation-budget-mb"):
+        bench_cli.resolve(_args("--activation-budget-mb", text))
 
 
 def test_add_bench_parser_hook():
