@@ -49,12 +49,12 @@ def test_stage_cores_and_pinning():
 
 
 def test_real_stock_run_reports_the_predicted_peak_per_rank(tmp_path):
-    """A real 2-rank stock interleaved run with selective recomputation: every rank reports its peak each
+    """A real 2-rank stock interleaved run (breadth-first, no recomputation): every rank reports its peak each
     iteration, equal to the activation model's prediction within 64 bytes."""
     model = ModelSetup(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1, microbatches=4,
                        vpp=2, warmup_iters=0, measured_iters=2)
     config = ParallelConfig(2)
-    setting = StockSetting(2, 2, 4, 4, StockRecompute("selective"))
+    setting = StockSetting(2, 2, 4, 4, StockRecompute())
     from megatron_pipemesh.bench.calibrate import model_spec
     from megatron_pipemesh.bench.memory_fair import cluster_spec
 
