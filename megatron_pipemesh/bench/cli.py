@@ -346,6 +346,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results: List[RunResult] = []
     started = time.monotonic()
     namespace = ShapedNamespace(shaping) if shaping else None
+    _terminate_as_interrupt()
     try:
         if namespace:
             try:
@@ -431,6 +432,19 @@ def compact_row(entry: dict, row: dict) -> dict:
         out["ratio_to_best_stock"] = row.get("ratio_to_best_stock")
         out["best_stock"] = entry.get("best_stock")
     return out
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM stops the bench like Ctrl-C (the running job's process group is killed and the namespace removed);
+    a job started in the background has SIGINT ignored, so SIGTERM is how it is stopped."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _run_one(cmd, env, log_path, timeout):

@@ -233,3 +233,17 @@ def test_calibration_costs_and_fit():
     from megatron_pipemesh.planning.simulator import simulate
     assert simulate(sched, check).iteration_s * 1e3 == pytest.approx(target, rel=1e-3)
     assert fit_transfer_overhead(model, config, sched, compute, 1.0) == 0.0
+
+
+def test_sigterm_stops_the_bench_like_ctrl_c():
+    """SIGTERM raises KeyboardInterrupt in the bench, so the run's process group and namespace are cleaned up."""
+    import os
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        bench_cli._terminate_as_interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
