@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from .planning.study import add_study_parser
+    add_study_parser(sub)
     return parser
 
 

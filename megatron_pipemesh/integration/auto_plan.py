@@ -48,13 +48,29 @@ def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
     return tflops, free / GB * (1 - DEFAULT_MARGIN)
 
 
+def layer_spec_fields(args) -> dict:
+    """ModelSpec's layer-spec fields from Megatron's args (issue 12 point 5): Transformer Engine
+    (flash attention), GQA, SwiGLU, RoPE, bf16 gradient reduction, dropout."""
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    return {"layer_spec": "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local",
+            "num_query_groups": groups, "swiglu": bool(getattr(args, "swiglu", False)),
+            "bias_activation_fusion": bool(getattr(args, "bias_swiglu_fusion", False) if getattr(args, "swiglu", False)
+                                           else getattr(args, "bias_gelu_fusion", False)),
+            "position_embedding": "rope" if getattr(args, "position_embedding_type", "learned_absolute") == "rope"
+            else "learned_absolute",
+            "grad_bytes": 2 if getattr(args, "grad_reduce_in_bf16", False) else 4,
+            "hidden_dropout": float(getattr(args, "hidden_dropout", 0.1)),
+            "attention_dropout": float(getattr(args, "attention_dropout", 0.1))}
+
+
 def model_and_cluster(args, tflops: float) -> Tuple[ModelSpec, ClusterSpec]:
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 50304
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, vocab_size=vocab,
-                      ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes)
+                      ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
+                      **layer_spec_fields(args))
     cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=tflops,
                           mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),

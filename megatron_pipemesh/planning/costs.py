@@ -2,8 +2,8 @@
 
 Analytic formulas (all per chunk-micro-batch unless said otherwise):
 
-* compute: forward FLOPs of a transformer layer 8*b*s*h^2 + 4*b*s*h*ffn + 4*b*s^2*h (= 24bsh^2 + 4bs^2h
-  for ffn = 4h, Narayanan et al., SC21),
+* compute: forward FLOPs of a transformer layer 2bsh(h + 2kv) + 2bsh^2 + 4bs^2h + 2bsh(fc1 + f)
+  (= 24bsh^2 + 4bs^2h for MHA and ffn = 4h, Narayanan et al., SC21; kv = h*g/a, fc1 = 2f with SwiGLU),
   plus 2*b*s*h*vocab for the output layer on the last stage; backward = 2x forward; divided by
   TP and by the achieved FLOP/s (device peak x ``mfu``);
 * pipeline transfer: s*b*h activation elements (divided by TP under sequence parallelism) over the
@@ -15,7 +15,13 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
   from :mod:`.memory` (Korthikanti et al., arXiv 2205.05198, term by term: s*b*h*(34 + 5*a*s/h)
   bytes per layer in 16-bit without recompute, 34*s*b*h with selective recompute, the layer input
   with full recompute, plus the embedding inputs on the first stage and the output layer and
-  fp32 cross-entropy on the last), with CUDA's 1-byte dropout masks and fp32 norm statistics.
+  fp32 cross-entropy on the last), with CUDA's 1-byte dropout masks and fp32 norm statistics;
+  per layer spec (local / Transformer Engine flash attention, GQA, SwiGLU, RoPE) and recompute level;
+* the embedding (stage 0) and output layer (last stage) join their chunk's data-parallel volume;
+* a node's NIC (``ClusterSpec.nic_gbps``, ``devices_per_node``) is shared fairly by the data-parallel
+  rings and pipeline links that leave the node (:func:`link_gbps`);
+* the optimizer step (Adam, memory-bound, ~36 bytes per local parameter) follows each rank's last
+  reduction; the iteration ends with the slowest rank.
 """
 from __future__ import annotations
 

@@ -50,6 +50,20 @@ upcasts the logits) and its target mask (sb bytes, bool) and masked targets (sb 
 fp32 loss mask (sb) that ``loss_func``'s masked sum saves (pipeline runs; the single-chunk check
 calls the model directly and sums with the mask itself, which saves the same sb fp32 values).
 
+Recomputation options (Megatron's, checked against its real switches in
+``tests/planning/test_stock_memory.py`` within 0.1%): ``--recompute-modules`` ``core_attn`` frees the
+score terms (and, with GQA on the local spec, the repeated k/v), ``mlp`` frees the fc1 and activation
+outputs, ``layernorm`` the two norm outputs and their statistics (output-discarding checkpoints; not
+measurable on CPU: megatron-core 0.19.2 needs Transformer Engine for them); ``--recompute-method
+uniform --recompute-num-layers k`` keeps ceil(L/k) layer inputs per chunk, ``block`` k keeps min(k, L)
+inputs and the other layers whole. :func:`transient_bytes` is what the recomputation re-creates inside
+the backward (k layers for uniform, one for block/full, the modules of one layer for selective).
+
+Layer specs: ``te`` (Transformer Engine: flash/fused attention keeps q, k, v, its output and an fp32
+log-sum-exp a*s*b/t, no s*s terms, no mask), GQA (k and v of width h*g/a; the local spec copies q
+and repeats k, v to a heads, measured), SwiGLU (fc1 output 2f + activation output f; 2f more unfused
+on the local spec, measured), RoPE (the rotated q and k and the cos/sin tables, measured).
+
 ``output_bytes`` is the chunk output s*b*h*d (/t under SP) that the pipeline keeps after the forward
 (not on the last stage); Megatron frees it after the send with ``--deallocate-pipeline-outputs``.
 """
@@ -142,7 +156,8 @@ class ActivationShape:
     """Gated SwiGLU MLP [--swiglu]: linear_fc1 outputs 2f (gate and up) and the activation f."""
     bias_activation_fusion: bool = False
     """[--bias-swiglu-fusion / --bias-gelu-fusion] With SwiGLU on the local spec, the fused kernel saves
-    only its input; unfused, ``silu(gate)`` is saved as well (f more per layer). TE always fuses."""
+    only its input (2f) and the product (f, the fc2 input); unfused, the chunk/silu/product chain saves
+    2f more per layer (measured with megatron-core 0.19.2 on CPU). TE always fuses."""
 
     def __post_init__(self) -> None:
         if self.layer_spec not in ("local", "te"):
@@ -174,7 +189,14 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
     mask = shape.dropout_mask_bytes or d
     # The layer input and the attention-block output (norm inputs, checkpoint inputs of 'layernorm').
     kept = 2 * sbh / sp * d
-    kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
+    if local and kv < sbh:
+        # Local spec, GQA: a reshape copies q, k and v are repeated to a heads (all saved); recomputing
+        # core_attn keeps the q copy and the q/k/v storage (h + 2kv) instead of the 3h it saved.
+        kept += (2 * sbh + 2 * kv) / t * d + sbh / t * d
+        gqa_repeat = (sbh - 2 * kv) / t * d
+    else:
+        kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
+        gqa_repeat = 0.0
     if shape.hidden_dropout > 0:
         kept += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
     if shape.position_embedding == "rope":
@@ -184,7 +206,8 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
         kept, norm = kept + norm, 0.0  # TE fuses the norms into LayerNormLinear: nothing to recompute
     mlp = ((2 if shape.swiglu else 1) * f + f) * s * b / t * d  # fc1 output, activation output
     if shape.swiglu and local and not shape.bias_activation_fusion:
-        mlp += f * s * b / t * d  # silu(gate), saved by the unfused product
+        # The unfused glu (chunk, silu, product) saves 2f more than the fused kernel (measured: 5f in all).
+        mlp += 2 * f * s * b / t * d
     if local:
         scores = a * s * s * b / t
         softmax = 4 if (shape.attention_softmax_in_fp32 or d == 4) else d
@@ -192,8 +215,7 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
             attn = scores * (softmax + mask + d)
         else:
             attn = scores * (softmax + (d if softmax != d else 0))
-        if shape.kv_width < h:
-            attn += 2 * sbh / t * d  # the local spec repeats k and v to a heads (repeat_interleave)
+        attn += gqa_repeat
     else:
         attn = a * s * b / t * 4  # flash attention's fp32 log-sum-exp
     return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn}

@@ -7,10 +7,11 @@ Search (each candidate is simulated with the same engine the runtime's plan is c
   (the middle groups only need to be bubble-free, so p is the cheapest size: paper-notes §6);
   f_1 and b_last range over the multiples of p up to m (and m itself);
 * for a candidate whose peak memory exceeds the budget on some rank, pipeline-aware
-  recomputation is added greedily: on each rank over budget, the chunk-micro-batches alive at
-  that rank's peak are upgraded, those that wait longest between their forward and backward first
-  (early micro-batches on early ranks), until the rank fits: first to selective (attention core)
-  wherever that helps, only then to full; the extra backward time is part of the simulated time;
+  recomputation is added as a knapsack (:func:`fit_with_recompute`): on each rank over budget,
+  the chunk-micro-batches alive at that rank's peak are upgraded by bytes freed per second of
+  recomputation (per chunk-micro-batch and level: selective module sets, full), those that wait
+  longest between their forward and backward first among equals (early micro-batches on early
+  ranks), until the rank fits; the extra backward time is part of the simulated time;
 * the fastest candidate that fits on every rank wins (ties: less memory, less recompute).
 
 Pure: no torch, no processes.
@@ -18,14 +19,13 @@ Pure: no torch, no processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
 from .costs import GB, RECOMPUTE_LEVELS, OpCosts
-from .simulator import RecomputePlan, SimulationResult, simulate
-
-NEXT_LEVEL = {"none": "selective", "selective": "full"}
+from ..schedule.lower import lower
+from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
 
 
 class NoFeasiblePlan(ValueError):
@@ -61,7 +61,7 @@ class Plan:
         counts = {level: 0 for level in RECOMPUTE_LEVELS if level != "none"}
         for level in self.recompute.values():
             if level != "none":
-                counts[level] += 1
+                counts[level] = counts.get(level, 0) + 1
         return {
             "forward_groups": list(self.config.forward_groups),
             "backward_groups": list(self.config.backward_groups),
@@ -87,7 +87,8 @@ class PlannerOptions:
     last_backward_candidates: Optional[Tuple[int, ...]] = None
     """b_last values to try; default: multiples of p up to m, and m."""
     allow_recompute: Tuple[str, ...] = ("selective", "full")
-    """Recompute levels the planner may use."""
+    """Recompute levels the planner may use (:func:`.memory.parse_level` names; PipeMesh's runtime
+    applies 'selective' (core_attn) and 'full' per chunk-micro-batch)."""
     max_recompute_rounds: int = 64
     """Re-simulations per candidate while adding recomputation."""
     exhaustive_limit: int = 400
@@ -151,7 +152,11 @@ def candidate_configs(pp: int, vpp: int, microbatches: int, options: PlannerOpti
             if (forward, backward) not in seen:
                 seen.add((forward, backward))
                 configs.append(config)
-    for preset in (ScheduleConfig.depth_first(pp, vpp, microbatches), ScheduleConfig.breadth_first(pp, vpp, microbatches)):
+    # Every stock group size too (Megatron's --microbatch-group-size-per-virtual-pipeline-stage g), so
+    # that PipeMesh's search contains every stock interleaved schedule of this V.
+    uniform = [ScheduleConfig.uniform(pp, vpp, microbatches, g) for g in range(pp, microbatches + 1)
+               if microbatches % g == 0 or microbatches % g >= pp]
+    for preset in [ScheduleConfig.depth_first(pp, vpp, microbatches), ScheduleConfig.breadth_first(pp, vpp, microbatches)] + uniform:
         if (preset.forward_groups, preset.backward_groups) not in seen:
             seen.add((preset.forward_groups, preset.backward_groups))
             configs.append(preset)
@@ -175,53 +180,94 @@ def _live_at_peak(result: SimulationResult, rank: int) -> List[Tuple[float, int,
     return sorted(alive, reverse=True)
 
 
+def _moves(costs: OpCosts, level: str, allowed: Sequence[str]) -> List[Tuple[float, float, str]]:
+    """(bytes freed per second of recomputation, bytes freed, new level) of every upgrade from
+    ``level`` that frees memory, best ratio first. (A backward's transient recomputation bytes are
+    held once per rank, by the one backward running, not per chunk-micro-batch: the simulation
+    that follows each round accounts for them.)"""
+    have, spent = costs.activation_bytes[level], costs.recompute_s.get(level, 0.0)
+    out = []
+    for new in allowed:
+        freed = have - costs.activation_bytes[new]
+        extra = costs.recompute_s[new] - spent
+        if freed > 0:
+            out.append((freed / extra if extra > 0 else float("inf"), freed, new))
+    return sorted(out, reverse=True)
+
+
 def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
                        options: PlannerOptions = PlannerOptions()) -> Plan:
     """Add pipeline-aware recomputation to ``config`` until every rank fits ``budget_bytes``
-    (or nothing is left to recompute; the returned plan then has ``fits == False``)."""
+    (or nothing is left to recompute; the returned plan then has ``fits == False``).
+
+    A knapsack by bytes freed per second of recomputation: on each rank over budget, among the
+    chunk-micro-batches alive at its peak, take the upgrades (to any allowed level: selective
+    module sets, full) with the most bytes freed per second of extra backward time first, the
+    longest-waiting chunk-micro-batch first among equals, one upgrade per chunk-micro-batch per
+    round, until the excess is covered; then re-simulate (the peak may move) and repeat.
+    """
     plan: RecomputePlan = {}
-    allowed = [level for level in ("selective", "full") if level in options.allow_recompute]
-    result = simulate(config, costs, plan)
-    # Selective recompute is far cheaper per byte than full, so exhaust it everywhere it helps
-    # before recomputing any chunk fully.
-    for ceiling in range(1, len(allowed) + 1):
-        levels = ("none",) + tuple(allowed[:ceiling])
-        for _ in range(options.max_recompute_rounds):
-            over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
-            if not over:
-                return Plan(config, plan, result, budget_bytes)
-            changed = False
-            for rank_result in over:
-                rank = rank_result.rank
-                excess = rank_result.peak_memory_bytes - budget_bytes
-                for _, chunk, microbatch in _live_at_peak(result, rank):
-                    if excess <= 0:
-                        break
-                    key = (rank, chunk, microbatch)
-                    level = plan.get(key, "none")
-                    index = levels.index(level) if level in levels else len(levels) - 1
-                    if index + 1 >= len(levels):
-                        continue
-                    new = levels[index + 1]
-                    excess -= costs.activation_bytes[level] - costs.activation_bytes[new]
-                    plan[key] = new
-                    changed = True
-            if not changed:
-                break
-            result = simulate(config, costs, plan)
+    allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
+    schedule = lower(config, lowering_for(costs))
+    result = simulate(config, costs, plan, schedule)
+    for _ in range(options.max_recompute_rounds):
+        over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
+        if not over:
+            break
+        changed = False
+        for rank_result in over:
+            rank = rank_result.rank
+            excess = rank_result.peak_memory_bytes - budget_bytes
+            candidates = []
+            for wait, chunk, microbatch in _live_at_peak(result, rank):
+                key = (rank, chunk, microbatch)
+                moves = _moves(costs, plan.get(key, "none"), allowed)
+                if moves:
+                    ratio, freed, new = moves[0]
+                    candidates.append((ratio, wait, freed, key, new))
+            for _, _, freed, key, new in sorted(candidates, reverse=True):
+                if excess <= 0:
+                    break
+                plan[key] = new
+                excess -= freed
+                changed = True
+        if not changed:
+            break
+        result = simulate(config, costs, plan, schedule)
     return Plan(config, plan, result, budget_bytes)
 
 
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
-                  options: PlannerOptions = PlannerOptions()) -> Tuple[Plan, List[Plan]]:
-    """Search the candidates; return (best fitting plan, every evaluated plan).
+                  options: PlannerOptions = PlannerOptions(),
+                  incumbent_s: float = float("inf")) -> Tuple[Plan, List[Plan]]:
+    """Search the candidates; return (best fitting plan, every plan fitted with recomputation).
+
+    Candidates whose time without recomputation already exceeds the best fitting time (or
+    ``incumbent_s``, a time known to be reachable otherwise, e.g. with another V) are skipped.
 
     ``costs_for(config) -> OpCosts`` gives the costs of a candidate (they do not depend on the
     groups for analytic costs, but measured ones may). Raises :class:`NoFeasiblePlan`.
     """
-    evaluated = [fit_with_recompute(config, costs_for(config), budget_bytes, options)
-                 for config in candidate_configs(pp, vpp, microbatches, options)]
+    # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
+    # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
+    # candidates in order of that bound and stop once the bound reaches the best fitting time.
+    bare = []
+    for config in candidate_configs(pp, vpp, microbatches, options):
+        costs = costs_for(config)
+        bare.append((simulate(config, costs).iteration_s, config, costs))
+    bare.sort(key=lambda item: item[0])
+    evaluated, best_time = [], incumbent_s
+    for bound, config, costs in bare:
+        if bound > best_time:
+            break
+        plan = fit_with_recompute(config, costs, budget_bytes, options)
+        evaluated.append(plan)
+        if plan.fits:
+            best_time = min(best_time, plan.result.iteration_s)
     feasible = [plan for plan in evaluated if plan.fits]
+    if not evaluated:
+        raise NoFeasiblePlan(f"no candidate can beat the incumbent's {incumbent_s:.6f} s (each is slower even "
+                             "without recomputation)")
     if not feasible:
         least = min(evaluated, key=lambda plan: max(r.peak_memory_bytes for r in plan.result.ranks))
         peak = max(r.peak_memory_bytes for r in least.result.ranks)

@@ -1,110 +1,263 @@
-"""Paper-scale study with the simulator: depth-first, breadth-first and PipeMesh auto for GPT
-models of about 7B, 13B and 30B on 16-64 devices over commodity Ethernet.
+"""``pipemesh study``: PipeMesh auto against stock Megatron's whole option set, with the simulator.
 
-Stock schedules get what stock Megatron offers when memory is short: no recomputation if they
-fit, else selective recomputation everywhere, else full recomputation everywhere (uniform
-policies); PipeMesh gets its planner (groups + pipeline-aware recomputation).
+Two regimes:
+
+* ``commodity``: small devices (24/32/40 GB), TP 1-2 without sequence parallelism and TP 2 with
+  it, 6.25-50 Gbit/s per device between nodes, DP 2-8, GPT 1.3B-13B, global batch 64-512: a
+  representative subset (:data:`COMMODITY`; the full cross product has thousands of rows);
+* ``datacentre``: the paper-scale rows (40/80 GB A100-class devices, TP 2-8 with sequence
+  parallelism, 25-100 Gbit/s).
+
+Per row:
+
+* ``best_stock``: the fastest stock setting that fits the device memory (:mod:`.stock`: 1F1B and
+  interleaved for every V and group size, every recomputation option Megatron offers);
+* ``pipemesh_auto``: PipeMesh's planner (groups + per chunk-micro-batch recomputation at the levels its
+  runtime applies: selective and full) for every V, the fastest fitting plan;
+* ``limit``: the communication-free limit at the same memory: depth-first (the least activation
+  memory) with free communication and the planner's recomputation, best over V;
+* ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh.
+
+Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 with
+``grad_reduce_in_bf16``), distributed optimizer, dropout 0.1, seq 2048, micro-batch 1, the local
+layer spec unless the row says 'te', 8 devices per node with a NIC of 8x the per-device rate
+(shared by the data-parallel rings and pipeline links that leave the node), 10% memory margin.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
 from .costs import GB, ClusterSpec, ModelSpec, analytic_costs
-from .planner import NoFeasiblePlan, plan_schedule
-from .simulator import SimulationResult, simulate
+from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
+from .stock import best_stock
+
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory kept free (fragmentation, communication buffers, workspace)."""
+
+GPT = {
+    "GPT-1.3B": ModelSpec(24, 2048, 16, 2048, 1),
+    "GPT-2.7B": ModelSpec(32, 2560, 32, 2048, 1),
+    "GPT-6.7B": ModelSpec(32, 4096, 32, 2048, 1),
+    "GPT-13B": ModelSpec(40, 5120, 40, 2048, 1),
+    "GPT-7B": ModelSpec(32, 4096, 32, 2048, 1),
+    "GPT-30B": ModelSpec(48, 7168, 56, 2048, 1),
+}
+"""GPT-3 family shapes (layers, hidden, heads, sequence, micro-batch)."""
+
+DEVICE_TFLOPS = {24: 125.0, 32: 125.0, 40: 312.0, 80: 312.0}
+"""Dense bf16 TFLOP/s by device memory: 24 GB A10G/L4-class, 32 GB V100-class, 40/80 GB A100."""
 
 
 @dataclass(frozen=True)
-class StudyCase:
-    name: str
-    model: ModelSpec
+class StudyRow:
+    """One setting of the study."""
+
+    regime: str
+    """'commodity' or 'datacentre'."""
+    model: str
+    """Key of :data:`GPT`."""
     tp: int
     pp: int
-    vpp: int
     dp: int
-    microbatches: int
+    global_batch: int
+    """Sequences per iteration (m = global_batch / dp at micro-batch 1)."""
+    memory_gb: float
+    """Device memory (GiB)."""
+    gbps: float
+    """Per-device bandwidth between nodes (data parallel and pipeline), Gbit/s."""
+    sequence_parallel: bool = False
+    grad_reduce_in_bf16: bool = False
+    """--grad-reduce-in-bf16 on both sides."""
+    layer_spec: str = "local"
 
     @property
-    def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+    def microbatches(self) -> int:
+        return self.global_batch // self.dp
+
+    def describe(self) -> str:
+        sp = "+SP" if self.sequence_parallel else ""
+        return (f"{self.model} TP{self.tp}{sp} PP{self.pp} DP{self.dp} GB{self.global_batch} "
+                f"{self.memory_gb:g}GB {self.gbps:g}Gb/s{' bf16-grad' if self.grad_reduce_in_bf16 else ''}"
+                f"{' te' if self.layer_spec == 'te' else ''}")
 
 
-CASES: Tuple[StudyCase, ...] = (
-    StudyCase("GPT-7B", ModelSpec(32, 4096, 32, 2048, 1), tp=2, pp=4, vpp=2, dp=2, microbatches=32),
-    StudyCase("GPT-13B", ModelSpec(40, 5120, 40, 2048, 1), tp=4, pp=4, vpp=2, dp=2, microbatches=32),
-    StudyCase("GPT-30B", ModelSpec(48, 7168, 56, 2048, 1), tp=8, pp=4, vpp=3, dp=2, microbatches=32),
+def _commodity() -> Tuple[StudyRow, ...]:
+    rows = []
+    # (model, TP, SP, PP, DP, global batch, memory): PP is the smallest that leaves room for activations.
+    layouts = [("GPT-1.3B", 1, False, 4, 4, 64, 24), ("GPT-1.3B", 1, False, 4, 8, 256, 24),
+               ("GPT-2.7B", 1, False, 4, 4, 64, 24), ("GPT-2.7B", 2, False, 4, 2, 64, 24),
+               ("GPT-6.7B", 1, False, 4, 2, 64, 40), ("GPT-6.7B", 2, True, 4, 4, 64, 24),
+               ("GPT-13B", 2, False, 4, 2, 64, 40), ("GPT-13B", 2, True, 4, 8, 128, 32)]
+    for model, tp, sp, pp, dp, batch, memory in layouts:
+        for gbps in (6.25, 25.0):
+            rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, gbps, sp))
+    # Bandwidth ladder and a bf16 gradient reduction on one layout.
+    for gbps in (10.0, 50.0):
+        rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, gbps))
+    rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, 6.25, grad_reduce_in_bf16=True))
+    return tuple(rows)
+
+
+COMMODITY: Tuple[StudyRow, ...] = _commodity()
+"""The commodity subset: 8 layouts (every model, TP 1 / 2 / 2+SP, DP 2-8, 24/32/40 GB) x 6.25 and
+25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B layout."""
+
+DATACENTRE: Tuple[StudyRow, ...] = (
+    StudyRow("datacentre", "GPT-7B", 2, 4, 2, 64, 40, 25.0, True),
+    StudyRow("datacentre", "GPT-13B", 4, 4, 2, 64, 40, 50.0, True),
+    StudyRow("datacentre", "GPT-30B", 8, 4, 2, 64, 80, 100.0, True),
 )
+"""The paper-scale rows (32 micro-batches per replica, TP + sequence parallelism)."""
 
 
-def _uniform(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
-    return {(r, c, j): level for r in range(config.pp) for c in range(config.vpp) for j in range(config.microbatches)}
+def _specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
+    model = dataclasses.replace(GPT[row.model], layer_spec=row.layer_spec,
+                                grad_bytes=2 if row.grad_reduce_in_bf16 else 4)
+    cluster = ClusterSpec(tp=row.tp, dp=row.dp, device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0),
+                          device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
+                          sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
+                          devices_per_node=8, nic_gbps=8 * row.gbps)
+    return model, cluster
 
 
-def stock(config: ScheduleConfig, costs, budget: float) -> Tuple[Optional[SimulationResult], str]:
-    """Best uniform recompute policy that fits (what stock Megatron offers), or (None, 'OOM')."""
-    for level in ("none", "selective", "full"):
-        result = simulate(config, costs, _uniform(config, level) if level != "none" else None)
-        if max(r.peak_memory_bytes for r in result.ranks) <= budget:
-            return result, level
-    return None, "OOM"
+def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
+    """V values PipeMesh tries: every divisor of the layers per rank (1 = no interleaving), as stock."""
+    per_rank = model.num_layers // pp
+    return [v for v in range(1, per_rank + 1) if per_rank % v == 0]
 
 
-def run_case(case: StudyCase, gbps: float, memory_gb: float, tflops: float = 312.0, mfu: float = 0.45) -> dict:
-    cluster = ClusterSpec(tp=case.tp, dp=case.dp, device_tflops=tflops, mfu=mfu, device_memory_gb=memory_gb,
-                          dp_gbps=gbps, p2p_gbps=gbps, sequence_parallel=case.tp > 1, distributed_optimizer=True)
-    costs_for = lambda cfg: analytic_costs(case.model, cluster, cfg)  # noqa: E731
-    budget = memory_gb * GB * 0.9
-    row = {"model": case.name, "devices": case.devices, "gbps": gbps, "memory_gb": memory_gb,
-           "layout": f"TP{case.tp} PP{case.pp} V{case.vpp} DP{case.dp} m{case.microbatches}"}
-    for name, config in (("depth-first", ScheduleConfig.depth_first(case.pp, case.vpp, case.microbatches)),
-                         ("breadth-first", ScheduleConfig.breadth_first(case.pp, case.vpp, case.microbatches))):
-        result, level = stock(config, costs_for(config), budget)
-        row[name] = None if result is None else {"iteration_s": result.iteration_s, "idle": result.idle_fraction,
-                                                 "peak_gb": max(r.peak_memory_bytes for r in result.ranks) / GB,
-                                                 "recompute": level}
-    try:
-        best, _ = plan_schedule(case.pp, case.vpp, case.microbatches, costs_for, budget)
-        row["pipemesh"] = {"iteration_s": best.result.iteration_s, "idle": best.result.idle_fraction,
-                           "peak_gb": max(r.peak_memory_bytes for r in best.result.ranks) / GB,
-                           "recompute": f"{100 * best.recompute_share:.2f}% time",
-                           "groups": f"{' '.join(map(str, best.config.forward_groups))} / "
-                                     f"{' '.join(map(str, best.config.backward_groups))}"}
-    except NoFeasiblePlan:
-        row["pipemesh"] = None
-    stock_times = [row[k]["iteration_s"] for k in ("depth-first", "breadth-first") if row[k]]
-    row["speedup_vs_best_stock"] = (min(stock_times) / row["pipemesh"]["iteration_s"]
-                                    if row["pipemesh"] and stock_times else None)
-    # The limit: the best schedule with free communication (depth-first then has no exposed sync).
-    depth_first = ScheduleConfig.depth_first(case.pp, case.vpp, case.microbatches)
-    free = dataclasses.replace(costs_for(depth_first), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0, latency_s=0.0)
-    row["limit_iteration_s"] = simulate(depth_first, free).iteration_s
-    return row
+def _planner_options(pp: int, microbatches: int) -> PlannerOptions:
+    """The structured group family (first forward group and last backward group at multiples of p
+    and m, depth-first in between, plus every stock group size): the exhaustive search over all
+    group lists gains little and costs minutes per row."""
+    sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
+    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes)
+
+
+def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
+                  incumbent_s: float = float("inf")):
+    """PipeMesh's best plan over V (None if nothing fits or nothing beats ``incumbent_s``)."""
+    best = None
+    for vpp in sorted(virtual_sizes(model, pp), reverse=True):  # larger V first: usually faster, prunes more
+        bound = best.result.iteration_s if best else incumbent_s
+        try:
+            plan, _ = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget,
+                                    _planner_options(pp, microbatches), incumbent_s=bound)
+        except NoFeasiblePlan:
+            continue
+        if best is None or plan.result.iteration_s < best.result.iteration_s:
+            best = plan
+    return best
+
+
+def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
+                             budget: float) -> Optional[float]:
+    """Depth-first with free communication and the planner's recomputation, best over V."""
+    times = []
+    for vpp in virtual_sizes(model, pp):
+        config = ScheduleConfig.depth_first(pp, vpp, microbatches)
+        free = dataclasses.replace(analytic_costs(model, cluster, config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
+                                   latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0)
+        plan = fit_with_recompute(config, free, budget)
+        if plan.fits:
+            times.append(plan.result.iteration_s)
+    return min(times) if times else None
+
+
+def run_row(row: StudyRow) -> dict:
+    model, cluster = _specs(row)
+    budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
+    m = row.microbatches
+    static = analytic_costs(model, cluster, ScheduleConfig.depth_first(row.pp, 1, m)).static_bytes
+    stock = best_stock(model, cluster, row.pp, m, tuple(budget - s for s in static), row.grad_reduce_in_bf16)
+    plan = pipemesh_auto(model, cluster, row.pp, m, budget)
+    limit = communication_free_limit(model, cluster, row.pp, m, budget)
+    out = {"regime": row.regime, "setting": row.describe(), "model": row.model, "tp": row.tp,
+           "sequence_parallel": row.sequence_parallel, "pp": row.pp, "dp": row.dp, "microbatches": m,
+           "global_batch": row.global_batch, "memory_gb": row.memory_gb, "gbps": row.gbps,
+           "grad_reduce_in_bf16": row.grad_reduce_in_bf16}
+    out["best_stock"] = None if stock is None else {
+        "schedule": stock.setting.schedule, "vpp": stock.setting.vpp, "group_size": stock.setting.effective_group_size,
+        "recompute": stock.setting.recompute.describe(), "flags": stock.setting.flags(), "iteration_s": stock.iteration_s}
+    out["pipemesh_auto"] = None if plan is None else {
+        "vpp": plan.config.vpp, "forward_groups": list(plan.config.forward_groups),
+        "backward_groups": list(plan.config.backward_groups), "recompute_share": plan.recompute_share,
+        "recompute_counts": plan.to_dict()["recompute_counts"], "iteration_s": plan.result.iteration_s}
+    out["limit_iteration_s"] = limit
+    pm = plan.result.iteration_s if plan else None
+    out["ratio_to_best_stock"] = stock.iteration_s / pm if (pm and stock) else None
+    out["fraction_of_limit"] = limit / pm if (pm and limit) else None
+    return out
+
+
+def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE) -> List[dict]:
+    return [run_row(row) for row in rows]
+
+
+def summary(rows: Sequence[dict]) -> Dict[str, float]:
+    """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit."""
+    commodity = [r for r in rows if r["regime"] == "commodity" and r["ratio_to_best_stock"]]
+    ratios = sorted(r["ratio_to_best_stock"] for r in commodity)
+    fractions = sorted(r["fraction_of_limit"] for r in commodity if r["fraction_of_limit"])
+    every = [r["ratio_to_best_stock"] for r in rows if r["ratio_to_best_stock"]]
+    median = lambda xs: (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan  # noqa: E731
+    return {"commodity_rows": len(commodity),
+            "share_at_least_1_15x": sum(x >= 1.15 for x in ratios) / len(ratios) if ratios else math.nan,
+            "min_ratio_all_rows": min(every) if every else math.nan,
+            "median_ratio_commodity": median(ratios),
+            "max_ratio_commodity": max(ratios) if ratios else math.nan,
+            "median_fraction_of_limit_commodity": median(fractions)}
 
 
 def markdown(rows: Sequence[dict]) -> str:
-    def cell(entry: Optional[dict]) -> str:
-        if entry is None:
-            return "OOM"
-        return f"{entry['iteration_s']:.2f} s, idle {100 * entry['idle']:.0f}%, {entry['peak_gb']:.0f} GB, rc {entry['recompute']}"
-
-    lines = ["| model | devices | layout | Gbit/s | GB | depth-first | breadth-first | PipeMesh auto (groups) | speed-up vs best stock | PipeMesh / limit |",
+    lines = ["| regime | setting | m | best stock | s | PipeMesh auto (V; groups; recompute) | s | ratio | limit s | fraction of limit |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        pm = row["pipemesh"]
-        speed = f"{row['speedup_vs_best_stock']:.2f}x" if row["speedup_vs_best_stock"] else "n/a"
-        limit = f"{row['limit_iteration_s'] / pm['iteration_s']:.2f}" if pm else "n/a"
-        lines.append(f"| {row['model']} | {row['devices']} | {row['layout']} | {row['gbps']:g} | {row['memory_gb']:g} | "
-                     f"{cell(row['depth-first'])} | {cell(row['breadth-first'])} | {cell(pm)}"
-                     f"{' (' + pm['groups'] + ')' if pm else ''} | {speed} | {limit} |")
+    for r in rows:
+        st, pm = r["best_stock"], r["pipemesh_auto"]
+        stock_cell = "OOM" if st is None else (
+            f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}")
+        pm_cell = "OOM" if pm is None else (
+            f"V={pm['vpp']}; {' '.join(map(str, pm['forward_groups']))} / {' '.join(map(str, pm['backward_groups']))}; "
+            f"{100 * pm['recompute_share']:.1f}% time")
+        fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+        lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {stock_cell} | "
+                     f"{fmt(st and st['iteration_s'], '.3f')} | {pm_cell} | {fmt(pm and pm['iteration_s'], '.3f')} | "
+                     f"{fmt(r['ratio_to_best_stock'], '.3f')} | {fmt(r['limit_iteration_s'], '.3f')} | "
+                     f"{fmt(r['fraction_of_limit'], '.3f')} |")
     return "\n".join(lines)
 
 
-def run_study(cases: Sequence[StudyCase] = CASES, bandwidths: Sequence[float] = (25, 50, 100),
-              memories: Sequence[float] = (40, 80)) -> List[dict]:
-    return [run_case(case, gbps, memory) for case in cases for memory in memories for gbps in bandwidths]
+def cmd_study(args) -> int:
+    """Entry point of ``pipemesh study``."""
+    import json
+
+    rows = COMMODITY + DATACENTRE
+    if args.regime != "all":
+        rows = tuple(r for r in rows if r.regime == args.regime)
+    if args.limit:
+        rows = rows[:args.limit]
+    results = run_study(rows)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(markdown(results))
+        print()
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary(results).items()))
+    return 0
+
+
+def add_study_parser(sub) -> None:
+    """Register ``pipemesh study`` on the CLI's subparsers."""
+    study = sub.add_parser("study", help="simulated study: PipeMesh auto vs stock Megatron's whole option set")
+    study.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    study.add_argument("--regime", choices=("all", "commodity", "datacentre"), default="all",
+                       help="which rows to run (default all)")
+    study.add_argument("--limit", type=int, default=0, help="run only the first N rows (0 = all)")
+    study.set_defaults(func=cmd_study)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -53,7 +53,8 @@ def depth_first_groups(microbatches: int, pp: int) -> List[int]:
     rejects such m for its interleaved schedule; PipeMesh runs it with one larger last group)."""
     groups = uniform_groups(microbatches, pp)
     if len(groups) > 1 and groups[-1] < pp:
-        groups[-2] += groups.pop()
+        tail = groups.pop()  # (popping inside `groups[-2] += ...` would index the shortened list)
+        groups[-1] += tail
     return groups
 
 

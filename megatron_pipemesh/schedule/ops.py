@@ -32,17 +32,24 @@ class OpKind(str, enum.Enum):
     GRAD_SYNC = "GRAD_SYNC"
     """Launch the data-parallel gradient reduction of a chunk (after its last B)."""
 
+    # Plain string sets: these run in the simulator's inner loop (enum member lookups are slow).
     @property
     def is_compute(self) -> bool:
-        return self in (OpKind.FORWARD, OpKind.BACKWARD)
+        return self._value_ in _COMPUTE
 
     @property
     def is_p2p(self) -> bool:
-        return self in (OpKind.RECV_FORWARD, OpKind.SEND_FORWARD, OpKind.RECV_BACKWARD, OpKind.SEND_BACKWARD)
+        return self._value_ in _P2P
 
     @property
     def is_dp(self) -> bool:
-        return self in (OpKind.PARAM_SYNC, OpKind.GRAD_SYNC)
+        return self._value_ in _DP
+
+
+_COMPUTE = frozenset({"F", "B"})
+_P2P = frozenset({"RECV_F", "SEND_F", "RECV_B", "SEND_B"})
+_DP = frozenset({"PARAM_SYNC", "GRAD_SYNC"})
+_FORWARD_SIDE = frozenset({"RECV_F", "SEND_F"})
 
 
 @dataclass(frozen=True, order=True)
@@ -62,12 +69,11 @@ class Op:
     @property
     def compute(self) -> "Op":
         """The compute op this op belongs to (itself for F/B)."""
-        if self.kind.is_compute:
+        kind = self.kind._value_
+        if kind in _COMPUTE:
             return self
-        if self.kind in (OpKind.RECV_FORWARD, OpKind.SEND_FORWARD):
-            return Op(OpKind.FORWARD, self.chunk, self.microbatch)
-        if self.kind in (OpKind.RECV_BACKWARD, OpKind.SEND_BACKWARD):
-            return Op(OpKind.BACKWARD, self.chunk, self.microbatch)
+        if kind in _P2P:
+            return Op(OpKind.FORWARD if kind in _FORWARD_SIDE else OpKind.BACKWARD, self.chunk, self.microbatch)
         raise ValueError(f"{self} is not tied to a compute op")
 
     def __str__(self) -> str:

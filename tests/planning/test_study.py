@@ -1,13 +1,66 @@
-"""The paper-scale study runs and reports every schedule (small case to stay fast)."""
+"""The study (``pipemesh study``): rows against stock's whole option set, the limit, the summary."""
+import json
+
+import pytest
+
+from megatron_pipemesh import cli
+from megatron_pipemesh.planning import study
 from megatron_pipemesh.planning.costs import ModelSpec
-from megatron_pipemesh.planning.study import StudyCase, markdown, run_case
+from megatron_pipemesh.planning.study import COMMODITY, DATACENTRE, StudyRow, markdown, run_row, summary
 
 
-def test_study_case_reports_all_schedules():
-    case = StudyCase("GPT-tiny", ModelSpec(8, 1024, 8, 1024, 1), tp=1, pp=2, vpp=2, dp=2, microbatches=4)
-    row = run_case(case, gbps=10, memory_gb=40)
-    assert row["depth-first"] and row["breadth-first"] and row["pipemesh"]
-    assert row["pipemesh"]["iteration_s"] <= min(row["depth-first"]["iteration_s"], row["breadth-first"]["iteration_s"]) + 1e-12
-    assert row["limit_iteration_s"] <= row["pipemesh"]["iteration_s"]
-    table = markdown([row])
-    assert "GPT-tiny" in table and "x |" in table
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setitem(study.GPT, "GPT-tiny", ModelSpec(8, 1024, 8, 1024, 1))
+    return "GPT-tiny"
+
+
+def test_row_has_the_issue_keys_and_pipemesh_never_loses(tiny):
+    """A row names best stock (schedule, V, g, recomputation) and PipeMesh auto (groups, recomputation,
+    V); PipeMesh's search contains stock's schedules, so with memory to spare it is never slower."""
+    row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 8, 40, 10.0))
+    assert row["regime"] == "commodity"
+    assert {"schedule", "vpp", "group_size", "recompute", "flags"} <= set(row["best_stock"])
+    assert {"forward_groups", "backward_groups", "vpp", "recompute_share"} <= set(row["pipemesh_auto"])
+    assert row["ratio_to_best_stock"] >= 0.999
+    assert 0 < row["fraction_of_limit"] <= 1.0
+    assert row["limit_iteration_s"] <= row["pipemesh_auto"]["iteration_s"]
+    assert tiny in markdown([row])
+
+
+def test_tight_memory_makes_both_sides_recompute(tiny):
+    """At a device memory where nothing fits without recomputation, both sides recompute."""
+    row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 16, 1.8, 10.0))
+    assert row["best_stock"]["recompute"] != "no recomputation"
+    assert row["pipemesh_auto"]["recompute_share"] > 0
+
+
+def test_summary_counts_the_targets():
+    """The summary reports the share of commodity rows at >= 1.15x, the minimum ratio and the median limit fraction."""
+    rows = [{"regime": "commodity", "ratio_to_best_stock": r, "fraction_of_limit": f}
+            for r, f in ((1.2, 0.9), (1.0, 0.8), (1.16, 0.95))] + [
+        {"regime": "datacentre", "ratio_to_best_stock": 0.98, "fraction_of_limit": 0.9}]
+    out = summary(rows)
+    assert out["share_at_least_1_15x"] == pytest.approx(2 / 3)
+    assert out["min_ratio_all_rows"] == 0.98
+    assert out["median_fraction_of_limit_commodity"] == 0.9
+
+
+def test_study_rows_cover_the_commodity_sweep():
+    """The commodity subset spans 24/32/40 GB, TP 1 / 2 / 2+SP, DP 2-8, every GPT size, 6.25-50 Gbit/s."""
+    assert {r.memory_gb for r in COMMODITY} == {24, 32, 40}
+    assert {(r.tp, r.sequence_parallel) for r in COMMODITY} == {(1, False), (2, False), (2, True)}
+    assert {r.dp for r in COMMODITY} == {2, 4, 8}
+    assert {r.model for r in COMMODITY} == {"GPT-1.3B", "GPT-2.7B", "GPT-6.7B", "GPT-13B"}
+    assert {r.gbps for r in COMMODITY} == {6.25, 10.0, 25.0, 50.0}
+    assert all(r.regime == "datacentre" for r in DATACENTRE)
+
+
+def test_cli_study_json(tiny, monkeypatch, capsys):
+    """`pipemesh study --json` prints a JSON list of rows with the issue's keys."""
+    monkeypatch.setattr(study, "COMMODITY", (StudyRow("commodity", tiny, 1, 2, 2, 8, 40, 10.0),))
+    monkeypatch.setattr(study, "DATACENTRE", ())
+    assert cli.main(["study", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert isinstance(rows, list) and len(rows) == 1
+    assert {"regime", "best_stock", "pipemesh_auto", "ratio_to_best_stock", "fraction_of_limit"} <= set(rows[0])

@@ -1,0 +1,96 @@
+"""planning/stock.py: stock Megatron's whole option set, its flags, and the fastest fitting setting."""
+import pytest
+
+from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec
+from megatron_pipemesh.planning.stock import (StockRecompute, StockSetting, activation_budget, best_per_schedule,
+                                              best_stock, evaluate, group_sizes, order_peaks, recompute_options,
+                                              schedule_options, stock_settings, uniform_plan)
+from megatron_pipemesh.planning.costs import analytic_costs
+from megatron_pipemesh.planning.simulator import simulate
+
+MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
+CLUSTER = ClusterSpec(dp=4, device_tflops=125, dp_gbps=10, p2p_gbps=10)
+
+
+def test_group_sizes_follow_megatrons_rule():
+    """g ranges over [p, m] and the last group (m mod g) is empty or at least p, as schedules.py demands."""
+    assert group_sizes(4, 10) == [5, 6, 10]
+    assert group_sizes(2, 8) == [2, 3, 4, 5, 6, 8]  # 8 mod 7 = 1 < p
+    assert all(g >= 4 and (12 % g == 0 or 12 % g >= 4) for g in group_sizes(4, 12))
+
+
+def test_schedule_options_every_v_dividing_layers_per_rank():
+    """1F1B plus interleaved for every V >= 2 dividing the layers per rank, each with every group size."""
+    options = schedule_options(2, 12, 4)  # 6 layers per rank: V in 2, 3, 6
+    assert (1, None) in options
+    assert sorted({v for v, _ in options}) == [1, 2, 3, 6]
+    assert [g for v, g in options if v == 3] == group_sizes(2, 4)
+    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size"):
+        schedule_options(3, 8, 4)
+
+
+def test_recompute_options_and_flags():
+    """Every module set (no layernorm with TE), block and uniform for every k, with Megatron's exact flags."""
+    local = recompute_options(3)
+    assert len(local) == 1 + 7 + 3 + 3
+    assert len(recompute_options(3, "te")) == 1 + 3 + 3 + 3
+    assert StockRecompute().flags() == []
+    assert StockRecompute("selective").flags() == ["--recompute-granularity", "selective"]
+    assert StockRecompute("selective", ("core_attn", "mlp")).flags() == [
+        "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"]
+    assert StockRecompute("full", method="block", num_layers=2).flags() == [
+        "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"]
+    setting = StockSetting(4, 2, 16, 8, StockRecompute("selective"), grad_reduce_in_bf16=True)
+    assert setting.flags() == ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                               "--microbatch-group-size-per-virtual-pipeline-stage", "8",
+                               "--recompute-granularity", "selective", "--grad-reduce-in-bf16"]
+    assert StockSetting(4, 1, 16).flags() == ["--pipeline-model-parallel-size", "4"]
+    with pytest.raises(ValueError, match="recompute-method"):
+        StockRecompute("full")
+    with pytest.raises(ValueError, match="recompute-modules"):
+        StockRecompute("selective", ("moe_act",))
+
+
+def test_order_peaks_equal_simulated_peaks():
+    """The program-order peak of each level equals the simulator's timeline peak (transients included)."""
+    setting = StockSetting(2, 2, 8, 4)  # two layers per chunk
+    config = setting.config()
+    levels = ["none", "selective:mlp", "block:1", "uniform:2"]
+    costs = analytic_costs(MODEL, CLUSTER, config, levels=levels)
+    peaks = order_peaks(config, costs, levels)
+    for level in levels:
+        simulated = simulate(config, costs, uniform_plan(config, level))
+        assert peaks[level] == pytest.approx(tuple(r.peak_activation_bytes for r in simulated.ranks)), level
+    assert peaks["uniform:2"][0] < peaks["block:1"][0] < peaks["none"][0]  # (the last rank holds the logits)
+
+
+def test_best_stock_is_the_fastest_fitting_setting_of_the_whole_space():
+    """Brute force over every stock setting agrees with best_stock for a budget where memory binds."""
+    pp, m = 2, 4
+    unlimited = best_stock(MODEL, CLUSTER, pp, m, float("inf"))
+    assert unlimited.setting.recompute.granularity == "none"
+    none_peak = max(unlimited.peak_activation_bytes)
+    budget = 0.6 * none_peak
+    results = [evaluate(s, MODEL, CLUSTER) for s in stock_settings(pp, MODEL.num_layers, m)]
+    fitting = [r for r in results if r.fits(budget)]
+    best = best_stock(MODEL, CLUSTER, pp, m, budget)
+    assert best.fits(budget) and best.setting.recompute.granularity != "none"
+    assert best.iteration_s == pytest.approx(min(r.iteration_s for r in fitting))
+    per = best_per_schedule(MODEL, CLUSTER, pp, m, budget)
+    for (kind, vpp, g), result in per.items():
+        same = [r for r in fitting if (r.setting.schedule, r.setting.vpp, r.setting.effective_group_size) == (kind, vpp, g)]
+        assert result.iteration_s == pytest.approx(min(r.iteration_s for r in same)), (kind, vpp, g)
+    assert best_stock(MODEL, CLUSTER, pp, m, 1.0) is None
+
+
+def test_grad_reduce_in_bf16_halves_gradient_traffic():
+    """--grad-reduce-in-bf16 makes the stock setting's data-parallel reduction cheaper, never slower."""
+    fp32 = evaluate(StockSetting(2, 1, 4), MODEL, CLUSTER)
+    bf16 = evaluate(StockSetting(2, 1, 4, grad_reduce_in_bf16=True), MODEL, CLUSTER)
+    assert bf16.iteration_s < fp32.iteration_s
+
+
+def test_activation_budget_subtracts_static_bytes():
+    """The activation budget per rank is device memory minus that rank's weights, grads and optimizer."""
+    budget = activation_budget(MODEL, CLUSTER, 2, 24 * GB)
+    assert len(budget) == 2 and all(0 < b < 24 * GB for b in budget)
