@@ -20,7 +20,7 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 from ..planning.costs import ModelSpec, OpCosts
 from ..planning.simulator import simulate
@@ -32,24 +32,13 @@ PADDED_VOCAB = 384
 FP32 = 4
 
 
-def schedule_config(schedule: str, pp: int, vpp: int, m: int,
-                    groups: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> ScheduleConfig:
-    """The :class:`ScheduleConfig` whose order matches the benchmarked schedule."""
-    if schedule == "1f1b":
-        return ScheduleConfig(pp, 1, m)
-    if schedule == "interleaved":
-        return ScheduleConfig.depth_first(pp, vpp, m)
-    if schedule == "breadth-first":
-        return ScheduleConfig.breadth_first(pp, vpp, m)
-    if groups is None:
-        raise ValueError(f"schedule {schedule} needs its forward/backward groups")
-    return ScheduleConfig(pp, vpp, m, tuple(groups[0]), tuple(groups[1]))
-
-
 def model_spec(model: ModelSetup, pp: int) -> ModelSpec:
+    """The bench's GPT as the planner sees it: fp32 on CPU, local layer spec, no dropout (the bench runs
+    with ``--hidden-dropout 0 --attention-dropout 0``)."""
     return ModelSpec(num_layers=model.num_layers(pp), hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                     micro_batch_size=model.micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=FP32, grad_bytes=FP32)
+                     micro_batch_size=model.micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=FP32, grad_bytes=FP32,
+                     hidden_dropout=0.0, attention_dropout=0.0, layer_spec="local")
 
 
 @dataclass

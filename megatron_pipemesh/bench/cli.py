@@ -19,10 +19,18 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli_common import UsageError, check_number, require_matplotlib, run_command
-from .runner import SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
+from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
 
-QUICK = dict(configs=["pp2"], repeats=1, warmup=1, iters=4, rate="200mbit")
-"""``--quick``: one pipeline-only configuration, one repeat, 1 warm-up + 4 measured iterations."""
+QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="400mbit", link_share=0.5,
+             activation_budget_mb="auto:0.2", pin_cores=True, no_limit=True,
+             hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, microbatches=4, vpp=4,
+             layers_per_chunk=1)
+"""``--quick``: PP=2 x DP=2 (gradient reduction over the shaped network), V = 4, m = 4, 400 Mbit/s shared by
+the two data-parallel rings (link share 0.5), an activation budget 20% of the way from the depth-first to the
+breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured iterations, no
+unshaped runs. Every value can be overridden by its flag."""
+MODEL_DEFAULTS = dict(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=2, microbatches=8, vpp=2,
+                      layers_per_chunk=1, link_share=1.0)
 DEFAULT_RATE = "200mbit"
 
 
@@ -46,8 +54,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("what to run")
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
-    run.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME",
-                     help=f"schedules to compare (default all: {' '.join(SCHEDULES)})")
+    run.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES + SCHEDULE_ALIASES,
+                     metavar="NAME", help=f"schedules to compare (default all: {' '.join(SCHEDULES)}; 'interleaved' "
+                                          f"runs every group size Megatron accepts; 'depth-first' / 'breadth-first' "
+                                          f"only g = p / g = m)")
+    run.add_argument("--group-sizes", type=int, nargs="+", default=None, metavar="G",
+                     help="stock interleaved group sizes to run (default: every size Megatron accepts, p..m)")
+    run.add_argument("--stock-vpp", type=int, nargs="+", default=None, metavar="V",
+                     help="stock interleaved V to run (default: every V dividing the layers per rank)")
+    run.add_argument("--activation-budget-mb", default=None, metavar="MB|auto",
+                     help="activation memory per rank that every schedule must fit (MiB), or 'auto': halfway between "
+                          "the depth-first and the breadth-first peak of the configuration. Stock rows get the cheapest "
+                          "stock recomputation predicted to fit, PipeMesh rows are planned for it; a row whose measured "
+                          "peak exceeds it is marked and never counts as best (default: no budget)")
+    run.add_argument("--pin-cores", action="store_true",
+                     help="pin the ranks of pipeline stage s to core s %% cores (with more ranks than cores: a waiting "
+                          "stage's core is not lent to another stage)")
     run.add_argument("--repeats", type=int, default=None, help="runs per schedule and variant, round-robin (default 3)")
     run.add_argument("--warmup", type=int, default=None, help="iterations excluded from the statistics (default 2)")
     run.add_argument("--iters", type=int, default=None, help="measured iterations per run (default 6)")
@@ -62,33 +84,78 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--unshaped", action="store_true",
                      help="no namespace and no shaping (no root needed): only the plain-loopback runs")
     model = p.add_argument_group("model and batch")
-    model.add_argument("--hidden-size", type=int, default=256)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--seq-length", type=int, default=128)
-    model.add_argument("--micro-batch-size", type=int, default=2)
-    model.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per iteration per replica")
-    model.add_argument("--vpp", type=int, default=2, help="virtual chunks per rank (interleaved, PipeMesh)")
-    model.add_argument("--layers-per-chunk", type=int, default=1)
+    model.add_argument("--hidden-size", type=int, default=None, help="default 256 (--quick: 384)")
+    model.add_argument("--num-attention-heads", type=int, default=None, help="default 4 (--quick: 8)")
+    model.add_argument("--seq-length", type=int, default=None, help="default 128 (--quick: 64)")
+    model.add_argument("--micro-batch-size", type=int, default=None, help="default 2 (--quick: 1)")
+    model.add_argument("--microbatches", "-m", type=int, default=None,
+                       help="micro-batches per iteration per replica (default 8; --quick: 4)")
+    model.add_argument("--vpp", type=int, default=None,
+                       help="virtual chunks per rank of PipeMesh (default 2; --quick: 4); stock gets every V")
+    model.add_argument("--layers-per-chunk", type=int, default=None, help="default 1")
     pm = p.add_argument_group("PipeMesh")
     pm.add_argument("--forward-groups", type=int, nargs="+", default=None, metavar="G",
                     help="groups of the 'pipemesh' run (default: m-p then p, e.g. 6 2 for p=2, m=8)")
     pm.add_argument("--backward-groups", type=int, nargs="+", default=None, metavar="G",
                     help="backward groups of the 'pipemesh' run (default: two groups, the last one large)")
-    pm.add_argument("--memory-budget-gb", type=float, default=8.0, help="'pipemesh-auto' memory budget (default 8)")
     pm.add_argument("--device-tflops", type=float, default=0.05,
-                    help="'pipemesh-auto' peak TFLOP/s of one rank (default 0.05: a CPU core)")
-    pm.add_argument("--mfu", type=float, default=0.45, help="'pipemesh-auto' fraction of peak (default 0.45)")
-    pm.add_argument("--link-share", type=float, default=1.0,
-                    help="calibration: fraction of the shaped rate one pipeline link gets (default 1)")
+                    help="planner and predictions: peak TFLOP/s of one rank (default 0.05: a CPU core)")
+    pm.add_argument("--mfu", type=float, default=0.45, help="planner and predictions: fraction of peak (default 0.45)")
+    pm.add_argument("--link-share", type=float, default=None,
+                    help="fraction of the shaped rate one link gets (all ranks share one token bucket), for the "
+                         "predictions, the plans and the calibration (default 1; --quick: 0.5)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    out.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                     help="write the results as JSON to FILE (and print the table), or without FILE print JSON "
+                          "instead of the table")
     out.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per schedule, shaped and unshaped")
     out.add_argument("--out-dir", default=None, help="where logs, data and summary.json go (default: a new temp dir)")
     out.add_argument("--keep-going", action="store_true", default=True, help=argparse.SUPPRESS)
 
 
+def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
+    if value is None:
+        raise UsageError(f"{name} needs a number. Example: {name} {example}")
+    check_number(name, value, example, positive=not allow_zero)
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Flags the user left out take their --quick value (with --quick) or their default."""
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else value)
+    if args.quick:
+        if args.activation_budget_mb is None:
+            args.activation_budget_mb = QUICK["activation_budget_mb"]
+        args.pin_cores = args.pin_cores or QUICK["pin_cores"]
+        args.no_limit = args.no_limit or QUICK["no_limit"]
+
+
+def parse_budget(text: Optional[str]):
+    """``--activation-budget-mb``: None, a number of MiB, or ('auto', fraction) for 'auto' / 'auto:F'."""
+    if text is None:
+        return None
+    if text == "auto" or text.startswith("auto:"):
+        fraction = 0.5 if text == "auto" else _number(text[5:])
+        if not (fraction is not None and 0.0 <= fraction <= 1.0):
+            raise UsageError(f"--activation-budget-mb {text} is invalid: auto:F needs a fraction F in [0, 1] of the way "
+                         "from the depth-first to the breadth-first peak. Example: --activation-budget-mb auto:0.2")
+        return ("auto", fraction)
+    value = _number(text)
+    _positive("--activation-budget-mb", value, "64 (or auto)")
+    return value
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def resolve(args: argparse.Namespace) -> dict:
     """Validate the flags (UsageError on bad input) and fill in the --quick / default values."""
+    _fill_defaults(args)
     quick = args.quick
     configs_text = args.configs or (QUICK["configs"] if quick else ["pp2", "pp4", "pp2xdp2"])
     try:
@@ -107,10 +174,9 @@ def resolve(args: argparse.Namespace) -> dict:
                                        ("--microbatches", args.microbatches, "8", False), ("--vpp", args.vpp, "2", False),
                                        ("--layers-per-chunk", args.layers_per_chunk, "1", False),
                                        ("--delay-ms", args.delay_ms, "1", True), ("--queue-ms", args.queue_ms, "200", False),
-                                       ("--memory-budget-gb", args.memory_budget_gb, "8", False),
                                        ("--device-tflops", args.device_tflops, "0.05", False),
                                        ("--mfu", args.mfu, "0.45", False), ("--link-share", args.link_share, "0.5", False)):
-        check_number(name, value, example, positive=not zero)
+        _positive(name, value, example, zero)
     for name, value in (("--repeats", repeats), ("--warmup", warmup), ("--iters", iters)):
         if int(value) != value:
             raise UsageError(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")
@@ -143,11 +209,31 @@ def resolve(args: argparse.Namespace) -> dict:
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                        args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
+    budget_mb = parse_budget(args.activation_budget_mb)
+    families = [f for f in SCHEDULES if f in args.schedules]
+    group_sizes = list(args.group_sizes) if args.group_sizes else None
+    aliases = [a for a in SCHEDULE_ALIASES if a in args.schedules]
+    if aliases and "interleaved" not in families:
+        families.insert(1 if "1f1b" in families else 0, "interleaved")
     groups: Dict[Tuple[str, str], tuple] = {}
     from ..schedule.config import ScheduleConfig, ScheduleConfigError
     from .runner import default_groups
 
+    from ..planning.stock import group_sizes as accepted_group_sizes
+
+    sizes: Dict[str, Optional[List[int]]] = {}
     for config in configs:
+        accepted = accepted_group_sizes(config.pp, args.microbatches)
+        chosen = group_sizes
+        if aliases and "interleaved" not in args.schedules:
+            chosen = sorted(set((group_sizes or []) + [{"depth-first": config.pp, "breadth-first": args.microbatches}[a]
+                                                        for a in aliases]))
+        bad = [g for g in (chosen or []) if g not in accepted]
+        if bad:
+            raise UsageError(f"--group-sizes {' '.join(map(str, bad))} is invalid for {config.name} with m = "
+                         f"{args.microbatches}: Megatron accepts p <= g <= m with m % g == 0 or m % g >= p, i.e. "
+                         f"{' '.join(map(str, accepted))}. Example: --group-sizes {accepted[0]} {accepted[-1]}")
+        sizes[config.name] = chosen
         if args.microbatches < config.pp:
             raise UsageError(f"--microbatches {args.microbatches} is invalid for {config.name}: it must be at least the "
                          f"pipeline size {config.pp}. Example: --microbatches {2 * config.pp}")
@@ -163,7 +249,37 @@ def resolve(args: argparse.Namespace) -> dict:
                 raise UsageError(f"{config.name}: {error}") from error
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
-            "auto": AutoPlanSettings(args.memory_budget_gb, args.device_tflops, args.mfu)}
+            "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu), "families": families,
+            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
+            "link_share": args.link_share}
+
+
+def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str, cores: int):
+    """(activation budget in bytes or None, the rows of one configuration). Predictions see each link at
+    ``gbps`` x the link share and each rank at ``--device-tflops`` x cores / ranks when the ranks
+    outnumber the cores."""
+    from dataclasses import replace
+
+    from .memory_fair import MB, auto_budget_bytes, pipemesh_spec, stock_specs
+
+    model, families = setup["model"], setup["families"]
+    auto = replace(setup["auto"], device_tflops=setup["auto"].device_tflops * min(1.0, cores / config.world))
+    gbps = gbps * setup["link_share"]
+    budget_mb = setup["budget_mb"]
+    if isinstance(budget_mb, tuple):
+        budget = auto_budget_bytes(model, config, auto, gbps, budget_mb[1])
+    else:
+        budget = budget_mb * MB if budget_mb is not None else None
+    specs = stock_specs(model, config, budget, auto, gbps, families, setup["group_sizes"].get(config.name),
+                        setup["stock_vpps"])
+    for family in ("pipemesh", "pipemesh-auto"):
+        if family in families:
+            try:
+                specs.append(pipemesh_spec(model, config, family, budget, auto, gbps, plan_dir,
+                                           setup["groups"].get((config.name, "pipemesh"))))
+            except ValueError as error:  # NoFeasiblePlan: nothing fits even with every activation recomputed
+                raise UsageError(f"{config.name} {family}: {error}") from error
+    return budget, specs
 
 
 def machine_description() -> dict:
@@ -185,6 +301,8 @@ def machine_description() -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .netns import NamespaceError, ShapedNamespace
     from .report import format_table, plot_summary, summarize
+    from .activation_meter import peak_per_rank
+    from .affinity import stage_cores
     from .logparse import parse_log
     from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
                          training_args)
@@ -199,15 +317,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     variants = ([True] if shaping else []) + ([] if (shaping and args.no_limit) else [False])
     bandwidth_gbps = shaping.rate_mbit / 1e3 if shaping else 25.0
-    plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in args.schedules for v in variants]
-    log(f"pipemesh bench: {len(plan)} runs ({repeats} repeat(s) x {len(configs)} config(s) x {len(args.schedules)} "
-        f"schedule(s) x {len(variants)} variant(s)); network: {shaping.describe() if shaping else 'unshaped'}; "
-        f"logs in {out_dir}")
+    specs, budgets = {}, {}
+    for config in configs:
+        budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"),
+                                                               machine["cores"])
+        budget = budgets[config.name]
+        log(f"{config.name}: activation budget per rank "
+            + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none") + "; rows: "
+            + "; ".join(f"{spec.name} [{spec.describe()}]" for spec in specs[config.name]))
+    plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in specs[c.name] for v in variants]
+    log(f"pipemesh bench: {len(plan)} runs ({repeats} repeat(s) x {len(configs)} config(s) x "
+        f"{' / '.join(str(len(specs[c.name])) for c in configs)} row(s) x {len(variants)} variant(s)); network: "
+        f"{shaping.describe() if shaping else 'unshaped'}; logs in {out_dir}")
     for config in configs:
         threads, over = threads_per_rank(config.world, machine["cores"])
         if over:
             log(f"note: {config.name} runs {config.world} ranks on {machine['cores']} cores: oversubscribed "
-                f"(1 thread per rank)")
+                f"(1 thread per rank{', pinned per pipeline stage' if args.pin_cores else ''})")
     try:
         data_flags = prepare_data(os.path.join(out_dir, "data"))
     except RuntimeError as error:
@@ -215,26 +341,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results: List[RunResult] = []
     started = time.monotonic()
     namespace = ShapedNamespace(shaping) if shaping else None
+    _terminate_as_interrupt()
     try:
         if namespace:
             try:
                 namespace.__enter__()
             except NamespaceError as error:
                 raise UsageError(str(error)) from error
-        for index, (repeat, config, schedule, shaped) in enumerate(plan, 1):
+        for index, (repeat, config, spec, shaped) in enumerate(plan, 1):
             threads, _ = threads_per_rank(config.world, machine["cores"])
             run_dir = os.path.join(out_dir, "runs")
-            train = training_args(model, config, schedule, data_flags, run_dir, setup["groups"].get((config.name, schedule)),
-                                  setup["auto"], bandwidth_gbps)
+            train = training_args(model, config, spec, data_flags, run_dir)
             prefix = namespace.prefix() if (shaped and namespace) else []
             cmd = launch_command(config.world, train, prefix)
-            name = f"{config.name}-{schedule}-{'shaped' if shaped else 'unshaped'}-r{repeat}"
-            code, wall, rss, text = _run_one(cmd, run_env(threads), os.path.join(out_dir, "logs", name + ".log"), args.timeout)
+            name = f"{config.name}-{spec.name}-{'shaped' if shaped else 'unshaped'}-r{repeat}"
+            cores = stage_cores(config.pp, config.dp, machine["cores"]) if args.pin_cores else None
+            code, wall, rss, text = _run_one(cmd, run_env(threads, cores=cores),
+                                             os.path.join(out_dir, "logs", name + ".log"), args.timeout)
             parsed = parse_log(text)
             error = "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}"
-            results.append(RunResult(config=config.name, schedule=schedule, shaped=shaped, repeat=repeat, returncode=code,
+            results.append(RunResult(config=config.name, schedule=spec.name, shaped=shaped, repeat=repeat, returncode=code,
                                      wall_s=wall, log_path=os.path.join(out_dir, "logs", name + ".log"), parsed=parsed,
-                                     peak_rss_mb=rss, error=error))
+                                     peak_rss_mb=rss, error=error, activation_peak_bytes=peak_per_rank(text, config.world)))
             measured = parsed.measured(model.warmup_iters)
             ms = sorted(it.elapsed_ms for it in measured)
             med = ms[len(ms) // 2] if ms else float("nan")
@@ -246,12 +374,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         if namespace:
             namespace.close()
-    summary = summarize(results, model, configs, args.schedules, setup["groups"],
+    summary = summarize(results, model, configs, specs, budgets,
                         shaping.bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
                         args.link_share)
     for entry in summary:
         threads, over = threads_per_rank(entry["world"], machine["cores"])
-        entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"]})
+        entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"],
+                      "pinned": bool(args.pin_cores)})
     shaping_desc = shaping.describe() if shaping else "none (--unshaped)"
     document = {
         "machine": machine, "network": {"shaped": bool(shaping), "rate_mbit": shaping.rate_mbit if shaping else None,
@@ -259,12 +388,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
         "model": {**model.__dict__, "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
         "repeats": repeats, "wall_s": time.monotonic() - started, "out_dir": out_dir, "configs": summary,
+        "rows": [compact_row(entry, row) for entry in summary for row in entry["schedules"]],
     }
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(document, f, indent=1)
     if args.plot:
         plot_summary(summary, args.plot, shaping_desc)
-    if args.json:
+    if args.json and args.json != "-":
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+    if args.json == "-":
         print(json.dumps(document, indent=1))
     else:
         print(f"machine: {machine['cores']} cores, {machine['memory_gb']} GiB, {machine['backend']}, torch {machine['torch']}; "
@@ -278,6 +411,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"logs and summary.json: {out_dir}")
     failed = sum(1 for r in results if r.returncode != 0)
     return 1 if failed == len(results) else 0
+
+
+COMPACT_KEYS = ("name", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
+                "tokens_per_s_spread", "tokens_per_s_runs", "stock_flags", "setting", "groups",
+                "recomputed_chunk_microbatches")
+
+
+def compact_row(entry: dict, row: dict) -> dict:
+    """One schedule row of the JSON's flat ``rows`` list: the keys above, its configuration and budget, and
+    for PipeMesh rows ``ratio_to_best_stock`` (to the configuration's fastest stock row that fits)."""
+    out = {"config": entry["config"], "activation_budget_bytes": entry.get("activation_budget_bytes"),
+           **{k: row.get(k) for k in COMPACT_KEYS}}
+    if not row["stock"]:
+        out["ratio_to_best_stock"] = row.get("ratio_to_best_stock")
+        out["best_stock"] = entry.get("best_stock")
+    return out
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM stops the bench like Ctrl-C (the running job's process group is killed and the namespace removed);
+    a job started in the background has SIGINT ignored, so SIGTERM is how it is stopped."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _run_one(cmd, env, log_path, timeout):

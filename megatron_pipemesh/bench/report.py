@@ -4,9 +4,10 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional, Sequence
 
-from .calibrate import MeasuredCompute, fit_transfer_overhead, predict_iteration_ms, schedule_config
+from .calibrate import MeasuredCompute, fit_transfer_overhead, predict_iteration_ms
 from .logparse import ParsedLog
-from .runner import STOCK, SCHEDULE_LABELS, ModelSetup, ParallelConfig, RunResult
+from .memory_fair import RunSpec, best_stock, fits
+from .runner import ModelSetup, ParallelConfig, RunResult
 
 
 def _median(values: Sequence[float]) -> Optional[float]:
@@ -42,6 +43,9 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
     idle = [x - c if x is not None and c is not None else None for x, c in zip(fb, compute)]
     tps_med = statistics.median(per_run_tps)
     rss = [_median([r.peak_rss_mb.get(rank) for r in good if rank in r.peak_rss_mb]) for rank in range(world)]
+    peaks = [max((r.activation_peak_bytes[rank] for r in good
+                  if r.activation_peak_bytes and r.activation_peak_bytes[rank] is not None), default=None)
+             for rank in range(world)]
     return {
         "runs": len(good), "failed_runs": failed, "errors": [r.error for r in runs if r.error][:2],
         "tokens_per_s_median": tps_med,
@@ -50,7 +54,7 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
         "iteration_ms_median": statistics.median(all_iters),
         "iteration_ms_min": min(all_iters), "iteration_ms_max": max(all_iters),
         "forward_backward_ms": fb, "forward_compute_ms": fwd, "backward_compute_ms": bwd,
-        "idle_ms": idle, "peak_rss_mb": rss,
+        "idle_ms": idle, "peak_rss_mb": rss, "peak_activation_bytes": peaks,
         "auto_groups": ([logs[0].auto_forward_groups, logs[0].auto_backward_groups]
                         if logs[0].auto_forward_groups else None),
         "loss_last": good[0].parsed.iterations[-1].loss if good[0].parsed.iterations else None,
@@ -58,45 +62,68 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
 
 
 def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence[ParallelConfig],
-              schedules: Sequence[str], groups: Dict[str, tuple], bytes_per_s: Optional[float], latency_s: float,
-              link_share: float = 1.0) -> List[dict]:
-    """Per configuration: per schedule shaped/unshaped metrics, fractions of the limit, calibration."""
+              specs: Dict[str, Sequence[RunSpec]], budgets: Dict[str, Optional[float]], bytes_per_s: Optional[float],
+              latency_s: float, link_share: float = 1.0) -> List[dict]:
+    """Per configuration: one row per run spec (shaped/unshaped metrics, measured peak activation bytes per
+    rank, ``fits`` the budget), the best stock row that fits, PipeMesh's ratios to it, calibration."""
     out = []
     for config in configs:
-        entry = {"config": config.name, "pp": config.pp, "dp": config.dp, "world": config.world, "schedules": []}
-        for schedule in schedules:
-            runs = [r for r in results if r.config == config.name and r.schedule == schedule]
+        budget = budgets.get(config.name)
+        entry = {"config": config.name, "pp": config.pp, "dp": config.dp, "world": config.world,
+                 "activation_budget_bytes": budget, "schedules": []}
+        for spec in specs[config.name]:
+            runs = [r for r in results if r.config == config.name and r.schedule == spec.name]
             shaped = variant_metrics([r for r in runs if r.shaped], model, config) if any(r.shaped for r in runs) else None
             unshaped = variant_metrics([r for r in runs if not r.shaped], model, config) \
                 if any(not r.shaped for r in runs) else None
-            row = {"schedule": schedule, "label": SCHEDULE_LABELS[schedule], "shaped": shaped, "unshaped": unshaped}
-            g = groups.get((config.name, schedule))
-            if schedule == "pipemesh-auto":
-                for v in (shaped, unshaped):
-                    if v and v.get("auto_groups"):
-                        g = tuple(tuple(x) for x in v["auto_groups"])
-                        break
-            row["groups"] = [list(g[0]), list(g[1])] if g else None
-            ok = lambda v: v is not None and v.get("runs")  # noqa: E731
-            if ok(shaped) and ok(unshaped):
-                row["fraction_of_unshaped"] = shaped["tokens_per_s_median"] / unshaped["tokens_per_s_median"]
-                row["comm_share"] = 1.0 - unshaped["iteration_ms_median"] / shaped["iteration_ms_median"]
-                row["exposed_comm_ms"] = [s - u if s is not None and u is not None else None
-                                          for s, u in zip(shaped["idle_ms"], unshaped["idle_ms"])]
-            entry["schedules"].append(row)
-        overhead = fit_overhead(entry, model, config)
+            entry["schedules"].append(_row(spec, shaped, unshaped, budget, config))
+        overhead = fit_overhead(entry, model, config, specs[config.name])
         entry["fitted_transfer_overhead_ms"] = None if overhead is None else overhead * 1e3
-        for row in entry["schedules"]:
+        ok = lambda v: v is not None and v.get("runs")  # noqa: E731
+        for spec, row in zip(specs[config.name], entry["schedules"]):
             shaped, unshaped = row["shaped"], row["unshaped"]
-            ok = lambda v: v is not None and v.get("runs")  # noqa: E731
             base = unshaped if ok(unshaped) else (shaped if ok(shaped) else None)
             if base is not None and None not in base["forward_compute_ms"] and None not in base["backward_compute_ms"]:
-                row["calibration"] = calibration_row(model, config, row["schedule"], row["groups"], base,
-                                                     shaped if ok(shaped) else None, unshaped if ok(unshaped) else None,
-                                                     bytes_per_s, latency_s, link_share, overhead or 0.0)
+                row["calibration"] = calibration_row(model, config, spec, base, shaped if ok(shaped) else None,
+                                                     unshaped if ok(unshaped) else None, bytes_per_s, latency_s,
+                                                     link_share, overhead or 0.0)
         _ratios(entry)
         out.append(entry)
     return out
+
+
+def _row(spec: RunSpec, shaped: Optional[dict], unshaped: Optional[dict], budget: Optional[float],
+         config: ParallelConfig) -> dict:
+    """One schedule row: the spec's settings and the measured numbers of its main variant (shaped when
+    measured, else unshaped)."""
+    ok = lambda v: v is not None and v.get("runs")  # noqa: E731
+    main = shaped if ok(shaped) else (unshaped if ok(unshaped) else None)
+    peaks = None
+    measured = [v["peak_activation_bytes"] for v in (shaped, unshaped) if ok(v) and any(
+        p is not None for p in v["peak_activation_bytes"])]
+    if measured:  # the larger of the shaped and unshaped runs' peaks, per rank
+        peaks = [max((m[r] for m in measured if m[r] is not None), default=None) for r in range(config.world)]
+    predicted = None
+    if spec.predicted_peak_bytes is not None:  # per pipeline rank -> per global rank (stage r // dp)
+        predicted = [spec.predicted_peak_bytes[pipeline_rank(r, config)] for r in range(config.world)]
+    row = {"name": spec.name, "schedule": spec.name, "family": spec.family, "stock": spec.stock,
+           "group_size": spec.group_size, "recompute": spec.recompute, "stock_flags": list(spec.stock_flags),
+           "setting": spec.describe(), "predicted_fits": spec.predicted_fits, "plan_file": spec.plan_path,
+           "fits": fits(peaks, budget), "peak_activation_bytes": peaks,
+           "predicted_peak_activation_bytes": predicted,
+           "predicted_iteration_ms": spec.predicted_iteration_s * 1e3 if spec.predicted_iteration_s else None,
+           "tokens_per_s": main["tokens_per_s_median"] if main else None,
+           "tokens_per_s_spread": main["tokens_per_s_spread"] if main else None,
+           "tokens_per_s_runs": main["tokens_per_s_runs"] if main else None,
+           "groups": [list(spec.groups[0]), list(spec.groups[1])] if spec.groups else None,
+           "recomputed_chunk_microbatches": spec.recomputed if not spec.stock else None,
+           "shaped": shaped, "unshaped": unshaped}
+    if ok(shaped) and ok(unshaped):
+        row["fraction_of_unshaped"] = shaped["tokens_per_s_median"] / unshaped["tokens_per_s_median"]
+        row["comm_share"] = 1.0 - unshaped["iteration_ms_median"] / shaped["iteration_ms_median"]
+        row["exposed_comm_ms"] = [s - u if s is not None and u is not None else None
+                                  for s, u in zip(shaped["idle_ms"], unshaped["idle_ms"])]
+    return row
 
 
 def _measured_compute(base: dict, config: ParallelConfig) -> MeasuredCompute:
@@ -116,24 +143,25 @@ def pipeline_rank(rank: int, config: ParallelConfig) -> int:
     return rank // config.dp
 
 
-def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig) -> Optional[float]:
-    """Per-transfer overhead (s) fitted on the unshaped run of the first stock schedule present
-    (interleaved preferred)."""
-    rows = {r["schedule"]: r for r in entry["schedules"]}
-    for name in ("interleaved", "1f1b", "breadth-first"):
-        u = (rows.get(name) or {}).get("unshaped")
+def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: Sequence[RunSpec]) -> Optional[float]:
+    """Per-transfer overhead (s) fitted on the unshaped run of one stock row without recomputation
+    (depth-first preferred, then 1F1B, then any other group size)."""
+    order = sorted((i for i, spec in enumerate(specs) if spec.stock and spec.setting.recompute.granularity == "none"),
+                   key=lambda i: (specs[i].group_size != config.pp, specs[i].family != "1f1b"))
+    for i in order:
+        u = entry["schedules"][i].get("unshaped")
         if u and u.get("runs") and None not in u["forward_compute_ms"] + u["backward_compute_ms"] + u["forward_backward_ms"]:
-            sched = schedule_config(name, config.pp, model.vpp, model.microbatches)
+            sched = specs[i].schedule_config(config.pp, model.vpp, model.microbatches)
             compute = _measured_compute(u, config)
-            entry["overhead_fitted_on"] = name
+            entry["overhead_fitted_on"] = specs[i].name
             return fit_transfer_overhead(model, config, sched, compute, max(u["forward_backward_ms"]))
     return None
 
 
-def calibration_row(model, config, schedule, groups, base, shaped, unshaped, bytes_per_s, latency_s, link_share,
+def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_per_s, latency_s, link_share,
                     overhead_s: float = 0.0) -> dict:
     try:
-        sched = schedule_config(schedule, config.pp, model.vpp, model.microbatches, groups)
+        sched = spec.schedule_config(config.pp, model.vpp, model.microbatches)
     except ValueError as error:
         return {"error": str(error)}
     compute = _measured_compute(base, config)
@@ -149,15 +177,22 @@ def calibration_row(model, config, schedule, groups, base, shaped, unshaped, byt
 
 
 def _ratios(entry: dict) -> None:
-    def tps(row, variant):
-        v = row.get(variant)
-        return v["tokens_per_s_median"] if v and v.get("runs") else None
+    """Best stock row (fastest that fits) and each PipeMesh row's ratio to it; also per variant."""
+    rows = entry["schedules"]
+    best = best_stock(rows)
+    entry["best_stock"] = best["name"] if best else None
+    entry["best_stock_setting"] = best["setting"] if best else None
+    for row in rows:
+        if not row["stock"]:
+            row["ratio_to_best_stock"] = (row["tokens_per_s"] / best["tokens_per_s"]
+                                          if best and row["tokens_per_s"] else None)
     for variant in ("shaped", "unshaped"):
-        stock = [(tps(r, variant), r["schedule"]) for r in entry["schedules"] if r["schedule"] in STOCK and tps(r, variant)]
-        best = max(stock) if stock else None
-        pm = {r["schedule"]: tps(r, variant) for r in entry["schedules"] if r["schedule"].startswith("pipemesh")}
-        entry[f"best_stock_{variant}"] = best[1] if best else None
-        entry[f"pipemesh_vs_best_stock_{variant}"] = {k: (v / best[0] if v and best else None) for k, v in pm.items()}
+        view = [{**r, "tokens_per_s": (r.get(variant) or {}).get("tokens_per_s_median")} for r in rows]
+        top = best_stock(view)
+        entry[f"best_stock_{variant}"] = top["name"] if top else None
+        entry[f"pipemesh_vs_best_stock_{variant}"] = {
+            r["name"]: (r["tokens_per_s"] / top["tokens_per_s"] if top and r["tokens_per_s"] else None)
+            for r in view if not r["stock"]}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
@@ -170,40 +205,56 @@ def _ranks(values, spec=".0f") -> str:
     return "/".join(_fmt(v, spec) for v in values)
 
 
+def _mib(values) -> str:
+    return _ranks([v / 2 ** 20 if v is not None else None for v in values], ".2f") if values else "-"
+
+
 def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
     lines = []
     for entry in summary:
-        lines.append(f"## {entry['config']} (PP={entry['pp']}, DP={entry['dp']}, {entry['world']} ranks); shaped: {shaping_desc}")
+        budget = entry.get("activation_budget_bytes")
+        lines.append(f"## {entry['config']} (PP={entry['pp']}, DP={entry['dp']}, {entry['world']} ranks); shaped: "
+                     f"{shaping_desc}; activation budget per rank: "
+                     + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none"))
         if entry.get("oversubscribed"):
             lines.append(f"   note: {entry['world']} ranks on {entry.get('cores')} cores: oversubscribed "
-                         f"(1 thread per rank; ranks compete for cores, compute times are inflated and noisy)")
-        header = (f"{'schedule':<16} {'groups f / b':<13} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
-                  f"{'of unsh':>7} {'comm %':>6}  {'idle ms per rank':<17} {'exp.comm ms/rank':<17} {'peak RSS MiB/rank':<18}")
+                         f"(1 thread per rank{'; ranks pinned to the core of their pipeline stage' if entry.get('pinned') else ''}; "
+                         "compute times are inflated and noisy)")
+        header = (f"{'schedule':<17} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
+                  f"{'comm %':>6}  {'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
         lines.append(header)
         lines.append("-" * len(header))
         for row in entry["schedules"]:
             s, u = row["shaped"] or {}, row["unshaped"] or {}
-            g = row.get("groups")
-            gtext = f"{' '.join(map(str, g[0]))} / {' '.join(map(str, g[1]))}" if g else ""
             main = s if s.get("runs") else u
+            predicted = row.get("predicted_peak_activation_bytes")
+            peaks = f"{_mib(row.get('peak_activation_bytes'))} ({_mib(predicted)})"
             lines.append(
-                f"{row['schedule']:<16} {gtext:<13} {_fmt(s.get('tokens_per_s_median'), '.0f'):>7} "
-                f"{_fmt(100 * s['tokens_per_s_spread'] if s.get('runs') else None, '.1f'):>5}% "
-                f"{_fmt(s.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
-                f"{_fmt(row.get('fraction_of_unshaped'), '.2f'):>7} "
+                f"{row['name']:<17} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
+                f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
+                f"{_fmt(main.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
                 f"{_fmt(100 * row['comm_share'] if row.get('comm_share') is not None else None, '.0f'):>6}  "
-                f"{_ranks(main.get('idle_ms')):<17} {_ranks(row.get('exposed_comm_ms')):<17} {_ranks(main.get('peak_rss_mb')):<18}")
+                f"{peaks:<30} {_ranks(main.get('idle_ms')):<17} {row['setting']}")
             for variant in ("shaped", "unshaped"):
                 v = row.get(variant) or {}
                 if v.get("failed_runs"):
                     lines.append(f"   {variant}: {v['failed_runs']} run(s) failed" + (f": {v['errors'][0]}" if v.get("errors") else ""))
+        best = entry.get("best_stock")
+        if best:
+            ratios = ", ".join(f"{r['name']} {_fmt(r.get('ratio_to_best_stock'), '.3f')}"
+                               for r in entry["schedules"] if not r["stock"])
+            lines.append(f"best stock (fastest that fits): {best} [{entry.get('best_stock_setting')}]; "
+                         f"PipeMesh / best stock: {ratios}")
+        else:
+            lines.append("best stock: no stock row fits the budget")
         for variant in ("shaped", "unshaped"):
             ratios = entry.get(f"pipemesh_vs_best_stock_{variant}") or {}
-            best = entry.get(f"best_stock_{variant}")
-            if best and ratios:
+            top = entry.get(f"best_stock_{variant}")
+            if top and ratios and any(r.get("shaped") for r in entry["schedules"]) and \
+                    any(r.get("unshaped") for r in entry["schedules"]):
                 parts = ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in ratios.items())
-                lines.append(f"PipeMesh / best stock ({best}) throughput, {variant}: {parts}")
-        cal = [(row["schedule"], row.get("calibration") or {}) for row in entry["schedules"]]
+                lines.append(f"   {variant}: best stock {top}; PipeMesh / best stock: {parts}")
+        cal = [(row["name"], row.get("calibration") or {}) for row in entry["schedules"]]
         if any(c for _, c in cal):
             fitted = entry.get("fitted_transfer_overhead_ms")
             lines.append("simulator calibration (measured costs -> simulate): predicted vs measured iteration ms"
@@ -218,13 +269,13 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                                      f"({100 * x['error']:+.1f}%)")
                 if c.get("error"):
                     parts.append(c["error"])
-                lines.append(f"   {name:<16} " + "; ".join(parts))
+                lines.append(f"   {name:<17} " + "; ".join(parts))
         lines.append("")
-    lines.append("tok/s: median over repeats (shaped); spread: (max-min)/median over repeats; iter ms: median over "
-                 "measured iterations; of unsh: shaped / unshaped throughput of the same schedule; comm %: "
-                 "1 - unshaped/shaped iteration time; idle = forward-backward - (forward-compute + backward-compute) "
-                 "per rank (Megatron timers); exp.comm = shaped idle - unshaped idle; peak RSS: resident memory of "
-                 "the whole rank process (weights, optimizer, Python), not activation memory alone.")
+    lines.append("fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
+                 "CPU, the CUDA allocator on GPU) within the budget; a row that does not fit never counts as best. "
+                 "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
+                 "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
+                 "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")
     return "\n".join(lines)
 
 
@@ -238,7 +289,7 @@ def plot_summary(summary: Sequence[dict], path: str, shaping_desc: str) -> None:
     fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 4.5), squeeze=False)
     for ax, entry in zip(axes[0], summary):
         rows = entry["schedules"]
-        names = [r["schedule"] for r in rows]
+        names = [r["name"] for r in rows]
         xs = range(len(rows))
         shaped = [(r["shaped"] or {}).get("tokens_per_s_median") or 0 for r in rows]
         unshaped = [(r["unshaped"] or {}).get("tokens_per_s_median") or 0 for r in rows]

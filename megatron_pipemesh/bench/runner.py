@@ -14,18 +14,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .logparse import ParsedLog
 
-SCHEDULES = ("1f1b", "interleaved", "breadth-first", "pipemesh", "pipemesh-auto")
-"""Benchmarked schedules: stock 1F1B (no virtual pipeline), stock interleaved (depth-first), stock
-interleaved with group size m (breadth-first), PipeMesh with given groups, PipeMesh planned (auto)."""
-
-SCHEDULE_LABELS = {
-    "1f1b": "stock 1F1B",
-    "interleaved": "stock interleaved (depth-first)",
-    "breadth-first": "stock interleaved, group m (breadth-first)",
-    "pipemesh": "PipeMesh (given groups)",
-    "pipemesh-auto": "PipeMesh (auto)",
-}
-STOCK = ("1f1b", "interleaved", "breadth-first")
+SCHEDULES = ("1f1b", "interleaved", "pipemesh", "pipemesh-auto")
+"""Benchmarked schedule families: stock 1F1B (no virtual pipeline); stock interleaved with every group size
+Megatron accepts (rows ``interleaved-g<g>``; g = p is depth-first, g = m breadth-first); PipeMesh with given
+groups; PipeMesh planned (auto). ``depth-first`` / ``breadth-first`` select one interleaved group size."""
+SCHEDULE_ALIASES = ("depth-first", "breadth-first")
+STOCK_FAMILIES = ("1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -111,13 +105,13 @@ def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return forward, backward
 
 
-def training_args(model: ModelSetup, config: ParallelConfig, schedule: str, data_flags: Sequence[str], run_dir: str,
-                  groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None,
-                  auto: AutoPlanSettings = AutoPlanSettings(), bandwidth_gbps: float = 25.0) -> List[str]:
-    """Megatron/PipeMesh flags of one run (the same model, data, seed and batch for every schedule)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-    m, pp = model.microbatches, config.pp
+def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: Sequence[str],
+                  run_dir: str) -> List[str]:
+    """Megatron/PipeMesh flags of one run of row ``spec`` (a :class:`~.memory_fair.RunSpec`): the same model,
+    data, seed and batch for every row; the row adds its schedule and memory flags."""
+    if spec.family not in SCHEDULES:
+        raise ValueError(f"unknown schedule family {spec.family!r}; choose from {', '.join(SCHEDULES)}")
+    pp = config.pp
     args = list(data_flags) + [
         "--split", "98,1,1", "--data-cache-path", os.path.join(run_dir, "cache"),
         "--num-layers", str(model.num_layers(pp)), "--hidden-size", str(model.hidden_size),
@@ -129,22 +123,19 @@ def training_args(model: ModelSetup, config: ParallelConfig, schedule: str, data
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
         "--eval-interval", "100000", "--seed", "1234", "--num-workers", "0",
         "--timing-log-level", "2", "--timing-log-option", "all",
+        # No dropout: CPU dropout keeps fp32 masks where CUDA keeps bytes; without it both keep the same tensors
+        # and the activation model predicts the meter exactly.
+        "--hidden-dropout", "0", "--attention-dropout", "0",
     ]
     if config.dp > 1:
         args += ["--overlap-grad-reduce"]
-    if schedule != "1f1b":
+    if spec.family in ("pipemesh", "pipemesh-auto"):
         args += ["--num-layers-per-virtual-pipeline-stage", str(model.layers_per_chunk)]
-    if schedule == "breadth-first":
-        args += ["--microbatch-group-size-per-virtual-pipeline-stage", str(m)]
-    if schedule == "pipemesh":
-        forward, backward = groups or default_groups(pp, m)
-        args += ["--pipeline-schedule", "pipemesh", "--forward-groups", *map(str, forward),
-                 "--backward-groups", *map(str, backward)]
-    if schedule == "pipemesh-auto":
-        args += ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
-                 "--pipemesh-memory-budget-gb", f"{auto.memory_budget_gb:g}",
-                 "--pipemesh-device-tflops", f"{auto.device_tflops:g}", "--pipemesh-mfu", f"{auto.mfu:g}",
-                 "--pipemesh-dp-gbps", f"{bandwidth_gbps:g}", "--pipemesh-p2p-gbps", f"{bandwidth_gbps:g}"]
+    args += list(spec.stock_flags)  # stock: V (--num-virtual-stages-per-pipeline-rank), g, recomputation
+    if spec.family in ("pipemesh", "pipemesh-auto"):
+        if not spec.plan_path:
+            raise ValueError(f"row {spec.name} needs a plan file")
+        args += ["--pipeline-schedule", "pipemesh", "--pipemesh-plan", spec.plan_path]
     return args
 
 
@@ -160,8 +151,18 @@ def threads_per_rank(world: int, cores: Optional[int] = None) -> Tuple[int, bool
     return max(1, cores // world), world > cores
 
 
-def run_env(threads: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def run_env(threads: int, base: Optional[Dict[str, str]] = None,
+            cores: Optional[Sequence[int]] = None) -> Dict[str, str]:
+    """Environment of every rank: threads, gloo on loopback, no CUDA, the activation meter on, and each
+    rank's core when ``cores`` is given (:mod:`.affinity`)."""
+    from .activation_meter import ENV_VAR as METER
+    from .affinity import ENV_VAR as CORES
+
     env = dict(os.environ if base is None else base)
+    env[METER] = "1"
+    env.pop(CORES, None)
+    if cores:
+        env[CORES] = ",".join(map(str, cores))
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo",
                 "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -173,6 +174,7 @@ def run_env(threads: int, base: Optional[Dict[str, str]] = None) -> Dict[str, st
 class RunResult:
     config: str
     schedule: str
+    """The row name (``1f1b``, ``interleaved-g4``, ``pipemesh``, ``pipemesh-auto``)."""
     shaped: bool
     repeat: int
     returncode: int
@@ -182,6 +184,8 @@ class RunResult:
     peak_rss_mb: Dict[int, float] = field(default_factory=dict)
     """Peak resident memory per global rank (MiB), sampled every 0.25 s."""
     error: str = ""
+    activation_peak_bytes: Optional[List[Optional[int]]] = None
+    """Peak activation bytes per global rank over the run's training iterations (activation meter)."""
 
 
 class _RssSampler(threading.Thread):

@@ -35,7 +35,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import OpKind
-from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
+from .costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from .memory import SELECTIVE_MODULES, selective_level
 from .simulator import lowering_for, simulate
 

@@ -388,7 +388,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry ``pipemesh-pretrain-gpt``: prepare the process, then train."""
     argv = list(sys.argv[1:] if argv is None else argv)
     script, argv = _pop_flag(argv, OWN_FLAG)
+    # Benchmark hooks, off unless `pipemesh bench` sets their environment variables: pin this rank to a
+    # core before any thread starts (bench/affinity.py); report the peak activation bytes of every
+    # training iteration, for stock and PipeMesh schedules alike (bench/activation_meter.py).
+    from megatron_pipemesh.bench.affinity import pin_from_env
+
+    pin_from_env()
     cpu = _prepare_process()
+    from megatron_pipemesh.bench.activation_meter import install_from_env
+
+    install_from_env()
     argv = prepare_argv(argv, cuda=not cpu)
     sys.argv = [sys.argv[0] if sys.argv else "pipemesh-pretrain-gpt"] + argv
     if script is not None:

@@ -7,12 +7,14 @@ import pytest
 
 from megatron_pipemesh.bench import cli as bench_cli
 from megatron_pipemesh.bench.calibrate import (MeasuredCompute, fit_transfer_overhead, measured_costs,
-                                               predict_iteration_ms, schedule_config)
+                                               predict_iteration_ms)
 from megatron_pipemesh.bench.logparse import IterationRecord, ParsedLog
+from megatron_pipemesh.bench.memory_fair import RunSpec
 from megatron_pipemesh.bench.report import format_table, plot_summary, summarize
 from megatron_pipemesh.bench.runner import (ModelSetup, ParallelConfig, RunResult, default_groups, launch_command,
                                             threads_per_rank, training_args)
 from megatron_pipemesh.cli import UsageError
+from megatron_pipemesh.planning.stock import StockRecompute, StockSetting
 from megatron_pipemesh.schedule.config import ScheduleConfig
 
 
@@ -53,13 +55,28 @@ def test_main_prints_one_paragraph_and_exits_2(capsys):
 
 
 def test_quick_defaults():
-    """--quick: pp2, 1 repeat, 1 warm-up + 4 iterations, 200 Mbit/s, groups 6 2 / 4 4; --unshaped: no shaping."""
-    setup = bench_cli.resolve(_args("--quick"))
-    assert [c.name for c in setup["configs"]] == ["pp2"]
-    assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 4
-    assert setup["shaping"].rate_mbit == 200 and setup["shaping"].burst_bytes >= 4 * 65536
-    assert setup["groups"][("pp2", "pipemesh")] == ((6, 2), (4, 4))
+    """--quick: PP=2 x DP=2 with V=4, m=4, 400 Mbit/s shared by two rings, budget auto:0.2, pinned, no unshaped runs;
+    a flag the user gives wins over the --quick value."""
+    args = _args("--quick")
+    setup = bench_cli.resolve(args)
+    assert [c.name for c in setup["configs"]] == ["pp2xdp2"]
+    assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
+    assert (setup["model"].hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
+    assert setup["shaping"].rate_mbit == 400 and setup["shaping"].burst_bytes >= 4 * 65536
+    assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 0.5 and args.pin_cores and args.no_limit
+    assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
+    assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].hidden_size == 128
+    plain = bench_cli.resolve(_args())
+    assert plain["model"].hidden_size == 256 and plain["budget_mb"] is None and plain["link_share"] == 1.0
     assert bench_cli.resolve(_args("--unshaped"))["shaping"] is None
+    assert bench_cli.resolve(_args("--activation-budget-mb", "12.5"))["budget_mb"] == 12.5
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "lots", "auto:2", "auto:x"])
+def test_bad_budget_is_a_usage_error(text):
+    """A budget that is not a positive number, auto or auto:F with F in [0, 1] is rejected with an example."""
+    with pytest.raises(UsageError, match="--activation-budget-mb"):
+        bench_cli.resolve(_args("--activation-budget-mb", text))
 
 
 def test_add_bench_parser_hook():
@@ -94,26 +111,29 @@ def _flag(args, flag):
     return args[args.index(flag) + 1] if flag in args else None
 
 
-def test_training_args_per_schedule():
-    """Each schedule gets its Megatron flags (VP, group size, groups, auto plan, DP overlap) and torchrun line."""
+def test_training_args_per_row():
+    """Each row adds exactly its schedule and memory flags to the same model, data and batch flags."""
     model, config = ModelSetup(), ParallelConfig(2)
     data = ["--data-path", "/d/corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]
-    one = training_args(model, config, "1f1b", data, "/r")
+    one = training_args(model, config, RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)), data, "/r")
     assert "--num-layers-per-virtual-pipeline-stage" not in one and "--pipeline-schedule" not in one
+    assert "--num-virtual-stages-per-pipeline-rank" not in one and "--recompute-granularity" not in one
     assert _flag(one, "--num-layers") == "4" and _flag(one, "--global-batch-size") == "16"
     assert _flag(one, "--timing-log-level") == "2" and _flag(one, "--timing-log-option") == "all"
-    inter = training_args(model, config, "interleaved", data, "/r")
-    assert _flag(inter, "--num-layers-per-virtual-pipeline-stage") == "1"
-    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in inter
-    breadth = training_args(model, config, "breadth-first", data, "/r")
-    assert _flag(breadth, "--microbatch-group-size-per-virtual-pipeline-stage") == "8"
-    pm = training_args(model, config, "pipemesh", data, "/r", ((6, 2), (4, 4)))
-    i = pm.index("--forward-groups")
-    assert pm[i:i + 6] == ["--forward-groups", "6", "2", "--backward-groups", "4", "4"]
-    auto = training_args(model, config, "pipemesh-auto", data, "/r", bandwidth_gbps=0.2)
-    assert _flag(auto, "--forward-groups") == "auto" and _flag(auto, "--pipemesh-p2p-gbps") == "0.2"
-    assert _flag(auto, "--pipemesh-dp-gbps") == "0.2" and _flag(auto, "--pipemesh-memory-budget-gb") == "8"
-    dp = training_args(model, ParallelConfig(2, 2), "interleaved", data, "/r")
+    assert _flag(one, "--hidden-dropout") == "0" and _flag(one, "--attention-dropout") == "0"
+    setting = StockSetting(2, 2, 8, 4, StockRecompute("full", method="block", num_layers=1))
+    inter = training_args(model, config, RunSpec("interleaved-V2-g4", "interleaved", setting), data, "/r")
+    assert _flag(inter, "--num-virtual-stages-per-pipeline-rank") == "2"
+    assert _flag(inter, "--microbatch-group-size-per-virtual-pipeline-stage") == "4"
+    assert _flag(inter, "--recompute-method") == "block" and _flag(inter, "--recompute-num-layers") == "1"
+    assert inter.count("--pipeline-model-parallel-size") == 1
+    pm = training_args(model, config, RunSpec("pipemesh-auto", "pipemesh-auto", groups=((8,), (8,)),
+                                              plan_path="/p/plan.json"), data, "/r")
+    assert _flag(pm, "--pipeline-schedule") == "pipemesh" and _flag(pm, "--pipemesh-plan") == "/p/plan.json"
+    assert _flag(pm, "--num-layers-per-virtual-pipeline-stage") == "1"
+    with pytest.raises(ValueError, match="plan file"):
+        training_args(model, config, RunSpec("pipemesh", "pipemesh", groups=((8,), (8,))), data, "/r")
+    dp = training_args(model, ParallelConfig(2, 2), RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)), data, "/r")
     assert "--overlap-grad-reduce" in dp and _flag(dp, "--global-batch-size") == "32"
     cmd = launch_command(2, ["--x"], ["ip", "netns", "exec", "ns"], python="py")
     assert cmd == ["ip", "netns", "exec", "ns", "py", "-m", "torch.distributed.run", "--standalone",
@@ -130,48 +150,71 @@ def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):
     return ParsedLog(its, warm + n)
 
 
+SPECS = [RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)),
+         RunSpec("interleaved-V2-g2", "interleaved", StockSetting(2, 2, 8, 2)),
+         RunSpec("interleaved-V2-g8", "interleaved", StockSetting(2, 2, 8, 8)),
+         RunSpec("pipemesh", "pipemesh", groups=((6, 2), (4, 4)), plan_path="/p.json", recomputed=3)]
+PEAKS = {"1f1b": [900, 500], "interleaved-V2-g2": [1000, 600], "interleaved-V2-g8": [2000, 1900],
+         "pipemesh": [1100, 1000]}
+
+
 def _results():
     out = []
-    # schedule: (shaped iteration ms, unshaped iteration ms)
-    for schedule, shaped_ms, unshaped_ms in (("1f1b", 900, 700), ("interleaved", 800, 600), ("pipemesh", 700, 620)):
+    # row: (shaped iteration ms, unshaped iteration ms); breadth-first is the fastest but exceeds the budget
+    for name, shaped_ms, unshaped_ms in (("1f1b", 900, 700), ("interleaved-V2-g2", 800, 600),
+                                         ("interleaved-V2-g8", 500, 450), ("pipemesh", 700, 620)):
         for repeat in range(2):
             jitter = 10 * repeat
-            out.append(RunResult("pp2", schedule, True, repeat, 0, 1.0, "x",
-                                 _log(shaped_ms + jitter, [200, 210], [220, 230], [shaped_ms - 50] * 2), {0: 500.0, 1: 480.0}))
-            out.append(RunResult("pp2", schedule, False, repeat, 0, 1.0, "x",
-                                 _log(unshaped_ms + jitter, [200, 210], [220, 230], [unshaped_ms - 50] * 2)))
+            out.append(RunResult("pp2", name, True, repeat, 0, 1.0, "x",
+                                 _log(shaped_ms + jitter, [200, 210], [220, 230], [shaped_ms - 50] * 2), {0: 500.0, 1: 480.0},
+                                 activation_peak_bytes=PEAKS[name]))
+            out.append(RunResult("pp2", name, False, repeat, 0, 1.0, "x",
+                                 _log(unshaped_ms + jitter, [200, 210], [220, 230], [unshaped_ms - 50] * 2),
+                                 activation_peak_bytes=PEAKS[name]))
     out.append(RunResult("pp2", "pipemesh", True, 2, 1, 1.0, "x", ParsedLog([]), {}, "exit 1: boom"))
     return out
 
 
 def test_summary_table_json_and_plot(tmp_path):
-    """summarize gives medians, spreads, limit fractions, idle/exposed times, failures and ratios; table/JSON/PNG."""
+    """Rows carry measured peaks, fits and throughput; the faster breadth-first row exceeds the budget and
+    is not the best stock; PipeMesh's ratio is to the fastest fitting stock row; table, JSON and chart render."""
     model = ModelSetup(warmup_iters=1, measured_iters=4)
-    groups = {("pp2", "pipemesh"): ((6, 2), (4, 4))}
-    summary = summarize(_results(), model, [ParallelConfig(2)], ["1f1b", "interleaved", "pipemesh"], groups,
-                        200e6 / 8, 0.0)
+    summary = summarize(_results(), model, [ParallelConfig(2)], {"pp2": SPECS}, {"pp2": 1500}, 200e6 / 8, 0.0)
     (entry,) = summary
-    rows = {r["schedule"]: r for r in entry["schedules"]}
+    rows = {r["name"]: r for r in entry["schedules"]}
     tokens = model.tokens_per_iteration(1)
     shaped_tps = (tokens / 0.8 + tokens / 0.81) / 2  # median of the two repeats
     unshaped_tps = (tokens / 0.6 + tokens / 0.61) / 2
-    assert rows["interleaved"]["shaped"]["tokens_per_s_median"] == pytest.approx(shaped_tps)
-    assert rows["interleaved"]["shaped"]["tokens_per_s_spread"] == pytest.approx((tokens / 0.8 - tokens / 0.81) / shaped_tps)
-    assert rows["interleaved"]["fraction_of_unshaped"] == pytest.approx(shaped_tps / unshaped_tps)
-    assert rows["interleaved"]["comm_share"] == pytest.approx(1 - 605 / 805)
-    assert rows["interleaved"]["shaped"]["idle_ms"] == [pytest.approx(750 - 420), pytest.approx(750 - 440)]
-    assert rows["interleaved"]["exposed_comm_ms"] == [pytest.approx(200), pytest.approx(200)]
+    inter = rows["interleaved-V2-g2"]
+    assert inter["shaped"]["tokens_per_s_median"] == pytest.approx(shaped_tps) == inter["tokens_per_s"]
+    assert inter["tokens_per_s_spread"] == pytest.approx((tokens / 0.8 - tokens / 0.81) / shaped_tps)
+    assert inter["fraction_of_unshaped"] == pytest.approx(shaped_tps / unshaped_tps)
+    assert inter["comm_share"] == pytest.approx(1 - 605 / 805)
+    assert inter["shaped"]["idle_ms"] == [pytest.approx(750 - 420), pytest.approx(750 - 440)]
+    assert inter["exposed_comm_ms"] == [pytest.approx(200), pytest.approx(200)]
+    assert inter["stock_flags"] == ["--num-virtual-stages-per-pipeline-rank", "2",
+                                    "--microbatch-group-size-per-virtual-pipeline-stage", "2"]
     assert rows["pipemesh"]["shaped"]["failed_runs"] == 1 and rows["pipemesh"]["shaped"]["runs"] == 2
     assert rows["pipemesh"]["shaped"]["peak_rss_mb"] == [500.0, 480.0]
-    assert entry["best_stock_shaped"] == "interleaved"
+    assert rows["interleaved-V2-g8"]["peak_activation_bytes"] == [2000, 1900]
+    assert [r["fits"] for r in entry["schedules"]] == [True, True, False, True]
+    assert rows["interleaved-V2-g8"]["tokens_per_s"] > inter["tokens_per_s"]
+    assert entry["best_stock"] == "interleaved-V2-g2" and entry["best_stock_shaped"] == "interleaved-V2-g2"
     pm_tps = (tokens / 0.7 + tokens / 0.71) / 2
+    assert rows["pipemesh"]["ratio_to_best_stock"] == pytest.approx(pm_tps / shaped_tps)
     assert entry["pipemesh_vs_best_stock_shaped"]["pipemesh"] == pytest.approx(pm_tps / shaped_tps)
-    cal = rows["interleaved"]["calibration"]
+    assert "ratio_to_best_stock" not in inter
+    cal = inter["calibration"]
     assert cal["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)  # the fitted overhead reproduces it
-    assert entry["fitted_transfer_overhead_ms"] > 0
+    assert entry["fitted_transfer_overhead_ms"] > 0 and entry["overhead_fitted_on"] == "interleaved-V2-g2"
     text = format_table(summary, "200 Mbit/s")
-    assert f"PipeMesh / best stock (interleaved) throughput, shaped: pipemesh {pm_tps / shaped_tps:.3f}" in text
+    assert "best stock (fastest that fits): interleaved-V2-g2" in text
+    assert f"pipemesh {pm_tps / shaped_tps:.3f}" in text and "interleaved-V2-g8 NO" in text
     assert "1 run(s) failed: exit 1: boom" in text and "simulator calibration" in text
+    flat = [bench_cli.compact_row(entry, row) for row in entry["schedules"]]
+    for row in flat:
+        assert {"name", "fits", "peak_activation_bytes", "tokens_per_s", "tokens_per_s_spread", "stock_flags"} <= set(row)
+    assert ("ratio_to_best_stock" in flat[-1]) and all("ratio_to_best_stock" not in r for r in flat[:-1])
     json.dumps(summary)
     png = tmp_path / "bench.png"
     plot_summary(summary, str(png), "200 Mbit/s")
@@ -181,10 +224,7 @@ def test_summary_table_json_and_plot(tmp_path):
 def test_calibration_costs_and_fit():
     """Timers become simulator costs, shaping slows predictions, the fitted overhead reproduces a target time."""
     model, config = ModelSetup(), ParallelConfig(2)
-    assert schedule_config("1f1b", 2, 2, 8).vpp == 1
-    assert schedule_config("breadth-first", 2, 2, 8).forward_groups == (8,)
-    assert schedule_config("interleaved", 2, 2, 8).forward_groups == (2, 2, 2, 2)
-    sched = schedule_config("interleaved", 2, 2, 8)
+    sched = ScheduleConfig.depth_first(2, 2, 8)
     compute = MeasuredCompute([160.0, 176.0], [320.0, 320.0], 50.0)
     costs = measured_costs(model, config, sched, compute, 25e6, latency_s=0.001)
     assert costs.forward_s == pytest.approx(0.010) and costs.backward_s == pytest.approx(0.020)
@@ -199,3 +239,17 @@ def test_calibration_costs_and_fit():
     from megatron_pipemesh.planning.simulator import simulate
     assert simulate(sched, check).iteration_s * 1e3 == pytest.approx(target, rel=1e-3)
     assert fit_transfer_overhead(model, config, sched, compute, 1.0) == 0.0
+
+
+def test_sigterm_stops_the_bench_like_ctrl_c():
+    """SIGTERM raises KeyboardInterrupt in the bench, so the run's process group and namespace are cleaned up."""
+    import os
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        bench_cli._terminate_as_interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

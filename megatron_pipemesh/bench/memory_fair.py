@@ -1,0 +1,214 @@
+"""The memory-fair benchmark: every schedule runs inside one activation budget per rank.
+
+Rows (one training run per row and repeat):
+
+* stock: every (schedule, V, g) of :func:`megatron_pipemesh.planning.stock.schedule_options` (1F1B
+  ``1f1b``; interleaved ``interleaved-V<v>-g<g>`` for every V dividing the layers per rank and every
+  group size g Megatron accepts), each with its fastest stock recomputation predicted to fit the budget
+  (:func:`choose_stock`: none, selective with each ``--recompute-modules`` set that runs on this CPU
+  stack, full uniform/block with each k); where nothing is predicted to fit, the setting with the
+  smallest predicted peak (measured, and then marked as not fitting);
+* ``pipemesh``: the given groups with the planner's pipeline-aware recomputation for the budget;
+  ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
+  as plan files and run with ``--pipemesh-plan``.
+
+Predictions (stock choice and PipeMesh plans alike) use the same simulator and analytic costs:
+compute at the bench's ``--device-tflops`` x ``--mfu``, the shaped rate for pipeline and
+data-parallel transfers, activation bytes of :mod:`megatron_pipemesh.planning.memory` for this run
+(fp32, local layer spec, dropout 0: the bench runs with ``--hidden-dropout 0 --attention-dropout 0``
+so that CPU and CUDA keep the same tensors; the model matches the activation meter to a few bytes),
+and no static memory: the budget is for activations alone. Whether a row fits is decided by the
+*measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import List, Optional, Sequence, Tuple
+
+from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
+                              schedule_options)
+from ..schedule.config import ScheduleConfig
+from .calibrate import model_spec as _model_spec
+from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
+
+MB = 2 ** 20
+CPU_MEMORY_GBS = 10.0
+"""Memory bandwidth one CPU core reaches (GB/s): the optimizer step and norm recomputation."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One row of the memory-fair benchmark: a schedule with its memory setting."""
+
+    name: str
+    """Row name: ``1f1b``, ``interleaved-V<v>-g<g>``, ``pipemesh``, ``pipemesh-auto``."""
+    family: str
+    """``1f1b``, ``interleaved``, ``pipemesh`` or ``pipemesh-auto``."""
+    setting: Optional[StockSetting] = None
+    """Stock rows: schedule, V, g and recomputation (its ``flags()`` are what the run adds)."""
+    groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+    """PipeMesh forward / backward groups."""
+    plan_path: Optional[str] = None
+    """PipeMesh: the plan file passed with ``--pipemesh-plan``."""
+    recomputed: int = 0
+    """PipeMesh: chunk-micro-batches the plan recomputes."""
+    predicted_peak_bytes: Optional[Tuple[float, ...]] = None
+    """Predicted peak activation bytes per pipeline rank."""
+    predicted_iteration_s: Optional[float] = None
+    predicted_fits: bool = True
+    """Whether the prediction fits the budget (False: the least-memory stock setting of a schedule where
+    nothing is predicted to fit)."""
+
+    @property
+    def stock(self) -> bool:
+        return self.family in STOCK_FAMILIES
+
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.setting.effective_group_size if self.setting else None
+
+    @property
+    def recompute(self) -> str:
+        return self.setting.recompute.describe() if self.setting else f"planned ({self.recomputed} recomputed)"
+
+    @property
+    def stock_flags(self) -> Tuple[str, ...]:
+        """Megatron flags of the stock setting beyond the pipeline size (V, g, recomputation)."""
+        return tuple(self.setting.flags()[2:]) if self.setting else ()
+
+    def schedule_config(self, pp: int, vpp: int, m: int) -> ScheduleConfig:
+        """The order this row runs (for the simulator and the calibration)."""
+        if self.setting is not None:
+            return self.setting.config()
+        if self.groups is None:
+            raise ValueError(f"row {self.name} has no groups")
+        return ScheduleConfig(pp, vpp, m, *self.groups)
+
+    def describe(self) -> str:
+        """One line: what this row runs with."""
+        if self.setting is not None:
+            return self.setting.describe()
+        groups = f"{' '.join(map(str, self.groups[0]))} / {' '.join(map(str, self.groups[1]))}" if self.groups else ""
+        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches"
+
+
+def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> ClusterSpec:
+    """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; every link at the shaped rate."""
+    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps, p2p_gbps=gbps,
+                       distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS)
+
+
+def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,
+                     gbps: float) -> OpCosts:
+    """Analytic costs with no static memory: what the planner sees under an activation budget."""
+    costs = analytic_costs(_model_spec(model, config.pp), cluster_spec(config, auto, gbps), sched)
+    return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
+
+
+def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
+                      fraction: float = 0.5) -> float:
+    """``--activation-budget-mb auto[:F]``: ``fraction`` of the way from the depth-first to the breadth-first
+    peak (largest rank, no recomputation) of stock interleaved at the bench's V (auto: halfway)."""
+    pp, vpp, m = config.pp, model.vpp, model.microbatches
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
+    peaks = [max(evaluate(StockSetting(pp, vpp, m, g), spec, cluster).peak_activation_bytes) for g in (pp, m)]
+    return peaks[0] + fraction * (peaks[1] - peaks[0])
+
+
+def _row_name(setting: StockSetting) -> str:
+    return "1f1b" if setting.vpp == 1 else f"interleaved-V{setting.vpp}-g{setting.effective_group_size}"
+
+
+CPU_BROKEN_MODULES = frozenset({"layernorm", "mlp"})
+"""``--recompute-modules`` values that do not run on this CPU stack (megatron-core 0.19.2 without Transformer
+Engine): ``layernorm`` fails (``CheckpointWithoutOutput`` needs Transformer Engine's FP8GlobalStateManager),
+``mlp`` never finishes its first training step (nested reentrant checkpoint backwards). Stock rows leave them
+out here; PipeMesh's runtime has no module sets either (none / selective core_attn / full)."""
+
+
+def runnable_options(layers_per_chunk: int, layer_spec: str = "local",
+                     broken: frozenset = CPU_BROKEN_MODULES) -> List[StockRecompute]:
+    """Stock recomputation settings that run here: every option of :func:`recompute_options` whose
+    ``--recompute-modules`` avoid ``broken``."""
+    return [o for o in recompute_options(layers_per_chunk, layer_spec) if not (set(o.modules) & broken)]
+
+
+def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
+                 budget: Optional[float]) -> Tuple[StockResult, bool]:
+    """(simulated setting, predicted to fit) of one stock schedule: the fitting runnable recomputation with the
+    least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
+    none fits, the one with the smallest peak (largest rank)."""
+    options = runnable_options(spec.num_layers // (pp * vpp), spec.layer_spec)
+    probe = StockSetting(pp, vpp, m, g)
+    costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
+    peaks = order_peaks(probe.config(), costs, [o.level for o in options])
+    fitting = [o for o in options if budget is None or max(peaks[o.level]) <= budget]
+    if fitting:
+        choice = min(fitting, key=lambda o: costs.recompute_s[o.level])
+    else:
+        choice = min(options, key=lambda o: (max(peaks[o.level]), costs.recompute_s[o.level]))
+    return evaluate(replace(probe, recompute=choice), spec, cluster), bool(fitting)
+
+
+def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[float], auto: AutoPlanSettings,
+                gbps: float, families: Sequence[str] = STOCK_FAMILIES, group_sizes: Optional[Sequence[int]] = None,
+                vpps: Optional[Sequence[int]] = None) -> List[RunSpec]:
+    """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
+    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget)."""
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
+    pp, m = config.pp, model.microbatches
+    rows = []
+    for vpp, g in schedule_options(pp, spec.num_layers, m):
+        family = "1f1b" if vpp == 1 else "interleaved"
+        if family not in families or (vpp > 1 and ((group_sizes and g not in group_sizes)
+                                                   or (vpps and vpp not in vpps))):
+            continue
+        result, fits_predicted = choose_stock(spec, cluster, pp, vpp, m, g, budget)
+        rows.append(RunSpec(name=_row_name(result.setting), family=family, setting=result.setting,
+                            predicted_peak_bytes=tuple(result.peak_activation_bytes),
+                            predicted_iteration_s=result.iteration_s, predicted_fits=fits_predicted))
+    return rows
+
+
+def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget: Optional[float],
+                  auto: AutoPlanSettings, gbps: float, plan_dir: str,
+                  groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None) -> RunSpec:
+    """A PipeMesh row planned for ``budget``: the given ``groups`` with pipeline-aware recomputation
+    (``pipemesh``) or the planner's best groups and recomputation (``pipemesh-auto``); written to a plan
+    file for ``--pipemesh-plan``. Without a budget nothing is recomputed (auto: an unbounded budget)."""
+    from ..planning.planner import fit_with_recompute, plan_schedule
+
+    pp, vpp, m = config.pp, model.vpp, model.microbatches
+    costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps)  # noqa: E731
+    limit = budget if budget is not None else float("inf")
+    if family == "pipemesh-auto":
+        plan, _ = plan_schedule(pp, vpp, m, costs_for, limit)
+    else:
+        sched = ScheduleConfig(pp, vpp, m, *groups)
+        plan = fit_with_recompute(sched, costs_for(sched), limit)
+    os.makedirs(plan_dir, exist_ok=True)
+    path = os.path.join(plan_dir, f"{config.name}-{family}.json")
+    data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1, default=str)
+    recomputed = sum(1 for level in plan.recompute.values() if level != "none")
+    return RunSpec(name=family, family=family, groups=(plan.config.forward_groups, plan.config.backward_groups),
+                   plan_path=path, recomputed=recomputed,
+                   predicted_peak_bytes=tuple(r.peak_activation_bytes for r in plan.result.ranks),
+                   predicted_iteration_s=plan.result.iteration_s, predicted_fits=plan.fits)
+
+
+def fits(peaks: Optional[Sequence[Optional[float]]], budget: Optional[float]) -> bool:
+    """A row fits when every rank's measured peak is known and within the budget (always without one)."""
+    if budget is None:
+        return True
+    return bool(peaks) and all(p is not None and p <= budget for p in peaks)
+
+
+def best_stock(rows: Sequence[dict]) -> Optional[dict]:
+    """The fastest stock row that fits (rows: ``stock``, ``fits``, ``tokens_per_s``); None if none does."""
+    candidates = [r for r in rows if r.get("stock") and r.get("fits") and r.get("tokens_per_s")]
+    return max(candidates, key=lambda r: r["tokens_per_s"]) if candidates else None

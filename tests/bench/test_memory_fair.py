@@ -1,0 +1,84 @@
+"""The memory-fair benchmark's pure parts: budget, stock rows, PipeMesh plans, fits, best stock."""
+import json
+
+import pytest
+
+from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, fits, pipemesh_spec, stock_specs)
+from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig
+from megatron_pipemesh.integration.auto_plan import load_plan
+from megatron_pipemesh.planning.stock import group_sizes
+
+MODEL = ModelSetup(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1, microbatches=4, vpp=2)
+CONFIG = ParallelConfig(2, 2)
+AUTO = AutoPlanSettings(device_tflops=0.02, mfu=0.45)
+GBPS = 0.2
+
+
+def test_fits_needs_every_rank_measured_and_within_budget():
+    """No budget: always fits; otherwise every rank's peak must be known and <= the budget."""
+    assert fits(None, None) and fits([5, 7], None)
+    assert fits([5, 7], 7) and not fits([5, 8], 7)
+    assert not fits([5, None], 7) and not fits(None, 7) and not fits([], 7)
+
+
+def test_best_stock_is_fastest_fitting_stock_row():
+    """A faster row that does not fit never wins, nor does a PipeMesh row; None when no stock row fits."""
+    rows = [{"name": "bf", "stock": True, "fits": False, "tokens_per_s": 300.0},
+            {"name": "df", "stock": True, "fits": True, "tokens_per_s": 200.0},
+            {"name": "g4", "stock": True, "fits": True, "tokens_per_s": 250.0},
+            {"name": "pipemesh", "stock": False, "fits": True, "tokens_per_s": 400.0},
+            {"name": "failed", "stock": True, "fits": True, "tokens_per_s": None}]
+    assert best_stock(rows)["name"] == "g4"
+    assert best_stock([r for r in rows if r["name"] in ("bf", "pipemesh")]) is None
+
+
+def test_auto_budget_lies_between_depth_first_and_breadth_first():
+    """'auto' is strictly between the two no-recompute peaks, so breadth-first must recompute and depth-first need not."""
+    budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
+    rows = {r.name: r for r in stock_specs(MODEL, CONFIG, None, AUTO, GBPS)}
+    depth, breadth = max(rows["interleaved-V2-g2"].predicted_peak_bytes), max(rows["interleaved-V2-g4"].predicted_peak_bytes)
+    assert depth < budget < breadth
+    fitted = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS)}
+    assert fitted["interleaved-V2-g2"].setting.recompute.granularity == "none"
+    assert fitted["interleaved-V2-g4"].setting.recompute.granularity != "none"
+
+
+def test_stock_rows_cover_every_schedule_and_fit_or_say_so():
+    """One row per stock (V, g) Megatron accepts; each predicted to fit the budget with its recomputation,
+    except where nothing can (then the least-memory setting, marked predicted_fits False)."""
+    budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
+    rows = stock_specs(MODEL, CONFIG, budget, AUTO, GBPS)
+    expected = ["1f1b"] + [f"interleaved-V2-g{g}" for g in group_sizes(2, 4)]
+    assert [r.name for r in rows] == expected
+    for row in rows:
+        assert row.predicted_fits == (max(row.predicted_peak_bytes) <= budget)
+        assert row.stock_flags == tuple(row.setting.flags()[2:])
+    tiny = stock_specs(MODEL, CONFIG, 1.0, AUTO, GBPS)
+    assert not any(r.predicted_fits for r in tiny)
+    assert all(r.setting.recompute.granularity != "none" for r in tiny)
+    only = stock_specs(MODEL, CONFIG, budget, AUTO, GBPS, families=("interleaved",), group_sizes=[4])
+    assert [r.name for r in only] == ["interleaved-V2-g4"]
+
+
+@pytest.mark.parametrize("family", ["pipemesh", "pipemesh-auto"])
+def test_pipemesh_rows_are_planned_for_the_budget(tmp_path, family):
+    """The plan file loads for this run's p, V, m, predicts every rank within the budget and recomputes
+    where the unplanned schedule would not fit."""
+    budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
+    spec = pipemesh_spec(MODEL, CONFIG, family, budget, AUTO, GBPS, str(tmp_path), ((4,), (4,)))
+    plan = load_plan(spec.plan_path, 2, 2, 4)
+    assert (plan.config.forward_groups, plan.config.backward_groups) == spec.groups
+    assert max(spec.predicted_peak_bytes) <= budget and spec.predicted_fits
+    if family == "pipemesh":  # breadth-first groups exceed the budget without recomputation
+        assert spec.groups == ((4,), (4,)) and spec.recomputed > 0 and len(plan.recompute) == spec.recomputed
+    assert json.load(open(spec.plan_path))["memory_budget_gb"] == pytest.approx(budget / 2 ** 30)
+
+
+def test_runnable_options_leave_out_modules_broken_on_cpu():
+    """Stock keeps none, selective core_attn and every full uniform/block k; no layernorm or mlp module sets."""
+    from megatron_pipemesh.bench.memory_fair import runnable_options
+
+    options = runnable_options(2)
+    assert [o.describe() for o in options][:2] == ["no recomputation", "--recompute-granularity selective"]
+    assert all(not ({"layernorm", "mlp"} & set(o.modules)) for o in options)
+    assert sum(o.granularity == "full" for o in options) == 4  # block and uniform, k = 1, 2
