@@ -301,6 +301,20 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
 
     saved_dist = executor.dist
     executor.dist = transport
+    # The rank threads share Megatron's one RNG tracker, whose fork() keeps the current state's name in the
+    # tracker: two threads inside fork() at once make it raise ("current state name ... is not the same").
+    # Separate processes each have their own tracker; here the forks are serialised (no transfer runs inside).
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    fork_lock, shared_fork = threading.RLock(), tracker.fork
+
+    @contextlib.contextmanager
+    def serial_fork(*args, **kwargs):
+        with fork_lock, shared_fork(*args, **kwargs):
+            yield
+
+    tracker.fork = serial_fork
     try:
         threads = [threading.Thread(target=rank_main, args=(r,), name=f"pipemesh-rank{r}") for r in range(pp)]
         for thread in threads:
@@ -309,6 +323,7 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
             thread.join(transport.host_timeout_s * 2)
     finally:
         executor.dist = saved_dist
+        del tracker.fork  # back to the class's method
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     record = {"pp": pp, "vpp": vpp, "microbatches": microbatches, "forward_groups": list(forward_groups),

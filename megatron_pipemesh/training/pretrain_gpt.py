@@ -404,6 +404,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run_megatron_lm_script(script)
     else:
         _pretrain()
+    if cpu:
+        _close_gloo_groups()
+
+
+def _close_gloo_groups() -> None:
+    """CPU only: wait for every rank, then destroy the process groups before the interpreter exits.
+
+    Megatron's ``pretrain()`` returns with its groups alive; with ``--overlap-param-gather`` the last
+    optimizer step leaves asynchronous all-gathers queued on the data-parallel groups. Left to interpreter
+    shutdown, gloo can tear a group down under queued work and abort a rank (SIGABRT after training
+    finished); destroying the groups explicitly drains their queues first. On GPUs Megatron's own exit
+    path stays untouched."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
