@@ -14,6 +14,10 @@ Placement rules (the runtime follows the program literally):
 * ``GRAD_SYNC c``: just after chunk c's last backward (in the last backward group); with
   ``align_grad_sync`` r backwards later on rank r (Megatron's ``align_grad_reduce``), or at the
   end when that index does not exist.
+* ``OFFLOAD c.j`` (for the chunk-micro-batches of ``host_placement`` on this rank): right after
+  ``F c.j`` and its send, so the copy to host memory overlaps the following compute;
+  ``RELOAD c.j``: ``reload_lookahead`` compute ops before ``B c.j`` (never before the op after
+  ``F c.j``), so the copy back overlaps the preceding compute; the backward waits on it.
 """
 from __future__ import annotations
 
@@ -43,6 +47,15 @@ class LoweringOptions:
     """Shift each rank's GRAD_SYNC r backwards later so pipeline ranks launch together (Megatron default)."""
     forward_only: bool = False
     """Evaluation program: forwards only, no backward and no data-parallel syncs."""
+    host_placement: Tuple[Tuple[int, int, int], ...] = ()
+    """(pipeline rank, chunk, micro-batch) whose saved activations go to host memory after the
+    forward (OFFLOAD) and come back before the backward (RELOAD); ignored by evaluation programs."""
+    reload_lookahead: int = 2
+    """Launch a RELOAD this many compute ops before its backward (>= 1)."""
+
+    def __post_init__(self) -> None:
+        # JSON round-trips turn the keys into lists; keep one canonical, hashable, sorted form.
+        object.__setattr__(self, "host_placement", tuple(sorted(tuple(int(x) for x in key) for key in self.host_placement)))
 
 
 def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:
@@ -103,6 +116,13 @@ def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) 
     """Build every rank's lowered program for ``config``."""
     if options.recv_lookahead < 0:
         raise ValueError(f"recv_lookahead must be >= 0, got {options.recv_lookahead}")
+    if options.reload_lookahead < 1:
+        raise ValueError(f"reload_lookahead must be >= 1, got {options.reload_lookahead}")
+    for key in options.host_placement:
+        rank, chunk, microbatch = key
+        if not (0 <= rank < config.pp and 0 <= chunk < config.vpp and 0 <= microbatch < config.microbatches):
+            raise ValueError(f"host placement {key} (pipeline rank, chunk, micro-batch) is outside {config.describe()}: "
+                             f"ranks 0..{config.pp - 1}, chunks 0..{config.vpp - 1}, micro-batches 0..{config.microbatches - 1}")
     positions = first_last_positions(config)
     programs = [
         _lower_rank(config, options, rank, compute, positions)
@@ -134,6 +154,13 @@ def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, com
         target = output_target(config, rank, op)
         if target is not None:
             after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
+
+    if not options.forward_only:
+        where = {op: i for i, op in enumerate(compute)}
+        for _, chunk, microbatch in (key for key in options.host_placement if key[0] == rank):
+            f, b = where[Op(OpKind.FORWARD, chunk, microbatch)], where[Op(OpKind.BACKWARD, chunk, microbatch)]
+            after[f].append(Op(OpKind.OFFLOAD, chunk, microbatch))
+            before[max(b - options.reload_lookahead, f + 1)].append(Op(OpKind.RELOAD, chunk, microbatch))
 
     tail: List[Op] = []
     if options.grad_sync and not options.forward_only:

@@ -3,7 +3,8 @@
 A schedule is data: per-rank lists of :class:`Op`. Compute ops read ``F1.3`` (forward of model
 chunk 1 on micro-batch 3) and ``B0.7``; the lowering adds communication and data-parallel ops
 (``RECV_F1.3<0``: post the receive of F1.3's input from rank 0, ``SEND_F1.3>2``: send F1.3's
-output to rank 2, ``PARAM_SYNC1``, ``GRAD_SYNC1``). The text form is used for printing, saving,
+output to rank 2, ``PARAM_SYNC1``, ``GRAD_SYNC1``) and host copies of saved activations (``OFFLOAD1.3``: move the
+tensors F1.3 saved for its backward to host memory; ``RELOAD1.3``: bring them back for B1.3). The text form is used for printing, saving,
 diffing and error messages, and parses back with :func:`parse_op`.
 """
 from __future__ import annotations
@@ -31,6 +32,10 @@ class OpKind(str, enum.Enum):
     """Launch the data-parallel parameter gather of a chunk (must finish before its first F)."""
     GRAD_SYNC = "GRAD_SYNC"
     """Launch the data-parallel gradient reduction of a chunk (after its last B)."""
+    OFFLOAD = "OFFLOAD"
+    """Launch the copy of a forward's saved activations to host memory (after that forward; non-blocking)."""
+    RELOAD = "RELOAD"
+    """Launch the copy of a chunk-micro-batch's activations back from host memory (its backward waits on it)."""
 
     # Plain string sets: these run in the simulator's inner loop (enum member lookups are slow).
     @property
@@ -45,20 +50,27 @@ class OpKind(str, enum.Enum):
     def is_dp(self) -> bool:
         return self._value_ in _DP
 
+    @property
+    def is_host(self) -> bool:
+        """Copies between device and host memory (OFFLOAD / RELOAD)."""
+        return self._value_ in _HOST
+
 
 _COMPUTE = frozenset({"F", "B"})
 _P2P = frozenset({"RECV_F", "SEND_F", "RECV_B", "SEND_B"})
 _DP = frozenset({"PARAM_SYNC", "GRAD_SYNC"})
-_FORWARD_SIDE = frozenset({"RECV_F", "SEND_F"})
+_HOST = frozenset({"OFFLOAD", "RELOAD"})
+_FORWARD_SIDE = frozenset({"RECV_F", "SEND_F", "OFFLOAD"})
 
 
 @dataclass(frozen=True, order=True)
 class Op:
     """One step of a per-rank program.
 
-    For compute and p2p ops ``microbatch`` is set; p2p ops name the compute op they serve (the
-    producer for sends, the consumer for receives) and carry the ``peer`` rank. Data-parallel ops
-    name only the chunk.
+    For compute, p2p and host ops ``microbatch`` is set; p2p ops name the compute op they serve (the
+    producer for sends, the consumer for receives) and carry the ``peer`` rank; host ops name the
+    forward that saved the activations (OFFLOAD) or the backward that needs them (RELOAD).
+    Data-parallel ops name only the chunk.
     """
 
     kind: OpKind
@@ -72,7 +84,7 @@ class Op:
         kind = self.kind._value_
         if kind in _COMPUTE:
             return self
-        if kind in _P2P:
+        if kind in _P2P or kind in _HOST:
             return Op(OpKind.FORWARD if kind in _FORWARD_SIDE else OpKind.BACKWARD, self.chunk, self.microbatch)
         raise ValueError(f"{self} is not tied to a compute op")
 
@@ -99,7 +111,7 @@ def B(chunk: int, microbatch: int) -> Op:
 
 
 _OP_RE = re.compile(
-    r"^(?P<kind>RECV_F|SEND_F|RECV_B|SEND_B|PARAM_SYNC|GRAD_SYNC|F|B)(?P<chunk>\d+)"
+    r"^(?P<kind>RECV_F|SEND_F|RECV_B|SEND_B|PARAM_SYNC|GRAD_SYNC|OFFLOAD|RELOAD|F|B)(?P<chunk>\d+)"
     r"(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
 )
 
@@ -108,7 +120,7 @@ def parse_op(text: str) -> Op:
     """Parse the text form produced by ``str(op)``."""
     match = _OP_RE.match(text.strip())
     if not match:
-        raise ValueError(f"cannot parse schedule op {text!r}; expected e.g. 'F1.3', 'B0.7', 'SEND_F1.3>2', 'GRAD_SYNC1'")
+        raise ValueError(f"cannot parse schedule op {text!r}; expected e.g. 'F1.3', 'B0.7', 'SEND_F1.3>2', 'GRAD_SYNC1', 'OFFLOAD1.3'")
     kind = OpKind(match["kind"])
     mb = match["mb"]
     if kind.is_dp != (mb is None):

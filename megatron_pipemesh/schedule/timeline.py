@@ -6,7 +6,10 @@ posts, sends and data-parallel launches never block; a compute op starts when th
 its input has arrived, and (first forward of a chunk) that chunk's parameter gather has finished.
 Each directed pipeline link (src, dst, direction) is a FIFO channel: a transfer starts when it
 was sent, its receive was posted and the previous transfer on the link has left it. Each rank has
-one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order.
+one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order, and
+two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: the link is
+full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
+ended, and a backward whose activations were offloaded starts when its RELOAD has finished.
 If no rank can make progress before every program ends, the schedule deadlocks.
 """
 from __future__ import annotations
@@ -40,6 +43,11 @@ class Costs(Protocol):
 
     def data_parallel(self, rank: int, op: Op) -> float: ...
 
+    def host_copy(self, rank: int, op: Op) -> float:
+        """Seconds the host link of ``rank`` is busy with the OFFLOAD / RELOAD ``op`` (optional:
+        cost models without it copy for free)."""
+        ...
+
 
 class UnitCosts:
     """F = 1, B = 2, free communication: the dry-run and textbook setting."""
@@ -56,6 +64,9 @@ class UnitCosts:
     def data_parallel(self, rank: int, op: Op) -> float:
         return self.dp
 
+    def host_copy(self, rank: int, op: Op) -> float:
+        return 0.0
+
 
 @dataclass
 class ComputeEvent:
@@ -68,7 +79,7 @@ class ComputeEvent:
     data_ready: float
     """When the input (or parameters) arrived; 0 when nothing was awaited."""
     waited_on: str
-    """'p2p', 'param' or '' : what the latest-arriving dependency was."""
+    """'p2p', 'param', 'host' or '' : what the latest-arriving dependency was."""
     comm_part: float = 0.0
     """Part of the wait caused by the transfer itself (the rest is pipeline bubble)."""
 
@@ -82,7 +93,7 @@ class CommEvent:
     start: float
     end: float
     lane: str
-    """'p2p' or 'dp'."""
+    """'p2p', 'dp', 'd2h' (OFFLOAD) or 'h2d' (RELOAD)."""
 
 
 @dataclass
@@ -109,6 +120,11 @@ class _Engine:
         self.channel_free: Dict[Tuple[int, int, OpKind], float] = {}
         self.posted: Dict[TransferKey, float] = {}
         self.arrival: Dict[TransferKey, Tuple[float, float]] = {}  # key -> (arrival, send time)
+        self.host_free = {"d2h": [0.0] * p, "h2d": [0.0] * p}
+        self.offloaded: Dict[Tuple[int, int, int], float] = {}  # (rank, chunk, micro-batch) -> copy end
+        self.reloaded: Dict[Tuple[int, int, int], float] = {}
+        host_copy = getattr(costs, "host_copy", None)
+        self.host_copy = host_copy if callable(host_copy) else (lambda rank, op: 0.0)
         self.param_ready: List[Dict[int, Optional[float]]] = []
         for rank, program in enumerate(schedule.programs):
             self.param_ready.append({op.chunk: None for op in program if op.kind is OpKind.PARAM_SYNC})
@@ -152,6 +168,15 @@ class _Engine:
             if op.kind is OpKind.PARAM_SYNC:
                 self.param_ready[rank][op.chunk] = end
             self.timeline.rank_end[rank] = max(self.timeline.rank_end[rank], end)
+        elif op.kind.is_host:
+            key = (rank, op.chunk, op.microbatch)
+            offload = op.kind is OpKind.OFFLOAD
+            lane = "d2h" if offload else "h2d"
+            start = max(now, self.host_free[lane][rank], 0.0 if offload else self.offloaded.get(key, 0.0))
+            end = start + self.host_copy(rank, op)
+            self.host_free[lane][rank] = end
+            (self.offloaded if offload else self.reloaded)[key] = end
+            self.timeline.comms.append(CommEvent(rank, rank, op, start, end, lane))
         else:
             data_ready, waited_on, comm_part = 0.0, "", 0.0
             if input_source(self.cfg, rank, op) is not None:
@@ -167,6 +192,10 @@ class _Engine:
                 if ready > data_ready:
                     data_ready, waited_on = ready, "param"
                     comm_part = ready - now
+            reloaded = self.reloaded.get((rank, op.chunk, op.microbatch)) if op.kind is OpKind.BACKWARD else None
+            if reloaded is not None and reloaded > max(data_ready, now):
+                data_ready, waited_on = reloaded, "host"
+                comm_part = reloaded - now
             start = max(now, data_ready)
             end = start + self.costs.compute(rank, op)
             comm_part = min(max(comm_part, 0.0), start - now)

@@ -4,7 +4,9 @@ Checks, in order: every compute op exactly once per rank; each backward after it
 every receive posted before its consumer and with the right peer, every send after its producer;
 send/receive matching per directed link (same tensors, same order on both ends); data-parallel
 points consistent (a chunk's parameter gather launched before its first forward, each chunk's
-gradient sync exactly once, after its last backward); and deadlock freedom by a dry run.
+gradient sync exactly once, after its last backward); host copies consistent (exactly the
+chunk-micro-batches of the lowering's ``host_placement`` are offloaded once, after their forward, and
+reloaded once, after the offload and before their backward); and deadlock freedom by a dry run.
 Errors print the offending rank, step and that rank's order with the step marked.
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         posted = set()
         param_launched = set()
         param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
+        host_state: Dict[Tuple[int, int], str] = {}
         last_backward = {c: -1 for c in range(cfg.vpp)}
         for index, x in enumerate(program):
             if x.kind is OpKind.BACKWARD:
@@ -61,6 +64,9 @@ def validate(schedule: LoweredSchedule) -> Timeline:
                     raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
                 if op.kind is OpKind.FORWARD and op.chunk not in param_launched and op.chunk in param_chunks:
                     raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
+                if op.kind is OpKind.BACKWARD and host_state.get((op.chunk, op.microbatch)) == "offloaded":
+                    raise _fail(schedule, rank, step, f"{op} runs while its activations are on the host: "
+                                                      f"RELOAD{op.chunk}.{op.microbatch} must come before it")
                 done.add(op)
             elif op.kind.is_p2p:
                 compute = op.compute
@@ -83,10 +89,40 @@ def validate(schedule: LoweredSchedule) -> Timeline:
             elif op.kind is OpKind.GRAD_SYNC:
                 if step < last_backward[op.chunk]:
                     raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} (step {last_backward[op.chunk]})")
+            elif op.kind.is_host:
+                _check_host_op(schedule, rank, step, op, done, host_state)
+        placed = {(c, j) for r, c, j in schedule.options.host_placement if r == rank} if not schedule.options.forward_only else set()
+        for key in sorted(placed | set(host_state)):
+            state = host_state.get(key)
+            what = ("is offloaded but not in the lowering's host_placement" if key not in placed else
+                    "is placed on the host but never offloaded" if state is None else
+                    "is offloaded but never reloaded" if state == "offloaded" else "")
+            if what:
+                raise _fail(schedule, rank, len(program) - 1, f"chunk {key[0]} micro-batch {key[1]} {what}")
         _check_dp_counts(schedule, rank, OpKind.GRAD_SYNC, schedule.options.grad_sync)
         _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync)
     _check_links(schedule, sends, recvs)
     return execute(schedule)
+
+
+def _check_host_op(schedule: LoweredSchedule, rank: int, step: int, op: Op, done: set,
+                   host_state: Dict[Tuple[int, int], str]) -> None:
+    """OFFLOAD after its forward and once; RELOAD after the offload, before the backward, once."""
+    key = (op.chunk, op.microbatch)
+    state = host_state.get(key)
+    if op.kind is OpKind.OFFLOAD:
+        if F(*key) not in done:
+            raise _fail(schedule, rank, step, f"{op} offloads the activations of {F(*key)} before it ran")
+        if state is not None:
+            raise _fail(schedule, rank, step, f"{op} offloads chunk {key[0]} micro-batch {key[1]} a second time")
+        host_state[key] = "offloaded"
+    else:
+        if state != "offloaded":
+            raise _fail(schedule, rank, step, f"{op} reloads activations that are not on the host "
+                                              f"({'never offloaded' if state is None else 'already reloaded'})")
+        if B(*key) in done:
+            raise _fail(schedule, rank, step, f"{op} reloads after its backward {B(*key)} ran")
+        host_state[key] = "reloaded"
 
 
 def _check_dp_counts(schedule: LoweredSchedule, rank: int, kind: OpKind, enabled: bool) -> None:

@@ -18,6 +18,8 @@ EXAMPLES = [
     (Op(OpKind.SEND_BACKWARD, 0, 0, 1), "SEND_B0.0>1"),
     (Op(OpKind.PARAM_SYNC, 2), "PARAM_SYNC2"),
     (Op(OpKind.GRAD_SYNC, 1), "GRAD_SYNC1"),
+    (Op(OpKind.OFFLOAD, 1, 3), "OFFLOAD1.3"),
+    (Op(OpKind.RELOAD, 0, 7), "RELOAD0.7"),
 ]
 
 
@@ -65,14 +67,18 @@ def test_constructors_and_compute_link():
     assert parse_op("RECV_B0.4<1").compute == B(0, 4)
     assert parse_op("SEND_B0.4>3").compute == B(0, 4)
     assert F(0, 0).compute == F(0, 0)
+    assert parse_op("OFFLOAD1.3").compute == F(1, 3)  # the forward that saved the activations
+    assert parse_op("RELOAD1.3").compute == B(1, 3)  # the backward that needs them
+    with pytest.raises(ValueError, match="only sends"):
+        parse_op("OFFLOAD1.3>2")
     with pytest.raises(ValueError):
         _ = parse_op("GRAD_SYNC1").compute
 
 
 def test_kind_predicates():
-    """Each kind is exactly one of compute, p2p or data-parallel."""
+    """Each kind is exactly one of compute, p2p, data-parallel or host copy."""
     for kind in OpKind:
-        assert [kind.is_compute, kind.is_p2p, kind.is_dp].count(True) == 1, kind
+        assert [kind.is_compute, kind.is_p2p, kind.is_dp, kind.is_host].count(True) == 1, kind
 
 
 def test_format_ops_marks_one_step():
