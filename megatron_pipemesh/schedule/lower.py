@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import ScheduleConfig
 from .ops import Op, OpKind, parse_op
@@ -56,6 +56,17 @@ class LoweringOptions:
     def __post_init__(self) -> None:
         # JSON round-trips turn the keys into lists; keep one canonical, hashable, sorted form.
         object.__setattr__(self, "host_placement", tuple(sorted(tuple(int(x) for x in key) for key in self.host_placement)))
+
+
+HOST_LEVEL = "host"
+"""Placement level of a chunk-micro-batch whose activations wait for their backward in host memory
+(kept whole, like 'none', but off the device between OFFLOAD and RELOAD)."""
+
+
+def host_placement_of(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> Tuple[Tuple[int, int, int], ...]:
+    """``LoweringOptions.host_placement`` of a per (pipeline rank, chunk, micro-batch) placement plan:
+    every rank's host keys (all ranks lower, and compare, the same whole plan)."""
+    return tuple(sorted(key for key, level in (plan or {}).items() if level == HOST_LEVEL))
 
 
 def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:

@@ -43,6 +43,14 @@ def test_placement_round_trips_and_changes_the_digest():
     assert _lowered(reload_lookahead=3).digest() != schedule.digest()
 
 
+def test_host_placement_of_a_plan():
+    """The lowering's placement is exactly the plan's 'host' keys of every rank, sorted."""
+    from megatron_pipemesh.schedule.lower import host_placement_of
+    plan = {(1, 1, 5): "host", (0, 0, 0): "host", (0, 1, 1): "full", (1, 0, 0): "none", (0, 0, 1): "host"}
+    assert host_placement_of(plan) == ((0, 0, 0), (0, 0, 1), (1, 1, 5))
+    assert host_placement_of(None) == ()
+
+
 def test_evaluation_programs_ignore_placement():
     programs = _lowered(forward_only=True).programs
     assert not any(op.kind.is_host for program in programs for op in program)
