@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import ScheduleConfig
@@ -134,12 +135,19 @@ def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) 
         if not (0 <= rank < config.pp and 0 <= chunk < config.vpp and 0 <= microbatch < config.microbatches):
             raise ValueError(f"host placement {key} (pipeline rank, chunk, micro-batch) is outside {config.describe()}: "
                              f"ranks 0..{config.pp - 1}, chunks 0..{config.vpp - 1}, micro-batches 0..{config.microbatches - 1}")
+    return LoweredSchedule(config, options, [list(program) for program in _lowered_programs(config, options)])
+
+
+@lru_cache(maxsize=256)
+def _lowered_programs(config: ScheduleConfig, options: LoweringOptions) -> Tuple[Tuple[Op, ...], ...]:
+    """The programs of :func:`lower`, memoized: planners and the study lower the same (config,
+    options) many times. Ops are frozen, so every caller gets its own lists of shared ops (which
+    also lets the timeline engine reuse its compiled form of them)."""
     positions = first_last_positions(config)
-    programs = [
-        _lower_rank(config, options, rank, compute, positions)
+    return tuple(
+        tuple(_lower_rank(config, options, rank, compute, positions))
         for rank, compute in enumerate(compute_programs(config, options.forward_only))
-    ]
-    return LoweredSchedule(config, options, programs)
+    )
 
 
 def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, compute: List[Op],

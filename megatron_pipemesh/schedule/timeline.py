@@ -11,14 +11,23 @@ two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: t
 full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
 ended, and a backward whose activations were offloaded starts when its RELOAD has finished.
 If no rank can make progress before every program ends, the schedule deadlocks.
+
+Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
+compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized
+per (config, lowering options) while its programs hold the same op objects (:func:`.lower.lower`
+memoizes its programs too), and run by one loop with local state. The results are those of the
+plain reading of the rules above, event for event (``tests/schedule/test_timeline.py``).
 """
 from __future__ import annotations
 
-from collections import deque
+import operator
+import threading
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Protocol, Tuple
 
-from .lower import LoweredSchedule, input_source, output_target
+from .config import ScheduleConfig
+from .lower import LoweredSchedule, LoweringOptions, input_source, output_target
 from .ops import Op, OpKind, format_ops
 
 TransferKey = Tuple[int, Op]  # (consumer rank, consumer compute op)
@@ -109,114 +118,231 @@ class Timeline:
         return max(self.rank_end) if self.rank_end else 0.0
 
 
+# Instruction codes of the compiled programs (small ints: the inner loop dispatches on them).
+_COMPUTE_OP, _RECV_OP, _SEND_OP, _DP_OP, _HOST_OP = range(5)
+
+
+@dataclass
+class _Compiled:
+    """A lowered schedule in the engine's form: per rank, one tuple per op whose transfer keys and
+    channels are small ints (interned once per schedule, not hashed as ``(rank, Op)`` per step)."""
+
+    config: ScheduleConfig
+    ops: Tuple[Tuple[Op, ...], ...]
+    """The programs compiled (identity-checked on reuse: a caller may edit a schedule's programs)."""
+    code: List[List[tuple]]
+    keys: int
+    """Number of transfer keys (consumer rank, direction, chunk, micro-batch)."""
+    channels: List[Tuple[int, int, str]]
+    """Channel id -> (src, dst, direction 'F' / 'B')."""
+
+
+_COMPILED: "OrderedDict[Tuple[ScheduleConfig, LoweringOptions], _Compiled]" = OrderedDict()
+_COMPILED_MAX = 256
+_COMPILED_LOCK = threading.Lock()
+"""Least-recently-used compiled schedules (the same bound as the lowering's memo)."""
+
+
+def _compile(schedule: LoweredSchedule) -> _Compiled:
+    """Each op of each rank program as a tuple the engine reads without recomputing placement:
+
+    * compute: (code, op, input key id or -1, waits for a parameter gather, is forward, host key);
+    * receive: (code, key id, channel id); send: (code, key id, channel id, producer compute op);
+    * data-parallel: (code, op, is PARAM_SYNC); host copy: (code, op, is OFFLOAD, host key).
+
+    Memoized per (config, options) while the programs hold the very same op objects (every
+    :func:`~.lower.lower` of one (config, options) shares them)."""
+    memo_key = (schedule.config, schedule.options)
+    with _COMPILED_LOCK:  # rank threads (the GPU check) validate plans concurrently
+        cached = _COMPILED.get(memo_key)
+        if cached is not None:
+            _COMPILED.move_to_end(memo_key)
+    if cached is not None and len(cached.ops) == len(schedule.programs) and all(
+            len(old) == len(new) and all(map(operator.is_, old, new)) for old, new in zip(cached.ops, schedule.programs)):
+        return cached
+    cfg = schedule.config
+    key_ids: Dict[tuple, int] = {}
+    channel_ids: Dict[Tuple[int, int, str], int] = {}
+    code: List[List[tuple]] = []
+    for rank, program in enumerate(schedule.programs):
+        # (direction, chunk) -> (input source, output target), from the lowering's own placement rules.
+        peers: Dict[Tuple[str, int], Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]]] = {}
+        for op in program:
+            if (op.kind._value_[-1], op.chunk) not in peers:
+                for direction, kind in (("F", OpKind.FORWARD), ("B", OpKind.BACKWARD)):
+                    probe = Op(kind, op.chunk, 0)
+                    peers[direction, op.chunk] = (input_source(cfg, rank, probe), output_target(cfg, rank, probe))
+        param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
+        producers: Dict[Tuple[str, int, Optional[int]], Op] = {}
+        out = []
+        append = out.append
+        for op in program:
+            kind, chunk, microbatch = op.kind._value_, op.chunk, op.microbatch
+            if kind == "F" or kind == "B":
+                key = -1
+                if peers[kind, chunk][0] is not None:
+                    name = (rank, kind, chunk, microbatch) if op.peer is None else (rank, kind, chunk, microbatch, op.peer)
+                    key = key_ids.setdefault(name, len(key_ids))
+                forward = kind == "F"
+                append((_COMPUTE_OP, op, key, forward and chunk in param_chunks, forward, (rank, chunk, microbatch)))
+                if op.peer is None:
+                    producers[kind, chunk, microbatch] = op
+            elif kind == "RECV_F" or kind == "RECV_B":
+                direction = kind[-1]
+                source = peers[direction, chunk][0]
+                key = key_ids.setdefault((rank, direction, chunk, microbatch), len(key_ids))
+                append((_RECV_OP, key, channel_ids.setdefault((source[0], rank, direction), len(channel_ids))))
+            elif kind == "SEND_F" or kind == "SEND_B":
+                direction = kind[-1]
+                target = peers[direction, chunk][1]
+                assert target is not None
+                key = key_ids.setdefault((target[0], direction, target[1], microbatch), len(key_ids))
+                channel = channel_ids.setdefault((rank, target[0], direction), len(channel_ids))
+                append((_SEND_OP, key, channel, producers.get((direction, chunk, microbatch)) or op.compute))
+            elif op.kind.is_dp:
+                append((_DP_OP, op, op.kind is OpKind.PARAM_SYNC))
+            else:
+                append((_HOST_OP, op, op.kind is OpKind.OFFLOAD, (rank, chunk, microbatch)))
+        code.append(out)
+    compiled = _Compiled(cfg, tuple(tuple(program) for program in schedule.programs), code, len(key_ids),
+                         [channel for channel, _ in sorted(channel_ids.items(), key=lambda item: item[1])])
+    with _COMPILED_LOCK:
+        _COMPILED[memo_key] = compiled
+        _COMPILED.move_to_end(memo_key)
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    return compiled
+
+
 class _Engine:
     def __init__(self, schedule: LoweredSchedule, costs: Costs):
         self.s, self.costs, self.cfg = schedule, costs, schedule.config
         p = self.cfg.pp
+        self.compiled = _compile(schedule)
         self.index = [0] * p
         self.free = [0.0] * p
         self.dp_free = [0.0] * p
-        self.channels: Dict[Tuple[int, int, OpKind], Deque[Tuple[TransferKey, float, Op]]] = {}
-        self.channel_free: Dict[Tuple[int, int, OpKind], float] = {}
-        self.posted: Dict[TransferKey, float] = {}
-        self.arrival: Dict[TransferKey, Tuple[float, float]] = {}  # key -> (arrival, send time)
-        self.host_free = {"d2h": [0.0] * p, "h2d": [0.0] * p}
-        self.offloaded: Dict[Tuple[int, int, int], float] = {}  # (rank, chunk, micro-batch) -> copy end
-        self.reloaded: Dict[Tuple[int, int, int], float] = {}
+        self.arrival: List[Optional[Tuple[float, float]]] = [None] * self.compiled.keys  # (arrival, send time)
         host_copy = getattr(costs, "host_copy", None)
         self.host_copy = host_copy if callable(host_copy) else (lambda rank, op: 0.0)
-        self.param_ready: List[Dict[int, Optional[float]]] = []
-        for rank, program in enumerate(schedule.programs):
-            self.param_ready.append({op.chunk: None for op in program if op.kind is OpKind.PARAM_SYNC})
         self.timeline = Timeline(schedule, [[] for _ in range(p)], [], [0.0] * p)
 
-    def _consumer_key(self, rank: int, op: Op) -> TransferKey:
-        compute = op.compute
-        target = output_target(self.cfg, rank, compute)
-        assert target is not None
-        return target[0], Op(compute.kind, target[1], compute.microbatch)
-
-    def _resolve(self, channel: Tuple[int, int, OpKind]) -> None:
-        queue = self.channels.get(channel)
-        while queue and queue[0][0] in self.posted:
-            key, sent, producer = queue.popleft()
-            busy, latency = self.costs.transfer(channel[0], channel[1], producer)
-            start = max(sent, self.posted[key], self.channel_free.get(channel, 0.0))
-            self.channel_free[channel] = start + busy
-            self.arrival[key] = (start + busy + latency, sent)
-            self.timeline.comms.append(CommEvent(channel[0], channel[1], producer, start, start + busy + latency, "p2p"))
-
-    def _step(self, rank: int) -> bool:
-        """Run rank's next op if it can; False when blocked."""
-        op = self.s.programs[rank][self.index[rank]]
-        now = self.free[rank]
-        if op.kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
-            key = (rank, op.compute)
-            self.posted[key] = now
-            src = input_source(self.cfg, rank, op.compute)
-            self._resolve((src[0], rank, op.compute.kind))
-        elif op.kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
-            key = self._consumer_key(rank, op)
-            channel = (rank, key[0], op.compute.kind)
-            self.channels.setdefault(channel, deque()).append((key, now, op.compute))
-            self._resolve(channel)
-        elif op.kind.is_dp:
-            start = max(now, self.dp_free[rank])
-            end = start + self.costs.data_parallel(rank, op)
-            self.dp_free[rank] = end
-            self.timeline.comms.append(CommEvent(rank, rank, op, start, end, "dp"))
-            if op.kind is OpKind.PARAM_SYNC:
-                self.param_ready[rank][op.chunk] = end
-            self.timeline.rank_end[rank] = max(self.timeline.rank_end[rank], end)
-        elif op.kind.is_host:
-            key = (rank, op.chunk, op.microbatch)
-            offload = op.kind is OpKind.OFFLOAD
-            lane = "d2h" if offload else "h2d"
-            start = max(now, self.host_free[lane][rank], 0.0 if offload else self.offloaded.get(key, 0.0))
-            end = start + self.host_copy(rank, op)
-            self.host_free[lane][rank] = end
-            (self.offloaded if offload else self.reloaded)[key] = end
-            self.timeline.comms.append(CommEvent(rank, rank, op, start, end, lane))
-        else:
-            data_ready, waited_on, comm_part = 0.0, "", 0.0
-            if input_source(self.cfg, rank, op) is not None:
-                got = self.arrival.get((rank, op))
-                if got is None:
-                    return False
-                data_ready, waited_on = got[0], "p2p"
-                comm_part = max(0.0, got[0] - max(got[1], now))
-            if op.kind is OpKind.FORWARD and op.chunk in self.param_ready[rank]:
-                ready = self.param_ready[rank][op.chunk]
-                if ready is None:
-                    return False
-                if ready > data_ready:
-                    data_ready, waited_on = ready, "param"
-                    comm_part = ready - now
-            reloaded = self.reloaded.get((rank, op.chunk, op.microbatch)) if op.kind is OpKind.BACKWARD else None
-            if reloaded is not None and reloaded > max(data_ready, now):
-                data_ready, waited_on = reloaded, "host"
-                comm_part = reloaded - now
-            start = max(now, data_ready)
-            end = start + self.costs.compute(rank, op)
-            comm_part = min(max(comm_part, 0.0), start - now)
-            self.timeline.compute[rank].append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
-            self.free[rank] = end
-            self.timeline.rank_end[rank] = max(self.timeline.rank_end[rank], end)
-        self.index[rank] += 1
-        return True
-
     def run(self) -> Timeline:
-        programs = self.s.programs
+        """The semantics of the module docstring, one rank after the other until all block or end.
+
+        Written as one loop over compiled instructions with local state (it is the simulator's inner
+        loop); each rank runs ops until one blocks, in rank order, until no rank progresses."""
+        compiled, costs, timeline = self.compiled, self.costs, self.timeline
+        compute_cost, transfer_cost, dp_cost, host_cost = costs.compute, costs.transfer, costs.data_parallel, self.host_copy
+        code, channels = compiled.code, compiled.channels
+        index, free, dp_free, arrival = self.index, self.free, self.dp_free, self.arrival
+        rank_end, comms, compute_events = timeline.rank_end, timeline.comms, timeline.compute
+        posted: List[Optional[float]] = [None] * compiled.keys
+        queues: List[Deque[Tuple[int, float, Op]]] = [deque() for _ in channels]
+        channel_free = [0.0] * len(channels)
+        param_ready: List[Dict[int, Optional[float]]] = [
+            {op.chunk: None for op, is_param in ((ins[1], ins[2]) for ins in program if ins[0] == _DP_OP) if is_param}
+            for program in code]
+        host_free = {"d2h": [0.0] * self.cfg.pp, "h2d": [0.0] * self.cfg.pp}
+        offloaded: Dict[Tuple[int, int, int], float] = {}
+        reloaded: Dict[Tuple[int, int, int], float] = {}
+
+        def resolve(channel: int) -> None:
+            # Callers call this only when the head of the queue is posted. (`b if b > a else a` is
+            # max(a, b) exactly, ties included, without the builtin call.)
+            queue = queues[channel]
+            src, dst, _ = channels[channel]
+            while queue and posted[queue[0][0]] is not None:
+                key, sent, producer = queue.popleft()
+                busy, latency = transfer_cost(src, dst, producer)
+                start = sent
+                at = posted[key]
+                if at > start:
+                    start = at
+                at = channel_free[channel]
+                if at > start:
+                    start = at
+                channel_free[channel] = start + busy
+                arrival[key] = (start + busy + latency, sent)
+                comms.append(CommEvent(src, dst, producer, start, start + busy + latency, "p2p"))
+
         progress = True
         while progress:
             progress = False
-            for rank in range(self.cfg.pp):
-                while self.index[rank] < len(programs[rank]) and self._step(rank):
+            for rank, program in enumerate(code):
+                i, n, now = index[rank], len(program), free[rank]
+                events = compute_events[rank]
+                while i < n:
+                    ins = program[i]
+                    what = ins[0]
+                    if what == _COMPUTE_OP:
+                        _, op, key, waits_param, forward, host_key = ins
+                        data_ready, waited_on, comm_part = 0.0, "", 0.0
+                        if key >= 0:
+                            got = arrival[key]
+                            if got is None:
+                                break
+                            data_ready, waited_on = got[0], "p2p"
+                            sent = got[1]
+                            comm_part = got[0] - (now if now > sent else sent)
+                            if not comm_part > 0.0:
+                                comm_part = 0.0
+                        if waits_param:
+                            ready = param_ready[rank][op.chunk]
+                            if ready is None:
+                                break
+                            if ready > data_ready:
+                                data_ready, waited_on = ready, "param"
+                                comm_part = ready - now
+                        back = None if forward or not reloaded else reloaded.get(host_key)
+                        if back is not None and back > max(data_ready, now):
+                            data_ready, waited_on = back, "host"
+                            comm_part = back - now
+                        start = data_ready if data_ready > now else now
+                        end = start + compute_cost(rank, op)
+                        if 0.0 > comm_part:
+                            comm_part = 0.0
+                        if start - now < comm_part:
+                            comm_part = start - now
+                        events.append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
+                        now = end
+                        if end > rank_end[rank]:
+                            rank_end[rank] = end
+                    elif what == _RECV_OP:
+                        posted[ins[1]] = now
+                        queue = queues[ins[2]]
+                        if queue and posted[queue[0][0]] is not None:
+                            resolve(ins[2])
+                    elif what == _SEND_OP:
+                        queue = queues[ins[2]]
+                        queue.append((ins[1], now, ins[3]))
+                        if posted[queue[0][0]] is not None:
+                            resolve(ins[2])
+                    elif what == _DP_OP:
+                        op = ins[1]
+                        start = max(now, dp_free[rank])
+                        end = start + dp_cost(rank, op)
+                        dp_free[rank] = end
+                        comms.append(CommEvent(rank, rank, op, start, end, "dp"))
+                        if ins[2]:
+                            param_ready[rank][op.chunk] = end
+                        rank_end[rank] = max(rank_end[rank], end)
+                    else:
+                        _, op, offload, host_key = ins
+                        lane = "d2h" if offload else "h2d"
+                        start = max(now, host_free[lane][rank], 0.0 if offload else offloaded.get(host_key, 0.0))
+                        end = start + host_cost(rank, op)
+                        host_free[lane][rank] = end
+                        (offloaded if offload else reloaded)[host_key] = end
+                        comms.append(CommEvent(rank, rank, op, start, end, lane))
+                    i += 1
                     progress = True
-        stuck = [r for r in range(self.cfg.pp) if self.index[r] < len(programs[r])]
+                index[rank], free[rank] = i, now
+        stuck = [r for r in range(self.cfg.pp) if index[r] < len(code[r])]
         if stuck:
+            self.param_ready = param_ready
             raise DeadlockError(self._deadlock_message(stuck))
-        return self.timeline
+        return timeline
 
     def _deadlock_message(self, stuck: List[int]) -> str:
         lines = [f"schedule deadlocks ({self.cfg.describe()}): no rank can make progress."]
@@ -224,7 +350,8 @@ class _Engine:
             step = self.index[rank]
             op = self.s.programs[rank][step]
             source = input_source(self.cfg, rank, op)
-            why = (f"waits for its input from rank {source[0]}" if source and (rank, op) not in self.arrival
+            key = self.compiled.code[rank][step][2]
+            why = (f"waits for its input from rank {source[0]}" if source and self.arrival[key] is None
                    else f"waits for the parameter gather of chunk {op.chunk}")
             lines.append(f"rank {rank}, step {step}: {op} {why}")
         for rank, program in enumerate(self.s.programs):
