@@ -23,7 +23,7 @@ predicted with the simulator (:mod:`.simulator`, the same engine and costs as Pi
 and its per-rank peak activation bytes with :mod:`.memory`. Because a fixed-order schedule never
 finishes earlier when its ops get longer, the fastest setting of one (schedule, V, g) that fits a
 budget is the fitting one with the least recomputation time; :func:`best_stock` simulates only
-those.
+those, in order of a compute lower bound, and stops once the bound exceeds the fastest time found.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
-from ..schedule.ops import OpKind
-from .costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from ..schedule.ops import Op, OpKind
+from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
 from .memory import SELECTIVE_MODULES, selective_level
 from .simulator import lowering_for, simulate
 
@@ -227,17 +227,21 @@ def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
     last_stage = config.num_stages - 1
     counts = []
     for rank in range(config.pp):
-        live = [0, 0, 0]
+        # Per chunk: (is stage 0, is the last stage); the live counts change by one op at a time.
+        ends = {chunk: (int(config.stage(rank, chunk) == 0), int(config.stage(rank, chunk) == last_stage))
+                for chunk in range(config.vpp)}
+        live = first = last = 0
         states = set()
-        for op in schedule.compute_order(rank):
-            stage = config.stage(rank, op.chunk)
-            step = (1, int(stage == 0), int(stage == last_stage))
-            if op.kind is OpKind.FORWARD:
-                live = [x + y for x, y in zip(live, step)]
-                states.add((*live, 0))
-            else:
-                states.add((*live, 1))
-                live = [x - y for x, y in zip(live, step)]
+        for op in schedule.programs[rank]:
+            kind = op.kind
+            if kind is OpKind.FORWARD:
+                is_first, is_last = ends[op.chunk]
+                live, first, last = live + 1, first + is_first, last + is_last
+                states.add((live, first, last, 0))
+            elif kind is OpKind.BACKWARD:
+                is_first, is_last = ends[op.chunk]
+                states.add((live, first, last, 1))
+                live, first, last = live - 1, first - is_first, last - is_last
         counts.append(states)
     out = {}
     for level in levels:
@@ -269,11 +273,25 @@ def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> S
                        tuple(costs.static_bytes))
 
 
-def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-                      grad_reduce_in_bf16: bool = False) -> Dict[Tuple[str, int, Optional[int]], StockResult]:
-    """For every stock (schedule kind, V, g): its fastest recomputation setting that fits ``budget``
-    (activation bytes per rank), simulated. Schedules where nothing fits are left out."""
-    out: Dict[Tuple[str, int, Optional[int]], StockResult] = {}
+@dataclass
+class _Choice:
+    """One stock (schedule, V, g) with its cheapest fitting recomputation, before simulating it."""
+
+    setting: StockSetting
+    config: ScheduleConfig
+    costs: OpCosts
+    schedule: LoweredSchedule
+    lower_bound_s: float
+    """No schedule finishes before its busiest rank's compute plus optimizer step (one stream per rank)."""
+
+
+def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+             grad_reduce_in_bf16: bool) -> List[_Choice]:
+    """For every stock (schedule kind, V, g) in :func:`schedule_options` order: the recomputation
+    option with the least recomputation time whose peak fits ``budget`` (schedules where nothing
+    fits are left out), with what simulating it needs and a lower bound of its time."""
+    out = []
+    limits = _per_rank(budget, pp)
     for vpp, g in schedule_options(pp, model.num_layers, microbatches):
         options = recompute_options(model.num_layers // (pp * vpp), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
@@ -281,7 +299,6 @@ def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatc
         config = probe.config()
         schedule = lower(config, lowering_for(costs))
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
-        limits = _per_rank(budget, pp)
         fitting = []
         for option in options:
             peaks = peaks_of[option.level]
@@ -289,19 +306,63 @@ def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatc
                 fitting.append((costs.recompute_s[option.level], option, peaks))
         if not fitting:
             continue
-        _, option, peaks = min(fitting, key=lambda item: item[0])
+        _, option, _ = min(fitting, key=lambda item: item[0])
         setting = dataclasses.replace(probe, recompute=option)
-        result = simulate(config, costs, uniform_plan(config, option.level), schedule)
-        out[(setting.schedule, vpp, setting.effective_group_size)] = StockResult(
-            setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks), tuple(costs.static_bytes))
+        out.append(_Choice(setting, config, costs, schedule, _compute_bound(config, costs, option.level)))
     return out
+
+
+def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
+    """max over ranks of (its forwards' and backwards' durations + its optimizer step), the
+    simulator's own per-op durations (:class:`.costs.ScheduleCosts`)."""
+    adapter = ScheduleCosts(config, costs, {(r, c, 0): level for r in range(config.pp) for c in range(config.vpp)})
+    bound = 0.0
+    for rank in range(config.pp):
+        busy = sum(adapter.compute(rank, Op(kind, chunk, 0)) * config.microbatches
+                   for chunk in range(config.vpp) for kind in (OpKind.FORWARD, OpKind.BACKWARD))
+        optimizer = costs.optimizer_s[rank] if rank < len(costs.optimizer_s) else 0.0
+        bound = max(bound, busy + optimizer)
+    return bound
+
+
+def _simulated(choice: _Choice) -> StockResult:
+    result = simulate(choice.config, choice.costs, uniform_plan(choice.config, choice.setting.recompute.level),
+                      choice.schedule)
+    return StockResult(choice.setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
+                       tuple(choice.costs.static_bytes))
+
+
+def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+                      grad_reduce_in_bf16: bool = False) -> Dict[Tuple[str, int, Optional[int]], StockResult]:
+    """For every stock (schedule kind, V, g): its fastest recomputation setting that fits ``budget``
+    (activation bytes per rank), simulated. Schedules where nothing fits are left out."""
+    out: Dict[Tuple[str, int, Optional[int]], StockResult] = {}
+    for choice in _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16):
+        setting = choice.setting
+        out[(setting.schedule, setting.vpp, setting.effective_group_size)] = _simulated(choice)
+    return out
+
+
+BOUND_SLACK = 1e-9
+"""Relative slack on the compute bound (its float sum may round differently from the simulator's)."""
 
 
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False) -> Optional[StockResult]:
-    """The fastest stock setting whose per-rank activation peak fits ``budget``; None if none fits."""
-    best = best_per_schedule(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16)
-    return min(best.values(), key=lambda r: r.iteration_s) if best else None
+    """The fastest stock setting whose per-rank activation peak fits ``budget``; None if none fits.
+
+    The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
+    :func:`schedule_options` order), without simulating the schedules whose compute bound
+    already exceeds the fastest time found: they are simulated in order of that bound."""
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16)
+    best: Optional[Tuple[float, int, StockResult]] = None
+    for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
+        if best is not None and choice.lower_bound_s * (1 - BOUND_SLACK) > best[0]:
+            break
+        result = _simulated(choice)
+        if best is None or (result.iteration_s, index) < best[:2]:
+            best = (result.iteration_s, index, result)
+    return best[2] if best else None
 
 
 def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float) -> Tuple[float, ...]:

@@ -165,16 +165,19 @@ def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, com
             k = positions["first_forward"][chunk - 1] - (rank if options.align_param_sync else 0)
             before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
 
+    peers: Dict[Tuple[OpKind, int], Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]]] = {}
     for index, op in enumerate(compute):
-        source = input_source(config, rank, op)
+        placed = peers.get((op.kind, op.chunk))
+        if placed is None:  # the same for every micro-batch of a chunk
+            placed = peers[op.kind, op.chunk] = (input_source(config, rank, op), output_target(config, rank, op))
+        source, target = placed
         if source is not None:
             post = max(index - options.recv_lookahead, 0)
             before[post].append(Op(_RECV[op.kind], op.chunk, op.microbatch, source[0]))
-        target = output_target(config, rank, op)
         if target is not None:
             after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
 
-    if not options.forward_only:
+    if options.host_placement and not options.forward_only:
         where = {op: i for i, op in enumerate(compute)}
         for _, chunk, microbatch in (key for key in options.host_placement if key[0] == rank):
             f, b = where[Op(OpKind.FORWARD, chunk, microbatch)], where[Op(OpKind.BACKWARD, chunk, microbatch)]

@@ -94,3 +94,23 @@ def test_activation_budget_subtracts_static_bytes():
     """The activation budget per rank is device memory minus that rank's weights, grads and optimizer."""
     budget = activation_budget(MODEL, CLUSTER, 2, 24 * GB)
     assert len(budget) == 2 and all(0 < b < 24 * GB for b in budget)
+
+
+def test_best_stock_prunes_by_compute_bound_without_changing_the_answer(monkeypatch):
+    """The bound-pruned search returning another setting than the fastest of every schedule (or not pruning)."""
+    import megatron_pipemesh.planning.stock as stock
+
+    pp, m = 2, 8
+    fast = ClusterSpec(dp=2, device_tflops=125, dp_gbps=1000, p2p_gbps=1000)  # compute-bound: the bound bites
+    budget = 0.2 * max(best_stock(MODEL, fast, pp, m, float("inf")).peak_activation_bytes)
+    per = best_per_schedule(MODEL, fast, pp, m, budget)
+    fastest = min(per.values(), key=lambda r: r.iteration_s)
+    calls = []
+    real = stock.simulate
+    monkeypatch.setattr(stock, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    best = best_stock(MODEL, fast, pp, m, budget)
+    assert best.setting == fastest.setting and best.iteration_s == fastest.iteration_s
+    assert 0 < len(calls) < len(per)
+    for choice in stock._choices(MODEL, fast, pp, m, budget, False):
+        assert choice.lower_bound_s <= per[(choice.setting.schedule, choice.setting.vpp,
+                                            choice.setting.effective_group_size)].iteration_s
