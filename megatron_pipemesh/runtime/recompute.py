@@ -1,40 +1,79 @@
 """Per (chunk, micro-batch) activation recomputation through Megatron's own machinery.
 
 :func:`recompute_scope` sets, for the duration of one forward (or backward) of one model chunk, the
-two switches megatron-core 0.19.2 reads at call time:
+switches megatron-core 0.19.2 reads at call time:
 
 * ``Attention.checkpoint_core_attention`` (``transformer/attention.py:392``, set at construction
   from ``recompute_granularity == 'selective'`` and ``'core_attn' in recompute_modules``, read in
-  ``Attention.forward`` as ``if self.checkpoint_core_attention and self.training``): the attention
-  core (QK^T, softmax, dropout, attention over V) runs under ``tensor_parallel.checkpoint`` and is
-  recomputed in the backward — Megatron's ``--recompute-granularity selective``;
+  ``Attention.forward`` as ``if self.checkpoint_core_attention and self.training``,
+  ``attention.py:1544``): the attention core (QK^T, softmax, dropout, attention over V) runs under
+  ``tensor_parallel.checkpoint`` and is recomputed in the backward — ``--recompute-modules core_attn``;
+* ``TransformerLayer.recompute_input_layernorm`` / ``recompute_pre_mlp_layernorm``
+  (``transformer/transformer_layer.py:447-448``, set at construction from ``'layernorm' in
+  recompute_modules`` where the norm is a separate module, read at ``transformer_layer.py:632/681``
+  and ``:765/977``): the norms run under ``CheckpointWithoutOutput`` and their outputs are
+  recomputed by a hook — ``--recompute-modules layernorm``;
+* ``TransformerLayer.recompute_mlp`` (``transformer_layer.py:449``, set from ``'mlp' in
+  recompute_modules`` for dense layers, read at ``transformer_layer.py:882``): the MLP runs under
+  ``tensor_parallel.checkpoint`` — ``--recompute-modules mlp``;
 * ``config.recompute_granularity == 'full'`` (read in ``TransformerBlock.forward``,
   ``transformer/transformer_block.py:624``) with ``recompute_method='uniform'`` and
   ``recompute_num_layers=1``: every layer keeps only its input and is recomputed in the backward —
   Megatron's ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``.
 
-Levels: ``'none'`` (keep every activation: both switches off), ``'selective'``, ``'full'`` (the core
-attention switch off inside the fully recomputed layers, as Megatron requires). Everything is
-restored on exit; the config object is shared by every chunk of the rank, which is safe because one
-op runs at a time. The runtime enters the same scope around the op's backward, so the recomputation
-that runs inside ``backward_step`` takes the same path as the forward did (the full-recompute
-replay re-enters the layers, which read the attention switch again).
+Levels (the planner's names, :func:`megatron_pipemesh.planning.memory.parse_level`): ``'none'``
+(every switch off), ``'selective'`` (core_attn), ``'selective:<m1>+<m2>'`` with modules from
+``core_attn``, ``layernorm``, ``mlp`` (exactly those switches on), ``'full'`` (the selective
+switches off inside the fully recomputed layers, as Megatron's construction leaves them under full
+granularity). Everything is restored on exit; the config object is shared by every chunk of the
+rank, which is safe because one op runs at a time. The runtime enters the same scope around the
+op's backward, so the recomputation that runs inside ``backward_step`` takes the same path as the
+forward did (the full-recompute replay re-enters the layers, which read the switches again).
 
 Supported: Megatron's local spec and Transformer Engine specs in 16/32-bit (both go through the
-same two switches and ``tensor_parallel.checkpoint``; the TE case is untested here). Refused with
-``NotImplementedError``: FP8/FP4 (TE's quantized checkpointing keeps extra state), CUDA graphs, CPU
-offloading, chunks whose decoder is not a ``TransformerBlock`` (full) or whose layers have no
-Megatron attention switch (selective), and a global ``--recompute-modules`` other than ``core_attn``
-(those are per-layer decisions made at construction that this scope does not manage).
+same switches; the TE case is untested here). Refused with ``NotImplementedError``: FP8/FP4 (TE's
+quantized checkpointing keeps extra state), CUDA graphs, CPU offloading, chunks whose decoder is
+not a ``TransformerBlock`` (full) or whose layers lack the switches a level needs, and two
+megatron-core 0.19.2 defects that no switch avoids:
+
+* ``layernorm`` without Transformer Engine: ``CheckpointWithoutOutput.__init__`` sets
+  ``self.fp8 = fp8 is not None`` (``tensor_parallel/random.py:740``), always true, so its recompute
+  hook calls TE's ``activation_recompute_forward`` / ``fp8_autocast`` (``random.py:783-786``),
+  imported only when TE is installed (``random.py:86-91``): a NameError in the backward;
+* ``mlp`` where the MLP returns its output bias (``add_bias_linear``, the GPT default): the MLP's
+  ``linear_fc2`` has ``skip_bias_add`` and returns its bias *Parameter* itself
+  (``tensor_parallel/layers.py:1485``); as an output of ``CheckpointFunction``
+  (``transformer_layer.py:896``) the parameter's history is rebased onto that node, so the
+  recomputation in ``CheckpointFunction.backward`` (``random.py:656``) returns the same parameter,
+  whose backward re-enters ``CheckpointFunction.backward`` without end (on CPU each reentrant level
+  starts a thread: it looks like a hang). Not CPU-specific; stock ``--recompute-modules mlp`` has it
+  too. Use ``--disable-bias-linear`` (then the level works) or another level.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Mapping, Optional, Tuple
+from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
 LEVELS = ("none", "selective", "full")
+"""The basic levels; ``'selective:<m1>+<m2>'`` module sets are accepted too (:func:`parse_runtime_level`)."""
+
+
+def parse_runtime_level(level: str) -> Tuple[str, FrozenSet[str]]:
+    """(kind, selective modules) of a level this runtime applies; ValueError for anything else
+    (the planner's 'uniform:<k>' / 'block:<k>' are stock-only: a chunk is recomputed whole or not)."""
+    from ..planning.memory import parse_level
+
+    try:
+        kind, modules, _ = parse_level(level) if isinstance(level, str) else ("?", frozenset(), 0)
+    except ValueError:
+        kind, modules = "?", frozenset()
+    if kind not in ("none", "selective", "full"):
+        raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)} or "
+                         "'selective:<modules joined by +>' with modules from core_attn, layernorm, mlp "
+                         "(e.g. 'selective:core_attn+mlp')")
+    return kind, modules
 
 
 def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
@@ -50,8 +89,10 @@ def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
     for key, level in (plan or {}).items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
             raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
-        if level not in LEVELS:
-            raise ValueError(f"recompute plan {key}: unknown level {level!r}; use one of {', '.join(LEVELS)}")
+        try:
+            parse_runtime_level(level)
+        except ValueError as error:
+            raise ValueError(f"recompute plan {key}: {str(error).replace('unknown recompute level', 'unknown level')}") from None
 
 
 def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:
@@ -61,7 +102,23 @@ def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:
             if hasattr(m, "checkpoint_core_attention") and not isinstance(m, TransformerBlock)]
 
 
-def _check_supported(config, module: torch.nn.Module, level: str) -> None:
+def _layers(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """Modules with TransformerLayer's module-recompute switches (read at call time)."""
+    return [m for m in module.modules() if hasattr(m, "recompute_mlp") and hasattr(m, "recompute_input_layernorm")]
+
+
+def _has_transformer_engine() -> bool:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return bool(getattr(tp_random, "HAVE_TE", False))
+
+
+def _mlp_returns_bias_parameter(layer: torch.nn.Module) -> bool:
+    fc2 = getattr(getattr(layer, "mlp", None), "linear_fc2", None)
+    return bool(getattr(fc2, "skip_bias_add", False)) and isinstance(getattr(fc2, "bias", None), torch.nn.Parameter)
+
+
+def _check_supported(config, module: torch.nn.Module, level: str, modules: FrozenSet[str] = frozenset()) -> None:
     what = f"PipeMesh recompute level {level!r}"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         raise NotImplementedError(f"{what} with FP8/FP4 (Transformer Engine quantized checkpointing) is not supported")
@@ -69,44 +126,65 @@ def _check_supported(config, module: torch.nn.Module, level: str) -> None:
         raise NotImplementedError(f"{what} with CUDA graphs is not supported")
     if getattr(config, "cpu_offloading", False):
         raise NotImplementedError(f"{what} with --cpu-offloading is not supported")
-    if getattr(config, "recompute_granularity", None) == "selective":
-        others = set(getattr(config, "recompute_modules", None) or ["core_attn"]) - {"core_attn"}
-        if others:
-            raise NotImplementedError(
-                f"{what}: --recompute-modules {sorted(others)} are per-layer decisions Megatron makes at "
-                "construction; with a PipeMesh recompute plan use only core_attn (or no --recompute-* flags)")
+    if "layernorm" in modules and not _has_transformer_engine():
+        raise NotImplementedError(
+            f"{what}: the layernorm module needs Transformer Engine in megatron-core 0.19.2 "
+            "(CheckpointWithoutOutput sets fp8 = True unconditionally, tensor_parallel/random.py:740, and its "
+            "recompute then calls TE's fp8_autocast); install Transformer Engine or use a level without layernorm, "
+            "e.g. 'selective:core_attn+mlp'")
+    if "mlp" in modules and any(_mlp_returns_bias_parameter(layer) for layer in _layers(module)):
+        raise NotImplementedError(
+            f"{what}: the mlp module cannot be recomputed when the MLP returns its bias parameter "
+            "(add_bias_linear; tensor_parallel/layers.py:1485): megatron-core 0.19.2's CheckpointFunction then "
+            "re-enters its own backward without end (tensor_parallel/random.py:656). Run with --disable-bias-linear "
+            "or use a level without mlp, e.g. 'selective' or 'full'")
 
 
 @contextlib.contextmanager
 def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
     """Run ``model_chunk``'s forward (or backward) inside with recompute ``level``; restores on exit."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}")
+    kind, modules = parse_runtime_level(level)
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     module = unwrap(model_chunk)
     config = module.config
-    _check_supported(config, module, level)
+    _check_supported(config, module, level, modules)
     decoder = getattr(module, "decoder", None)
-    layers = len(getattr(decoder, "layers", ())) if decoder is not None else 0
+    num_layers = len(getattr(decoder, "layers", ())) if decoder is not None else 0
     attentions = _attention_modules(module)
-    if level == "full" and layers and not isinstance(decoder, TransformerBlock):
+    layers = _layers(module)
+    if kind == "full" and num_layers and not isinstance(decoder, TransformerBlock):
         raise NotImplementedError(f"full recompute needs a megatron TransformerBlock decoder, got {type(decoder).__name__}")
-    if level == "selective" and layers and not attentions:
+    if "core_attn" in modules and num_layers and not attentions:
         raise NotImplementedError(
-            f"selective recompute: no attention module with Megatron's checkpoint_core_attention switch in "
+            f"recompute level {level!r}: no attention module with Megatron's checkpoint_core_attention switch in "
             f"{type(module).__name__} (unsupported layer implementation)")
+    if modules - {"core_attn"} and num_layers and not layers:
+        raise NotImplementedError(
+            f"recompute level {level!r}: no layer with Megatron's recompute_mlp / recompute_input_layernorm switches "
+            f"in {type(module).__name__} (unsupported layer implementation)")
 
     fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    switches = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp")
     saved_config = {name: getattr(config, name) for name in fields}
     saved_attention = [m.checkpoint_core_attention for m in attentions]
+    saved_layers = [{name: getattr(layer, name) for name in switches} for layer in layers]
     try:
         for m in attentions:
-            m.checkpoint_core_attention = level == "selective"
-        if level == "full":
+            m.checkpoint_core_attention = "core_attn" in modules
+        for layer in layers:
+            # Where Megatron's construction would set them ('layernorm' only for a separate norm module,
+            # 'mlp' only for dense layers).
+            layer.recompute_input_layernorm = ("layernorm" in modules
+                                               and not isinstance(getattr(layer, "input_layernorm", None), IdentityOp))
+            layer.recompute_pre_mlp_layernorm = ("layernorm" in modules
+                                                 and not isinstance(getattr(layer, "pre_mlp_layernorm", None), IdentityOp))
+            layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
+        if kind == "full":
             config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         else:
-            config.recompute_granularity = "selective" if level == "selective" else None
+            config.recompute_granularity = "selective" if kind == "selective" else None
             config.recompute_method = config.recompute_num_layers = None
         yield
     finally:
@@ -114,3 +192,6 @@ def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
             setattr(config, name, value)
         for m, value in zip(attentions, saved_attention):
             m.checkpoint_core_attention = value
+        for layer, values in zip(layers, saved_layers):
+            for name, value in values.items():
+                setattr(layer, name, value)
