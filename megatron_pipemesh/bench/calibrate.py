@@ -13,9 +13,15 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
   netem delay, plus a fixed per-transfer overhead fitted on the unshaped run of one stock schedule
   (:func:`fit_transfer_overhead`: gloo on a loopback shared with the compute is not free); the shaped loopback is one token bucket shared by every link and direction, so
   ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent links;
-* data parallel: ring all-reduce of the chunk's fp32 gradients, 2(d-1)/d x bytes / bandwidth
-  (Megatron's default optimizer: no parameter gather), plus the tied-embedding all-reduce between the
-  first and last pipeline rank at the end of the iteration (both shaped).
+* data parallel: ring all-reduce of the chunk's fp32 gradients (Megatron's default optimizer: no
+  parameter gather), plus the tied-embedding all-reduce between the first and last pipeline rank at
+  the end of the iteration (both shaped). The shaped network is **one token bucket for every rank**
+  (the loopback of the bench's namespace), not a link per rank: the d ranks of a ring each send
+  2(d-1)/d x bytes at the same time, so 2(d-1) x bytes pass the bucket per ring all-reduce
+  (:func:`shared_bucket_allreduce_s`; ``link_share`` still divides the rate among the rings of
+  different pipeline stages reducing at once), and the dp embedding groups of 2 ranks reduce at
+  the same time. The per-rank formula of a switched network, 2(d-1)/d x bytes / rate, under-predicted
+  the measured PP=2 x DP=2 ``--quick`` rows by 10-20% (see ``tests/bench/test_calibrate.py``).
 """
 from __future__ import annotations
 
@@ -73,7 +79,7 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
     if bytes_per_s:
         rate = bytes_per_s * link_share
         p2p = act_bytes / rate
-        reduce = 2 * (d - 1) / d * chunk_grad_bytes / rate if d > 1 else 0.0
+        reduce = shared_bucket_allreduce_s(chunk_grad_bytes, d, rate)
     else:
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=0.0,
@@ -82,11 +88,20 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
                    static_bytes=tuple(0.0 for _ in range(pp)))
 
 
-def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float]) -> float:
-    """Tied word-embedding gradient all-reduce between the first and last pipeline rank (2 ranks)."""
+def shared_bucket_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, groups: int = 1) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks when all of them (and ``groups``
+    such rings at once) send through one token bucket of ``bytes_per_s``: 2(ranks-1) x nbytes per ring."""
+    if ranks < 2:
+        return 0.0
+    return 2 * (ranks - 1) * nbytes * groups / bytes_per_s
+
+
+def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: int = 1) -> float:
+    """Tied word-embedding gradient all-reduce between the first and last pipeline rank (2 ranks), the
+    ``dp`` replicas' groups at once through the shared bucket."""
     if not bytes_per_s:
         return 0.0
-    return PADDED_VOCAB * model.hidden_size * FP32 / bytes_per_s
+    return shared_bucket_allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp)
 
 
 def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
@@ -94,7 +109,7 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
     """Simulated forward-backward and iteration time (ms) with measured costs."""
     costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share)
     result = simulate(sched, costs)
-    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s)
+    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s, config.dp)
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
             "simulated_idle_fraction": result.idle_fraction,
             "simulated_exposed_comm_ms": result.exposed_comm_s * 1e3,
