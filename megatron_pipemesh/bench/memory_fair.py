@@ -96,8 +96,10 @@ class RunSpec:
 
 
 def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> ClusterSpec:
-    """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; every link at the shaped rate."""
-    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps, p2p_gbps=gbps,
+    """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; pipeline links at the shaped rate
+    (``gbps``, the link share applied); data parallel at ``gbps`` / d: the d ranks of a ring all send
+    through the one shaped token bucket at once (:func:`.calibrate.shared_bucket_allreduce_s`)."""
+    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps / config.dp, p2p_gbps=gbps,
                        distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS)
 
 

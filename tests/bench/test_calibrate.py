@@ -53,3 +53,13 @@ def test_per_rank_link_accounting_misses_the_depth_first_row():
     # For d = 2 the per-link formula 2(d-1)/d x bytes / (rate x 0.5) equals the bucket's at link share 1.
     predicted = _predict(sched, compute, idle, iteration_ms, share, 1.0)["iteration_ms"]
     assert (predicted - iteration_ms) / iteration_ms < -0.15
+
+
+def test_recorded_token_bucket_probe_matches_the_shared_bucket_model():
+    """Measured with gloo in a namespace whose loopback is a 400 Mbit/s tbf (burst 256 KiB), 4 ranks, 7.1 MB
+    (one --quick chunk's fp32 gradients): one 2-rank ring alone took 0.277-0.299 s, two rings at once
+    0.416-0.547 s. A switched network (each rank its own link) would give 0.142 s for the ring alone."""
+    nbytes = 7096320
+    assert shared_bucket_allreduce_s(nbytes, 2, RATE) == pytest.approx(0.288, rel=0.05)
+    both = shared_bucket_allreduce_s(nbytes, 2, RATE, groups=2)  # = one ring at link share 0.5
+    assert 0.416 <= both <= 0.547 * 1.1

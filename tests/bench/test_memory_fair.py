@@ -82,3 +82,11 @@ def test_runnable_options_leave_out_modules_broken_on_cpu():
     assert [o.describe() for o in options][:2] == ["no recomputation", "--recompute-granularity selective"]
     assert all(not ({"layernorm", "mlp"} & set(o.modules)) for o in options)
     assert sum(o.granularity == "full" for o in options) == 4  # block and uniform, k = 1, 2
+
+
+def test_planner_sees_the_shared_bucket_for_data_parallel():
+    """Plans priced with a link per rank: the d ranks of a ring share the one shaped bucket (rate / d)."""
+    from megatron_pipemesh.bench.memory_fair import cluster_spec
+
+    cluster = cluster_spec(CONFIG, AUTO, GBPS)
+    assert cluster.p2p_gbps == GBPS and cluster.dp_gbps == pytest.approx(GBPS / CONFIG.dp)
