@@ -1,0 +1,317 @@
+"""Mixed sharding: a ZeRO level per model chunk, its memory and its data-parallel traffic.
+
+Levels use Megatron's names (``--data-parallel-sharding-strategy``):
+
+* ``optim`` (ZeRO-1): the optimizer state (fp32 main parameters when the model is 16-bit, Adam's
+  two moments) is sharded over the data-parallel ranks; weights and gradients are whole. Gradients
+  are reduce-scattered once per iteration (``GRAD_SYNC``) and the updated parameters all-gathered
+  once (``PARAM_SYNC``): Megatron's distributed optimizer.
+* ``optim_grads`` (ZeRO-2): also the gradients: the chunk keeps only its gradient shard; the whole
+  gradient buffer exists from a backward group's first backward to that group's reduce-scatter
+  (one reduction per backward group instead of one per iteration).
+* ``optim_grads_params`` (ZeRO-3): also the parameters: the chunk keeps only its parameter shard and
+  gathers the whole parameters before each forward or backward *group* (prefetched), releasing them
+  after the group (:func:`megatron_pipemesh.schedule.spans.gather_spans`: one gather per merged
+  span). Bigger groups mean fewer gathers.
+
+Scope (``--pipemesh-shard-scope``): ``data-parallel`` shards weights and gradients over all ``d``
+data-parallel ranks; ``node`` only over the data-parallel ranks of one node (``s`` of them), so the
+per-group gathers and reductions stay on the fast intra-node link, and the node shards are reduced
+across nodes once per iteration. The optimizer state is always sharded over all ``d``.
+
+Bytes per parameter (w = weight bytes, g = gradient bytes, o = optimizer bytes: 8 for Adam's
+moments plus 4 for fp32 main parameters when w < 4):
+
+==================  ===========  ===========  =========  =================================
+level               weights      gradients    optimizer  transient (while a group runs)
+==================  ===========  ===========  =========  =================================
+optim               w            g            o/d        --
+optim_grads         w            g/s          o/d        g (whole gradient buffer)
+optim_grads_params  w/s          g/s          o/d        w (gathered weights) + g
+==================  ===========  ===========  =========  =================================
+
+Megatron 0.19.2 findings (installed wheel, ``megatron/core``, ``megatron/training``), why the levels
+above ZeRO-1 are not wired to Megatron-FSDP here:
+
+* Megatron-FSDP is CUDA-only: ``distributed/fsdp/mcore_fsdp_adapter.py:156`` defaults the device to
+  ``cuda:<current>``; ``distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:231-234`` calls
+  ``torch.cuda.current_device()`` whatever device is given and ``:406-407`` creates ``torch.cuda.Stream``
+  objects unconditionally. It cannot run on
+  CPU/gloo, so nothing built on it can be tested here.
+* Megatron-FSDP also demands ``--ckpt-format fsdp_dtensor`` (``training/arguments.py:1146``) and makes
+  ``--use-distributed-optimizer`` implicit (``:1106-1112``).
+* One sharding level per run: ``get_model`` builds one ``DistributedDataParallelConfig`` from the
+  arguments (``training/training.py:1847``, ``get_megatron_ddp_config`` ``:1977``) and one wrapper class
+  ``DP`` (``:1837-1843``), and ``wrap_model_chunks_with_ddp`` (``:1570``) passes that same config to
+  every chunk (``:1684-1701``). Each virtual chunk *is* wrapped separately, so per-chunk wrapping is
+  possible by calling the wrapper ourselves, but:
+* the optimizer takes its mode from the first chunk only: ``optimizer/__init__.py:1082``
+  (``ddp_config = model_chunks[0].ddp_config``; FSDP vs DDP path ``:1083``), so mixing FSDP and DDP
+  chunks under one ``get_megatron_optimizer`` is not supported;
+* with the DDP path (what ``optim`` is), every chunk holds whole parameter and gradient buffers
+  (``distributed/param_and_grad_buffer.py``: ``param_data``/``grad_data`` per buffer); the distributed
+  optimizer's fp32 shard of an fp32 model is a *view* into that parameter buffer
+  (``optimizer/distrib_optimizer.py:467``), and its gradient shard a view into the gradient buffer.
+  ZeRO-2/3 for a DDP chunk therefore means freeing and re-allocating the storage of those buffers
+  around the schedule's groups (the shard views stay valid across ``untyped_storage().resize_``) --
+  own code, planned in :mod:`megatron_pipemesh.schedule` (``GATHER``/``RELEASE``/``REDUCE`` ops) and
+  accounted here; the training runtime does not execute it yet (see
+  :func:`check_runtime_support`).
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Union
+
+from ..schedule.config import ScheduleConfig
+from ..schedule.ops import OpKind
+from ..schedule.order import compute_program
+from ..schedule.spans import gather_spans, group_spans
+
+LEVELS = ("optim", "optim_grads", "optim_grads_params")
+"""Megatron's sharding level names, ZeRO-1..3."""
+ZERO = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+SCOPES = ("data-parallel", "node")
+FLAG = "--pipemesh-sharding"
+SCOPE_FLAG = "--pipemesh-shard-scope"
+
+
+class ShardingError(ValueError):
+    """An invalid sharding setting; the message names the flag, the rule and a valid example."""
+
+
+def parse_levels(values: Union[None, str, Sequence[str]], vpp: int, *, distributed_optimizer: bool = True,
+                 allow_auto: bool = True) -> Union[None, str, Tuple[str, ...]]:
+    """``--pipemesh-sharding`` as None (not given), 'auto', or one level per virtual chunk.
+
+    One level applies to every chunk; otherwise there must be exactly ``vpp`` of them."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = values.split()
+    values = [str(v) for v in values]
+    example = f"{FLAG} optim" + (f" or {FLAG} {' '.join(['optim'] + ['optim_grads_params'] * (vpp - 1))}" if vpp > 1 else "")
+    if not values:
+        raise ShardingError(f"{FLAG} needs at least one level. Example of a valid setting: {example}")
+    if "auto" in values:
+        if len(values) != 1:
+            raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: 'auto' stands alone. Example: {FLAG} auto")
+        if not allow_auto:
+            raise ShardingError(f"{FLAG} auto is for `pipemesh plan`; training takes the levels (or a plan). Example: {example}")
+        levels: Union[str, Tuple[str, ...]] = "auto"
+    else:
+        unknown = [v for v in values if v not in LEVELS]
+        if unknown:
+            raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: unknown level(s) {', '.join(unknown)}; "
+                                f"levels are {', '.join(LEVELS)} (or auto). Example: {example}")
+        if len(values) not in (1, vpp):
+            raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: give one level for all chunks or one per "
+                                f"virtual chunk ({vpp}), got {len(values)}. Example: {example}")
+        levels = tuple(values) * (vpp if len(values) == 1 else 1)
+    if not distributed_optimizer:
+        raise ShardingError(f"{FLAG} {' '.join(values)} needs --use-distributed-optimizer: every level shards the "
+                            f"optimizer state over the data-parallel ranks (Megatron's distributed optimizer). "
+                            f"Example: --use-distributed-optimizer {FLAG} {' '.join(values)}")
+    return levels
+
+
+def shard_size(scope: str, dp: int, tp: int = 1, devices_per_node: int = 8) -> int:
+    """Ranks a ZeRO-2/3 chunk shards its weights and gradients over: all ``dp`` ranks, or those of one
+    node (ranks are laid out TP fastest, then DP: a node holds ``devices_per_node // tp`` of them)."""
+    if scope not in SCOPES:
+        raise ShardingError(f"{SCOPE_FLAG} {scope} is invalid: choose one of {', '.join(SCOPES)}. "
+                            f"Example: {SCOPE_FLAG} node")
+    if scope == "data-parallel":
+        return dp
+    per_node = max(devices_per_node // max(tp, 1), 1)
+    size = min(dp, per_node)
+    if dp % size:
+        raise ShardingError(f"{SCOPE_FLAG} node needs the data-parallel size ({dp}) to be a multiple of the "
+                            f"data-parallel ranks per node ({size}). Example: {SCOPE_FLAG} data-parallel")
+    return size
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of weights, gradients and optimizer state (per parameter, or totals)."""
+
+    weights: float = 0.0
+    """Weights held all the time (the whole weights, or the shard)."""
+    grads: float = 0.0
+    """Gradients held all the time (the whole buffer, or the reduced shard)."""
+    optimizer: float = 0.0
+    """Optimizer state (fp32 main parameters when 16-bit, Adam moments): always a 1/d shard."""
+    gathered: float = 0.0
+    """Whole weights held only while a gather span runs (ZeRO-3)."""
+    grad_buffer: float = 0.0
+    """Whole gradient buffer held only from a backward group's first backward to its reduction (ZeRO-2/3)."""
+
+    @property
+    def resident(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.resident + self.gathered + self.grad_buffer
+
+    def scaled(self, factor: float) -> "StateBytes":
+        return StateBytes(*(factor * v for v in (self.weights, self.grads, self.optimizer, self.gathered, self.grad_buffer)))
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer,
+                          self.gathered + other.gathered, self.grad_buffer + other.grad_buffer)
+
+
+def optimizer_bytes(dtype_bytes: int) -> int:
+    """Adam's state per parameter: two fp32 moments, plus an fp32 main copy of 16-bit weights
+    (Megatron keeps none for fp32 weights: the shard is a view of the weights)."""
+    return 8 + (4 if dtype_bytes < 4 else 0)
+
+
+def bytes_per_param(level: str, dp: int, shard: int, dtype_bytes: int = 2, grad_bytes: int = 4) -> StateBytes:
+    """Bytes per parameter of a chunk at ``level`` (table in the module docstring)."""
+    if level not in ZERO:
+        raise ShardingError(f"unknown sharding level {level!r}; levels are {', '.join(LEVELS)}")
+    zero = ZERO[level]
+    optimizer = optimizer_bytes(dtype_bytes) / dp
+    weights = dtype_bytes / shard if zero == 3 else dtype_bytes
+    grads = grad_bytes / shard if zero >= 2 else grad_bytes
+    return StateBytes(weights, grads, optimizer, dtype_bytes if zero == 3 else 0.0, grad_bytes if zero >= 2 else 0.0)
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """The sharding of one run: a level per virtual chunk and the scope of ZeRO-2/3 shards."""
+
+    levels: Tuple[str, ...]
+    """One level per virtual chunk."""
+    scope: str = "data-parallel"
+    """'data-parallel' or 'node'."""
+    intra_node_gbps: Optional[float] = None
+    """Bandwidth of the intra-node collectives of the 'node' scope (Gbit/s); None: the data-parallel bandwidth."""
+    lookahead: int = 1
+    """Prefetch a ZeRO-3 gather this many compute ops before its span."""
+
+    @property
+    def sharded_params(self) -> Tuple[int, ...]:
+        """Chunks whose parameters are sharded (ZeRO-3)."""
+        return tuple(c for c, level in enumerate(self.levels) if ZERO[level] == 3)
+
+    @property
+    def sharded_grads(self) -> Tuple[int, ...]:
+        """Chunks whose gradients are sharded (ZeRO-2 and ZeRO-3)."""
+        return tuple(c for c, level in enumerate(self.levels) if ZERO[level] >= 2)
+
+    def describe(self) -> str:
+        scope = f", scope {self.scope}" if self.sharded_grads else ""
+        return "sharding " + " ".join(self.levels) + scope
+
+
+def chunk_params(model, cluster, config: ScheduleConfig) -> List[List[float]]:
+    """Parameters per device of every (rank, chunk): layers / TP, plus the embedding on stage 0 and
+    the untied output layer on the last stage (as :func:`.costs.analytic_costs` counts them)."""
+    stages = config.pp * config.vpp
+    layers = model.num_layers // stages
+    t = cluster.tp
+    out = []
+    for rank in range(config.pp):
+        row = []
+        for chunk in range(config.vpp):
+            stage = config.stage(rank, chunk)
+            params = layers * model.layer_params() / t
+            if stage == 0:
+                params += model.embedding_params() / t
+            if stage == stages - 1:
+                params += model.vocab_size * model.hidden_size / t
+            row.append(params)
+        out.append(row)
+    return out
+
+
+def chunk_state(params: float, level: str, dp: int, shard: int, dtype_bytes: int, grad_bytes: int) -> StateBytes:
+    """Bytes of one chunk of ``params`` parameters at ``level``."""
+    return bytes_per_param(level, dp, shard, dtype_bytes, grad_bytes).scaled(params)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Data-parallel collectives of one chunk per iteration."""
+
+    gathers: int
+    """Parameter all-gathers (1 for ZeRO-1/2: the updated parameters after the step; one per span for ZeRO-3)."""
+    gather_bytes: float
+    """Payload of one all-gather: the chunk's whole weights."""
+    reduces: int
+    """Gradient reduce-scatters (1 for ZeRO-1; one per backward group for ZeRO-2/3)."""
+    reduce_bytes: float
+    """Payload of one reduce-scatter: the chunk's whole gradients."""
+    group: int
+    """Ranks of these collectives (d, or s with the node scope)."""
+    cross_node_bytes: float = 0.0
+    """Node scope: payload of the once-per-iteration reduction of the node shard across nodes (and the
+    matching gather of updated node shards): g*N/s + w*N/s."""
+
+    def sent_bytes(self) -> float:
+        """Bytes each rank sends per iteration (ring: (n-1)/n of each payload)."""
+        ring = (self.group - 1) / self.group if self.group > 1 else 0.0
+        return ring * (self.gathers * self.gather_bytes + self.reduces * self.reduce_bytes) + self.cross_node_bytes
+
+
+def chunk_traffic(config: ScheduleConfig, rank: int, chunk: int, level: str, params: float, dp: int, shard: int,
+                  dtype_bytes: int, grad_bytes: int, lookahead: int = 1) -> Traffic:
+    """Collectives of ``chunk`` on ``rank`` in one iteration of ``config`` at ``level``."""
+    zero = ZERO[level]
+    compute = compute_program(config, rank)
+    gathers = len(gather_spans(config, compute, chunk, lookahead)) if zero == 3 else 1
+    reduces = len(group_spans(config, compute, chunk, OpKind.BACKWARD)) if zero >= 2 else 1
+    group = shard if zero >= 2 else dp
+    cross = 0.0
+    if zero >= 2 and shard < dp:
+        nodes = dp // shard
+        cross = (nodes - 1) / nodes * params * (grad_bytes + dtype_bytes) / shard
+    return Traffic(gathers, params * dtype_bytes, reduces, params * grad_bytes, group, cross)
+
+
+@dataclass
+class RankSplit:
+    """Memory split of one pipeline rank."""
+
+    rank: int
+    levels: Tuple[str, ...]
+    state: StateBytes
+    """Weights, gradients, optimizer state and their transient buffers (summed over chunks)."""
+    activations: float = 0.0
+    """Peak activation bytes (from the simulator, when known)."""
+    chunks: List[StateBytes] = field(default_factory=list)
+
+    @property
+    def peak_gather(self) -> float:
+        """Largest transient of one chunk (gathered weights + gradient buffer)."""
+        return max((c.gathered + c.grad_buffer for c in self.chunks), default=0.0)
+
+
+def rank_splits(model, cluster, config: ScheduleConfig, spec: ShardingSpec) -> List[RankSplit]:
+    """Weights/gradients/optimizer bytes of every pipeline rank under ``spec``."""
+    if len(spec.levels) != config.vpp:
+        raise ShardingError(f"{FLAG} gives {len(spec.levels)} levels for {config.vpp} virtual chunks")
+    shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
+    params = chunk_params(model, cluster, config)
+    out = []
+    for rank in range(config.pp):
+        chunks = [chunk_state(params[rank][c], spec.levels[c], cluster.dp, shard, model.dtype_bytes, model.grad_bytes)
+                  for c in range(config.vpp)]
+        total = StateBytes()
+        for state in chunks:
+            total = total + state
+        out.append(RankSplit(rank, spec.levels, total, chunks=chunks))
+    return out
+
+
+def format_split(split: RankSplit, unit: float = 1024 ** 3, unit_name: str = "GiB") -> str:
+    """One line: the level per chunk and weights/grads/optimizer/gather buffers/activations."""
+    s = split.state
+    return (f"rank {split.rank}: [{' '.join(split.levels)}] weights {s.weights / unit:.3f} + grads {s.grads / unit:.3f} "
+            f"+ optimizer {s.optimizer / unit:.3f} = {s.resident / unit:.3f} {unit_name}, gather buffers "
+            f"{split.peak_gather / unit:.3f}, activations {split.activations / unit:.3f} {unit_name}")
