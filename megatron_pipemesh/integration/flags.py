@@ -48,6 +48,8 @@ class PipeMeshArgs:
     """Inputs of the measured re-planning (``--pipemesh-measure-iters``), None when off."""
     flags: PipeMeshConfig = PipeMeshConfig()
     """The flags as given (the source of the runtime's options and of the start-up report)."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """Validated ZeRO level per virtual chunk (--pipemesh-sharding); None: not given."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -70,6 +72,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         raise PipeMeshArgumentError(str(error)) from error
     forward, backward = settings.forward_groups, settings.backward_groups
     enabled = settings.enabled
+    sharding = check_sharding_args(args, settings)
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
     lookahead = settings.recv_lookahead
     if not enabled:
@@ -78,7 +81,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             raise PipeMeshArgumentError(
                 f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
-        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings)
+        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings, sharding=sharding)
     if lookahead < 0:
         raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
@@ -121,7 +124,8 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
-                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings)
+                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings,
+                            sharding=sharding)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:
@@ -134,7 +138,44 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
     return PipeMeshArgs(True, config.forward_groups if forward else None, config.backward_groups if backward else None,
-                        lookahead, timeout_s, config, flags=settings)
+                        lookahead, timeout_s, config, flags=settings, sharding=sharding)
+
+
+def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:
+    """Validate --pipemesh-sharding / --pipemesh-shard-scope against Megatron's ``args``: one level per
+    virtual chunk (or one for all), the distributed optimizer, no Megatron-FSDP, and what the runtime executes."""
+    from ..planning.sharding import FLAG, ZERO, ShardingError, parse_levels
+
+    if settings.sharding is None:
+        if settings.shard_scope != "data-parallel":
+            raise PipeMeshArgumentError(f"--pipemesh-shard-scope {settings.shard_scope} without {FLAG}: the scope applies "
+                                        f"to ZeRO-2/3 chunks. Example: {FLAG} optim optim_grads_params "
+                                        f"--pipemesh-shard-scope {settings.shard_scope}")
+        return None
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    try:
+        levels = parse_levels(settings.sharding, vpp,
+                              distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    except ShardingError as error:
+        raise PipeMeshArgumentError(str(error)) from error
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        raise PipeMeshArgumentError(
+            f"{FLAG} with {'--use-megatron-fsdp' if getattr(args, 'use_megatron_fsdp', False) else '--use-torch-fsdp2'} is "
+            f"invalid: FSDP applies one --data-parallel-sharding-strategy to every chunk, and the optimizer follows the first "
+            f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
+            f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
+    if levels == "auto":
+        raise PipeMeshArgumentError(
+            f"{FLAG} auto is for `pipemesh plan --sharding auto` in this version: the training runtime executes only the "
+            f"'optim' level (see below). Example: {FLAG} optim")
+    beyond = sorted({level for level in levels if ZERO[level] > 1})
+    if beyond:
+        raise PipeMeshArgumentError(
+            f"{FLAG} {' '.join(levels)} is not supported by the training runtime yet: {', '.join(beyond)} needs the "
+            f"schedule's GATHER/RELEASE/REDUCE ops executed on Megatron's parameter and gradient buffers (planned and "
+            f"simulated by `pipemesh plan/simulate --sharding`, not run). Megatron-FSDP, which has these levels, is "
+            f"CUDA-only and applies one level to all chunks (docs/sharding.md). Example: {FLAG} optim")
+    return levels
 
 
 def fail(error: Exception) -> "NoReturn":  # noqa: F821

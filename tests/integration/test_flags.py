@@ -103,3 +103,25 @@ def test_plan_file_round_trip(tmp_path):
     assert list(settings.config.forward_groups) == data["forward_groups"]
     with pytest.raises(PipeMeshArgumentError, match="was made for p, V, m"):
         check_pipemesh_args(_args(pipemesh_plan=str(path), global_batch_size=32))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(pipemesh_sharding=["optim", "optim", "optim"], use_distributed_optimizer=True), "one per virtual chunk"),
+    (dict(pipemesh_sharding=["optim"]), "needs --use-distributed-optimizer"),
+    (dict(pipemesh_sharding=["optim"], use_distributed_optimizer=True, use_megatron_fsdp=True), "one --data-parallel-sharding-strategy"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True), "not supported by the training runtime"),
+    (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "pipemesh plan --sharding auto"),
+    (dict(pipemesh_shard_scope="node"), "without --pipemesh-sharding"),
+])
+def test_sharding_flags_are_checked_before_work(overrides, message):
+    """Wrong level count, missing distributed optimizer, FSDP, unexecuted levels and a lone scope fail at parse time."""
+    with pytest.raises(PipeMeshArgumentError, match=message):
+        check_pipemesh_args(_args(**overrides))
+
+
+def test_sharding_levels_accepted():
+    """One level for all chunks is expanded per chunk (also with the stock schedule)."""
+    settings = check_pipemesh_args(_args(pipemesh_sharding=["optim"], use_distributed_optimizer=True))
+    assert settings.sharding == ("optim", "optim")
+    assert check_pipemesh_args(_args(pipeline_schedule="default", pipemesh_sharding=["optim"],
+                                     use_distributed_optimizer=True)).sharding == ("optim", "optim")
