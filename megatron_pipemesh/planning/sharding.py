@@ -68,9 +68,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 from ..schedule.config import ScheduleConfig
 from ..schedule.ops import OpKind
 from ..schedule.order import compute_program
-from ..schedule.spans import gather_spans, group_spans
+from ..schedule.spans import SHARD_LEVELS, gather_spans, group_spans
 
-LEVELS = ("optim", "optim_grads", "optim_grads_params")
+LEVELS = SHARD_LEVELS
 """Megatron's sharding level names, ZeRO-1..3."""
 ZERO = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 SCOPES = ("data-parallel", "node")

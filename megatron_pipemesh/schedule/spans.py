@@ -15,6 +15,9 @@ from typing import List, Sequence, Tuple
 from .config import ScheduleConfig
 from .ops import Op, OpKind
 
+SHARD_LEVELS = ("optim", "optim_grads", "optim_grads_params")
+"""Megatron's sharding level names (ZeRO-1, -2, -3), one per chunk in ``LoweringOptions.sharding``."""
+
 Span = Tuple[int, int]
 """(index of the first, index of the last) compute op of the span in the rank's compute program."""
 

@@ -10,6 +10,9 @@ one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in 
 two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: the link is
 full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
 ended, and a backward whose activations were offloaded starts when its RELOAD has finished.
+Mixed sharding: GATHER and REDUCE run on the data-parallel channel like the syncs; a compute op of
+a ZeRO-3 chunk starts when the GATHER of its span has finished; RELEASE is instantaneous (recorded
+as a zero-length 'release' event, for the memory timeline).
 If no rank can make progress before every program ends, the schedule deadlocks.
 """
 from __future__ import annotations
@@ -93,7 +96,7 @@ class CommEvent:
     start: float
     end: float
     lane: str
-    """'p2p', 'dp', 'd2h' (OFFLOAD) or 'h2d' (RELOAD)."""
+    """'p2p', 'dp' (also GATHER / REDUCE), 'd2h' (OFFLOAD), 'h2d' (RELOAD) or 'release' (RELEASE, zero length)."""
 
 
 @dataclass
@@ -128,6 +131,9 @@ class _Engine:
         self.param_ready: List[Dict[int, Optional[float]]] = []
         for rank, program in enumerate(schedule.programs):
             self.param_ready.append({op.chunk: None for op in program if op.kind is OpKind.PARAM_SYNC})
+        # ZeRO-3 chunk -> end of its open GATHER (None while released)
+        self.gathered: List[Dict[int, Optional[float]]] = [{c: None for c in schedule.options.zero3_chunks}
+                                                           for _ in range(p)]
         self.timeline = Timeline(schedule, [[] for _ in range(p)], [], [0.0] * p)
 
     def _consumer_key(self, rank: int, op: Op) -> TransferKey:
@@ -160,13 +166,18 @@ class _Engine:
             channel = (rank, key[0], op.compute.kind)
             self.channels.setdefault(channel, deque()).append((key, now, op.compute))
             self._resolve(channel)
-        elif op.kind.is_dp:
+        elif op.kind is OpKind.RELEASE:
+            self.gathered[rank][op.chunk] = None
+            self.timeline.comms.append(CommEvent(rank, rank, op, now, now, "release"))
+        elif op.kind.is_dp or op.kind.is_shard:
             start = max(now, self.dp_free[rank])
             end = start + self.costs.data_parallel(rank, op)
             self.dp_free[rank] = end
             self.timeline.comms.append(CommEvent(rank, rank, op, start, end, "dp"))
             if op.kind is OpKind.PARAM_SYNC:
                 self.param_ready[rank][op.chunk] = end
+            elif op.kind is OpKind.GATHER:
+                self.gathered[rank][op.chunk] = end
             self.timeline.rank_end[rank] = max(self.timeline.rank_end[rank], end)
         elif op.kind.is_host:
             key = (rank, op.chunk, op.microbatch)
@@ -187,6 +198,13 @@ class _Engine:
                 comm_part = max(0.0, got[0] - max(got[1], now))
             if op.kind is OpKind.FORWARD and op.chunk in self.param_ready[rank]:
                 ready = self.param_ready[rank][op.chunk]
+                if ready is None:
+                    return False
+                if ready > data_ready:
+                    data_ready, waited_on = ready, "param"
+                    comm_part = ready - now
+            if op.chunk in self.gathered[rank] and not self.s.options.forward_only:
+                ready = self.gathered[rank][op.chunk]
                 if ready is None:
                     return False
                 if ready > data_ready:
