@@ -62,13 +62,15 @@ Pure: no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.lower import LoweringOptions
 from ..schedule.ops import OpKind
 from ..schedule.order import compute_program
-from ..schedule.spans import SHARD_LEVELS, gather_spans, group_spans
+from ..schedule.spans import SHARD_LEVELS, gather_spans, group_index, group_spans
+from .costs import ScheduleCosts, link_gbps
 
 LEVELS = SHARD_LEVELS
 """Megatron's sharding level names, ZeRO-1..3."""
@@ -315,3 +317,83 @@ def format_split(split: RankSplit, unit: float = 1024 ** 3, unit_name: str = "Gi
     return (f"rank {split.rank}: [{' '.join(split.levels)}] weights {s.weights / unit:.3f} + grads {s.grads / unit:.3f} "
             f"+ optimizer {s.optimizer / unit:.3f} = {s.resident / unit:.3f} {unit_name}, gather buffers "
             f"{split.peak_gather / unit:.3f}, activations {split.activations / unit:.3f} {unit_name}")
+
+
+class ShardedCosts(ScheduleCosts):
+    """Costs adapter that charges the collectives of mixed sharding on the data-parallel channel:
+    ZeRO-1 chunks keep the given costs; a ZeRO-3 GATHER all-gathers the chunk's weights and a REDUCE /
+    the GRAD_SYNC of a ZeRO-2/3 chunk reduce-scatters its gradients over the shard group (ring: (n-1)/n
+    of the payload), plus, with the node scope, the cross-node reduction of the node shard at the
+    GRAD_SYNC."""
+
+    def __init__(self, config: ScheduleConfig, costs, recompute, model, cluster, spec: ShardingSpec):
+        super().__init__(config, costs, recompute)
+        self.spec, self.model = spec, model
+        self.params = chunk_params(model, cluster, config)
+        self.dp = cluster.dp
+        self.shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
+        self.dp_gbps = link_gbps(cluster, config.pp)[0]
+        self.shard_gbps = (spec.intra_node_gbps or self.dp_gbps) if spec.scope == "node" else self.dp_gbps
+
+    def _ring(self, payload: float, group: int, gbps: float) -> float:
+        return (group - 1) / group * payload * 8 / (gbps * 1e9) + self.costs.latency_s if group > 1 else 0.0
+
+    def data_parallel(self, rank: int, op) -> float:
+        zero = ZERO[self.spec.levels[op.chunk]]
+        if zero == 1 or op.kind is OpKind.PARAM_SYNC:
+            return super().data_parallel(rank, op)
+        params = self.params[rank][op.chunk]
+        if op.kind is OpKind.GATHER:
+            return self._ring(params * self.model.dtype_bytes, self.shard, self.shard_gbps)
+        seconds = self._ring(params * self.model.grad_bytes, self.shard, self.shard_gbps)
+        if op.kind is OpKind.GRAD_SYNC and self.shard < self.dp:
+            nodes = self.dp // self.shard
+            node_shard = params * (self.model.grad_bytes + self.model.dtype_bytes) / self.shard
+            seconds += self._ring(node_shard, nodes, self.dp_gbps)
+        return seconds
+
+
+@dataclass
+class ShardingModel:
+    """Mixed sharding of one model on one cluster: what the simulator needs (lowering options, the
+    costs adapter, resident bytes per rank, and the transient buffers on the memory timeline)."""
+
+    model: object
+    cluster: object
+    spec: ShardingSpec
+
+    def lowering(self, options: LoweringOptions) -> LoweringOptions:
+        return replace(options, sharding=self.spec.levels, gather_lookahead=self.spec.lookahead)
+
+    def adapter(self, config: ScheduleConfig, costs, recompute) -> ShardedCosts:
+        return ShardedCosts(config, costs, recompute, self.model, self.cluster, self.spec)
+
+    def splits(self, config: ScheduleConfig) -> List[RankSplit]:
+        return rank_splits(self.model, self.cluster, config, self.spec)
+
+    def memory_deltas(self, rank: int, timeline, splits: List[RankSplit]) -> List[Tuple[float, float]]:
+        """(time, bytes) changes of ``rank``'s transient buffers: gathered weights from each GATHER's start
+        to its RELEASE; a ZeRO-2/3 chunk's whole gradient buffer from the first backward of each
+        backward group to the end of that group's reduction (REDUCE, or GRAD_SYNC for the last)."""
+        chunks = splits[rank].chunks
+        config = timeline.schedule.config
+        deltas: List[Tuple[float, float]] = []
+        reductions = {c: [] for c in range(config.vpp)}
+        for event in timeline.comms:
+            if event.src != rank or event.lane not in ("dp", "release"):
+                continue
+            kind, chunk = event.op.kind, event.op.chunk
+            if kind is OpKind.GATHER:
+                deltas.append((event.start, chunks[chunk].gathered))
+            elif kind is OpKind.RELEASE:
+                deltas.append((event.start, -chunks[chunk].gathered))
+            elif kind in (OpKind.REDUCE, OpKind.GRAD_SYNC) and chunks[chunk].grad_buffer:
+                reductions[chunk].append(event.end)
+        for chunk, ends in reductions.items():
+            starts = {}
+            for event in timeline.compute[rank]:
+                if event.op.kind is OpKind.BACKWARD and event.op.chunk == chunk:
+                    starts.setdefault(group_index(config.backward_groups, event.op.microbatch), event.start)
+            for start, end in zip([starts[g] for g in sorted(starts)], sorted(ends)):
+                deltas += [(start, chunks[chunk].grad_buffer), (end, -chunks[chunk].grad_buffer)]
+        return deltas
