@@ -22,13 +22,17 @@ across nodes once per iteration. The optimizer state is always sharded over all 
 Bytes per parameter (w = weight bytes, g = gradient bytes, o = optimizer bytes: 8 for Adam's
 moments plus 4 for fp32 main parameters when w < 4):
 
-==================  ===========  ===========  =========  =================================
-level               weights      gradients    optimizer  transient (while a group runs)
-==================  ===========  ===========  =========  =================================
+==================  ===========  ===========  =========  ==========================================
+level               weights      gradients    optimizer  transient (while a group span runs)
+==================  ===========  ===========  =========  ==========================================
 optim               w            g            o/d        --
-optim_grads         w            g/s          o/d        g (whole gradient buffer)
-optim_grads_params  w/s          g/s          o/d        w (gathered weights) + g
-==================  ===========  ===========  =========  =================================
+optim_grads         w            g/s          o/d        g(1-1/s) (rest of the gradient buffer)
+optim_grads_params  w/s          g/s          o/d        w(1-1/s) (rest of the weights) + g(1-1/s)
+==================  ===========  ===========  =========  ==========================================
+
+The shard is a slice of the whole buffer (as in Megatron's buffers, where each rank's shard of a
+bucket is a slice of the bucket), so a gathered chunk holds exactly its whole weights: at the peak of
+a span a ZeRO-3 chunk costs what a ZeRO-1 chunk costs all the time; the saving is everywhere else.
 
 Megatron 0.19.2 findings (installed wheel, ``megatron/core``, ``megatron/training``), why the levels
 above ZeRO-1 are not wired to Megatron-FSDP here:
@@ -62,6 +66,7 @@ Pure: no torch.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -146,9 +151,10 @@ class StateBytes:
     optimizer: float = 0.0
     """Optimizer state (fp32 main parameters when 16-bit, Adam moments): always a 1/d shard."""
     gathered: float = 0.0
-    """Whole weights held only while a gather span runs (ZeRO-3)."""
+    """The rest of the whole weights (beyond the shard), held only while a gather span runs (ZeRO-3)."""
     grad_buffer: float = 0.0
-    """Whole gradient buffer held only from a backward group's first backward to its reduction (ZeRO-2/3)."""
+    """The rest of the whole gradient buffer, held only from a backward group's first backward to its
+    reduction (ZeRO-2/3)."""
 
     @property
     def resident(self) -> float:
@@ -180,7 +186,9 @@ def bytes_per_param(level: str, dp: int, shard: int, dtype_bytes: int = 2, grad_
     optimizer = optimizer_bytes(dtype_bytes) / dp
     weights = dtype_bytes / shard if zero == 3 else dtype_bytes
     grads = grad_bytes / shard if zero >= 2 else grad_bytes
-    return StateBytes(weights, grads, optimizer, dtype_bytes if zero == 3 else 0.0, grad_bytes if zero >= 2 else 0.0)
+    rest = 1 - 1 / shard
+    return StateBytes(weights, grads, optimizer, dtype_bytes * rest if zero == 3 else 0.0,
+                      grad_bytes * rest if zero >= 2 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -394,6 +402,50 @@ class ShardingModel:
             for event in timeline.compute[rank]:
                 if event.op.kind is OpKind.BACKWARD and event.op.chunk == chunk:
                     starts.setdefault(group_index(config.backward_groups, event.op.microbatch), event.start)
+            held: List[List[float]] = []  # one buffer per chunk: overlapping holds merge
             for start, end in zip([starts[g] for g in sorted(starts)], sorted(ends)):
+                if held and start <= held[-1][1]:
+                    held[-1][1] = max(held[-1][1], end)
+                else:
+                    held.append([start, end])
+            for start, end in held:
                 deltas += [(start, chunks[chunk].grad_buffer), (end, -chunks[chunk].grad_buffer)]
         return deltas
+
+
+def candidate_levels(vpp: int) -> List[Tuple[str, ...]]:
+    """Level tuples ``auto`` tries: every mix for V <= 2; otherwise the uniform levels and chunk 0 at
+    ZeRO-1 (its first gather can hide behind nothing) with ZeRO-2 or ZeRO-3 for the other chunks."""
+    if vpp <= 2:
+        return [tuple(mix) for mix in itertools.product(LEVELS, repeat=vpp)]
+    out = [(level,) * vpp for level in LEVELS]
+    out += [("optim",) + (level,) * (vpp - 1) for level in LEVELS[1:]]
+    return out
+
+
+def plan_with_sharding(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float, model, cluster,
+                       scope: str = "data-parallel", levels: Union[str, Tuple[str, ...]] = "auto", options=None,
+                       intra_node_gbps: Optional[float] = None):
+    """``pipemesh plan`` with mixed sharding: for each level tuple (``auto``: :func:`candidate_levels`; or
+    the given levels) choose groups and recomputation jointly (:func:`.planner.plan_schedule` simulates
+    every candidate with the tuple's gathers, reductions and memory); the fastest plan that fits wins
+    (ties: less peak memory, then fewer sharded chunks). Returns (best plan, {levels: best plan or None})."""
+    from .planner import NoFeasiblePlan, PlannerOptions, plan_schedule
+
+    options = options or PlannerOptions()
+    tuples = candidate_levels(vpp) if levels == "auto" else [tuple(levels)]
+    results = {}
+    for mix in tuples:
+        sharding = ShardingModel(model, cluster, ShardingSpec(mix, scope, intra_node_gbps))
+        try:
+            results[mix], _ = plan_schedule(pp, vpp, microbatches, costs_for, budget_bytes, options, sharding=sharding)
+        except NoFeasiblePlan:
+            results[mix] = None
+    feasible = [(mix, plan) for mix, plan in results.items() if plan is not None]
+    if not feasible:
+        raise NoFeasiblePlan(f"no schedule fits the memory budget of {budget_bytes / 1024 ** 3:.2f} GiB per device with "
+                             f"any of the sharding levels tried ({', '.join(' '.join(m) for m in tuples)})")
+    best = min(feasible, key=lambda item: (round(item[1].result.iteration_s, 12),
+                                           max(r.peak_memory_bytes for r in item[1].result.ranks),
+                                           sum(ZERO[level] for level in item[0])))
+    return best[1], results

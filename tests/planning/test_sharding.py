@@ -15,10 +15,10 @@ def test_bytes_per_param_by_level():
     assert (z1.weights, z1.grads, z1.optimizer, z1.gathered, z1.grad_buffer) == (2, 4, 3, 0, 0)
     assert z1.resident == 9  # Megatron's 6 + 12/d
     z2 = bytes_per_param("optim_grads", 4, 4, 2, 4)
-    assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 4)
+    assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 3)
     z3 = bytes_per_param("optim_grads_params", 4, 4, 2, 4)
-    assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 2, 4)
-    assert z3.resident == 4.5 and z3.peak == 10.5
+    assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 1.5, 3)
+    assert z3.resident == 4.5 and z3.peak == z1.peak == 9  # the shard is a slice of the gathered buffer
 
 
 def test_fp32_weights_have_no_main_copy():
@@ -121,3 +121,22 @@ def test_simulator_charges_gathers_and_holds_them_only_during_spans():
     # Between spans the timeline sits at resident + activations; the peak includes the gathered weights.
     assert max(b for _, b in mixed.memory[0]) == pytest.approx(mixed.ranks[0].peak_memory_bytes)
     assert mixed.ranks[0].exposed_dp_s > plain.ranks[0].exposed_dp_s
+
+
+def test_auto_shards_only_when_memory_demands_it():
+    """plan auto: with room, ZeRO-1 everywhere (no extra collectives); on a budget that ZeRO-1 cannot meet
+    even with full recomputation, a mix that shards some chunk (and it is simulated to fit)."""
+    from megatron_pipemesh.planning.planner import NoFeasiblePlan, PlannerOptions, plan_schedule
+    from megatron_pipemesh.planning.sharding import plan_with_sharding
+    model = ModelSpec(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=1024)
+    cluster = ClusterSpec(dp=4, dp_gbps=100.0)
+    costs_for = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    options = PlannerOptions()
+    roomy, _ = plan_with_sharding(2, 2, 4, costs_for, 64 * 1024 ** 3, model, cluster, options=options)
+    assert roomy.sharding.spec.levels == ("optim", "optim")
+    budget = 66 * 1024 ** 2  # ZeRO-1 everywhere needs 69.3 MiB even with full recomputation, ZeRO-3 everywhere 64.1
+    with pytest.raises(NoFeasiblePlan):
+        plan_schedule(2, 2, 4, costs_for, budget, options)
+    tight, by_levels = plan_with_sharding(2, 2, 4, costs_for, budget, model, cluster, options=options)
+    assert tight.fits and tight.sharding.spec.levels != ("optim", "optim") and by_levels[("optim", "optim")] is None
+    assert tight.to_dict()["sharding"] == list(tight.sharding.spec.levels)
