@@ -164,14 +164,16 @@ class PipeMeshConfig:
                 out += [flag, str(value)]
         return out
 
-    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None):
+    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None,
+                         sharding=None):
         """The runtime's :class:`~megatron_pipemesh.runtime.PipeMeshOptions` for these settings, with the
-        validated groups and recomputation (imports the runtime, hence torch)."""
+        validated groups, recomputation and sharding levels (imports the runtime, hence torch)."""
         from .runtime import PipeMeshOptions
 
         return PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
                                recv_lookahead=self.recv_lookahead, p2p_timeout_s=timeout_s,
-                               recompute=recompute or None, measure_memory=self.measure_memory)
+                               recompute=recompute or None, measure_memory=self.measure_memory,
+                               sharding=sharding)
 
 
 def dest(name: str) -> str:

@@ -166,15 +166,31 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
     if levels == "auto":
         raise PipeMeshArgumentError(
-            f"{FLAG} auto is for `pipemesh plan --sharding auto` in this version: the training runtime executes only the "
-            f"'optim' level (see below). Example: {FLAG} optim")
-    beyond = sorted({level for level in levels if ZERO[level] > 1})
-    if beyond:
-        raise PipeMeshArgumentError(
-            f"{FLAG} {' '.join(levels)} is not supported by the training runtime yet: {', '.join(beyond)} needs the "
-            f"schedule's GATHER/RELEASE/REDUCE ops executed on Megatron's parameter and gradient buffers (planned and "
-            f"simulated by `pipemesh plan/simulate --sharding`, not run). Megatron-FSDP, which has these levels, is "
-            f"CUDA-only and applies one level to all chunks (docs/sharding.md). Example: {FLAG} optim")
+            f"{FLAG} auto is for `pipemesh plan --sharding auto` in this version: training takes the levels the plan "
+            f"prints. Example: {FLAG} optim optim_grads_params")
+    if any(ZERO[level] > 1 for level in levels):
+        example = f"--pipeline-schedule pipemesh --use-distributed-optimizer --overlap-param-gather {FLAG} {' '.join(levels)}"
+        if not settings.enabled:
+            raise PipeMeshArgumentError(f"{FLAG} {' '.join(levels)} needs {SCHEDULE_FLAG} pipemesh: the schedule places the "
+                                        f"gathers and reductions of ZeRO-2/3 chunks around its groups. Example: {example}")
+        if settings.shard_scope != "data-parallel":
+            raise PipeMeshArgumentError(
+                f"--pipemesh-shard-scope {settings.shard_scope} is planned and simulated (`pipemesh plan/simulate "
+                f"--shard-scope node`) but not run: the runtime shards over Megatron's distributed-optimizer group (all "
+                f"data-parallel ranks). Example: {example} --pipemesh-shard-scope data-parallel")
+        if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
+            raise PipeMeshArgumentError(f"{FLAG} with --num-distributed-optimizer-instances "
+                                        f"{args.num_distributed_optimizer_instances} is invalid: ZeRO-2/3 chunks shard over "
+                                        f"one distributed-optimizer instance. Example: {example}")
+        if "optim_grads_params" in levels:
+            if not getattr(args, "overlap_param_gather", False):
+                raise PipeMeshArgumentError(
+                    f"{FLAG} {' '.join(levels)} needs --overlap-param-gather: without it Megatron's optimizer step "
+                    f"all-gathers every chunk's parameters at once, which a ZeRO-3 chunk gathers per group. Example: {example}")
+            if getattr(args, "save", None):
+                raise PipeMeshArgumentError(
+                    f"{FLAG} optim_grads_params with --save is not supported: between iterations a ZeRO-3 chunk holds only "
+                    f"its parameter shard, and checkpointing that is not implemented. Drop --save or use {FLAG} optim_grads")
     return levels
 
 

@@ -109,7 +109,11 @@ def test_plan_file_round_trip(tmp_path):
     (dict(pipemesh_sharding=["optim", "optim", "optim"], use_distributed_optimizer=True), "one per virtual chunk"),
     (dict(pipemesh_sharding=["optim"]), "needs --use-distributed-optimizer"),
     (dict(pipemesh_sharding=["optim"], use_distributed_optimizer=True, use_megatron_fsdp=True), "one --data-parallel-sharding-strategy"),
-    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True), "not supported by the training runtime"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True), "needs --overlap-param-gather"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipeline_schedule="default"), "needs --pipeline-schedule pipemesh"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node"), "planned and simulated"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
+          save="/tmp/ckpt"), "--save is not supported"),
     (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "pipemesh plan --sharding auto"),
     (dict(pipemesh_shard_scope="node"), "without --pipemesh-sharding"),
 ])
@@ -125,3 +129,6 @@ def test_sharding_levels_accepted():
     assert settings.sharding == ("optim", "optim")
     assert check_pipemesh_args(_args(pipeline_schedule="default", pipemesh_sharding=["optim"],
                                      use_distributed_optimizer=True)).sharding == ("optim", "optim")
+    mixed = check_pipemesh_args(_args(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True,
+                                      overlap_param_gather=True))
+    assert mixed.sharding == ("optim", "optim_grads_params")
