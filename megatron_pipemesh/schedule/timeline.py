@@ -196,15 +196,12 @@ class _Engine:
                     return False
                 data_ready, waited_on = got[0], "p2p"
                 comm_part = max(0.0, got[0] - max(got[1], now))
-            if op.kind is OpKind.FORWARD and op.chunk in self.param_ready[rank]:
-                ready = self.param_ready[rank][op.chunk]
-                if ready is None:
-                    return False
-                if ready > data_ready:
-                    data_ready, waited_on = ready, "param"
-                    comm_part = ready - now
+            # The chunk's parameters: its PARAM_SYNC (first forward) or the GATHER of its span (ZeRO-3).
+            waits = self.param_ready[rank] if op.kind is OpKind.FORWARD else {}
             if op.chunk in self.gathered[rank] and not self.s.options.forward_only:
-                ready = self.gathered[rank][op.chunk]
+                waits = self.gathered[rank]
+            if op.chunk in waits:
+                ready = waits[op.chunk]
                 if ready is None:
                     return False
                 if ready > data_ready:
