@@ -58,9 +58,8 @@ above ZeRO-1 are not wired to Megatron-FSDP here:
   (``optimizer/distrib_optimizer.py:467``), and its gradient shard a view into the gradient buffer.
   ZeRO-2/3 for a DDP chunk therefore means freeing and re-allocating the storage of those buffers
   around the schedule's groups (the shard views stay valid across ``untyped_storage().resize_``) --
-  own code, planned in :mod:`megatron_pipemesh.schedule` (``GATHER``/``RELEASE``/``REDUCE`` ops) and
-  accounted here; the training runtime does not execute it yet (see
-  :func:`check_runtime_support`).
+  own code: the ``GATHER``/``RELEASE``/``REDUCE`` ops of :mod:`megatron_pipemesh.schedule` and their
+  execution in :mod:`megatron_pipemesh.runtime.sharding`; this module is its memory and traffic model.
 
 Pure: no torch.
 """

@@ -349,7 +349,7 @@ class _Run:
         try:
             self._disable_grad_sync()
             if self.sharding is not None:
-                self.sharding.begin()
+                self.sharding.begin(measure=self.owner.training_calls == 1)  # reported after the second call
             forward_data_store = self._run_program(stats, embedding_module)
         except BaseException as error:
             self._abandon(error)

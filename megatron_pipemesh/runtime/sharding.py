@@ -234,13 +234,16 @@ class ProgramSharding:
     def _count(self, what: str, chunk: int, nbytes: int) -> None:
         self.traffic[(what, chunk)] = self.traffic.get((what, chunk), 0) + nbytes
 
-    def begin(self) -> None:
+    def begin(self, measure: bool = False) -> None:
         """Program start (after Megatron zeroed the gradients and stepped the optimizer): free what the
-        levels do not keep, then measure what parameters, gradients and optimizer state hold."""
+        levels do not keep; with ``measure``, count what parameters, gradients and optimizer state hold
+        (host-side bookkeeping over the optimizer state: only for the report, not every iteration)."""
         for state in self.states.values():
             state.release_grads()
             if state.zero3:
                 state.release_params()
+        if not measure:
+            return
         held = 0
         for chunk, ddp in enumerate(self.model):
             held += self.states[chunk].held_bytes() if chunk in self.states else whole_chunk_bytes(ddp)

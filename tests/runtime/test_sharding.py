@@ -99,7 +99,7 @@ def test_program_counts_and_waits():
     ddp1, weight = _ddp()
     program = ProgramSharding([ddp0, ddp1], ("optim", "optim_grads_params"),
                               {1: ChunkSharding(1, ddp1, "optim_grads_params")})
-    program.begin()
+    program.begin(measure=True)
     assert ddp1.buffers[0].param_data.untyped_storage().nbytes() == 0
     assert ddp1.buffers[0].grad_data.untyped_storage().nbytes() == 0
     assert program.resident_bytes == 2 * 12 * 4 + 12 * 4 + 12 * 4  # chunk 0 whole; chunk 1 shard + accumulator
