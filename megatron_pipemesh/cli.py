@@ -133,8 +133,15 @@ def _print_splits(sharding, config: ScheduleConfig, result) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from .planning.sharding import ShardingError, parse_levels
+    from .schedule.lower import LoweringOptions
+
     config = config_from_args(args)
-    schedule = lower(config)
+    try:
+        levels = parse_levels(args.sharding, config.vpp, allow_auto=False) if args.sharding else ()
+    except ShardingError as error:
+        raise UsageError(str(error).replace("--pipemesh-sharding", "--sharding")) from error
+    schedule = lower(config, LoweringOptions(sharding=levels or ()))
     validate(schedule)
     if args.json:
         ranks = [[str(op) for op in (program if args.lowered else schedule.compute_order(rank))]
@@ -273,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
     show.add_argument("--lowered", action="store_true", help="include sends, receives and data-parallel sync ops")
     show.add_argument("--picture", action="store_true", help="draw a text timeline (F = 1, B = 2 time units)")
+    show.add_argument("--sharding", nargs="+", metavar="LEVEL", help="ZeRO level per chunk (optim, optim_grads, "
+                      "optim_grads_params): --lowered then shows the GATHER / RELEASE / REDUCE ops")
     show.set_defaults(func=cmd_show)
     sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
     add_schedule_args(sim)

@@ -294,3 +294,14 @@ def test_simulate_and_plan_show_levels_and_memory_split():
 def test_simulate_sharding_errors(argv, words):
     """Bad --sharding input is a one-paragraph usage error naming the rule."""
     assert_one_paragraph_error(*run(["simulate", "--pp", "2", "--vpp", "2", "-m", "8"] + argv), words)
+
+
+def test_show_lowered_with_sharding():
+    """show --lowered --sharding places GATHER/RELEASE around the ZeRO-3 chunk's spans; bad levels are usage errors."""
+    code, out, err = run(["show", "--pp", "2", "--vpp", "2", "-m", "8", "--forward-groups", "6", "2", "--backward-groups",
+                          "4", "4", "--lowered", "--sharding", "optim", "optim_grads_params"])
+    assert code == 0, err
+    rank0 = out.splitlines()[1]
+    assert rank0.count("GATHER1.") == rank0.count("RELEASE1.") == 3 and "PARAM_SYNC1" not in rank0
+    assert_one_paragraph_error(*run(["show", "--pp", "2", "--vpp", "2", "-m", "8", "--sharding", "zero3"]),
+                               ["--sharding", "unknown level"])
