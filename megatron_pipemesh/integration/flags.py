@@ -187,10 +187,15 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
                 raise PipeMeshArgumentError(
                     f"{FLAG} {' '.join(levels)} needs --overlap-param-gather: without it Megatron's optimizer step "
                     f"all-gathers every chunk's parameters at once, which a ZeRO-3 chunk gathers per group. Example: {example}")
-            if getattr(args, "save", None):
-                raise PipeMeshArgumentError(
-                    f"{FLAG} optim_grads_params with --save is not supported: between iterations a ZeRO-3 chunk holds only "
-                    f"its parameter shard, and checkpointing that is not implemented. Drop --save or use {FLAG} optim_grads")
+            for flag, given in (("--save", getattr(args, "save", None)),
+                                ("--log-params-norm", getattr(args, "log_params_norm", False)),
+                                ("--check-weight-hash-across-dp-replicas-interval",
+                                 getattr(args, "check_weight_hash_across_dp_replicas_interval", None))):
+                if given:
+                    raise PipeMeshArgumentError(
+                        f"{FLAG} optim_grads_params with {flag} is not supported: between iterations a ZeRO-3 chunk holds "
+                        f"only its parameter shard (the rest of its parameters is gathered per group), which {flag} would "
+                        f"read. Drop {flag} or use {FLAG} optim_grads")
     return levels
 
 

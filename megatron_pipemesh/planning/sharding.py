@@ -105,7 +105,8 @@ def parse_levels(values: Union[None, str, Sequence[str]], vpp: int, *, distribut
         if len(values) != 1:
             raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: 'auto' stands alone. Example: {FLAG} auto")
         if not allow_auto:
-            raise ShardingError(f"{FLAG} auto is for `pipemesh plan`; training takes the levels (or a plan). Example: {example}")
+            raise ShardingError(f"{FLAG} auto is for `pipemesh plan`; training takes the levels (or a plan). "
+                                f"Example: {example}")
         levels: Union[str, Tuple[str, ...]] = "auto"
     else:
         unknown = [v for v in values if v not in LEVELS]

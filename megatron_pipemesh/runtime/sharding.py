@@ -25,8 +25,9 @@ and this module frees and re-allocates the *storage* of its buffers around the s
 
 Limits (checked at parse time): shards span Megatron's distributed-optimizer group (all
 data-parallel ranks; the ``node`` scope is planned and simulated only), one distributed-optimizer
-instance, no checkpoint saving with ZeRO-3 chunks (between iterations their buffers hold only the
-shard, as Megatron's own buffers hold stale values until the next gather). On CUDA the copies,
+instance, no checkpoint saving, parameter norms or weight hashes with ZeRO-3 chunks (between
+iterations their buffers hold only the shard, as Megatron's own buffers hold stale values until the
+next gather). On CUDA the copies,
 resizes and collectives are ordered on the current stream like Megatron's own gathers; the shard
 tensors are allocated once and only their storage is resized (no per-micro-batch allocation).
 
@@ -98,7 +99,8 @@ class ChunkSharding:
         self.group = self.buffers[0].data_parallel_group
         self.size, self.rank = self.group.size(), self.group.rank()
         # Shard tensors, allocated once; their storage is freed while the whole buffer holds the shard.
-        self.param_shards = [torch.empty_like(_shard(b.param_data, self.size, self.rank)) for b in self.buckets] if self.zero3 else []
+        self.param_shards = ([torch.empty_like(_shard(b.param_data, self.size, self.rank)) for b in self.buckets]
+                             if self.zero3 else [])
         self.grad_accum = [torch.zeros_like(_shard(b.grad_data, self.size, self.rank)) for b in self.buckets]
         self.params_out = self.grads_out = False
         self.gathering = False

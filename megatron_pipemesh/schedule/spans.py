@@ -50,7 +50,8 @@ def gather_spans(config: ScheduleConfig, compute: Sequence[Op], chunk: int, look
     Forward and backward group spans are merged when they overlap or when the next span's
     prefetch (``lookahead`` compute ops before its first op) would come before the previous
     span's release (right after its last op)."""
-    spans = sorted(group_spans(config, compute, chunk, OpKind.FORWARD) + group_spans(config, compute, chunk, OpKind.BACKWARD))
+    spans = sorted(group_spans(config, compute, chunk, OpKind.FORWARD)
+                   + group_spans(config, compute, chunk, OpKind.BACKWARD))
     merged: List[Span] = []
     for first, last in spans:
         if merged and first - merged[-1][1] <= lookahead:

@@ -114,6 +114,8 @@ def test_plan_file_round_trip(tmp_path):
     (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node"), "planned and simulated"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
           save="/tmp/ckpt"), "--save is not supported"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
+          log_params_norm=True), "--log-params-norm is not supported"),
     (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "pipemesh plan --sharding auto"),
     (dict(pipemesh_shard_scope="node"), "without --pipemesh-sharding"),
 ])
