@@ -90,6 +90,24 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
                       baselines["depth-first"].result.iteration_s, baselines["breadth-first"].result.iteration_s, source)
 
 
+def sharding_summary(args, config: ScheduleConfig, levels) -> str:
+    """The levels and the model's weights + grads + optimizer bytes per pipeline rank for them and for ZeRO-1
+    everywhere (the runtime prints the measured bytes next to its own prediction at iteration 2)."""
+    from ..planning.sharding import ShardingSpec, rank_splits
+    from .auto_plan import model_and_cluster
+
+    text = f"sharding {' '.join(levels)}"
+    try:
+        model, cluster = model_and_cluster(args, 1.0)
+        mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels)))
+        zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp))
+    except Exception as error:  # a report must not stop training
+        return f"{text} (no memory prediction: {type(error).__name__}: {error})"
+    return (f"{text}: predicted weights+grads+optimizer MiB per pipeline rank "
+            f"{' '.join(f'{s.state.resident / MiB:.2f}' for s in mine)} (optim everywhere "
+            f"{' '.join(f'{s.state.resident / MiB:.2f}' for s in zero1)}; measured at iteration 2)")
+
+
 def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
     total = config.pp * config.vpp * config.microbatches
     counts: Dict[str, int] = {}
@@ -113,7 +131,7 @@ def plan_line(args, settings) -> str:
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
              recompute_summary(settings.recompute, config)]
     if sharding:
-        parts.append(f"sharding {' '.join(sharding)} (measured vs predicted memory at iteration 2)")
+        parts.append(sharding_summary(args, config, sharding))
     try:
         prediction = predict(args, config, settings.recompute)
     except Exception as error:  # a report must not stop training; say why there is no prediction

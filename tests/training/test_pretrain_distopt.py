@@ -47,6 +47,9 @@ REPORT = re.compile(r"PipeMesh sharding rank (\d+) \(pipeline rank \d+\) \[([a-z
                     r"\(simulator (\{.*?\})\)")
 
 
+STARTUP = re.compile(r"predicted weights\+grads\+optimizer MiB per pipeline rank ([0-9. ]+) \(optim everywhere")
+
+
 def _reports(stdout):
     """rank -> (levels, measured, predicted, gathered, simulated gathers, reduced, simulated reductions)."""
     return {int(m[0]): (m[1], int(m[2]), int(m[3]), *(ast.literal_eval(x) for x in m[4:]))
@@ -76,5 +79,9 @@ def test_pipemesh_with_distributed_optimizer_matches_default(args):
         assert zero3[rank][1] < zero1[rank][1]
         # Chunk 1 (ZeRO-3) is gathered once per merged group span (3 on pipeline rank 0, 2 on rank 1), reduced per
         # backward group (2); chunk 0 (ZeRO-1) once each.
+        # The start-up plan line's prediction (analytic model shape, not the buffers) is within 10% too.
+        for out, reports in ((zero1_out, zero1), (mixed_out, zero3)):
+            startup = [float(x) * 1024 ** 2 for x in STARTUP.search(out)[1].split()]
+            assert abs(reports[rank][1] / startup[rank // 2] - 1) < 0.10, (rank, reports[rank][0], startup)
         chunk1 = zero1[rank][3][1]
         assert zero3[rank][3][1] == (3 if rank < 2 else 2) * chunk1 and zero3[rank][5][1] == 2 * chunk1
