@@ -33,6 +33,8 @@ class ResolvedPlan:
     """Inputs of :class:`~.measured.MeasuredReplanner` (re-planning from measured costs with
     --pipemesh-measure-iters > 0, and from the minimum free memory over ranks when the budget was read
     from the device); None when neither applies."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """ZeRO level per chunk saved in a plan made with ``pipemesh plan --sharding``; None: not in the plan."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -148,5 +150,13 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     bad = [level for level in recompute.values() if level not in ("none", "selective", "full")]
     if bad:
         raise ValueError(f"--pipemesh-plan {path}: unknown recompute level(s) {sorted(set(bad))}; use none, selective or full")
+    sharding = None
+    if data.get("sharding") is not None:
+        from ..planning.sharding import ShardingError, parse_levels
+        try:
+            sharding = parse_levels(data["sharding"], vpp, allow_auto=False)
+        except ShardingError as error:
+            raise ValueError(f"--pipemesh-plan {path}: {error}") from error
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
-                                           f"{len(recompute)} recomputed chunk-micro-batches")
+                                           f"{len(recompute)} recomputed chunk-micro-batches"
+                                           + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding)

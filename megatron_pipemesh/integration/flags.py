@@ -8,6 +8,7 @@ the flag, the values, the rule and a valid example.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -123,6 +124,13 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             resolved = load_plan(plan_file, pp, vpp, m) if plan_file else auto_plan(args, pp, vpp, m)
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
+        planned = getattr(resolved, "sharding", None)
+        if planned is not None:
+            if sharding is not None and tuple(sharding) != tuple(planned):
+                raise PipeMeshArgumentError(
+                    f"--pipemesh-sharding {' '.join(sharding)} and --pipemesh-plan {plan_file} (sharding "
+                    f"{' '.join(planned)}) disagree; the plan file holds the levels. Drop one of them")
+            sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=tuple(planned)))
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
                             resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings,
                             sharding=sharding)

@@ -134,3 +134,21 @@ def test_sharding_levels_accepted():
     mixed = check_pipemesh_args(_args(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True,
                                       overlap_param_gather=True))
     assert mixed.sharding == ("optim", "optim_grads_params")
+
+
+def test_plan_file_carries_the_sharding_levels(tmp_path):
+    """`pipemesh plan --sharding ... --output` saves the levels; --pipemesh-plan applies them (with their rules)
+    and refuses different --pipemesh-sharding levels."""
+    from megatron_pipemesh.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "8", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128", "--dp", "2",
+                 "--memory-budget-gb", "1", "--sharding", "optim", "optim_grads", "--output", str(path)]) == 0
+    settings = check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
+                                         global_batch_size=48))
+    assert settings.sharding == ("optim", "optim_grads") and "sharding optim optim_grads" in settings.summary
+    with pytest.raises(PipeMeshArgumentError, match="needs --use-distributed-optimizer"):
+        check_pipemesh_args(_args(pipemesh_plan=str(path), data_parallel_size=2, global_batch_size=48))
+    with pytest.raises(PipeMeshArgumentError, match="disagree"):
+        check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
+                                  global_batch_size=48, pipemesh_sharding=["optim"]))
