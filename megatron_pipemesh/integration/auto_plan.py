@@ -115,8 +115,15 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         from .measured import load_profile, with_measured_times
         measured = load_profile(profile)
         source, costs_for = f"measured costs from {profile}", lambda cfg: with_measured_times(analytic(cfg), measured)
+    sharding_auto = list(getattr(args, "pipemesh_sharding", None) or []) == ["auto"]
     try:
-        best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
+        if sharding_auto:  # levels per chunk chosen jointly with the groups and recomputation
+            from ..planning.sharding import plan_with_sharding
+            best, by_levels = plan_with_sharding(pp, vpp, microbatches, costs_for, budget * GB, model, cluster,
+                                                 getattr(args, "pipemesh_shard_scope", "data-parallel"))
+            evaluated = [plan for plan in by_levels.values() if plan is not None]
+        else:
+            best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
     measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
@@ -130,6 +137,9 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                   "measure_iters": measure_iters, "profile_path": profile, "grad_bytes": model.grad_bytes,
                   "distributed_optimizer": cluster.distributed_optimizer}
     summary = f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): {best.summary()}"
+    if sharding_auto:
+        levels = best.sharding.spec.levels
+        return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels)
     return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
 
 

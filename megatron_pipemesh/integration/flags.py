@@ -125,6 +125,8 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
         planned = getattr(resolved, "sharding", None)
+        if sharding == "auto":
+            sharding = None  # the planner's levels follow
         if planned is not None:
             if sharding is not None and tuple(sharding) != tuple(planned):
                 raise PipeMeshArgumentError(
@@ -173,9 +175,15 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
             f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
     if levels == "auto":
-        raise PipeMeshArgumentError(
-            f"{FLAG} auto is for `pipemesh plan --sharding auto` in this version: training takes the levels the plan "
-            f"prints. Example: {FLAG} optim optim_grads_params")
+        auto_groups = settings.forward_groups == "auto" and settings.backward_groups in ("auto", None)
+        if not (settings.enabled and auto_groups and settings.memory_budget_gb and not settings.measure_iters):
+            raise PipeMeshArgumentError(
+                f"{FLAG} auto chooses the levels jointly with the groups and recomputation at start-up: it needs "
+                f"{SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} auto {BACKWARD_FLAG} auto and an explicit "
+                f"--pipemesh-memory-budget-gb (the same plan on every rank), without --pipemesh-measure-iters; or take "
+                f"the levels `pipemesh plan --sharding auto` prints. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} "
+                f"auto {BACKWARD_FLAG} auto --pipemesh-memory-budget-gb 40 {FLAG} auto")
+        return "auto"  # resolved by the planner (check_pipemesh_args), then checked like given levels
     if any(ZERO[level] > 1 for level in levels):
         example = f"--pipeline-schedule pipemesh --use-distributed-optimizer --overlap-param-gather {FLAG} {' '.join(levels)}"
         if not settings.enabled:

@@ -116,7 +116,7 @@ def test_plan_file_round_trip(tmp_path):
           save="/tmp/ckpt"), "--save is not supported"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
           log_params_norm=True), "--log-params-norm is not supported"),
-    (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "pipemesh plan --sharding auto"),
+    (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "jointly with the groups"),
     (dict(pipemesh_shard_scope="node"), "without --pipemesh-sharding"),
 ])
 def test_sharding_flags_are_checked_before_work(overrides, message):
@@ -152,3 +152,14 @@ def test_plan_file_carries_the_sharding_levels(tmp_path):
     with pytest.raises(PipeMeshArgumentError, match="disagree"):
         check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
                                   global_batch_size=48, pipemesh_sharding=["optim"]))
+
+
+def test_sharding_auto_plans_levels_with_the_groups():
+    """--pipemesh-sharding auto with auto groups and a budget: the planner picks levels per chunk (checked by the
+    same rules as given levels) and the summary names them."""
+    settings = check_pipemesh_args(_args(pipemesh_sharding=["auto"], use_distributed_optimizer=True,
+                                         overlap_param_gather=True, forward_groups=["auto"], backward_groups=["auto"],
+                                         pipemesh_memory_budget_gb=1.0, data_parallel_size=2, global_batch_size=48,
+                                         pipemesh_device_tflops=10.0))
+    assert len(settings.sharding) == 2 and set(settings.sharding) <= {"optim", "optim_grads", "optim_grads_params"}
+    assert f"sharding {' '.join(settings.sharding)}" in settings.summary
