@@ -85,19 +85,63 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
                        dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
                        activation_bytes={"none": act, "selective": act, "full": act},
                        static_bytes=tuple(0.0 for _ in range(config.pp)))
-    model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
-                      args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
-    cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
-                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer)
+    model, cluster = model_cluster_from_args(args)
     try:
         return analytic_costs(model, cluster, config)
     except ValueError as error:
         raise UsageError(str(error)) from error
 
 
+def model_cluster_from_args(args: argparse.Namespace):
+    """The analytic model and cluster of the cost flags."""
+    model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                      args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
+    cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
+                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer)
+    return model, cluster
+
+
+def sharding_from_args(args: argparse.Namespace, allow_auto: bool):
+    """(levels or 'auto', model, cluster) of --sharding / --shard-scope, or None without --sharding."""
+    from .planning.sharding import ShardingError, parse_levels, shard_size
+
+    if getattr(args, "sharding", None) is None:
+        return None
+    if args.forward_ms is not None:
+        raise UsageError("--sharding needs the analytic model (its bytes per parameter come from the model shape): drop "
+                         "--forward-ms and the other direct costs. Example: --sharding optim optim_grads_params --dp 4")
+    model, cluster = model_cluster_from_args(args)
+    try:
+        levels = parse_levels(args.sharding, args.vpp, distributed_optimizer=cluster.distributed_optimizer)
+        if levels == "auto" and not allow_auto:
+            raise ShardingError("--sharding auto is for `pipemesh plan`; `simulate` takes the levels. "
+                                "Example: --sharding optim optim_grads_params")
+        shard_size(args.shard_scope, cluster.dp, cluster.tp, cluster.devices_per_node)
+    except ShardingError as error:
+        raise UsageError(str(error).replace("--pipemesh-sharding", "--sharding")) from error
+    return levels, model, cluster
+
+
+def _print_splits(sharding, config: ScheduleConfig, result) -> None:
+    """The level per chunk and each rank's memory split (weights/grads/optimizer/gather buffers/activations)."""
+    from .planning.sharding import format_split
+
+    print(f"{sharding.spec.describe()}; memory per rank (GiB):")
+    for split, rank in zip(sharding.splits(config), result.ranks):
+        split.activations = rank.peak_activation_bytes
+        print("  " + format_split(split) + f", peak {rank.peak_memory_bytes / GB:.3f}")
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    from .planning.sharding import ShardingError, parse_levels
+    from .schedule.lower import LoweringOptions
+
     config = config_from_args(args)
-    schedule = lower(config)
+    try:
+        levels = parse_levels(args.sharding, config.vpp, allow_auto=False) if args.sharding else ()
+    except ShardingError as error:
+        raise UsageError(str(error).replace("--pipemesh-sharding", "--sharding")) from error
+    schedule = lower(config, LoweringOptions(sharding=levels or ()))
     validate(schedule)
     if args.json:
         ranks = [[str(op) for op in (program if args.lowered else schedule.compute_order(rank))]
@@ -118,11 +162,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _comparison(config: ScheduleConfig, costs_for) -> List[tuple]:
+def _comparison(config: ScheduleConfig, costs_for, sharding=None) -> List[tuple]:
     rows = [("given", config)]
     rows.append(("depth-first", ScheduleConfig.depth_first(config.pp, config.vpp, config.microbatches)))
     rows.append(("breadth-first", ScheduleConfig.breadth_first(config.pp, config.vpp, config.microbatches)))
-    return [(name, cfg, simulate(cfg, costs_for(cfg))) for name, cfg in rows]
+    return [(name, cfg, simulate(cfg, costs_for(cfg), sharding=sharding)) for name, cfg in rows]
 
 
 def _format_table(rows: Sequence[tuple]) -> str:
@@ -142,7 +186,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     validate(lower(config))
     if args.plot:
         require_matplotlib("--plot")
-    rows = _comparison(config, lambda cfg: costs_from_args(args, cfg))
+    sharding = None
+    given = sharding_from_args(args, allow_auto=False)
+    if given is not None:
+        from .planning.sharding import ShardingModel, ShardingSpec
+        levels, model, cluster = given
+        sharding = ShardingModel(model, cluster, ShardingSpec(levels, args.shard_scope))
+    rows = _comparison(config, lambda cfg: costs_from_args(args, cfg), sharding)
     if args.trace:
         from .planning.trace import write_trace
         write_trace(rows[0][2], args.trace)
@@ -153,6 +203,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps({name: result.to_dict() for name, _, result in rows}, indent=1))
     else:
         print(_format_table(rows))
+        if sharding is not None:
+            _print_splits(sharding, config, rows[0][2])
         for path, what in ((args.trace, "trace"), (args.plot, "timeline picture")):
             if path:
                 print(f"wrote {what}: {path}")
@@ -176,11 +228,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         forward_groups=None, backward_groups=None))  # p, V, m rules first
     budget = _budget_bytes(args)
     costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
+    given = sharding_from_args(args, allow_auto=True)
     try:
-        best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget)
+        if given is None:
+            best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget)
+        else:
+            from .planning.sharding import plan_with_sharding
+            levels, model, cluster = given
+            best, by_levels = plan_with_sharding(args.pp, args.vpp, args.microbatches, costs_for, budget, model, cluster,
+                                                 args.shard_scope, levels)
+            evaluated = [plan for plan in by_levels.values() if plan is not None]
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
-    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget)
+    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget, sharding=best.sharding)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump({"pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches, **best.to_dict()}, handle, indent=1)
@@ -188,7 +248,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**best.to_dict(), "candidates_evaluated": len(evaluated),
                           "baselines": {name: plan.to_dict() for name, plan in baselines.items()}}, indent=1))
         return 0
-    print(f"memory budget {budget / GB:.2f} GiB per device; {len(evaluated)} candidate group lists simulated")
+    what = "candidate group lists" if given is None else "sharding level mixes (each with its best groups)"
+    print(f"memory budget {budget / GB:.2f} GiB per device; {len(evaluated)} {what} simulated")
     header = (f"{'schedule':<14} {'groups (fwd / bwd)':<22} {'iter ms':>9} {'idle %':>7} {'exp.comm ms':>11} "
               f"{'recompute':>18} {'fits':>5}  peak memory GiB per rank")
     print(header)
@@ -205,6 +266,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nuse: --pipeline-schedule pipemesh {best.config.group_flags()}"
           + (f" --pipemesh-plan {args.output}" if args.output else ""))
     print(f"recompute: {100 * best.recompute_share:.2f}% of the iteration")
+    if best.sharding is not None:
+        print(f"sharding: --pipemesh-sharding {' '.join(best.sharding.spec.levels)} --pipemesh-shard-scope {args.shard_scope}")
+        _print_splits(best.sharding, best.config, best.result)
     return 0
 
 
@@ -216,10 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
     show.add_argument("--lowered", action="store_true", help="include sends, receives and data-parallel sync ops")
     show.add_argument("--picture", action="store_true", help="draw a text timeline (F = 1, B = 2 time units)")
+    show.add_argument("--sharding", nargs="+", metavar="LEVEL", help="ZeRO level per chunk (optim, optim_grads, "
+                      "optim_grads_params): --lowered then shows the GATHER / RELEASE / REDUCE ops")
     show.set_defaults(func=cmd_show)
     sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
     add_schedule_args(sim)
     add_cost_args(sim)
+    add_cli_arguments(sim.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     sim.add_argument("--json", action="store_true", help="print the numbers as JSON")
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
     sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
@@ -228,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_args(plan, groups=False)
     add_cost_args(plan)
     add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb",))
+    add_cli_arguments(plan.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
     plan.set_defaults(func=cmd_plan)

@@ -117,6 +117,19 @@ class PipeMeshConfig:
         "(`pipemesh show --picture`)", False, env="PRINT_SCHEDULE", action="store_true")
     """Print the schedule picture with the start-up plan line."""
 
+    # Mixed sharding (issue 11) -----------------------------------------------------------------
+    sharding: Union[None, str, Tuple[str, ...]] = _setting(
+        "--pipemesh-sharding", "ZeRO level per virtual chunk (one for all, or one per chunk), Megatron's names: optim "
+        "(optimizer state sharded), optim_grads (and gradients), optim_grads_params (and parameters, gathered before "
+        "each group); or auto (the planner chooses); needs --use-distributed-optimizer", env="SHARDING",
+        cli="--sharding", nargs="+", metavar="LEVEL", choices=("optim", "optim_grads", "optim_grads_params", "auto"))
+    """Sharding level per virtual chunk, 'auto', or None (no mixed sharding: Megatron's own flags decide)."""
+    shard_scope: str = _setting(
+        "--pipemesh-shard-scope", "ranks that ZeRO-2/3 chunks shard weights and gradients over: data-parallel (all) or "
+        "node (the data-parallel ranks of one node; the optimizer state stays sharded over all)", "data-parallel",
+        env="SHARD_SCOPE", cli="--shard-scope", choices=("data-parallel", "node"))
+    """'data-parallel' or 'node'."""
+
     # Derived views ----------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: Any) -> "PipeMeshConfig":
@@ -126,6 +139,8 @@ class PipeMeshConfig:
             value = getattr(args, dest(f.name), f.default)
             if f.name in ("forward_groups", "backward_groups"):
                 value = normalize_groups(f.metadata["flag"], value)
+            elif f.name == "sharding" and value is not None and not isinstance(value, str):
+                value = tuple(value)
             values[f.name] = value
         return cls(**values)
 
@@ -149,14 +164,16 @@ class PipeMeshConfig:
                 out += [flag, str(value)]
         return out
 
-    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None):
+    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None,
+                         sharding=None):
         """The runtime's :class:`~megatron_pipemesh.runtime.PipeMeshOptions` for these settings, with the
-        validated groups and recomputation (imports the runtime, hence torch)."""
+        validated groups, recomputation and sharding levels (imports the runtime, hence torch)."""
         from .runtime import PipeMeshOptions
 
         return PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
                                recv_lookahead=self.recv_lookahead, p2p_timeout_s=timeout_s,
-                               recompute=recompute or None, measure_memory=self.measure_memory)
+                               recompute=recompute or None, measure_memory=self.measure_memory,
+                               sharding=sharding)
 
 
 def dest(name: str) -> str:
@@ -227,6 +244,8 @@ def bash_keys() -> str:
         choices = f.metadata["argparse"].get("choices")
         if action == "store_true":
             kind = "bool"
+        elif f.metadata["argparse"].get("nargs") == "+" and choices:
+            kind = "words:" + "|".join(choices)
         elif f.metadata["argparse"].get("nargs") == "+":
             kind = "groups"
         elif choices:

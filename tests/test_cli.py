@@ -266,3 +266,42 @@ def test_simulate_valid_config_with_m_not_multiple_of_p():
     code, out, err = run(["simulate"] + argv + DIRECT)
     assert code == 0, err
     assert out.strip().splitlines()[2].split()[0] == "given"
+
+
+SMALL_MODEL = ["--dp", "4", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+               "--vocab-size", "1024"]
+
+
+def test_simulate_and_plan_show_levels_and_memory_split():
+    """--sharding: simulate and plan print the level per chunk and weights/grads/optimizer/activations per rank."""
+    code, out, err = run(["simulate", "--pp", "2", "--vpp", "2", "-m", "8", "--forward-groups", "6", "2",
+                          "--backward-groups", "4", "4", "--sharding", "optim", "optim_grads_params"] + SMALL_MODEL)
+    assert code == 0, err
+    assert "sharding optim optim_grads_params, scope data-parallel" in out
+    assert out.count("[optim optim_grads_params] weights") == 2 and "optimizer" in out and "activations" in out
+    code, out, err = run(["plan", "--pp", "2", "--vpp", "2", "-m", "4", "--sharding", "optim", "--memory-budget-gb", "8"]
+                         + SMALL_MODEL)
+    assert code == 0, err
+    assert "sharding: --pipemesh-sharding optim optim" in out and "rank 1: [optim optim]" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sharding", "auto"], ["auto", "pipemesh plan"]),
+    (["--sharding", "optim", "optim", "optim"], ["--sharding", "one per virtual chunk"]),
+    (["--sharding", "optim", "--forward-ms", "1"], ["--sharding", "analytic"]),
+    (["--sharding", "optim", "--no-distributed-optimizer"], ["--use-distributed-optimizer"]),
+])
+def test_simulate_sharding_errors(argv, words):
+    """Bad --sharding input is a one-paragraph usage error naming the rule."""
+    assert_one_paragraph_error(*run(["simulate", "--pp", "2", "--vpp", "2", "-m", "8"] + argv), words)
+
+
+def test_show_lowered_with_sharding():
+    """show --lowered --sharding places GATHER/RELEASE around the ZeRO-3 chunk's spans; bad levels are usage errors."""
+    code, out, err = run(["show", "--pp", "2", "--vpp", "2", "-m", "8", "--forward-groups", "6", "2", "--backward-groups",
+                          "4", "4", "--lowered", "--sharding", "optim", "optim_grads_params"])
+    assert code == 0, err
+    rank0 = out.splitlines()[1]
+    assert rank0.count("GATHER1.") == rank0.count("RELEASE1.") == 3 and "PARAM_SYNC1" not in rank0
+    assert_one_paragraph_error(*run(["show", "--pp", "2", "--vpp", "2", "-m", "8", "--sharding", "zero3"]),
+                               ["--sharding", "unknown level"])

@@ -13,7 +13,7 @@ FROZEN_FLAGS = (
     "--pipeline-schedule", "--forward-groups", "--backward-groups", "--pipemesh-recv-lookahead", "--pipemesh-plan",
     "--pipemesh-memory-budget-gb", "--pipemesh-device-tflops", "--pipemesh-mfu", "--pipemesh-dp-gbps",
     "--pipemesh-p2p-gbps", "--pipemesh-measure-iters", "--pipemesh-profile", "--pipemesh-measure-memory",
-    "--pipemesh-print-schedule",
+    "--pipemesh-print-schedule", "--pipemesh-sharding", "--pipemesh-shard-scope",
 )
 
 
@@ -32,7 +32,8 @@ def test_every_field_has_a_docstring_and_help():
 def test_megatron_flags_round_trip():
     """Flags produced from a config parse back into the same config."""
     config = PipeMeshConfig(pipeline_schedule="pipemesh", forward_groups=(6, 2), backward_groups=(4, 4),
-                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True)
+                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True,
+                            sharding=("optim", "optim_grads_params"), shard_scope="node")
     parser = add_megatron_arguments(argparse.ArgumentParser())
     assert PipeMeshConfig.from_args(parser.parse_args(config.megatron_flags())) == config
     assert PipeMeshConfig.from_args(parser.parse_args([])) == PipeMeshConfig()

@@ -33,6 +33,8 @@ class ResolvedPlan:
     """Inputs of :class:`~.measured.MeasuredReplanner` (re-planning from measured costs with
     --pipemesh-measure-iters > 0, and from the minimum free memory over ranks when the budget was read
     from the device); None when neither applies."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """ZeRO level per chunk saved in a plan made with ``pipemesh plan --sharding``; None: not in the plan."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -113,8 +115,15 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         from .measured import load_profile, with_measured_times
         measured = load_profile(profile)
         source, costs_for = f"measured costs from {profile}", lambda cfg: with_measured_times(analytic(cfg), measured)
+    sharding_auto = list(getattr(args, "pipemesh_sharding", None) or []) == ["auto"]
     try:
-        best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
+        if sharding_auto:  # levels per chunk chosen jointly with the groups and recomputation
+            from ..planning.sharding import plan_with_sharding
+            best, by_levels = plan_with_sharding(pp, vpp, microbatches, costs_for, budget * GB, model, cluster,
+                                                 getattr(args, "pipemesh_shard_scope", "data-parallel"))
+            evaluated = [plan for plan in by_levels.values() if plan is not None]
+        else:
+            best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
     measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
@@ -128,6 +137,9 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                   "measure_iters": measure_iters, "profile_path": profile, "grad_bytes": model.grad_bytes,
                   "distributed_optimizer": cluster.distributed_optimizer}
     summary = f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): {best.summary()}"
+    if sharding_auto:
+        levels = best.sharding.spec.levels
+        return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels)
     return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
 
 
@@ -148,5 +160,13 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     bad = [level for level in recompute.values() if level not in ("none", "selective", "full")]
     if bad:
         raise ValueError(f"--pipemesh-plan {path}: unknown recompute level(s) {sorted(set(bad))}; use none, selective or full")
+    sharding = None
+    if data.get("sharding") is not None:
+        from ..planning.sharding import ShardingError, parse_levels
+        try:
+            sharding = parse_levels(data["sharding"], vpp, allow_auto=False)
+        except ShardingError as error:
+            raise ValueError(f"--pipemesh-plan {path}: {error}") from error
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
-                                           f"{len(recompute)} recomputed chunk-micro-batches")
+                                           f"{len(recompute)} recomputed chunk-micro-batches"
+                                           + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding)

@@ -8,6 +8,7 @@ the flag, the values, the rule and a valid example.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -48,6 +49,8 @@ class PipeMeshArgs:
     """Inputs of the measured re-planning (``--pipemesh-measure-iters``), None when off."""
     flags: PipeMeshConfig = PipeMeshConfig()
     """The flags as given (the source of the runtime's options and of the start-up report)."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """Validated ZeRO level per virtual chunk (--pipemesh-sharding); None: not given."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -70,6 +73,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         raise PipeMeshArgumentError(str(error)) from error
     forward, backward = settings.forward_groups, settings.backward_groups
     enabled = settings.enabled
+    sharding = check_sharding_args(args, settings)
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
     lookahead = settings.recv_lookahead
     if not enabled:
@@ -78,7 +82,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             raise PipeMeshArgumentError(
                 f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
-        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings)
+        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings, sharding=sharding)
     if lookahead < 0:
         raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
@@ -120,8 +124,18 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             resolved = load_plan(plan_file, pp, vpp, m) if plan_file else auto_plan(args, pp, vpp, m)
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
+        planned = getattr(resolved, "sharding", None)
+        if sharding == "auto":
+            sharding = None  # the planner's levels follow
+        if planned is not None:
+            if sharding is not None and tuple(sharding) != tuple(planned):
+                raise PipeMeshArgumentError(
+                    f"--pipemesh-sharding {' '.join(sharding)} and --pipemesh-plan {plan_file} (sharding "
+                    f"{' '.join(planned)}) disagree; the plan file holds the levels. Drop one of them")
+            sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=tuple(planned)))
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
-                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings)
+                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings,
+                            sharding=sharding)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:
@@ -134,7 +148,71 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
     return PipeMeshArgs(True, config.forward_groups if forward else None, config.backward_groups if backward else None,
-                        lookahead, timeout_s, config, flags=settings)
+                        lookahead, timeout_s, config, flags=settings, sharding=sharding)
+
+
+def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:
+    """Validate --pipemesh-sharding / --pipemesh-shard-scope against Megatron's ``args``: one level per
+    virtual chunk (or one for all), the distributed optimizer, no Megatron-FSDP, and what the runtime executes."""
+    from ..planning.sharding import FLAG, ZERO, ShardingError, parse_levels
+
+    if settings.sharding is None:
+        if settings.shard_scope != "data-parallel":
+            raise PipeMeshArgumentError(f"--pipemesh-shard-scope {settings.shard_scope} without {FLAG}: the scope applies "
+                                        f"to ZeRO-2/3 chunks. Example: {FLAG} optim optim_grads_params "
+                                        f"--pipemesh-shard-scope {settings.shard_scope}")
+        return None
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    try:
+        levels = parse_levels(settings.sharding, vpp,
+                              distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    except ShardingError as error:
+        raise PipeMeshArgumentError(str(error)) from error
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        raise PipeMeshArgumentError(
+            f"{FLAG} with {'--use-megatron-fsdp' if getattr(args, 'use_megatron_fsdp', False) else '--use-torch-fsdp2'} is "
+            f"invalid: FSDP applies one --data-parallel-sharding-strategy to every chunk, and the optimizer follows the first "
+            f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
+            f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
+    if levels == "auto":
+        auto_groups = settings.forward_groups == "auto" and settings.backward_groups in ("auto", None)
+        if not (settings.enabled and auto_groups and settings.memory_budget_gb and not settings.measure_iters):
+            raise PipeMeshArgumentError(
+                f"{FLAG} auto chooses the levels jointly with the groups and recomputation at start-up: it needs "
+                f"{SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} auto {BACKWARD_FLAG} auto and an explicit "
+                f"--pipemesh-memory-budget-gb (the same plan on every rank), without --pipemesh-measure-iters; or take "
+                f"the levels `pipemesh plan --sharding auto` prints. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} "
+                f"auto {BACKWARD_FLAG} auto --pipemesh-memory-budget-gb 40 {FLAG} auto")
+        return "auto"  # resolved by the planner (check_pipemesh_args), then checked like given levels
+    if any(ZERO[level] > 1 for level in levels):
+        example = f"--pipeline-schedule pipemesh --use-distributed-optimizer --overlap-param-gather {FLAG} {' '.join(levels)}"
+        if not settings.enabled:
+            raise PipeMeshArgumentError(f"{FLAG} {' '.join(levels)} needs {SCHEDULE_FLAG} pipemesh: the schedule places the "
+                                        f"gathers and reductions of ZeRO-2/3 chunks around its groups. Example: {example}")
+        if settings.shard_scope != "data-parallel":
+            raise PipeMeshArgumentError(
+                f"--pipemesh-shard-scope {settings.shard_scope} is planned and simulated (`pipemesh plan/simulate "
+                f"--shard-scope node`) but not run: the runtime shards over Megatron's distributed-optimizer group (all "
+                f"data-parallel ranks). Example: {example} --pipemesh-shard-scope data-parallel")
+        if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
+            raise PipeMeshArgumentError(f"{FLAG} with --num-distributed-optimizer-instances "
+                                        f"{args.num_distributed_optimizer_instances} is invalid: ZeRO-2/3 chunks shard over "
+                                        f"one distributed-optimizer instance. Example: {example}")
+        if "optim_grads_params" in levels:
+            if not getattr(args, "overlap_param_gather", False):
+                raise PipeMeshArgumentError(
+                    f"{FLAG} {' '.join(levels)} needs --overlap-param-gather: without it Megatron's optimizer step "
+                    f"all-gathers every chunk's parameters at once, which a ZeRO-3 chunk gathers per group. Example: {example}")
+            for flag, given in (("--save", getattr(args, "save", None)),
+                                ("--log-params-norm", getattr(args, "log_params_norm", False)),
+                                ("--check-weight-hash-across-dp-replicas-interval",
+                                 getattr(args, "check_weight_hash_across_dp_replicas_interval", None))):
+                if given:
+                    raise PipeMeshArgumentError(
+                        f"{FLAG} optim_grads_params with {flag} is not supported: between iterations a ZeRO-3 chunk holds "
+                        f"only its parameter shard (the rest of its parameters is gathered per group), which {flag} would "
+                        f"read. Drop {flag} or use {FLAG} optim_grads")
+    return levels
 
 
 def fail(error: Exception) -> "NoReturn":  # noqa: F821

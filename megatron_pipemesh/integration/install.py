@@ -74,7 +74,8 @@ def activate(settings) -> None:
         return
 
     def make_schedule(forward_groups, backward_groups, recompute):
-        options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s)
+        options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s,
+                                                  settings.sharding)
         return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
 
     schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute)
@@ -243,6 +244,23 @@ def wrap_initialize(original):
     return initialize_model_parallel
 
 
+def _registering(get_megatron_optimizer):
+    """Megatron's optimizer factory, remembering what it builds (the mixed-sharding memory report counts its
+    state: :func:`megatron_pipemesh.runtime.sharding.optimizer_state_bytes`)."""
+    if getattr(get_megatron_optimizer, "_pipemesh_registering", False):
+        return get_megatron_optimizer
+
+    @functools.wraps(get_megatron_optimizer)
+    def wrapped(*args, **kwargs):
+        optimizer = get_megatron_optimizer(*args, **kwargs)
+        from ..runtime.sharding import register_optimizer
+        register_optimizer(optimizer)
+        return optimizer
+
+    wrapped._pipemesh_registering = True
+    return wrapped
+
+
 def install() -> None:
     """Patch Megatron's argument parsing and schedule selection (idempotent)."""
     if _STATE["installed"]:
@@ -269,6 +287,7 @@ def install() -> None:
         from megatron.training import training
         training.get_forward_backward_func = getter
         patch_training_log(training)
+        training.get_megatron_optimizer = _registering(training.get_megatron_optimizer)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass
     _STATE["installed"] = True

@@ -30,7 +30,7 @@ PICTURE_RANKS = 4
 """Pipeline ranks drawn by --pipemesh-print-schedule (the picture of 64 ranks helps nobody)."""
 
 
-def training_lowering(args, recv_lookahead: int) -> LoweringOptions:
+def training_lowering(args, recv_lookahead: int, sharding=()) -> LoweringOptions:
     """The lowering the runtime uses for training iterations with these Megatron args (its digest is the
     one the runtime checks across ranks): Megatron sets ``grad_sync_func`` only with
     ``--overlap-grad-reduce`` and ``align_grad_reduce``, ``param_sync_func`` only with
@@ -39,7 +39,7 @@ def training_lowering(args, recv_lookahead: int) -> LoweringOptions:
         recv_lookahead=recv_lookahead,
         param_sync=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False)),
         grad_sync=bool(getattr(args, "overlap_grad_reduce", False) and getattr(args, "align_grad_reduce", True)),
-        forward_only=False)
+        forward_only=False, sharding=tuple(sharding or ()))
 
 
 def _cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
@@ -90,6 +90,24 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
                       baselines["depth-first"].result.iteration_s, baselines["breadth-first"].result.iteration_s, source)
 
 
+def sharding_summary(args, config: ScheduleConfig, levels) -> str:
+    """The levels and the model's weights + grads + optimizer bytes per pipeline rank for them and for ZeRO-1
+    everywhere (the runtime prints the measured bytes next to its own prediction at iteration 2)."""
+    from ..planning.sharding import ShardingSpec, rank_splits
+    from .auto_plan import model_and_cluster
+
+    text = f"sharding {' '.join(levels)}"
+    try:
+        model, cluster = model_and_cluster(args, 1.0)
+        mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels)))
+        zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp))
+    except Exception as error:  # a report must not stop training
+        return f"{text} (no memory prediction: {type(error).__name__}: {error})"
+    return (f"{text}: predicted weights+grads+optimizer MiB per pipeline rank "
+            f"{' '.join(f'{s.state.resident / MiB:.2f}' for s in mine)} (optim everywhere "
+            f"{' '.join(f'{s.state.resident / MiB:.2f}' for s in zero1)}; measured at iteration 2)")
+
+
 def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
     total = config.pp * config.vpp * config.microbatches
     counts: Dict[str, int] = {}
@@ -105,12 +123,15 @@ def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
 def plan_line(args, settings) -> str:
     """The one-line ``PipeMesh plan:`` summary of validated settings (:class:`~.flags.PipeMeshArgs`)."""
     config: ScheduleConfig = settings.config
-    digest = lower(config, training_lowering(args, settings.recv_lookahead)).digest()
+    sharding = getattr(settings, "sharding", None)
+    digest = lower(config, training_lowering(args, settings.recv_lookahead, sharding)).digest()
     flags = settings.flags
     origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
               else "given groups" if flags.forward_groups else "Megatron's group size")
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
              recompute_summary(settings.recompute, config)]
+    if sharding:
+        parts.append(sharding_summary(args, config, sharding))
     try:
         prediction = predict(args, config, settings.recompute)
     except Exception as error:  # a report must not stop training; say why there is no prediction

@@ -40,6 +40,8 @@ class Plan:
     recompute: RecomputePlan
     result: SimulationResult
     budget_bytes: float
+    sharding: object = None
+    """The :class:`.sharding.ShardingModel` the plan was simulated with (None: no mixed sharding)."""
 
     @property
     def fits(self) -> bool:
@@ -75,6 +77,8 @@ class Plan:
             "recompute_counts": counts,
             "recompute": [{"rank": r, "chunk": c, "microbatch": j, "level": level}
                           for (r, c, j), level in sorted(self.recompute.items()) if level != "none"],
+            **({"sharding": list(self.sharding.spec.levels), "shard_scope": self.sharding.spec.scope}
+               if self.sharding is not None else {}),
         }
 
 
@@ -196,7 +200,7 @@ def _moves(costs: OpCosts, level: str, allowed: Sequence[str]) -> List[Tuple[flo
 
 
 def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
-                       options: PlannerOptions = PlannerOptions()) -> Plan:
+                       options: PlannerOptions = PlannerOptions(), sharding=None) -> Plan:
     """Add pipeline-aware recomputation to ``config`` until every rank fits ``budget_bytes``
     (or nothing is left to recompute; the returned plan then has ``fits == False``).
 
@@ -208,8 +212,9 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     """
     plan: RecomputePlan = {}
     allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
-    schedule = lower(config, lowering_for(costs))
-    result = simulate(config, costs, plan, schedule)
+    options_ = lowering_for(costs)
+    schedule = lower(config, sharding.lowering(options_) if sharding is not None else options_)
+    result = simulate(config, costs, plan, schedule, sharding)
     for _ in range(options.max_recompute_rounds):
         over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
         if not over:
@@ -233,20 +238,21 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
                 changed = True
         if not changed:
             break
-        result = simulate(config, costs, plan, schedule)
-    return Plan(config, plan, result, budget_bytes)
+        result = simulate(config, costs, plan, schedule, sharding)
+    return Plan(config, plan, result, budget_bytes, sharding)
 
 
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
                   options: PlannerOptions = PlannerOptions(),
-                  incumbent_s: float = float("inf")) -> Tuple[Plan, List[Plan]]:
+                  incumbent_s: float = float("inf"), sharding=None) -> Tuple[Plan, List[Plan]]:
     """Search the candidates; return (best fitting plan, every plan fitted with recomputation).
 
     Candidates whose time without recomputation already exceeds the best fitting time (or
     ``incumbent_s``, a time known to be reachable otherwise, e.g. with another V) are skipped.
 
     ``costs_for(config) -> OpCosts`` gives the costs of a candidate (they do not depend on the
-    groups for analytic costs, but measured ones may). Raises :class:`NoFeasiblePlan`.
+    groups for analytic costs, but measured ones may). ``sharding`` (a :class:`.sharding.ShardingModel`)
+    simulates every candidate with those per-chunk levels. Raises :class:`NoFeasiblePlan`.
     """
     # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
@@ -254,13 +260,13 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     bare = []
     for config in candidate_configs(pp, vpp, microbatches, options):
         costs = costs_for(config)
-        bare.append((simulate(config, costs).iteration_s, config, costs))
+        bare.append((simulate(config, costs, sharding=sharding).iteration_s, config, costs))
     bare.sort(key=lambda item: item[0])
     evaluated, best_time = [], incumbent_s
     for bound, config, costs in bare:
         if bound > best_time:
             break
-        plan = fit_with_recompute(config, costs, budget_bytes, options)
+        plan = fit_with_recompute(config, costs, budget_bytes, options, sharding)
         evaluated.append(plan)
         if plan.fits:
             best_time = min(best_time, plan.result.iteration_s)
@@ -285,8 +291,8 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
 
 
 def baseline_plans(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
-                   options: PlannerOptions = PlannerOptions()) -> Dict[str, Plan]:
+                   options: PlannerOptions = PlannerOptions(), sharding=None) -> Dict[str, Plan]:
     """Depth-first and breadth-first, each with the recomputation it needs to fit (if any)."""
-    return {name: fit_with_recompute(config, costs_for(config), budget_bytes, options)
+    return {name: fit_with_recompute(config, costs_for(config), budget_bytes, options, sharding)
             for name, config in (("depth-first", ScheduleConfig.depth_first(pp, vpp, microbatches)),
                                  ("breadth-first", ScheduleConfig.breadth_first(pp, vpp, microbatches)))}

@@ -83,10 +83,17 @@ def lowering_for(costs: OpCosts) -> LoweringOptions:
 
 
 def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[RecomputePlan] = None,
-             schedule: Optional[LoweredSchedule] = None) -> SimulationResult:
-    """Simulate one iteration of ``config`` (or a prebuilt lowered ``schedule``) under ``costs``."""
-    schedule = schedule or lower(config, lowering_for(costs))
-    adapter = ScheduleCosts(config, costs, recompute)
+             schedule: Optional[LoweredSchedule] = None, sharding=None) -> SimulationResult:
+    """Simulate one iteration of ``config`` (or a prebuilt lowered ``schedule``) under ``costs``;
+    ``sharding`` (a :class:`.sharding.ShardingModel`) adds mixed sharding: its ops, their costs, the
+    resident bytes per rank and the gathered weights / gradient buffers on the memory timeline."""
+    if sharding is None:
+        schedule = schedule or lower(config, lowering_for(costs))
+        adapter = ScheduleCosts(config, costs, recompute)
+    else:
+        schedule = schedule or lower(config, sharding.lowering(lowering_for(costs)))
+        adapter = sharding.adapter(config, costs, recompute)
+        splits = sharding.splits(config)
     timeline = execute(schedule, adapter)
     optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
     # Each rank steps its optimizer once its own gradients are reduced; the iteration ends with the slowest.
@@ -103,7 +110,10 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
         idle = end - busy - optimizer[rank]
         exposed_dp = waits_param + dp_tail
         static = costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0
-        deltas = []
+        deltas, buffer_deltas = [], []
+        if sharding is not None:
+            static = splits[rank].state.resident
+            buffer_deltas = sharding.memory_deltas(rank, timeline, splits)
         for e in events:
             size = adapter.activation(rank, e.op)
             if e.op.kind is OpKind.FORWARD:
@@ -113,17 +123,24 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
                 transient = costs.transient_bytes.get(adapter.level(rank, e.op), 0.0)
                 deltas.append((e.start, 0, transient))
                 deltas.append((e.end, -1, -size - transient))
-        deltas.sort(key=lambda d: (d[0], d[1]))  # frees before allocations at equal times
+        # Sharding buffers (count None) change the total but not the activation peak.
+        deltas += [(t, None, size) for t, size in buffer_deltas]
+        deltas.sort(key=lambda d: (d[0], -1 if d[1] is None and d[2] < 0 else (d[1] if d[1] is not None else 0)))  # frees first
         live = peak_live = 0
-        act = peak_act = 0.0
+        act = peak_act = buffers = 0.0
+        peak_total = static
         steps = [(0.0, static)]
         for t, count, size in deltas:
-            live += count
-            act += size
+            if count is None:
+                buffers += size
+            else:
+                live += count
+                act += size
             peak_live = max(peak_live, live)
             peak_act = max(peak_act, act)
-            steps.append((t, static + act))
+            peak_total = max(peak_total, static + act + buffers)
+            steps.append((t, static + act + buffers))
         memory.append(steps)
         ranks.append(RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - waits_p2p - exposed_dp),
-                                peak_act, static + peak_act, peak_live, recompute_s))
+                                peak_act, peak_total, peak_live, recompute_s))
     return SimulationResult(config, end, ranks, timeline, memory)

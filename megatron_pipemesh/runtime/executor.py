@@ -74,6 +74,8 @@ class PipeMeshOptions:
     measure_memory: bool = False
     """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """ZeRO level per chunk (--pipemesh-sharding; :mod:`.sharding`); None: Megatron's own data parallelism."""
 
 
 TAG_LIMIT = 1 << 30
@@ -119,6 +121,9 @@ class PipeMeshSchedule:
         self.abandoned_receives = 0
         """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
         self.last_stats: Optional[RuntimeStats] = None
+        from .sharding import ShardingRuntime
+        self.sharding = ShardingRuntime(options.sharding) if options.sharding else None
+        self.training_calls = 0
 
     def continue_from(self, previous: "PipeMeshSchedule") -> "PipeMeshSchedule":
         """Take over ``previous``'s call counter (transfer tags) and failure state, when this schedule
@@ -252,7 +257,8 @@ class _Run:
         lowering = LoweringOptions(recv_lookahead=owner.options.recv_lookahead,
                                    param_sync=self.param_sync_func is not None,
                                    grad_sync=self.grad_sync_func is not None,
-                                   forward_only=forward_only)
+                                   forward_only=forward_only,
+                                   sharding=() if forward_only else tuple(owner.options.sharding or ()))
         self.schedule = owner.plan(schedule_config, lowering)
         self.program = self.schedule.programs[self.pp_rank]
         self.sent = {op.compute for op in self.program if op.kind is OpKind.SEND_FORWARD}
@@ -262,6 +268,7 @@ class _Run:
                 self.last_backward[op.chunk] = op
         self.p2p_groups = owner._p2p_groups() if any(op.kind.is_p2p for op in self.program) else {}
         self.recompute = None if forward_only else owner.options.recompute
+        self.sharding = None if forward_only or owner.sharding is None else owner.sharding.program(model)
         self.meter = None
         if owner.options.measure_memory and not forward_only:
             self.meter = make_memory_meter(self.device, model_tensors(model))
@@ -341,16 +348,26 @@ class _Run:
         self.pending_sends = []
         try:
             self._disable_grad_sync()
+            if self.sharding is not None:
+                self.sharding.begin(measure=self.owner.training_calls == 1)  # reported after the second call
             forward_data_store = self._run_program(stats, embedding_module)
         except BaseException as error:
             self._abandon(error)
             raise
         self.owner.last_stats = stats
+        if self.sharding is not None:
+            self.owner.training_calls += 1
+            if self.owner.training_calls == 2:  # the optimizer state exists from the first step on
+                from .sharding import format_report
+                print(format_report(self.sharding, self.schedule.config, self.rank, self.pp_rank), flush=True)
         return forward_data_store
 
     def _abandon(self, error: BaseException) -> None:
         """Leave Megatron as the call found it after ``error``: DDP's ``no_sync`` exited, the
         ``forward-backward`` timer stopped, and posted receives accounted for (see the module docstring)."""
+        if self.sharding is not None:
+            with contextlib.suppress(Exception):
+                self.sharding.end()
         if self.no_sync_context is not None:
             context, self.no_sync_context = self.no_sync_context, None
             with contextlib.suppress(Exception):
@@ -391,6 +408,8 @@ class _Run:
             events = None
             wait_s = compute_s = 0.0
             kind = op.kind
+            if self.sharding is not None:
+                self.sharding.before(op)  # counts syncs; compute waits for its chunk's gather / gradient buffer
             with self._op_range(op):
                 if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
                     forward = kind is OpKind.RECV_FORWARD
@@ -415,6 +434,8 @@ class _Run:
                     self.grad_sync_func[op.chunk](model[op.chunk].parameters())
                     synced.add(op.chunk)
                     self._disable_grad_sync()
+                elif kind.is_shard:
+                    self.sharding.run(op)
                 else:
                     received = None
                     if op in recvs:
@@ -457,6 +478,8 @@ class _Run:
         if recvs:
             raise PipeMeshRuntimeError(f"rank {self.rank}: receives posted but never consumed: {format_ops(recvs)}")
 
+        if self.sharding is not None:
+            self.sharding.end()
         # Launch any remaining gradient reductions, as Megatron does after its cool-down.
         self._enable_grad_sync()
         if self.grad_sync_func is not None:

@@ -18,6 +18,12 @@ Placement rules (the runtime follows the program literally):
   ``F c.j`` and its send, so the copy to host memory overlaps the following compute;
   ``RELOAD c.j``: ``reload_lookahead`` compute ops before ``B c.j`` (never before the op after
   ``F c.j``), so the copy back overlaps the preceding compute; the backward waits on it.
+* Mixed sharding (``LoweringOptions.sharding``, a level per chunk): a ZeRO-3 (``optim_grads_params``)
+  chunk has no PARAM_SYNC; ``GATHER c.k`` is launched ``gather_lookahead`` compute ops before the k-th
+  gather span of the chunk (:func:`.spans.gather_spans`: its forward and backward groups, merged when
+  they overlap) and ``RELEASE c.k`` follows the span's last compute op. A ZeRO-2/3 chunk gets
+  ``REDUCE c.k`` after the last backward of each of its backward groups but the last (whose reduction
+  is the chunk's GRAD_SYNC).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from .config import ScheduleConfig
 from .ops import Op, OpKind, parse_op
 from .order import compute_programs, first_last_positions
+from .spans import SHARD_LEVELS, gather_spans, group_spans
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,29 @@ class LoweringOptions:
     forward (OFFLOAD) and come back before the backward (RELOAD); ignored by evaluation programs."""
     reload_lookahead: int = 2
     """Launch a RELOAD this many compute ops before its backward (>= 1)."""
+    sharding: Tuple[str, ...] = ()
+    """Mixed sharding: a level per chunk ('optim', 'optim_grads', 'optim_grads_params'); empty: every chunk
+    'optim' (or no sharding), no GATHER/RELEASE/REDUCE ops."""
+    gather_lookahead: int = 1
+    """Launch a ZeRO-3 GATHER this many compute ops before its span (>= 0)."""
+
+    @property
+    def zero3_chunks(self) -> Tuple[int, ...]:
+        """Chunks whose parameters are sharded and gathered per span."""
+        return tuple(c for c, level in enumerate(self.sharding) if level == "optim_grads_params")
+
+    @property
+    def zero2_chunks(self) -> Tuple[int, ...]:
+        """Chunks whose gradients are sharded (reduced once per backward group)."""
+        return tuple(c for c, level in enumerate(self.sharding) if level in ("optim_grads", "optim_grads_params"))
 
     def __post_init__(self) -> None:
         # JSON round-trips turn the keys into lists; keep one canonical, hashable, sorted form.
         object.__setattr__(self, "host_placement", tuple(sorted(tuple(int(x) for x in key) for key in self.host_placement)))
+        object.__setattr__(self, "sharding", tuple(self.sharding))
+        unknown = [level for level in self.sharding if level not in SHARD_LEVELS]
+        if unknown:
+            raise ValueError(f"unknown sharding level(s) {unknown}; levels are {', '.join(SHARD_LEVELS)}")
 
 
 HOST_LEVEL = "host"
@@ -108,7 +134,7 @@ class LoweredSchedule:
         return {
             "pp": self.config.pp, "vpp": self.config.vpp, "microbatches": self.config.microbatches,
             "forward_groups": list(self.config.forward_groups), "backward_groups": list(self.config.backward_groups),
-            "options": asdict(self.options),
+            "options": _options_dict(self.options),
             "programs": [[str(op) for op in program] for program in self.programs],
         }
 
@@ -124,12 +150,29 @@ class LoweredSchedule:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+_SHARDING_DEFAULTS = {"sharding": (), "gather_lookahead": 1}
+
+
+def _options_dict(options: LoweringOptions) -> dict:
+    """The options as plain data; the sharding options are left out at their defaults so that plans
+    without mixed sharding keep their digest."""
+    data = asdict(options)
+    for key, default in _SHARDING_DEFAULTS.items():
+        if data[key] == default or data[key] == list(default):
+            del data[key]
+    return data
+
+
 def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) -> LoweredSchedule:
     """Build every rank's lowered program for ``config``."""
     if options.recv_lookahead < 0:
         raise ValueError(f"recv_lookahead must be >= 0, got {options.recv_lookahead}")
     if options.reload_lookahead < 1:
         raise ValueError(f"reload_lookahead must be >= 1, got {options.reload_lookahead}")
+    if options.sharding and len(options.sharding) != config.vpp:
+        raise ValueError(f"sharding gives {len(options.sharding)} levels for {config.vpp} virtual chunks (one per chunk)")
+    if options.gather_lookahead < 0:
+        raise ValueError(f"gather_lookahead must be >= 0, got {options.gather_lookahead}")
     for key in options.host_placement:
         rank, chunk, microbatch = key
         if not (0 <= rank < config.pp and 0 <= chunk < config.vpp and 0 <= microbatch < config.microbatches):
@@ -158,12 +201,24 @@ def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, com
     forward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.FORWARD]
     backward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.BACKWARD]
 
+    zero3 = () if options.forward_only else options.zero3_chunks
     if options.param_sync and not options.forward_only:
         for chunk in range(min(2, config.vpp)):
-            before[0].append(Op(OpKind.PARAM_SYNC, chunk))
+            if chunk not in zero3:
+                before[0].append(Op(OpKind.PARAM_SYNC, chunk))
         for chunk in range(2, config.vpp):
             k = positions["first_forward"][chunk - 1] - (rank if options.align_param_sync else 0)
-            before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
+            if chunk not in zero3:
+                before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
+    for chunk in zero3:
+        previous_release = -1
+        for k, (first, last) in enumerate(gather_spans(config, compute, chunk, options.gather_lookahead)):
+            before[max(first - options.gather_lookahead, previous_release + 1, 0)].append(Op(OpKind.GATHER, chunk, k))
+            after[last].append(Op(OpKind.RELEASE, chunk, k))
+            previous_release = last
+    for chunk in (() if options.forward_only else options.zero2_chunks):
+        for k, (_, last) in enumerate(group_spans(config, compute, chunk, OpKind.BACKWARD)[:-1]):
+            after[last].append(Op(OpKind.REDUCE, chunk, k))
 
     peers: Dict[Tuple[OpKind, int], Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]]] = {}
     for index, op in enumerate(compute):

@@ -3,7 +3,9 @@
 A schedule is data: per-rank lists of :class:`Op`. Compute ops read ``F1.3`` (forward of model
 chunk 1 on micro-batch 3) and ``B0.7``; the lowering adds communication and data-parallel ops
 (``RECV_F1.3<0``: post the receive of F1.3's input from rank 0, ``SEND_F1.3>2``: send F1.3's
-output to rank 2, ``PARAM_SYNC1``, ``GRAD_SYNC1``) and host copies of saved activations (``OFFLOAD1.3``: move the
+output to rank 2, ``PARAM_SYNC1``, ``GRAD_SYNC1``), mixed-sharding ops (``GATHER1.0``/``RELEASE1.0``: gather and free a ZeRO-3 chunk's
+parameters around its first group span; ``REDUCE1.0``: reduce a ZeRO-2/3 chunk's gradients after a backward group)
+and host copies of saved activations (``OFFLOAD1.3``: move the
 tensors F1.3 saved for its backward to host memory; ``RELOAD1.3``: bring them back for B1.3). The text form is used for printing, saving,
 diffing and error messages, and parses back with :func:`parse_op`.
 """
@@ -36,6 +38,14 @@ class OpKind(str, enum.Enum):
     """Launch the copy of a forward's saved activations to host memory (after that forward; non-blocking)."""
     RELOAD = "RELOAD"
     """Launch the copy of a chunk-micro-batch's activations back from host memory (its backward waits on it)."""
+    GATHER = "GATHER"
+    """Launch the all-gather of a ZeRO-3 chunk's parameters before its k-th gather span (``GATHER c.k``); the
+    span's compute ops wait on it."""
+    RELEASE = "RELEASE"
+    """Free a ZeRO-3 chunk's gathered parameters after its k-th gather span (keep only the shard)."""
+    REDUCE = "REDUCE"
+    """Launch the reduce-scatter of a ZeRO-2/3 chunk's gradients after its k-th backward group (not the
+    last: that one is its GRAD_SYNC) and free the whole gradient buffer."""
 
     # Plain string sets: these run in the simulator's inner loop (enum member lookups are slow).
     @property
@@ -55,11 +65,17 @@ class OpKind(str, enum.Enum):
         """Copies between device and host memory (OFFLOAD / RELOAD)."""
         return self._value_ in _HOST
 
+    @property
+    def is_shard(self) -> bool:
+        """Mixed-sharding ops of one chunk's k-th span (GATHER / RELEASE / REDUCE)."""
+        return self._value_ in _SHARD
+
 
 _COMPUTE = frozenset({"F", "B"})
 _P2P = frozenset({"RECV_F", "SEND_F", "RECV_B", "SEND_B"})
 _DP = frozenset({"PARAM_SYNC", "GRAD_SYNC"})
 _HOST = frozenset({"OFFLOAD", "RELOAD"})
+_SHARD = frozenset({"GATHER", "RELEASE", "REDUCE"})
 _FORWARD_SIDE = frozenset({"RECV_F", "SEND_F", "OFFLOAD"})
 
 
@@ -70,7 +86,8 @@ class Op:
     For compute, p2p and host ops ``microbatch`` is set; p2p ops name the compute op they serve (the
     producer for sends, the consumer for receives) and carry the ``peer`` rank; host ops name the
     forward that saved the activations (OFFLOAD) or the backward that needs them (RELOAD).
-    Data-parallel ops name only the chunk.
+    Data-parallel ops name only the chunk; sharding ops (GATHER/RELEASE/REDUCE) carry the span index k
+    in ``microbatch`` (``GATHER1.0``: the first gather of chunk 1).
     """
 
     kind: OpKind
@@ -111,7 +128,7 @@ def B(chunk: int, microbatch: int) -> Op:
 
 
 _OP_RE = re.compile(
-    r"^(?P<kind>RECV_F|SEND_F|RECV_B|SEND_B|PARAM_SYNC|GRAD_SYNC|OFFLOAD|RELOAD|F|B)(?P<chunk>\d+)"
+    r"^(?P<kind>RECV_F|SEND_F|RECV_B|SEND_B|PARAM_SYNC|GRAD_SYNC|OFFLOAD|RELOAD|GATHER|RELEASE|REDUCE|F|B)(?P<chunk>\d+)"
     r"(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
 )
 
@@ -120,7 +137,7 @@ def parse_op(text: str) -> Op:
     """Parse the text form produced by ``str(op)``."""
     match = _OP_RE.match(text.strip())
     if not match:
-        raise ValueError(f"cannot parse schedule op {text!r}; expected e.g. 'F1.3', 'B0.7', 'SEND_F1.3>2', 'GRAD_SYNC1', 'OFFLOAD1.3'")
+        raise ValueError(f"cannot parse schedule op {text!r}; expected e.g. 'F1.3', 'B0.7', 'SEND_F1.3>2', 'GRAD_SYNC1', 'OFFLOAD1.3', 'GATHER1.0'")
     kind = OpKind(match["kind"])
     mb = match["mb"]
     if kind.is_dp != (mb is None):

@@ -10,6 +10,9 @@ one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in 
 two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: the link is
 full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
 ended, and a backward whose activations were offloaded starts when its RELOAD has finished.
+Mixed sharding: GATHER and REDUCE run on the data-parallel channel like the syncs; a compute op of
+a ZeRO-3 chunk starts when the GATHER of its span has finished; RELEASE is instantaneous (recorded
+as a zero-length 'release' event, for the memory timeline).
 If no rank can make progress before every program ends, the schedule deadlocks.
 
 Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
@@ -102,7 +105,7 @@ class CommEvent:
     start: float
     end: float
     lane: str
-    """'p2p', 'dp', 'd2h' (OFFLOAD) or 'h2d' (RELOAD)."""
+    """'p2p', 'dp' (also GATHER / REDUCE), 'd2h' (OFFLOAD), 'h2d' (RELOAD) or 'release' (RELEASE, zero length)."""
 
 
 @dataclass
@@ -119,7 +122,7 @@ class Timeline:
 
 
 # Instruction codes of the compiled programs (small ints: the inner loop dispatches on them).
-_COMPUTE_OP, _RECV_OP, _SEND_OP, _DP_OP, _HOST_OP = range(5)
+_COMPUTE_OP, _RECV_OP, _SEND_OP, _DP_OP, _HOST_OP, _RELEASE_OP = range(6)
 
 
 @dataclass
@@ -146,9 +149,11 @@ _COMPILED_LOCK = threading.Lock()
 def _compile(schedule: LoweredSchedule) -> _Compiled:
     """Each op of each rank program as a tuple the engine reads without recomputing placement:
 
-    * compute: (code, op, input key id or -1, waits for a parameter gather, is forward, host key);
+    * compute: (code, op, input key id or -1, waits for a parameter gather, is forward, host key,
+      waits for its ZeRO-3 span's GATHER);
     * receive: (code, key id, channel id); send: (code, key id, channel id, producer compute op);
-    * data-parallel: (code, op, is PARAM_SYNC); host copy: (code, op, is OFFLOAD, host key).
+    * data-parallel and GATHER / REDUCE: (code, op, is PARAM_SYNC, is GATHER); RELEASE: (code, op);
+    * host copy: (code, op, is OFFLOAD, host key).
 
     Memoized per (config, options) while the programs hold the very same op objects (every
     :func:`~.lower.lower` of one (config, options) shares them)."""
@@ -173,6 +178,7 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                     probe = Op(kind, op.chunk, 0)
                     peers[direction, op.chunk] = (input_source(cfg, rank, probe), output_target(cfg, rank, probe))
         param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
+        zero3 = set() if schedule.options.forward_only else set(schedule.options.zero3_chunks)
         producers: Dict[Tuple[str, int, Optional[int]], Op] = {}
         out = []
         append = out.append
@@ -184,7 +190,9 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                     name = (rank, kind, chunk, microbatch) if op.peer is None else (rank, kind, chunk, microbatch, op.peer)
                     key = key_ids.setdefault(name, len(key_ids))
                 forward = kind == "F"
-                append((_COMPUTE_OP, op, key, forward and chunk in param_chunks, forward, (rank, chunk, microbatch)))
+                # A ZeRO-3 chunk waits for the GATHER of its span instead of a PARAM_SYNC.
+                append((_COMPUTE_OP, op, key, forward and chunk in param_chunks and chunk not in zero3, forward,
+                        (rank, chunk, microbatch), chunk in zero3))
                 if op.peer is None:
                     producers[kind, chunk, microbatch] = op
             elif kind == "RECV_F" or kind == "RECV_B":
@@ -199,8 +207,10 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                 key = key_ids.setdefault((target[0], direction, target[1], microbatch), len(key_ids))
                 channel = channel_ids.setdefault((rank, target[0], direction), len(channel_ids))
                 append((_SEND_OP, key, channel, producers.get((direction, chunk, microbatch)) or op.compute))
-            elif op.kind.is_dp:
-                append((_DP_OP, op, op.kind is OpKind.PARAM_SYNC))
+            elif op.kind is OpKind.RELEASE:
+                append((_RELEASE_OP, op))
+            elif op.kind.is_dp or op.kind.is_shard:
+                append((_DP_OP, op, op.kind is OpKind.PARAM_SYNC, op.kind is OpKind.GATHER))
             else:
                 append((_HOST_OP, op, op.kind is OpKind.OFFLOAD, (rank, chunk, microbatch)))
         code.append(out)
@@ -243,6 +253,9 @@ class _Engine:
         param_ready: List[Dict[int, Optional[float]]] = [
             {op.chunk: None for op, is_param in ((ins[1], ins[2]) for ins in program if ins[0] == _DP_OP) if is_param}
             for program in code]
+        # ZeRO-3 chunk -> end of its open GATHER (None while released)
+        gathered: List[Dict[int, Optional[float]]] = [{c: None for c in self.s.options.zero3_chunks}
+                                                      for _ in range(self.cfg.pp)]
         host_free = {"d2h": [0.0] * self.cfg.pp, "h2d": [0.0] * self.cfg.pp}
         offloaded: Dict[Tuple[int, int, int], float] = {}
         reloaded: Dict[Tuple[int, int, int], float] = {}
@@ -276,7 +289,7 @@ class _Engine:
                     ins = program[i]
                     what = ins[0]
                     if what == _COMPUTE_OP:
-                        _, op, key, waits_param, forward, host_key = ins
+                        _, op, key, waits_param, forward, host_key, waits_gather = ins
                         data_ready, waited_on, comm_part = 0.0, "", 0.0
                         if key >= 0:
                             got = arrival[key]
@@ -287,8 +300,8 @@ class _Engine:
                             comm_part = got[0] - (now if now > sent else sent)
                             if not comm_part > 0.0:
                                 comm_part = 0.0
-                        if waits_param:
-                            ready = param_ready[rank][op.chunk]
+                        if waits_param or waits_gather:
+                            ready = (gathered if waits_gather else param_ready)[rank][op.chunk]
                             if ready is None:
                                 break
                             if ready > data_ready:
@@ -326,7 +339,13 @@ class _Engine:
                         comms.append(CommEvent(rank, rank, op, start, end, "dp"))
                         if ins[2]:
                             param_ready[rank][op.chunk] = end
+                        elif ins[3]:
+                            gathered[rank][op.chunk] = end
                         rank_end[rank] = max(rank_end[rank], end)
+                    elif what == _RELEASE_OP:
+                        op = ins[1]
+                        gathered[rank][op.chunk] = None
+                        comms.append(CommEvent(rank, rank, op, now, now, "release"))
                     else:
                         _, op, offload, host_key = ins
                         lane = "d2h" if offload else "h2d"

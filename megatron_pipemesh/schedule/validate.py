@@ -6,7 +6,10 @@ send/receive matching per directed link (same tensors, same order on both ends);
 points consistent (a chunk's parameter gather launched before its first forward, each chunk's
 gradient sync exactly once, after its last backward); host copies consistent (exactly the
 chunk-micro-batches of the lowering's ``host_placement`` are offloaded once, after their forward, and
-reloaded once, after the offload and before their backward); and deadlock freedom by a dry run.
+reloaded once, after the offload and before their backward); mixed-sharding ops consistent (a ZeRO-3
+chunk's compute ops run only between a GATHER and its RELEASE, gathers and releases alternate and are
+numbered in order, REDUCE only for ZeRO-2/3 chunks after one of their backwards); and deadlock freedom
+by a dry run.
 Errors print the offending rank, step and that rank's order with the step marked.
 """
 from __future__ import annotations
@@ -52,6 +55,10 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         param_launched = set()
         param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
         host_state: Dict[Tuple[int, int], str] = {}
+        zero3, zero2 = set(schedule.options.zero3_chunks), set(schedule.options.zero2_chunks)
+        gathered: Dict[int, int] = {}  # ZeRO-3 chunk -> index k of its open GATHER
+        spans_done: Counter = Counter()  # ZeRO-3 chunk -> gather spans launched so far
+        reduces: Counter = Counter()
         last_backward = {c: -1 for c in range(cfg.vpp)}
         for index, x in enumerate(program):
             if x.kind is OpKind.BACKWARD:
@@ -64,6 +71,9 @@ def validate(schedule: LoweredSchedule) -> Timeline:
                     raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
                 if op.kind is OpKind.FORWARD and op.chunk not in param_launched and op.chunk in param_chunks:
                     raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
+                if op.chunk in zero3 and not schedule.options.forward_only and op.chunk not in gathered:
+                    raise _fail(schedule, rank, step, f"{op} runs while the parameters of ZeRO-3 chunk {op.chunk} are not "
+                                                      f"gathered (no GATHER{op.chunk}.k open before it)")
                 if op.kind is OpKind.BACKWARD and host_state.get((op.chunk, op.microbatch)) == "offloaded":
                     raise _fail(schedule, rank, step, f"{op} runs while its activations are on the host: "
                                                       f"RELOAD{op.chunk}.{op.microbatch} must come before it")
@@ -91,6 +101,11 @@ def validate(schedule: LoweredSchedule) -> Timeline:
                     raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} (step {last_backward[op.chunk]})")
             elif op.kind.is_host:
                 _check_host_op(schedule, rank, step, op, done, host_state)
+            elif op.kind.is_shard:
+                _check_shard_op(schedule, rank, step, op, done, zero3, zero2, gathered, spans_done, reduces)
+        if gathered:
+            chunk = sorted(gathered)[0]
+            raise _fail(schedule, rank, len(program) - 1, f"GATHER{chunk}.{gathered[chunk]} is never released")
         placed = {(c, j) for r, c, j in schedule.options.host_placement if r == rank} if not schedule.options.forward_only else set()
         for key in sorted(placed | set(host_state)):
             state = host_state.get(key)
@@ -100,7 +115,7 @@ def validate(schedule: LoweredSchedule) -> Timeline:
             if what:
                 raise _fail(schedule, rank, len(program) - 1, f"chunk {key[0]} micro-batch {key[1]} {what}")
         _check_dp_counts(schedule, rank, OpKind.GRAD_SYNC, schedule.options.grad_sync)
-        _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync)
+        _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync, skip=zero3)
     _check_links(schedule, sends, recvs)
     return execute(schedule)
 
@@ -125,12 +140,49 @@ def _check_host_op(schedule: LoweredSchedule, rank: int, step: int, op: Op, done
         host_state[key] = "reloaded"
 
 
-def _check_dp_counts(schedule: LoweredSchedule, rank: int, kind: OpKind, enabled: bool) -> None:
-    """Exactly one sync of ``kind`` per chunk when the options ask for them, none otherwise."""
+def _check_shard_op(schedule: LoweredSchedule, rank: int, step: int, op: Op, done: set, zero3: set, zero2: set,
+                    gathered: Dict[int, int], spans_done: Counter, reduces: Counter) -> None:
+    """GATHER/RELEASE alternate per ZeRO-3 chunk with consecutive span numbers; REDUCE of a ZeRO-2/3 chunk
+    follows one of its backwards, numbered in order."""
+    chunk, k = op.chunk, op.microbatch
+    if op.kind is OpKind.REDUCE:
+        if chunk not in zero2:
+            raise _fail(schedule, rank, step, f"{op} reduces chunk {chunk}, whose gradients are not sharded "
+                                              f"(level {_level(schedule, chunk)})")
+        if not any(x.kind is OpKind.BACKWARD and x.chunk == chunk for x in done):
+            raise _fail(schedule, rank, step, f"{op} launches before any backward of chunk {chunk}")
+        if k != reduces[chunk]:
+            raise _fail(schedule, rank, step, f"{op} is out of order: expected REDUCE{chunk}.{reduces[chunk]}")
+        reduces[chunk] += 1
+        return
+    if chunk not in zero3:
+        raise _fail(schedule, rank, step, f"{op} for chunk {chunk}, whose parameters are not sharded "
+                                          f"(level {_level(schedule, chunk)})")
+    if op.kind is OpKind.GATHER:
+        if chunk in gathered:
+            raise _fail(schedule, rank, step, f"{op} gathers chunk {chunk} again before RELEASE{chunk}.{gathered[chunk]}")
+        if k != spans_done[chunk]:
+            raise _fail(schedule, rank, step, f"{op} is out of order: expected GATHER{chunk}.{spans_done[chunk]}")
+        gathered[chunk] = k
+        spans_done[chunk] += 1
+    else:
+        if gathered.get(chunk) != k:
+            raise _fail(schedule, rank, step, f"{op} releases parameters that are not gathered under that number")
+        del gathered[chunk]
+
+
+def _level(schedule: LoweredSchedule, chunk: int) -> str:
+    levels = schedule.options.sharding
+    return levels[chunk] if chunk < len(levels) else "optim (no sharding option)"
+
+
+def _check_dp_counts(schedule: LoweredSchedule, rank: int, kind: OpKind, enabled: bool, skip=()) -> None:
+    """Exactly one sync of ``kind`` per chunk when the options ask for them (none for the ``skip``
+    chunks, which gather per span), none otherwise."""
     program = schedule.programs[rank]
     counts = Counter(op.chunk for op in program if op.kind is kind)
-    wanted = 1 if enabled and not schedule.options.forward_only else 0
     for chunk in range(schedule.config.vpp):
+        wanted = 1 if enabled and not schedule.options.forward_only and chunk not in skip else 0
         if counts.get(chunk, 0) != wanted:
             steps = [i for i, op in enumerate(program) if op.kind is kind and op.chunk == chunk]
             count = counts.get(chunk, 0)

@@ -131,6 +131,11 @@ pm_check_value() {
     choice:*)
       [[ "|${kind#choice:}|" == *"|$value|"* ]] || pm_die "$where: $key=$value must be one of: ${kind#choice:}"
       ;;
+    words:*)
+      for w in $value; do
+        [[ "|${kind#words:}|" == *"|$w|"* ]] || pm_die "$where: $key='$value': each word must be one of: ${kind#words:}"
+      done
+      ;;
     groups)
       for w in $value; do
         pm_is_uint "$w" || [ "$w" = auto ] ||
@@ -254,7 +259,7 @@ pm_model_args() {
       if [ "${PM_PIPEMESH_KIND[$key]}" = groups ] && pm_has_flag --pipemesh-plan "${pass[@]}"; then continue; fi
       case ${PM_PIPEMESH_KIND[$key]} in
         bool) if [ "$v" = 1 ]; then PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}"); fi ;;
-        groups) read -ra words <<<"$v"; PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}" "${words[@]}") ;;
+        groups|words:*) read -ra words <<<"$v"; PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}" "${words[@]}") ;;
         *) PM_MODEL_ARGS+=("${PM_PIPEMESH_FLAG[$key]}" "$v") ;;
       esac
     done

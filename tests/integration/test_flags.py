@@ -103,3 +103,63 @@ def test_plan_file_round_trip(tmp_path):
     assert list(settings.config.forward_groups) == data["forward_groups"]
     with pytest.raises(PipeMeshArgumentError, match="was made for p, V, m"):
         check_pipemesh_args(_args(pipemesh_plan=str(path), global_batch_size=32))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(pipemesh_sharding=["optim", "optim", "optim"], use_distributed_optimizer=True), "one per virtual chunk"),
+    (dict(pipemesh_sharding=["optim"]), "needs --use-distributed-optimizer"),
+    (dict(pipemesh_sharding=["optim"], use_distributed_optimizer=True, use_megatron_fsdp=True), "one --data-parallel-sharding-strategy"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True), "needs --overlap-param-gather"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipeline_schedule="default"), "needs --pipeline-schedule pipemesh"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node"), "planned and simulated"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
+          save="/tmp/ckpt"), "--save is not supported"),
+    (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
+          log_params_norm=True), "--log-params-norm is not supported"),
+    (dict(pipemesh_sharding=["auto"], use_distributed_optimizer=True), "jointly with the groups"),
+    (dict(pipemesh_shard_scope="node"), "without --pipemesh-sharding"),
+])
+def test_sharding_flags_are_checked_before_work(overrides, message):
+    """Wrong level count, missing distributed optimizer, FSDP, unexecuted levels and a lone scope fail at parse time."""
+    with pytest.raises(PipeMeshArgumentError, match=message):
+        check_pipemesh_args(_args(**overrides))
+
+
+def test_sharding_levels_accepted():
+    """One level for all chunks is expanded per chunk (also with the stock schedule)."""
+    settings = check_pipemesh_args(_args(pipemesh_sharding=["optim"], use_distributed_optimizer=True))
+    assert settings.sharding == ("optim", "optim")
+    assert check_pipemesh_args(_args(pipeline_schedule="default", pipemesh_sharding=["optim"],
+                                     use_distributed_optimizer=True)).sharding == ("optim", "optim")
+    mixed = check_pipemesh_args(_args(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True,
+                                      overlap_param_gather=True))
+    assert mixed.sharding == ("optim", "optim_grads_params")
+
+
+def test_plan_file_carries_the_sharding_levels(tmp_path):
+    """`pipemesh plan --sharding ... --output` saves the levels; --pipemesh-plan applies them (with their rules)
+    and refuses different --pipemesh-sharding levels."""
+    from megatron_pipemesh.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "8", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128", "--dp", "2",
+                 "--memory-budget-gb", "1", "--sharding", "optim", "optim_grads", "--output", str(path)]) == 0
+    settings = check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
+                                         global_batch_size=48))
+    assert settings.sharding == ("optim", "optim_grads") and "sharding optim optim_grads" in settings.summary
+    with pytest.raises(PipeMeshArgumentError, match="needs --use-distributed-optimizer"):
+        check_pipemesh_args(_args(pipemesh_plan=str(path), data_parallel_size=2, global_batch_size=48))
+    with pytest.raises(PipeMeshArgumentError, match="disagree"):
+        check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
+                                  global_batch_size=48, pipemesh_sharding=["optim"]))
+
+
+def test_sharding_auto_plans_levels_with_the_groups():
+    """--pipemesh-sharding auto with auto groups and a budget: the planner picks levels per chunk (checked by the
+    same rules as given levels) and the summary names them."""
+    settings = check_pipemesh_args(_args(pipemesh_sharding=["auto"], use_distributed_optimizer=True,
+                                         overlap_param_gather=True, forward_groups=["auto"], backward_groups=["auto"],
+                                         pipemesh_memory_budget_gb=1.0, data_parallel_size=2, global_batch_size=48,
+                                         pipemesh_device_tflops=10.0))
+    assert len(settings.sharding) == 2 and set(settings.sharding) <= {"optim", "optim_grads", "optim_grads_params"}
+    assert f"sharding {' '.join(settings.sharding)}" in settings.summary

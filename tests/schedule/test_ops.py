@@ -20,6 +20,9 @@ EXAMPLES = [
     (Op(OpKind.GRAD_SYNC, 1), "GRAD_SYNC1"),
     (Op(OpKind.OFFLOAD, 1, 3), "OFFLOAD1.3"),
     (Op(OpKind.RELOAD, 0, 7), "RELOAD0.7"),
+    (Op(OpKind.GATHER, 1, 0), "GATHER1.0"),
+    (Op(OpKind.RELEASE, 1, 2), "RELEASE1.2"),
+    (Op(OpKind.REDUCE, 0, 1), "REDUCE0.1"),
 ]
 
 
@@ -76,9 +79,9 @@ def test_constructors_and_compute_link():
 
 
 def test_kind_predicates():
-    """Each kind is exactly one of compute, p2p, data-parallel or host copy."""
+    """Each kind is exactly one of compute, p2p, data-parallel, host copy or sharding."""
     for kind in OpKind:
-        assert [kind.is_compute, kind.is_p2p, kind.is_dp, kind.is_host].count(True) == 1, kind
+        assert [kind.is_compute, kind.is_p2p, kind.is_dp, kind.is_host, kind.is_shard].count(True) == 1, kind
 
 
 def test_format_ops_marks_one_step():

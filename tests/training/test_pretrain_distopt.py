@@ -5,7 +5,13 @@ With ``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`
 per-iteration losses, grad norms and validation losses of ``--pipeline-schedule default``, and both equal a
 run without the distributed optimizer (so every step's updated parameter shards were all-gathered).
 The real data loader gives each data-parallel replica its own samples.
+
+Mixed sharding (issue 11) rides on the same runs: the PipeMesh run names ``--pipemesh-sharding optim`` (ZeRO-1
+everywhere, which is the distributed optimizer, plus the runtime's memory/traffic report), and one more run
+shards chunk 1 fully (``optim optim_grads_params``).
 """
+import ast
+import re
 import sys
 from pathlib import Path
 
@@ -36,11 +42,46 @@ def args(base_args):
     return common
 
 
+REPORT = re.compile(r"PipeMesh sharding rank (\d+) \(pipeline rank \d+\) \[([a-z_ ]+)\]: .*? measured (\d+) B, "
+                    r"predicted (\d+) B .*?gathered (\{.*?\}) B \(simulator (\{.*?\})\), reduced (\{.*?\}) B "
+                    r"\(simulator (\{.*?\})\)")
+
+
+STARTUP = re.compile(r"predicted weights\+grads\+optimizer MiB per pipeline rank ([0-9. ]+) \(optim everywhere")
+
+
+def _reports(stdout):
+    """rank -> (levels, measured, predicted, gathered, simulated gathers, reduced, simulated reductions)."""
+    return {int(m[0]): (m[1], int(m[2]), int(m[3]), *(ast.literal_eval(x) for x in m[4:]))
+            for m in REPORT.findall(stdout)}
+
+
 def test_pipemesh_with_distributed_optimizer_matches_default(args):
-    """Same per-iteration losses and grad norms (and validation losses): pipemesh = default = no distopt."""
-    pipemesh = _log(_train(args + DISTOPT + ELASTIC))
+    """Same per-iteration losses and grad norms (and validation losses): pipemesh = default = no distopt; with
+    chunk 1 at ZeRO-3 the losses stay the same while each rank holds less for parameters + gradients + optimizer
+    state (measured within 10% of the model), and the bytes gathered/reduced per iteration equal the simulator's."""
+    zero1_out = _train(args + DISTOPT + ELASTIC + ["--pipemesh-sharding", "optim"])
+    mixed_out = _train(args + DISTOPT + ELASTIC + ["--pipemesh-sharding", "optim", "optim_grads_params"])
+    pipemesh, mixed = _log(zero1_out), _log(mixed_out)
     default = _log(_train(args + DISTOPT))
     plain = _log(_train(args + ["--overlap-grad-reduce"]))
     assert sorted(pipemesh[0]) == [1, 2, 3, 4] and len(pipemesh[1]) == 2
     assert pipemesh == default
     assert pipemesh == plain
+    assert mixed == default
+    zero1, zero3 = _reports(zero1_out), _reports(mixed_out)
+    assert sorted(zero1) == sorted(zero3) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert zero1[rank][0] == "optim optim" and zero3[rank][0] == "optim optim_grads_params"
+        for levels, measured, predicted, gathered, sim_gathered, reduced, sim_reduced in (zero1[rank], zero3[rank]):
+            assert abs(measured / predicted - 1) < 0.10, (rank, levels, measured, predicted)
+            assert gathered == sim_gathered and reduced == sim_reduced, (rank, levels)
+        assert zero3[rank][1] < zero1[rank][1]
+        # Chunk 1 (ZeRO-3) is gathered once per merged group span (3 on pipeline rank 0, 2 on rank 1), reduced per
+        # backward group (2); chunk 0 (ZeRO-1) once each.
+        # The start-up plan line's prediction (analytic model shape, not the buffers) is within 10% too.
+        for out, reports in ((zero1_out, zero1), (mixed_out, zero3)):
+            startup = [float(x) * 1024 ** 2 for x in STARTUP.search(out)[1].split()]
+            assert abs(reports[rank][1] / startup[rank // 2] - 1) < 0.10, (rank, reports[rank][0], startup)
+        chunk1 = zero1[rank][3][1]
+        assert zero3[rank][3][1] == (3 if rank < 2 else 2) * chunk1 and zero3[rank][5][1] == 2 * chunk1

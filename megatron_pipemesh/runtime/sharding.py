@@ -1,0 +1,349 @@
+"""Mixed sharding at run time: ZeRO-2/3 per chunk on Megatron's own DDP buffers and distributed optimizer.
+
+Why own code (findings in :mod:`megatron_pipemesh.planning.sharding`): Megatron-FSDP, which has these
+levels, is CUDA-only and applies one level to every chunk, and the distributed optimizer takes its
+mode from the first chunk; Megatron's DDP path (``optim``, ZeRO-1) keeps whole parameter and gradient
+buffers. So a chunk stays a Megatron ``DistributedDataParallel`` chunk under the distributed optimizer
+(its buckets, their shard layout, ``start_param_sync`` / ``finish_param_sync``, ``finish_grad_sync``),
+and this module frees and re-allocates the *storage* of its buffers around the schedule's groups:
+
+* ``optim_grads_params`` (ZeRO-3): the rank's shard of each bucket is copied into a shard tensor and
+  the parameter buffer's storage is freed (``untyped_storage().resize_(0)``: every view -- the
+  parameters, the buckets, the optimizer's fp32 shard -- stays valid and works again once the storage
+  is back). ``GATHER c.k`` re-allocates it, copies the shard into its slot (freeing the shard tensor's
+  storage, so the shard is held once) and launches Megatron's own bucket all-gathers
+  (``start_param_sync``); the chunk's next compute op waits on them (``finish_param_sync``).
+  ``RELEASE c.k`` keeps the shard and frees the rest. At the end of the program the buffer comes
+  back with the shard in place (zeros elsewhere) for the optimizer step, which updates the shard
+  in place; the next program starts by releasing it again.
+* ``optim_grads`` (ZeRO-2, also ZeRO-3): the gradient buffer's storage is freed at the start of the
+  program (it was zeroed) and re-allocated (zeroed) at the first backward of each backward group;
+  ``REDUCE c.k`` scales and reduce-scatters it exactly as Megatron's ``start_grad_sync`` does, adds
+  the reduced shard to a shard accumulator and frees the buffer; the last group's reduction is the
+  chunk's ordinary ``GRAD_SYNC``, after whose ``finish_grad_sync`` the accumulator is added to the
+  shard (so Megatron's finalize, gradient clipping and optimizer see the whole iteration's gradient).
+
+Limits (checked at parse time): shards span Megatron's distributed-optimizer group (all
+data-parallel ranks; the ``node`` scope is planned and simulated only), one distributed-optimizer
+instance, no checkpoint saving, parameter norms or weight hashes with ZeRO-3 chunks (between
+iterations their buffers hold only the shard, as Megatron's own buffers hold stale values until the
+next gather). On CUDA the copies,
+resizes and collectives are ordered on the current stream like Megatron's own gathers; the shard
+tensors are allocated once and only their storage is resized (no per-micro-batch allocation).
+
+The runtime also counts the bytes every data-parallel op of the program gathers or reduces and the
+bytes held by parameters, gradients and optimizer state while no group runs, for comparison with the
+planning model (:meth:`ProgramSharding.report`).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..schedule.ops import Op, OpKind
+
+_OPTIMIZERS: List[object] = []
+"""Megatron optimizers built in this process (registered by the integration), for the memory report."""
+
+
+def register_optimizer(optimizer) -> None:
+    """Remember ``optimizer`` (Megatron's, possibly chained) so its state counts in the memory report."""
+    _OPTIMIZERS.append(optimizer)
+
+
+def optimizer_state_bytes() -> int:
+    """Bytes of optimizer state (Adam moments, fp32 main copies) of the registered optimizers."""
+    total, seen = 0, set()
+
+    def tensors(optimizer):
+        for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            torch_optimizer = getattr(inner, "optimizer", None)
+            for state in getattr(torch_optimizer, "state", {}).values():
+                yield from (v for v in state.values() if torch.is_tensor(v))
+            for group in getattr(inner, "shard_fp32_from_float16_groups", None) or []:
+                yield from group
+
+    for optimizer in _OPTIMIZERS:
+        for tensor in tensors(optimizer):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen and tensor.numel() > 1:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def _shard(tensor: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    numel = tensor.numel() // size
+    return tensor.view(-1)[rank * numel:(rank + 1) * numel]
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+class ChunkSharding:
+    """The ZeRO-2/3 state of one Megatron DDP chunk."""
+
+    def __init__(self, chunk: int, ddp, level: str):
+        self.chunk, self.ddp, self.level = chunk, ddp, level
+        self.zero3 = level == "optim_grads_params"
+        self.buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+        self.bucket_groups = list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
+        self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
+        self.group = self.buffers[0].data_parallel_group
+        self.size, self.rank = self.group.size(), self.group.rank()
+        # Shard tensors, allocated once; their storage is freed while the whole buffer holds the shard.
+        self.param_shards = ([torch.empty_like(_shard(b.param_data, self.size, self.rank)) for b in self.buckets]
+                             if self.zero3 else [])
+        self.grad_accum = [torch.zeros_like(_shard(b.grad_data, self.size, self.rank)) for b in self.buckets]
+        self.params_out = self.grads_out = False
+        self.gathering = False
+        self.pending: List[Tuple[object, int]] = []
+        self.to_add: set = set()
+        """Bucket groups whose final reduction still has to take the accumulated shards of earlier groups."""
+        for index, bucket_group in enumerate(self.bucket_groups):
+            bucket_group.finish_grad_sync = self._after_grad_sync(index, bucket_group, bucket_group.finish_grad_sync)
+
+    # Parameters (ZeRO-3) -----------------------------------------------------------------------
+    def release_params(self) -> None:
+        """Keep only this rank's shard of the parameters."""
+        if self.params_out:
+            return
+        self.wait_gather()
+        for shard, bucket in zip(self.param_shards, self.buckets):
+            _alloc(shard)
+            shard.copy_(_shard(bucket.param_data, self.size, self.rank))
+        for buffer in self.buffers:
+            _free(buffer.param_data)
+        self.params_out = True
+
+    def restore_params(self) -> None:
+        """Bring the parameter buffer back with the shard in its slot (zeros elsewhere), shard tensors freed."""
+        if not self.params_out:
+            return
+        for buffer in self.buffers:
+            _alloc(buffer.param_data)
+            buffer.param_data.zero_()
+        for shard, bucket in zip(self.param_shards, self.buckets):
+            _shard(bucket.param_data, self.size, self.rank).copy_(shard)
+            _free(shard)
+        self.params_out = False
+
+    def gather(self) -> int:
+        """GATHER: restore the buffer and launch Megatron's bucket all-gathers; returns the bytes gathered."""
+        self.restore_params()
+        for bucket_group in self.bucket_groups:
+            bucket_group.start_param_sync()
+        self.gathering = True
+        return sum(b.param_data.numel() * b.param_data.element_size() for b in self.buckets)
+
+    def wait_gather(self) -> None:
+        if not self.gathering:
+            return
+        for bucket_group in self.bucket_groups:
+            if bucket_group.ddp_config.overlap_param_gather:
+                bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+        self.gathering = False
+
+    # Gradients (ZeRO-2/3) ----------------------------------------------------------------------
+    def release_grads(self) -> None:
+        if not self.grads_out:
+            for buffer in self.buffers:
+                _free(buffer.grad_data)
+            self.grads_out = True
+
+    def restore_grads(self) -> None:
+        """Before a backward of this chunk: finish a reduction in flight, bring the (zeroed) buffer back."""
+        self.finish_reduce()
+        if self.grads_out:
+            for buffer in self.buffers:
+                _alloc(buffer.grad_data)
+                buffer.grad_data.zero_()
+            self.grads_out = False
+
+    def reduce(self) -> int:
+        """REDUCE: scale and reduce-scatter each bucket as Megatron's ``start_grad_sync`` does; returns bytes."""
+        self.restore_grads()  # (a chunk without backwards since the last reduction has a zero buffer)
+        config = self.bucket_groups[0].ddp_config
+        op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
+        total = 0
+        with torch.no_grad():
+            for index, bucket in enumerate(self.buckets):
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
+                work = dist.reduce_scatter_tensor(_shard(bucket.grad_data, self.size, self.rank), bucket.grad_data,
+                                                  op=op, group=self.group, async_op=True)
+                self.pending.append((work, index))
+                total += bucket.grad_data.numel() * bucket.grad_data.element_size()
+        return total
+
+    def finish_reduce(self) -> None:
+        """Wait for a REDUCE, add its shard to the accumulator and free the gradient buffer."""
+        if not self.pending:
+            return
+        for work, _ in self.pending:
+            work.wait()
+        with torch.no_grad():
+            for _, index in self.pending:
+                self.grad_accum[index] += _shard(self.buckets[index].grad_data, self.size, self.rank)
+        self.pending = []
+        self.to_add = set(range(len(self.bucket_groups)))
+        self.release_grads()
+
+    def _after_grad_sync(self, group_index: int, bucket_group, original):
+        indices = [self.buckets.index(bucket) for bucket in bucket_group.buckets]
+
+        def finish_grad_sync(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if group_index in self.to_add:  # once per iteration: earlier groups' reduced shards join the last one's
+                self.to_add.discard(group_index)
+                with torch.no_grad():
+                    for index in indices:
+                        _shard(self.buckets[index].grad_data, self.size, self.rank).add_(self.grad_accum[index])
+                        self.grad_accum[index].zero_()
+            return result
+
+        return finish_grad_sync
+
+    # Accounting --------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes of parameters and gradients this chunk holds now (buffers, shard tensors, accumulators)."""
+        tensors = [b.param_data for b in self.buffers] + [b.grad_data for b in self.buffers]
+        tensors += self.param_shards + self.grad_accum
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def whole_chunk_bytes(ddp) -> int:
+    """Bytes of a ZeRO-1 chunk's parameter and gradient buffers."""
+    buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+    return sum(b.param_data.untyped_storage().nbytes() + b.grad_data.untyped_storage().nbytes() for b in buffers)
+
+
+class ProgramSharding:
+    """Per call of the schedule: dispatches GATHER/RELEASE/REDUCE, waits before compute, counts traffic."""
+
+    def __init__(self, model: Sequence, levels: Sequence[str], states: Dict[int, ChunkSharding]):
+        self.model, self.levels, self.states = model, tuple(levels), states
+        self.traffic: Dict[Tuple[str, int], int] = {}
+        self.resident_bytes: Optional[int] = None
+
+    def _count(self, what: str, chunk: int, nbytes: int) -> None:
+        self.traffic[(what, chunk)] = self.traffic.get((what, chunk), 0) + nbytes
+
+    def begin(self, measure: bool = False) -> None:
+        """Program start (after Megatron zeroed the gradients and stepped the optimizer): free what the
+        levels do not keep; with ``measure``, count what parameters, gradients and optimizer state hold
+        (host-side bookkeeping over the optimizer state: only for the report, not every iteration)."""
+        for state in self.states.values():
+            state.release_grads()
+            if state.zero3:
+                state.release_params()
+        if not measure:
+            return
+        held = 0
+        for chunk, ddp in enumerate(self.model):
+            held += self.states[chunk].held_bytes() if chunk in self.states else whole_chunk_bytes(ddp)
+        self.resident_bytes = held + optimizer_state_bytes()
+
+    def before(self, op: Op) -> None:
+        """Before ``op`` runs: count Megatron's own syncs; a compute op waits for its chunk's gather and a
+        backward gets its chunk's gradient buffer back."""
+        state = self.states.get(op.chunk)
+        kind = op.kind
+        if kind is OpKind.PARAM_SYNC:
+            self._count("gather", op.chunk, sum(b.param_data.numel() * b.param_data.element_size()
+                                                for b in self.model[op.chunk].buffers))
+        elif kind is OpKind.GRAD_SYNC:
+            if state is not None:
+                state.restore_grads()
+            self._count("reduce", op.chunk, sum(b.grad_data.numel() * b.grad_data.element_size()
+                                                for b in self.model[op.chunk].buffers))
+        elif state is not None and kind.is_compute:
+            state.wait_gather()
+            if kind is OpKind.BACKWARD:
+                state.restore_grads()
+
+    def run(self, op: Op) -> None:
+        """Dispatch a GATHER / RELEASE / REDUCE op."""
+        state = self.states[op.chunk]
+        if op.kind is OpKind.GATHER:
+            self._count("gather", op.chunk, state.gather())
+        elif op.kind is OpKind.RELEASE:
+            state.release_params()
+        else:
+            self._count("reduce", op.chunk, state.reduce())
+
+    def end(self) -> None:
+        """Program end, before Megatron's finalize and optimizer step: reductions done, buffers whole."""
+        for state in self.states.values():
+            if state.pending or state.grads_out:
+                state.restore_grads()
+            state.restore_params()
+
+
+class ShardingRuntime:
+    """The per-chunk states of one model (built on first use, kept across calls)."""
+
+    def __init__(self, levels: Sequence[str]):
+        self.levels = tuple(levels)
+        self.states: Optional[Dict[int, ChunkSharding]] = None
+
+    def program(self, model: Sequence) -> ProgramSharding:
+        if self.states is None:
+            if len(model) != len(self.levels):
+                raise ValueError(f"--pipemesh-sharding gives {len(self.levels)} levels for {len(model)} model chunks")
+            for chunk, ddp in enumerate(model):
+                if not getattr(getattr(ddp, "ddp_config", None), "use_distributed_optimizer", False):
+                    raise ValueError(f"--pipemesh-sharding needs every chunk wrapped by Megatron's DDP with the distributed "
+                                     f"optimizer; chunk {chunk} is {type(ddp).__name__}")
+            self.states = {}
+            for chunk, (ddp, level) in enumerate(zip(model, self.levels)):
+                if level == "optim":
+                    continue
+                # One state per DDP chunk for the whole run (a re-planned schedule reuses it: its hooks wrap once).
+                state = getattr(ddp, "_pipemesh_sharding", None)
+                if state is None or state.level != level:
+                    state = ChunkSharding(chunk, ddp, level)
+                    ddp._pipemesh_sharding = state
+                self.states[chunk] = state
+        return ProgramSharding(model, self.levels, self.states)
+
+
+def predicted_report(program: ProgramSharding, config, pp_rank: int, lookahead: int = 1) -> Dict[str, object]:
+    """What the planning model predicts for this rank's chunks (their real buffer sizes): bytes held by
+    parameters, gradients and optimizer state while no group runs, and the bytes each chunk gathers and
+    reduces per iteration (:func:`megatron_pipemesh.planning.sharding.chunk_traffic`)."""
+    from ..planning.sharding import bytes_per_param, chunk_traffic
+
+    held, gather, reduce = 0.0, {}, {}
+    for chunk, ddp in enumerate(program.model):
+        level = program.levels[chunk]
+        buffers = list(ddp.buffers)
+        size = buffers[0].data_parallel_group.size()
+        numel = sum(b.param_data.numel() for b in buffers)
+        w, g = buffers[0].param_data.element_size(), buffers[0].grad_data.element_size()
+        held += numel * bytes_per_param(level, size, size, w, g).resident
+        traffic = chunk_traffic(config, pp_rank, chunk, level, numel, size, size, w, g, lookahead)
+        gather[chunk] = traffic.gathers * traffic.gather_bytes
+        reduce[chunk] = traffic.reduces * traffic.reduce_bytes
+    return {"held": held, "gather": gather, "reduce": reduce}
+
+
+def format_report(program: ProgramSharding, config, rank: int, pp_rank: int) -> str:
+    """One line per rank: measured vs predicted memory and traffic (printed once, at the second iteration)."""
+    predicted = predicted_report(program, config, pp_rank)
+    measured = program.resident_bytes or 0
+    gathered = {c: program.traffic.get(("gather", c), 0) for c in range(len(program.model))}
+    reduced = {c: program.traffic.get(("reduce", c), 0) for c in range(len(program.model))}
+    ratio = measured / predicted["held"] if predicted["held"] else float("nan")
+    return (f"PipeMesh sharding rank {rank} (pipeline rank {pp_rank}) [{' '.join(program.levels)}]: parameters + gradients "
+            f"+ optimizer state held outside groups: measured {measured} B, predicted {predicted['held']:.0f} B "
+            f"({100 * ratio:.1f}%); per iteration gathered {gathered} B (simulator "
+            f"{ {c: int(v) for c, v in predicted['gather'].items()} }), reduced {reduced} B (simulator "
+            f"{ {c: int(v) for c, v in predicted['reduce'].items()} })")

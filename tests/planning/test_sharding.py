@@ -1,0 +1,142 @@
+"""Mixed sharding model: bytes per parameter per level, scopes, flag parsing, gather/reduce counts."""
+import pytest
+
+from megatron_pipemesh.planning.costs import ClusterSpec, ModelSpec, analytic_costs
+from megatron_pipemesh.planning.sharding import (ShardingError, ShardingSpec, bytes_per_param, chunk_traffic,
+                                                 parse_levels, rank_splits, shard_size)
+from megatron_pipemesh.schedule.config import ScheduleConfig
+
+ELASTIC = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
+
+
+def test_bytes_per_param_by_level():
+    """The table of the module docstring: 16-bit weights, fp32 grads, d = s = 4."""
+    z1 = bytes_per_param("optim", 4, 4, 2, 4)
+    assert (z1.weights, z1.grads, z1.optimizer, z1.gathered, z1.grad_buffer) == (2, 4, 3, 0, 0)
+    assert z1.resident == 9  # Megatron's 6 + 12/d
+    z2 = bytes_per_param("optim_grads", 4, 4, 2, 4)
+    assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 3)
+    z3 = bytes_per_param("optim_grads_params", 4, 4, 2, 4)
+    assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 1.5, 3)
+    assert z3.resident == 4.5 and z3.peak == z1.peak == 9  # the shard is a slice of the gathered buffer
+
+
+def test_fp32_weights_have_no_main_copy():
+    """fp32 models: Megatron's optimizer shard is a view of the weights, so only Adam's 8 bytes are sharded."""
+    assert bytes_per_param("optim", 2, 2, 4, 4).resident == 4 + 4 + 8 / 2
+
+
+def test_analytic_static_bytes_equal_uniform_optim():
+    """rank_splits with 'optim' everywhere reproduces the simulator's static bytes (one memory model)."""
+    model, cluster = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128), ClusterSpec(dp=4)
+    splits = rank_splits(model, cluster, ELASTIC, ShardingSpec(("optim", "optim")))
+    static = analytic_costs(model, cluster, ELASTIC).static_bytes
+    assert [s.state.resident for s in splits] == pytest.approx(list(static))
+    mixed = rank_splits(model, cluster, ELASTIC, ShardingSpec(("optim", "optim_grads_params")))
+    assert all(m.state.resident < s.state.resident for m, s in zip(mixed, splits))
+
+
+def test_node_scope_shards_within_the_node():
+    """node scope: weights/grads over the DP ranks of a node (8 devices, TP 2 -> 4), optimizer over all d."""
+    assert shard_size("data-parallel", 16, 2, 8) == 16
+    assert shard_size("node", 16, 2, 8) == 4
+    assert shard_size("node", 2, 1, 8) == 2
+    with pytest.raises(ShardingError, match="multiple"):
+        shard_size("node", 6, 1, 4)
+    z3 = bytes_per_param("optim_grads_params", 16, 4, 2, 4)
+    assert (z3.weights, z3.grads, z3.optimizer) == (0.5, 1, 12 / 16)
+
+
+def test_gathers_follow_groups():
+    """ZeRO-3 chunk 1 on rank 0 of 6 2 / 4 4 is gathered 3 times (merged group spans), ZeRO-1 once;
+    depth-first groups of 2 re-gather 5 times; ZeRO-2/3 reduce once per backward group."""
+    z3 = chunk_traffic(ELASTIC, 0, 1, "optim_grads_params", 1000, 2, 2, 4, 4)
+    assert (z3.gathers, z3.reduces, z3.gather_bytes, z3.reduce_bytes) == (3, 2, 4000, 4000)
+    assert z3.sent_bytes() == 0.5 * (3 * 4000 + 2 * 4000)
+    z1 = chunk_traffic(ELASTIC, 0, 1, "optim", 1000, 2, 2, 4, 4)
+    assert (z1.gathers, z1.reduces) == (1, 1)
+    deep = chunk_traffic(ScheduleConfig.depth_first(2, 2, 8), 0, 1, "optim_grads_params", 1000, 2, 2, 4, 4)
+    assert (deep.gathers, deep.reduces) == (5, 4)
+
+
+def test_node_scope_adds_one_cross_node_reduction():
+    """Node scope: per-group collectives over s ranks, plus one node-shard reduction + gather across nodes."""
+    t = chunk_traffic(ELASTIC, 0, 1, "optim_grads", 800, 4, 2, 4, 4)
+    assert t.group == 2 and t.cross_node_bytes == 0.5 * 800 * 8 / 2
+
+
+@pytest.mark.parametrize("values, vpp, message", [
+    (["optim", "optim", "optim"], 2, "one per virtual chunk"),
+    (["zero3"], 2, "unknown level"),
+    (["auto", "optim"], 2, "stands alone"),
+])
+def test_parse_errors_name_the_rule(values, vpp, message):
+    """Wrong count, unknown level and 'auto' mixed with levels are refused with the rule and an example."""
+    with pytest.raises(ShardingError, match=message) as info:
+        parse_levels(values, vpp)
+    assert "--pipemesh-sharding" in str(info.value) and "Example" in str(info.value)
+
+
+def test_parse_levels():
+    """One level applies to every chunk; levels need the distributed optimizer."""
+    assert parse_levels(["optim_grads"], 3) == ("optim_grads",) * 3
+    assert parse_levels("optim optim_grads_params", 2) == ("optim", "optim_grads_params")
+    assert parse_levels(["auto"], 2) == "auto"
+    assert parse_levels(None, 2) is None
+    with pytest.raises(ShardingError, match="--use-distributed-optimizer"):
+        parse_levels(["optim"], 2, distributed_optimizer=False)
+
+
+def _sim(levels, config=ELASTIC, dp_gbps=25.0, scope="data-parallel", intra=None):
+    from megatron_pipemesh.planning.sharding import ShardingModel
+    from megatron_pipemesh.planning.simulator import simulate
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=512)
+    cluster = ClusterSpec(dp=4, dp_gbps=dp_gbps)
+    costs = analytic_costs(model, cluster, config)
+    sharding = None if levels is None else ShardingModel(model, cluster, ShardingSpec(levels, scope, intra))
+    return simulate(config, costs, sharding=sharding), costs
+
+
+def test_simulator_all_optim_equals_plain():
+    """'optim' everywhere is Megatron's distributed optimizer: same iteration time and memory as without sharding."""
+    plain, _ = _sim(None)
+    same, _ = _sim(("optim", "optim"))
+    assert same.iteration_s == pytest.approx(plain.iteration_s)
+    assert [r.peak_memory_bytes for r in same.ranks] == pytest.approx([r.peak_memory_bytes for r in plain.ranks])
+
+
+def test_simulator_charges_gathers_and_holds_them_only_during_spans():
+    """ZeRO-3 chunk 1: resident bytes drop by its weight shards, the memory timeline rises by its whole weights
+    while a span runs, and the data-parallel channel carries one GATHER per span (more exposed time on a slow link)."""
+    plain, costs = _sim(("optim", "optim"), dp_gbps=1.0)
+    mixed, _ = _sim(("optim", "optim_grads_params"), dp_gbps=1.0)
+    gathers = [c for c in mixed.timeline.comms if c.op.kind.value == "GATHER" and c.src == 0]
+    assert len(gathers) == 3
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=512)
+    params = 2 * model.layer_params()  # chunk 1 of rank 0 = stage 2: two layers, no embedding or head
+    assert gathers[0].end - gathers[0].start == pytest.approx(0.75 * params * 2 * 8 / 1e9 + costs.latency_s)
+    z3 = bytes_per_param("optim_grads_params", 4, 4, 2, 4)
+    resident = mixed.memory[0][0][1]
+    assert plain.memory[0][0][1] - resident == pytest.approx(params * (9 - z3.resident))
+    # Between spans the timeline sits at resident + activations; the peak includes the gathered weights.
+    assert max(b for _, b in mixed.memory[0]) == pytest.approx(mixed.ranks[0].peak_memory_bytes)
+    assert mixed.ranks[0].exposed_dp_s > plain.ranks[0].exposed_dp_s
+
+
+def test_auto_shards_only_when_memory_demands_it():
+    """plan auto: with room, ZeRO-1 everywhere (no extra collectives); on a budget that ZeRO-1 cannot meet
+    even with full recomputation, a mix that shards some chunk (and it is simulated to fit)."""
+    from megatron_pipemesh.planning.planner import NoFeasiblePlan, PlannerOptions, plan_schedule
+    from megatron_pipemesh.planning.sharding import plan_with_sharding
+    model = ModelSpec(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=1024)
+    cluster = ClusterSpec(dp=4, dp_gbps=100.0)
+    costs_for = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    options = PlannerOptions()
+    roomy, _ = plan_with_sharding(2, 2, 4, costs_for, 64 * 1024 ** 3, model, cluster, options=options)
+    assert roomy.sharding.spec.levels == ("optim", "optim")
+    budget = 66 * 1024 ** 2  # ZeRO-1 everywhere needs 69.3 MiB even with full recomputation, ZeRO-3 everywhere 64.1
+    with pytest.raises(NoFeasiblePlan):
+        plan_schedule(2, 2, 4, costs_for, budget, options)
+    tight, by_levels = plan_with_sharding(2, 2, 4, costs_for, budget, model, cluster, options=options)
+    assert tight.fits and tight.sharding.spec.levels != ("optim", "optim") and by_levels[("optim", "optim")] is None
+    assert tight.to_dict()["sharding"] == list(tight.sharding.spec.levels)

@@ -1,0 +1,115 @@
+"""Mixed-sharding mechanism (runtime/sharding.py) on stand-ins of Megatron's DDP buffers, in one process
+(a one-rank gloo group): storage freed and brought back with every view intact, shards kept, gradient
+reductions accumulated into the last one. The 4-rank end-to-end check is tests/training/test_pretrain_distopt.py."""
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_pipemesh.runtime.sharding import ChunkSharding, ProgramSharding
+from megatron_pipemesh.schedule.ops import Op, OpKind
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    if dist.is_initialized():
+        yield
+        return
+    store = tempfile.mktemp()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    if os.path.exists(store):
+        os.remove(store)
+
+
+class _BucketGroup:
+    """The parts of Megatron's bucket group the mechanism uses."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.ddp_config = SimpleNamespace(overlap_param_gather=True, overlap_grad_reduce=True, average_in_collective=False)
+        self.calls = []
+        self.param_gather_handle = None
+        self.grad_reduce_finished = False
+
+    def start_param_sync(self):
+        for bucket in self.buckets:  # Megatron's all-gather of each rank's slice (one rank: a copy onto itself)
+            dist.all_gather_into_tensor(bucket.param_data, bucket.param_data.clone())
+        self.calls.append("start_param_sync")
+
+    def finish_param_sync(self, skip_next_bucket_dispatch=False):
+        self.calls.append("finish_param_sync")
+
+    def finish_grad_sync(self):
+        self.calls.append("finish_grad_sync")
+
+
+def _ddp(numel=12):
+    param_data, grad_data = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
+    buffer = SimpleNamespace(param_data=param_data, grad_data=grad_data, data_parallel_group=dist.group.WORLD)
+    bucket = SimpleNamespace(param_data=param_data, grad_data=grad_data, gradient_scaling_factor=0.5)
+    buffer.buckets = [bucket]
+    weight = param_data[:8].view(2, 4)  # a parameter: a view of the buffer, as Megatron's
+    ddp = SimpleNamespace(buffers=[buffer], expert_parallel_buffers=[], bucket_groups=[_BucketGroup([bucket])],
+                          expert_parallel_bucket_groups=[])
+    return ddp, weight
+
+
+def test_release_and_gather_keep_views_and_values():
+    """ZeRO-3: released storage is 0 bytes (the shard is held in its own tensor), GATHER brings the buffer back,
+    the parameter view sees the same values, and the shard tensor's storage is freed while the buffer has it."""
+    ddp, weight = _ddp()
+    state = ChunkSharding(1, ddp, "optim_grads_params")
+    before = weight.clone()
+    state.release_params()
+    assert ddp.buffers[0].param_data.untyped_storage().nbytes() == 0
+    assert state.held_bytes() == 3 * 12 * 4  # the shard (one rank: all of it), the gradient buffer, the accumulator
+    assert state.gather() == 12 * 4
+    state.wait_gather()
+    assert torch.equal(weight, before) and state.param_shards[0].untyped_storage().nbytes() == 0
+    assert ddp.bucket_groups[0].calls == ["start_param_sync", "finish_param_sync"]
+
+
+def test_group_reductions_join_the_last_one():
+    """ZeRO-2: a REDUCE scales and reduces the first group's gradients into the accumulator and frees the buffer;
+    the next backward gets a zeroed buffer; Megatron's finish_grad_sync of the last reduction adds the accumulator once."""
+    ddp, _ = _ddp()
+    state = ChunkSharding(0, ddp, "optim_grads")
+    grads = ddp.buffers[0].grad_data
+    grads += 2.0                       # first backward group
+    assert state.reduce() == 12 * 4
+    state.finish_reduce()
+    assert grads.untyped_storage().nbytes() == 0 and torch.equal(state.grad_accum[0], torch.full((12,), 1.0))
+    state.restore_grads()              # second backward group
+    assert torch.equal(grads, torch.zeros(12))
+    grads += 3.0
+    grads *= 0.5                       # (Megatron's own last reduction scales and reduce-scatters)
+    ddp.bucket_groups[0].finish_grad_sync()
+    ddp.bucket_groups[0].finish_grad_sync()  # a second finish (idempotent in Megatron) adds nothing more
+    assert torch.equal(grads, torch.full((12,), 2.5))
+
+
+def test_program_counts_and_waits():
+    """A program releases at its start, waits for the gather before a compute op of the chunk, counts bytes."""
+    ddp0, _ = _ddp()
+    ddp1, weight = _ddp()
+    program = ProgramSharding([ddp0, ddp1], ("optim", "optim_grads_params"),
+                              {1: ChunkSharding(1, ddp1, "optim_grads_params")})
+    program.begin(measure=True)
+    assert ddp1.buffers[0].param_data.untyped_storage().nbytes() == 0
+    assert ddp1.buffers[0].grad_data.untyped_storage().nbytes() == 0
+    assert program.resident_bytes == 2 * 12 * 4 + 12 * 4 + 12 * 4  # chunk 0 whole; chunk 1 shard + accumulator
+    program.before(Op(OpKind.PARAM_SYNC, 0))
+    program.run(Op(OpKind.GATHER, 1, 0))
+    program.before(Op(OpKind.FORWARD, 1, 0))
+    assert ddp1.bucket_groups[0].calls[-1] == "finish_param_sync" and weight[0, 1] == 1.0
+    program.before(Op(OpKind.BACKWARD, 1, 0))
+    assert ddp1.buffers[0].grad_data.untyped_storage().nbytes() == 12 * 4
+    program.run(Op(OpKind.RELEASE, 1, 0))
+    program.end()
+    assert ddp1.buffers[0].param_data.untyped_storage().nbytes() == 12 * 4
+    assert program.traffic == {("gather", 0): 48, ("gather", 1): 48}
