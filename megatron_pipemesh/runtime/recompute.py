@@ -34,6 +34,8 @@ from typing import Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from ..schedule.lower import HOST_LEVEL
+
 LEVELS = ("none", "selective", "full")
 
 
@@ -45,13 +47,17 @@ def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+PLAN_LEVELS = LEVELS + (HOST_LEVEL,)
+"""Levels of a placement plan: the recompute levels and 'host' (kept whole, offloaded: :mod:`.offload`)."""
+
+
 def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
     """Fail early on unknown levels or malformed keys (pipeline rank, chunk, micro-batch)."""
     for key, level in (plan or {}).items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
             raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
-        if level not in LEVELS:
-            raise ValueError(f"recompute plan {key}: unknown level {level!r}; use one of {', '.join(LEVELS)}")
+        if level not in PLAN_LEVELS:
+            raise ValueError(f"recompute plan {key}: unknown level {level!r}; use one of {', '.join(PLAN_LEVELS)}")
 
 
 def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:

@@ -99,23 +99,26 @@ def _timed_failure(run) -> None:
 
 # Recomputation and measured memory (tests/runtime/test_recompute.py, tests/planning/test_memory_model.py)
 RECOMPUTE_LEVELS = ("none", "selective", "full")
+PLACEMENTS = RECOMPUTE_LEVELS + ("host",)
 
 
 def recompute_plan(name: str, pp: int, vp: int, microbatches: int):
-    """Named recompute plans keyed (pipeline rank, chunk, micro-batch) -> level; None = no plan."""
+    """Named placement plans keyed (pipeline rank, chunk, micro-batch) -> level; None = no plan."""
     if name in ("plain", "measured"):
         return None
     keys = [(r, c, j) for r in range(pp) for c in range(vp) for j in range(microbatches)]
     if name == "mixed":  # every level on every rank and chunk, varying with the micro-batch
         return {(r, c, j): RECOMPUTE_LEVELS[(r + c + j) % 3] for r, c, j in keys if (r + c + j) % 3}
-    if name in RECOMPUTE_LEVELS:
+    if name == "placed":  # every placement kind (host included) on every rank and chunk
+        return {(r, c, j): PLACEMENTS[(r + c + j) % 4] for r, c, j in keys}
+    if name in PLACEMENTS:
         return {key: name for key in keys}
     raise ValueError(name)
 
 
 def recompute_runs(runs: List[str], pp: int = 2, vp: int = 2, microbatches: int = 8,
                    forward_groups=(6, 2), backward_groups=(4, 4), spec_kwargs: Optional[Dict] = None,
-                   config_overrides: Optional[Dict] = None):
+                   config_overrides: Optional[Dict] = None, failing_host_copy: bool = False):
     """PipeMesh on the same model and data for each named run: 'plain' (no recompute plan, no meter),
     'measured' (meter only), or a recompute plan name ('mixed', 'none', 'selective', 'full') with the
     meter. Returns losses, grads and the memory statistics of each run, plus the recompute switches
@@ -131,13 +134,36 @@ def recompute_runs(runs: List[str], pp: int = 2, vp: int = 2, microbatches: int 
         result = h.run_schedule(schedule, model, spec, microbatches)
         stats = schedule.last_stats
         result.update(summary=stats.summary(), peak=stats.peak_activation_bytes, saved=dict(stats.saved_bytes),
-                      outputs=dict(stats.output_bytes), source=stats.memory_source, plan=plan)
+                      outputs=dict(stats.output_bytes), source=stats.memory_source, plan=plan,
+                      peak_host=stats.peak_host_bytes, offloaded=dict(stats.offloaded_bytes))
         results[name] = result
+    if failing_host_copy:
+        results["failure"] = _failing_host_copy(model, spec, pp, vp, microbatches, forward_groups, backward_groups)
     attention = [m.checkpoint_core_attention for chunk in model for m in chunk.modules()
                  if hasattr(m, "checkpoint_core_attention")]
     results["restored"] = {"granularity": config.recompute_granularity, "method": config.recompute_method,
                            "num_layers": config.recompute_num_layers, "attention": attention}
     return results
+
+
+def _failing_host_copy(model, spec, pp, vp, microbatches, forward_groups, backward_groups) -> str:
+    """Every rank's first OFFLOAD fails (the host buffer pool raises): return the runtime's error."""
+    from megatron_pipemesh.runtime import PipeMeshRuntimeError
+    from megatron_pipemesh.runtime.offload import HostBufferPool
+
+    def broken(self, nbytes):
+        raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
+
+    original, HostBufferPool.acquire = HostBufferPool.acquire, broken
+    try:
+        schedule = make_pipemesh(forward_groups, backward_groups, recompute=recompute_plan("host", pp, vp, microbatches),
+                                 p2p_timeout_s=5.0)
+        h.run_schedule(schedule, model, spec, microbatches)
+    except PipeMeshRuntimeError as error:
+        return str(error)
+    finally:
+        HostBufferPool.acquire = original
+    return "no error"
 
 
 def single_chunk_memory(shapes: List[Dict], dtypes: List[str]):
