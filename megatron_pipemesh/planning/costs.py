@@ -34,6 +34,11 @@ from .memory import ActivationShape, activation_bytes, parse_level, transient_by
 
 GB = 1024 ** 3
 
+DEFAULT_HOST_LINK_GBPS = 200.0
+"""Device-host copy bandwidth per rank and direction (Gbit/s) when nothing is measured: PCIe 4.0 x16
+moves 31.5 GB/s raw per direction (16 GT/s x 16 lanes x 128/130); pinned-memory cudaMemcpyAsync reaches
+about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 Gbit/s."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -144,6 +149,8 @@ class ClusterSpec:
     pipeline link that leaves the node; None = no shared NIC (each link has its own bandwidth)."""
     optimizer_step: bool = True
     """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    """Device-host copy bandwidth of one device per direction (Gbit/s): offloaded activations."""
 
 
 def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
