@@ -12,9 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs
+from ..planning.costs import GB, RECOMPUTE_LEVELS, ClusterSpec, ModelSpec, analytic_costs
 from ..planning.planner import NoFeasiblePlan, plan_schedule
 from ..schedule.config import ScheduleConfig
+from ..schedule.lower import HOST_LEVEL
+
+PLAN_LEVELS = RECOMPUTE_LEVELS + (HOST_LEVEL,)
+"""Levels a plan file may give a chunk-micro-batch (recomputation, or host placement)."""
 
 DEFAULT_MARGIN = 0.10
 """Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
@@ -145,8 +149,15 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                          "re-run `pipemesh plan` with this run's sizes")
     config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
     recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
-    bad = [level for level in recompute.values() if level not in ("none", "selective", "full")]
+    bad = [level for level in recompute.values() if level not in PLAN_LEVELS]
     if bad:
-        raise ValueError(f"--pipemesh-plan {path}: unknown recompute level(s) {sorted(set(bad))}; use none, selective or full")
+        raise ValueError(f"--pipemesh-plan {path}: unknown placement level(s) {sorted(set(bad))}; use "
+                         f"{', '.join(PLAN_LEVELS)}")
+    outside = sorted(key for key in recompute if not (0 <= key[0] < pp and 0 <= key[1] < vpp and 0 <= key[2] < microbatches))
+    if outside:
+        raise ValueError(f"--pipemesh-plan {path}: entries {outside[:3]} (rank, chunk, micro-batch) are outside p, V, m = "
+                         f"{(pp, vpp, microbatches)}")
+    recomputed = sum(1 for level in recompute.values() if level in ("selective", "full"))
+    hosted = sum(1 for level in recompute.values() if level == HOST_LEVEL)
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
-                                           f"{len(recompute)} recomputed chunk-micro-batches")
+                                           f"{recomputed} recomputed and {hosted} host-placed chunk-micro-batches")
