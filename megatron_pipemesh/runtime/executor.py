@@ -533,12 +533,14 @@ class _Run:
             raise PipeMeshRuntimeError(f"{self._where(step, op)}: host placement failed: {error}") from error
 
     def _host_copy(self, step: int, op: Op, inputs, outputs) -> None:
-        """OFFLOAD: launch the copy of the forward's saved tensors to host memory (the chunk's input and
-        output stay: the executor keeps them for the backward); RELOAD: launch the copy back."""
+        """OFFLOAD: launch the copy of the forward's saved tensors to host memory (the chunk's input goes too,
+        its ``.data`` emptied until the reload; the output stays: it is the backward's root, freed after its send
+        by Megatron's deallocation); RELOAD: launch the copy back."""
         if op.kind is OpKind.OFFLOAD:
             forward = op.compute
-            keep = (inputs.get(forward), outputs.get(forward))
-            self.offloaded[(op.chunk, op.microbatch)] = self._host_step(step, op, lambda key: self.offloader.offload(key, keep))
+            keep, swap = (outputs.get(forward),), (inputs.get(forward),)
+            self.offloaded[(op.chunk, op.microbatch)] = self._host_step(
+                step, op, lambda key: self.offloader.offload(key, keep, swap))
         else:
             self._host_step(step, op, self.offloader.reload)
 

@@ -14,13 +14,16 @@ tensor from wherever it lives at that moment.
   pool. :meth:`ActivationOffloader.wait` (called just before ``B c.j``) makes the backward wait for
   the reload; an unpack of a tensor still on the host is an error (the lowering puts RELOAD first).
 
+The executor's own tensors: the chunk's **input** (the received activation, which the first layer
+saves and whose ``.grad`` ``backward_step`` reads) is offloaded with the saved tensors and its
+``.data`` swapped for an empty placeholder until the reload puts the reloaded view back (``swap``:
+the tensor object, a leaf autograd knows, stays the same; Megatron's ``deallocate_output_tensor``
+uses the same trick for sent outputs). The chunk's **output** stays (``keep``): it is the backward's
+root, freed by ``deallocate_output_tensor`` after its send as usual (on the last stage it is the loss).
+
 What is *not* offloaded (stays on the device, even when saved): parameters and registered buffers
 and anything sharing their storage; Parameter objects; tensors on another device or without a real
-storage (sparse, meta, tensor subclasses without one); and the two tensors the executor itself keeps
-until the backward: the chunk's **input** (the received activation: ``backward_step`` reads its
-``.grad``) and its **output** (the backward's root; after the send Megatron's
-``deallocate_output_tensor`` frees it as usual). So an offloaded chunk-micro-batch keeps on the
-device only its input, the (pseudo-freed) output and what its layers saved that aliases them.
+storage (sparse, meta, tensor subclasses without one); ``keep`` tensors and what aliases them.
 
 Copies and buffers:
 
@@ -111,7 +114,8 @@ class _Group:
     """One offloaded storage: its host buffer and the handles that view it."""
 
     nbytes: int
-    handles: List["weakref.ref[_Saved]"]
+    handles: List[Callable[[], Optional[_Saved]]]
+    """Weak references to autograd's handles (and strong ones to swapped tensors' records)."""
     host: Optional[torch.Tensor] = None
 
 
@@ -128,6 +132,8 @@ class _Entry:
     reload_done: object = None
     """CUDA event: the host-to-device copies finished (the backward may run)."""
     host_bytes: int = 0
+    swapped: List[Tuple[torch.Tensor, _Saved]] = field(default_factory=list)
+    """The caller's tensors whose ``.data`` is empty while offloaded, with where their view comes back."""
 
 
 class ActivationOffloader:
@@ -210,9 +216,12 @@ class ActivationOffloader:
         return None if ptr is None or ptr in self._excluded or ptr in keep else ptr
 
     # Copies --------------------------------------------------------------------------------------
-    def offload(self, key: Key, keep: Iterable[Optional[torch.Tensor]] = ()) -> int:
+    def offload(self, key: Key, keep: Iterable[Optional[torch.Tensor]] = (),
+                swap: Iterable[Optional[torch.Tensor]] = ()) -> int:
         """Launch the copy of ``key``'s saved storages to host memory and drop them from the device
-        (``keep``: tensors the caller holds anyway, e.g. the chunk's input and output). Returns bytes."""
+        (``keep``: tensors the caller holds that must stay, e.g. the chunk's output; ``swap``: tensors the
+        caller holds whose storage may go, their ``.data`` emptied until :meth:`reload`, e.g. the input).
+        Returns bytes."""
         entry = self._entry(key, "device", "OFFLOAD")
         keep_ptrs = {p for p in (_storage_ptr(t) for t in keep if isinstance(t, torch.Tensor)) if p is not None}
         groups: Dict[int, Tuple[torch.Tensor, _Group]] = {}
@@ -228,6 +237,13 @@ class ActivationOffloader:
                 groups[ptr] = (source, _Group(source.numel(), []))
             groups[ptr][1].handles.append(ref)
         entry.handles = []
+        for tensor in swap:  # the caller's own reference to a moving storage: emptied, restored at reload
+            ptr = _storage_ptr(tensor) if isinstance(tensor, torch.Tensor) else None
+            if ptr in groups and tensor.device == self.device:
+                record = _Saved(tensor.detach())
+                groups[ptr][1].handles.append(lambda record=record: record)  # a strong "reference"
+                entry.swapped.append((tensor, record))
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         stream = self._d2h
         if self.cuda:
             ready = torch.cuda.current_stream(self.device).record_event()
@@ -285,6 +301,10 @@ class ActivationOffloader:
                     handle.tensor = torch.empty(0, dtype=handle.dtype, device=self.device).set_(
                         storage, handle.offset, handle.size, handle.stride)
             moved.append((storage.data_ptr(), group.nbytes))
+        for tensor, record in entry.swapped:
+            tensor.data = record.tensor
+            record.tensor = None
+        entry.swapped = []
         entry.groups = []
         entry.state = "reloaded"
         self.host_bytes -= entry.host_bytes

@@ -97,3 +97,22 @@ def test_wrong_order_and_unknown_keys_raise():
         offloader.wait("a")
     offloader.clear()
     assert offloader.host_bytes == 0
+
+
+def test_swapped_input_leaves_with_its_storage_and_comes_back():
+    """A swapped tensor (the chunk input) is emptied while offloaded and restored as the same leaf; its grad is right."""
+    linear, x = _layer()
+    x.requires_grad_(True)
+    _forward(linear, x).backward()
+    reference = x.grad.clone()
+    x.grad = None
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin(linear.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(*offloader.hooks("a")):
+        loss = _forward(linear, x)
+    assert offloader.offload("a", swap=(x,)) == 3 * 16 * 32 * 4
+    assert x.numel() == 0  # its storage left with the saved tensors
+    offloader.reload("a")
+    assert x.shape == (16, 32)
+    loss.backward()
+    assert torch.equal(x.grad, reference)
