@@ -2,8 +2,10 @@
 
 A plan with every placement kind (none / host / selective / full on different chunk-micro-batches of
 every rank) must leave losses and every gradient equal to the run without offloading or recomputation;
-offloading must lower the measured device-resident peak and report the host bytes; a failing host copy
-ends with the runtime's error naming rank, step and op. One torchrun launch per pipeline size.
+offloading must lower the measured device-resident peak and report the host bytes; under a budget at
+70% of the unplanned peak (where recompute-only recomputes), 'auto' placement offloads instead and the
+measured device and host peaks are within 10% of the planner's prediction; a failing host copy ends with
+the runtime's error naming rank, step and op. One torchrun launch per pipeline size.
 """
 import re
 
@@ -16,8 +18,9 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def pp2():
-    return h.run_worker("tests.runtime.workers:recompute_runs", nproc=2,
-                        kwargs={"runs": ["plain", "measured", "placed", "host"], "failing_host_copy": True})
+    return h.run_worker("tests.runtime.workers:placement_runs", nproc=2,
+                        kwargs={"runs": ["plain", "measured", "placed", "host"], "budget_fraction": 0.7,
+                                "failing_host_copy": True})
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,21 @@ def test_offloading_lowers_device_peak_and_reports_host_bytes(pp2):
         assert measured["peak_host"] == 0 and measured["offloaded"] == {}
         placed = r["placed"]
         assert 0 < placed["peak_host"] < host["peak_host"]
+
+
+def test_auto_placement_under_a_tight_budget_offloads_and_meets_the_prediction(pp2):
+    """Where recompute-only must recompute (70% budget), 'auto' offloads; measured peaks within 10% of the plan's."""
+    plain = h.merge_rank_results([r["auto_placement"]["plain"] for r in pp2])
+    planned = h.merge_rank_results([r["auto_placement"]["planned"] for r in pp2])
+    assert _flat(planned["losses"]) == pytest.approx(_flat(plain["losses"]), rel=TOL, abs=0)
+    assert max(h.compare_grads(planned["grads"], plain["grads"]).values()) <= TOL
+    for r in pp2:
+        auto = r["auto_placement"]
+        assert auto["hosted"] > 0, auto["groups"]
+        assert auto["measured_peak"] <= auto["budget"]
+        assert abs(auto["measured_peak"] - auto["predicted_peak"]) <= 0.10 * auto["predicted_peak"], auto
+        if auto["predicted_host_peak"]:
+            assert abs(auto["measured_host_peak"] - auto["predicted_host_peak"]) <= 0.10 * auto["predicted_host_peak"], auto
 
 
 def test_failing_host_copy_names_rank_step_and_op(pp2):
