@@ -114,8 +114,9 @@ def test_auto_plan_measures_replans_and_keeps_the_losses(base_args, uninterrupte
     profile = work / "profile.json"
     auto = ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
             "--pipemesh-memory-budget-gb", "2", "--pipemesh-device-tflops", "0.05", "--pipemesh-profile", str(profile)]
-    out = _train(args + auto + ["--pipemesh-measure-iters", "2"])
-    assert "PipeMesh plan (auto, analytic costs" in out
+    # 'auto' activation placement: the ranks' host memory shares are rank-local, agreed on at the first call
+    out = _train(args + auto + ["--pipemesh-measure-iters", "2", "--pipemesh-activation-placement", "auto"])
+    assert "PipeMesh plan (auto, analytic costs" in out and "activation placement auto, host link 200 Gbit/s" in out
     assert "PipeMesh measured costs" in out and "PipeMesh plan (measured)" in out
     assert _log(out) == uninterrupted
     measured = json.loads(profile.read_text())
