@@ -307,7 +307,7 @@ class _RankModel:
         events = result.timeline.compute[rank]
         position = {(e.op.kind, e.op.chunk, e.op.microbatch): i for i, e in enumerate(events)}
         # key -> (forward start, offload launch, reload launch, reload's program slot, backward ready,
-        #         backward start, backward end, copy seconds)
+        #         backward start, backward end, copy seconds, backward's program position)
         self.keys: Dict[Tuple[int, int], Tuple[float, ...]] = {}
         for i, e in enumerate(events):
             if e.op.kind is not OpKind.FORWARD:
@@ -318,7 +318,7 @@ class _RankModel:
             ready = back.start - (back.comm_part if back.waited_on == "host" else 0.0)
             copy = adapter.host_copy(rank, Op(OpKind.OFFLOAD, e.op.chunk, e.op.microbatch))
             self.keys[(e.op.chunk, e.op.microbatch)] = (e.start, e.end, events[slot - 1].end, slot, ready,
-                                                        back.start, back.end, copy)
+                                                        back.start, back.end, copy, b)
         self.by_offload = sorted(self.keys, key=lambda k: (self.keys[k][1], k))  # d2h channel order
         self.by_reload = sorted(self.keys, key=lambda k: (self.keys[k][3], k))  # h2d channel order (program order)
         self.rank, self.adapter = rank, adapter
@@ -339,15 +339,21 @@ class _RankModel:
             start = max(self.keys[key][1], free)
             free = start + self.keys[key][7]
             times[key] = [start, free]
+        # A backward that waits delays everything after it on the rank: later reload launches and backwards
+        # shift by the waits before them (offloads, early in the iteration, are taken as they were).
         free = exposed = 0.0
+        delays: List[Tuple[int, float]] = []
         for key in self.by_reload:
             if key not in placed:
                 continue
-            _, _, launch, _, ready, _, _, copy = self.keys[key]
-            start = max(launch, free, times[key][1])
+            _, _, launch, slot, ready, _, _, copy, position = self.keys[key]
+            start = max(launch + sum(d for p, d in delays if p < slot), free, times[key][1])
             free = start + copy
             times[key] += [start, free]
-            exposed += max(0.0, free - ready)
+            wait = max(0.0, free - ready - sum(d for p, d in delays if p < position))
+            if wait > 0:
+                delays.append((position, wait))
+                exposed += wait
         return {k: tuple(v) for k, v in times.items()}, exposed
 
     def host_peak(self, windows) -> float:
@@ -362,7 +368,7 @@ class _RankModel:
         """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""
         deltas = []
         transient = self.adapter.costs.transient_bytes
-        for key, (f_start, _, _, _, _, b_start, b_end, _) in self.keys.items():
+        for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
             level = plan.get((self.rank,) + key, "none")
             kept = "none" if level == HOST_LEVEL else level
             size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
@@ -428,7 +434,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
         return (freed / cost if cost > 1e-12 else float("inf")), freed
 
     heap = []
-    for key, (f_start, _, _, _, _, _, b_end, _) in model.keys.items():
+    for key, (f_start, _, _, _, _, _, b_end, _, _) in model.keys.items():
         if not f_start <= peak_time < b_end:
             continue
         level = plan.get((rank,) + key, "none")
