@@ -295,17 +295,20 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     return Plan(config, plan, result, budget_bytes)
 
 
-class _HostLink:
-    """One rank's host copies estimated from a simulated timeline, without re-simulating: offloads
+class _RankModel:
+    """One rank of a simulated timeline, to try placements without re-simulating. Host copies: offloads
     launch when their forward ends, reloads when the compute op ``reload_lookahead`` before their
-    backward is reached (the end of the op before it); each direction serves its copies one at a time in
-    launch order (the engine's FIFO channels), a reload no earlier than its offload's end. A backward
-    waits for its reload: the exposed wait is what the reload ends after the backward was ready."""
+    backward is reached (the end of the op before it); each direction serves its copies one at a time
+    in launch order (the engine's FIFO channels), a reload no earlier than its offload's end; a backward
+    waits for its reload, and the exposed wait is how much later the reload ends than the backward was
+    ready. Device memory: the simulator's accounting with those copy times, compute times held fixed."""
 
     def __init__(self, result: SimulationResult, adapter: ScheduleCosts, rank: int, lookahead: int):
         events = result.timeline.compute[rank]
         position = {(e.op.kind, e.op.chunk, e.op.microbatch): i for i, e in enumerate(events)}
-        self.keys: Dict[Tuple[int, int], Tuple[float, float, int, float, float]] = {}
+        # key -> (forward start, offload launch, reload launch, reload's program slot, backward ready,
+        #         backward start, backward end, copy seconds, backward's program position)
+        self.keys: Dict[Tuple[int, int], Tuple[float, ...]] = {}
         for i, e in enumerate(events):
             if e.op.kind is not OpKind.FORWARD:
                 continue
@@ -314,104 +317,143 @@ class _HostLink:
             back = events[b]
             ready = back.start - (back.comm_part if back.waited_on == "host" else 0.0)
             copy = adapter.host_copy(rank, Op(OpKind.OFFLOAD, e.op.chunk, e.op.microbatch))
-            # (offload launch, reload launch, reload's program slot, backward ready, copy seconds)
-            self.keys[(e.op.chunk, e.op.microbatch)] = (e.end, events[slot - 1].end, slot, ready, copy)
+            self.keys[(e.op.chunk, e.op.microbatch)] = (e.start, e.end, events[slot - 1].end, slot, ready,
+                                                        back.start, back.end, copy, b)
+        self.by_offload = sorted(self.keys, key=lambda k: (self.keys[k][1], k))  # d2h channel order
+        self.by_reload = sorted(self.keys, key=lambda k: (self.keys[k][3], k))  # h2d channel order (program order)
         self.rank, self.adapter = rank, adapter
+        static = adapter.costs.static_bytes
+        self.static = static[rank] if rank < len(static) else 0.0
 
     def wait_before_backward(self, key: Tuple[int, int]) -> float:
-        """Time between the forward's end and its backward's start (in the simulated timeline)."""
-        off, _, _, ready, _ = self.keys[key]
-        return ready - off
+        """Time between the forward's end and its backward being ready."""
+        return self.keys[key][4] - self.keys[key][1]
 
-    def windows(self, placed: Iterable[Tuple[int, int]]) -> Tuple[Dict[Tuple[int, int], Tuple[float, float, float, float]], float]:
+    def windows(self, placed: set) -> Tuple[Dict[Tuple[int, int], Tuple[float, ...]], float]:
         """(per key: offload start and end, reload start and end; total exposed wait) for the host set ``placed``."""
-        keys = sorted(placed, key=lambda k: (self.keys[k][0], k))
         times: Dict[Tuple[int, int], List[float]] = {}
         free = 0.0
-        for key in keys:
-            start = max(self.keys[key][0], free)
-            free = start + self.keys[key][4]
+        for key in self.by_offload:
+            if key not in placed:
+                continue
+            start = max(self.keys[key][1], free)
+            free = start + self.keys[key][7]
             times[key] = [start, free]
+        # A backward that waits delays everything after it on the rank: later reload launches and backwards
+        # shift by the waits before them (offloads, early in the iteration, are taken as they were).
         free = exposed = 0.0
-        for key in sorted(placed, key=lambda k: (self.keys[k][2], k)):
-            _, launch, _, ready, copy = self.keys[key]
-            start = max(launch, free, times[key][1])
+        delays: List[Tuple[int, float]] = []
+        for key in self.by_reload:
+            if key not in placed:
+                continue
+            _, _, launch, slot, ready, _, _, copy, position = self.keys[key]
+            start = max(launch + sum(d for p, d in delays if p < slot), free, times[key][1])
             free = start + copy
             times[key] += [start, free]
-            exposed += max(0.0, free - ready)
+            wait = max(0.0, free - ready - sum(d for p, d in delays if p < position))
+            if wait > 0:
+                delays.append((position, wait))
+                exposed += wait
         return {k: tuple(v) for k, v in times.items()}, exposed
 
     def host_peak(self, windows) -> float:
         """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end)."""
         deltas = []
-        for (chunk, microbatch), (off_start, _, _, rel_end) in windows.items():
+        for (chunk, _), (off_start, _, _, rel_end) in windows.items():
             size = self.adapter.bytes_at(self.rank, chunk, "none")
             deltas += [(off_start, size), (rel_end, -size)]
-        held = peak = 0.0
-        for _, size in sorted(deltas, key=lambda d: (d[0], d[1])):
-            held += size
-            peak = max(peak, held)
-        return peak
+        return _peak(deltas)[1]
+
+    def device_peak(self, plan: RecomputePlan, windows) -> Tuple[float, float]:
+        """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""
+        deltas = []
+        transient = self.adapter.costs.transient_bytes
+        for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
+            level = plan.get((self.rank,) + key, "none")
+            kept = "none" if level == HOST_LEVEL else level
+            size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
+            deltas += [(f_start, size), (b_start, extra), (b_end, -size - extra)]
+            if key in windows:
+                deltas += [(windows[key][1], -size), (windows[key][2], size)]
+        time, peak = _peak(deltas)
+        return time, self.static + peak
 
 
-def _peak_time(result: SimulationResult, rank: int) -> float:
-    peak_time, peak = 0.0, -1.0
-    for t, size in result.memory[rank]:
-        if size > peak:
-            peak_time, peak = t, size
-    return peak_time
+def _peak(deltas: List[Tuple[float, float]]) -> Tuple[float, float]:
+    """(time, value) of the running sum's maximum; frees before allocations at equal times."""
+    held, peak, when = 0.0, 0.0, 0.0
+    for t, size in sorted(deltas):
+        held += size
+        if held > peak:
+            peak, when = held, t
+    return when, peak
 
 
-def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, excess: float,
+def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, budget: float,
                 allowed: Sequence[str], options: PlannerOptions) -> bool:
-    """One round of the joint knapsack on a rank over budget: among the chunk-micro-batches resident on the
-    device at its peak, take the moves (to host memory, to a recompute level) with the most bytes freed
-    per second of added time until ``excess`` is covered. Added time: the extra backward time of a
-    recompute level; for a host move the estimated exposed reload wait it adds to the rank's copies
-    (:class:`_HostLink`, contention included), minus any recomputation it replaces. A host move frees
-    the bytes at the peak only if the offload ends before it and the reload starts after it."""
+    """Moves for a rank over budget, chosen on :class:`_RankModel` (no re-simulation): at the estimated
+    peak, a knapsack step (:func:`_place_at`), then the peak is estimated again (offloads move it), until
+    the estimate fits or nothing is left to move."""
+    model = _RankModel(result, adapter, rank, options.reload_lookahead)
+    changed = False
+    for _ in range(4 * len(model.keys)):
+        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL})
+        peak_time, peak = model.device_peak(plan, windows)
+        if peak <= budget or not _place_at(model, plan, peak_time, peak - budget, allowed, options):
+            break
+        changed = True
+    return changed
+
+
+def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[str],
+              options: PlannerOptions) -> bool:
+    """One knapsack step at ``peak_time``: among the chunk-micro-batches on the device then, take the moves
+    (to host memory, to a recompute level) with the most bytes freed per second of added time until
+    ``excess`` is covered. Added time: the extra backward time of a recompute level; for a host move the
+    estimated exposed reload wait it adds to the rank's copies (contention included), minus any
+    recomputation it replaces. A host move frees bytes at the peak only if its offload ends before it
+    and its reload starts after it, and only within the host budget."""
+    rank, adapter = model.rank, model.adapter
     costs = adapter.costs
-    link = _HostLink(result, adapter, rank, options.reload_lookahead)
     host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL}
-    windows, exposed = link.windows(host)
-    peak_time = _peak_time(result, rank)
+    windows, exposed = model.windows(host)
     host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
-    events = result.timeline.compute[rank]
-    span = {}
-    for e in events:
-        first, last = span.get((e.op.chunk, e.op.microbatch), (e.start, e.end))
-        span[(e.op.chunk, e.op.microbatch)] = (min(first, e.start), max(last, e.end))
 
     def host_move(key, level):
-        """(ratio, freed, cost) of moving ``key`` (now at ``level``) to the host, or None."""
-        windows_new, exposed_new = link.windows(host | {key})
+        """(ratio, freed) of moving ``key`` (now at ``level``) to the host, or None."""
+        if model.keys[key][1] + model.keys[key][7] > peak_time:
+            return None  # even on an idle link the offload would end after the peak
+        windows_new, exposed_new = model.windows(host | {key})
         off_end, rel_start = windows_new[key][1], windows_new[key][2]
-        if not off_end <= peak_time < rel_start or link.host_peak(windows_new) > host_budget:
+        if not off_end <= peak_time < rel_start:
+            return None
+        if host_budget < float("inf") and model.host_peak(windows_new) > host_budget:
             return None
         freed = adapter.bytes_at(rank, key[0], level)
         cost = exposed_new - exposed - costs.recompute_s.get(level, 0.0)
-        return (freed / cost if cost > 1e-12 else float("inf")), freed, cost
+        return (freed / cost if cost > 1e-12 else float("inf")), freed
 
     heap = []
-    for key, (start, end) in span.items():
-        if not start <= peak_time < end:
+    for key, (f_start, _, _, _, _, _, b_end, _, _) in model.keys.items():
+        if not f_start <= peak_time < b_end:
             continue
         level = plan.get((rank,) + key, "none")
         if level == HOST_LEVEL:
-            off_end, rel_start = windows[key][1], windows[key][2]
-            if off_end <= peak_time < rel_start:
+            if windows[key][1] <= peak_time < windows[key][2]:
                 continue  # already off the device at the peak
-            kept, saved = "none", exposed - link.windows(host - {key})[1]
+            kept, saved = "none", exposed - model.windows(host - {key})[1]
         else:
             kept, saved = level, 0.0
-        wait = link.wait_before_backward(key)
-        for new in allowed:
+        wait = model.wait_before_backward(key)
+        for new in allowed if level != HOST_LEVEL else [new for new in allowed if parse_level(new)[0] != "selective"]:
             freed = adapter.bytes_at(rank, key[0], kept) - adapter.bytes_at(rank, key[0], new)
             cost = costs.recompute_s[new] - costs.recompute_s.get(kept, 0.0) - saved
             if freed > 0:
                 ratio = freed / cost if cost > 1e-12 else float("inf")
                 heapq.heappush(heap, (-ratio, -freed, -wait, key, new))
-        if level != HOST_LEVEL and options.activation_placement == "auto":
+        # Levels only go forward along none -> selective -> host -> full (a selective chunk-micro-batch may
+        # trade its recomputation for a copy, a host one only for full recomputation): the search cannot cycle.
+        if parse_level(level)[0] in ("none", "selective") and options.activation_placement == "auto":
             move = host_move(key, level)
             if move is not None:
                 heapq.heappush(heap, (-move[0], -move[1], -wait, key, HOST_LEVEL))
@@ -430,10 +472,10 @@ def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: Recomput
                 continue
             neg_freed = -move[1]
             host.add(key)
-            windows, exposed = link.windows(host)
+            windows, exposed = model.windows(host)
         elif plan.get((rank,) + key) == HOST_LEVEL:
             host.discard(key)
-            windows, exposed = link.windows(host)
+            windows, exposed = model.windows(host)
         plan[(rank,) + key] = new
         moved.add(key)
         excess += neg_freed  # neg_freed = -bytes freed
@@ -497,7 +539,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
                 changed |= _relieve_host(result, adapter, plan, r.rank, r.peak_host_bytes - host_budget, allowed)
         for r in result.ranks:
             if r.peak_memory_bytes > budget_bytes:
-                changed |= _place_rank(result, adapter, plan, r.rank, r.peak_memory_bytes - budget_bytes, allowed, options)
+                changed |= _place_rank(result, adapter, plan, r.rank, budget_bytes, allowed, options)
         if not changed:
             break
         result = run(plan)
