@@ -15,7 +15,8 @@ from typing import List, Optional, Sequence
 
 from .cli_common import UsageError, check_number, positive_int, require_matplotlib, run_command
 from .config import add_cli_arguments
-from .planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
 from .schedule.lower import lower
@@ -57,7 +58,7 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--dp", type=positive_int, default=2, help="data-parallel size")
     add_cli_arguments(cluster, ("device_tflops", "mfu"))
     cluster.add_argument("--device-memory-gb", type=float, default=d_cluster.device_memory_gb)
-    add_cli_arguments(cluster, ("dp_gbps", "p2p_gbps"))
+    add_cli_arguments(cluster, ("dp_gbps", "p2p_gbps", "host_link_gbps"))
     cluster.add_argument("--latency-us", type=float, default=d_cluster.latency_us)
     cluster.add_argument("--sequence-parallel", action="store_true")
     cluster.add_argument("--no-distributed-optimizer", action="store_true",
@@ -84,7 +85,7 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
         return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
                        dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
                        activation_bytes={"none": act, "selective": act, "full": act},
-                       static_bytes=tuple(0.0 for _ in range(config.pp)))
+                       static_bytes=tuple(0.0 for _ in range(config.pp)), host_link_gbps=_host_link_gbps(args))
     model, cluster = model_cluster_from_args(args)
     try:
         return analytic_costs(model, cluster, config)
@@ -97,7 +98,8 @@ def model_cluster_from_args(args: argparse.Namespace):
     model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                       args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
     cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
-                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer)
+                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer,
+                          host_link_gbps=_host_link_gbps(args))
     return model, cluster
 
 
@@ -132,6 +134,29 @@ def _print_splits(sharding, config: ScheduleConfig, result) -> None:
         print("  " + format_split(split) + f", peak {rank.peak_memory_bytes / GB:.3f}")
 
 
+def _host_link_gbps(args: argparse.Namespace) -> float:
+    """--host-link-gbps, or the planning default (no device here to measure it on)."""
+    return DEFAULT_HOST_LINK_GBPS if args.host_link_gbps is None else args.host_link_gbps
+
+
+def planner_options_from_args(args: argparse.Namespace) -> PlannerOptions:
+    """The planner's memory levers from --activation-placement and --host-memory-gb."""
+    host = None if args.host_memory_gb is None else args.host_memory_gb * GB
+    return PlannerOptions(activation_placement=args.activation_placement, host_budget_bytes=host)
+
+
+def placement_lines(plans: Sequence[tuple]) -> List[str]:
+    """Per named plan: chunk-micro-batches per rank on the device / on the host / recomputed selectively /
+    fully, and the host memory the offloads hold at peak per rank."""
+    lines = []
+    for name, plan in plans:
+        counts = " ".join(f"{c['device']}/{c['host']}/{c['selective']}/{c['full']}" for c in plan.placement_counts())
+        host = " ".join(f"{r.peak_host_bytes / GB:.2f}" for r in plan.result.ranks)
+        lines.append(f"{name:<14} placement per rank (device/host/selective/full) {counts}; host memory GiB per rank "
+                     f"{host}; exposed host copies {plan.result.exposed_host_s * 1e3:.2f} ms")
+    return lines
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .planning.sharding import ShardingError, parse_levels
     from .schedule.lower import LoweringOptions
@@ -162,11 +187,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _comparison(config: ScheduleConfig, costs_for, sharding=None) -> List[tuple]:
+def _comparison(config: ScheduleConfig, costs_for, fit=None, sharding=None) -> List[tuple]:
+    """(name, config, simulation) of the given schedule, depth-first and breadth-first; with ``fit``
+    (config, costs -> Plan) each is first fitted to the memory budget and the simulation is its plan's."""
     rows = [("given", config)]
     rows.append(("depth-first", ScheduleConfig.depth_first(config.pp, config.vpp, config.microbatches)))
     rows.append(("breadth-first", ScheduleConfig.breadth_first(config.pp, config.vpp, config.microbatches)))
-    return [(name, cfg, simulate(cfg, costs_for(cfg), sharding=sharding)) for name, cfg in rows]
+    if fit is None:
+        return [(name, cfg, simulate(cfg, costs_for(cfg), sharding=sharding)) for name, cfg in rows]
+    return [(name, cfg, fit(cfg, costs_for(cfg))) for name, cfg in rows]
 
 
 def _format_table(rows: Sequence[tuple]) -> str:
@@ -192,7 +221,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from .planning.sharding import ShardingModel, ShardingSpec
         levels, model, cluster = given
         sharding = ShardingModel(model, cluster, ShardingSpec(levels, args.shard_scope))
-    rows = _comparison(config, lambda cfg: costs_from_args(args, cfg), sharding)
+    plans = None
+    if args.memory_budget_gb is not None:
+        from .planning.planner import fit_with_recompute
+        budget, options = _budget_bytes(args), planner_options_from_args(args)
+        plans = _comparison(config, lambda cfg: costs_from_args(args, cfg),
+                            lambda cfg, costs: fit_with_recompute(cfg, costs, budget, options, sharding))
+        rows = [(name, cfg, plan.result) for name, cfg, plan in plans]
+    else:
+        rows = _comparison(config, lambda cfg: costs_from_args(args, cfg), sharding=sharding)
     if args.trace:
         from .planning.trace import write_trace
         write_trace(rows[0][2], args.trace)
@@ -200,11 +237,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from .planning.plot import plot_timelines
         plot_timelines([r for _, _, r in rows], args.plot, [name for name, _, _ in rows])
     if args.json:
-        print(json.dumps({name: result.to_dict() for name, _, result in rows}, indent=1))
+        out = {name: result.to_dict() for name, _, result in rows}
+        for name, _, plan in plans or ():
+            out[name]["plan"] = plan.to_dict()
+        print(json.dumps(out, indent=1))
     else:
         print(_format_table(rows))
         if sharding is not None:
             _print_splits(sharding, config, rows[0][2])
+        if plans:
+            print(f"\nfitted to {args.memory_budget_gb:g} GiB per device with --activation-placement {args.activation_placement}"
+                  f" (host link {_host_link_gbps(args):g} Gbit/s):")
+            print("\n".join(placement_lines([(name, plan) for name, _, plan in plans])))
         for path, what in ((args.trace, "trace"), (args.plot, "timeline picture")):
             if path:
                 print(f"wrote {what}: {path}")
@@ -227,20 +271,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config_from_args(argparse.Namespace(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
                                         forward_groups=None, backward_groups=None))  # p, V, m rules first
     budget = _budget_bytes(args)
+    options = planner_options_from_args(args)
     costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
     given = sharding_from_args(args, allow_auto=True)
     try:
         if given is None:
-            best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget)
+            best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget, options)
         else:
             from .planning.sharding import plan_with_sharding
             levels, model, cluster = given
             best, by_levels = plan_with_sharding(args.pp, args.vpp, args.microbatches, costs_for, budget, model, cluster,
-                                                 args.shard_scope, levels)
+                                                 args.shard_scope, levels, options)
             evaluated = [plan for plan in by_levels.values() if plan is not None]
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
-    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget, sharding=best.sharding)
+    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget, options, sharding=best.sharding)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump({"pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches, **best.to_dict()}, handle, indent=1)
@@ -263,6 +308,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{name:<14} {groups:<22} {d['predicted_iteration_time_s'] * 1e3:>9.2f} {100 * d['idle_fraction']:>7.1f} "
               f"{exposed * 1e3:>11.2f} "
               f"{recompute:>18} {'yes' if d['fits'] else 'NO':>5}  {' '.join(f'{x:.2f}' for x in d['peak_memory_gb'])}")
+    print()
+    print("\n".join(placement_lines([("pipemesh", best)] + list(baselines.items()))))
     print(f"\nuse: --pipeline-schedule pipemesh {best.config.group_flags()}"
           + (f" --pipemesh-plan {args.output}" if args.output else ""))
     print(f"recompute: {100 * best.recompute_share:.2f}% of the iteration")
@@ -286,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
     add_schedule_args(sim)
     add_cost_args(sim)
+    add_cli_arguments(sim.add_argument_group("budget (optional: fit each schedule to it, as `pipemesh plan` does)"),
+                      ("memory_budget_gb", "activation_placement", "host_memory_gb"))
     add_cli_arguments(sim.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     sim.add_argument("--json", action="store_true", help="print the numbers as JSON")
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
@@ -294,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
     add_schedule_args(plan, groups=False)
     add_cost_args(plan)
-    add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb",))
+    add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb", "activation_placement", "host_memory_gb"))
     add_cli_arguments(plan.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")

@@ -16,11 +16,13 @@ Pure: no torch, no processes.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .cli_common import positive_int
+from .planning.costs import DEFAULT_HOST_LINK_GBPS
 
 Groups = Union[None, str, Tuple[int, ...]]
 """A group list, 'auto', or None (not given)."""
@@ -36,6 +38,32 @@ def _positive_group(text: str) -> int:
     if value == "auto":
         raise argparse.ArgumentTypeError("'auto' is for training runs; `pipemesh plan` chooses groups here")
     return value
+
+
+def _positive_number(text: str) -> float:
+    """argparse type: a finite number > 0, with a message naming what was given."""
+    return _number(text, positive=True)
+
+
+def _nonnegative_number(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _number(text, positive=False)
+
+
+def _number(text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"expected a {'positive number' if positive else 'number >= 0'}, got {text!r}")
+    return value
+
+
+_NUMBER_TYPES = (float, _positive_number, _nonnegative_number)
+
+ACTIVATION_PLACEMENTS = ("recompute-only", "auto", "device")
+"""Values of ``--pipemesh-activation-placement`` (see :attr:`PipeMeshConfig.activation_placement`)."""
 
 
 def _setting(flag: str, help: str, default: Any = None, *, env: Optional[str] = None, cli: Optional[str] = None,
@@ -99,6 +127,28 @@ class PipeMeshConfig:
         "--pipemesh-p2p-gbps", "pipeline link bandwidth in Gbit/s, for the analytic costs (default 25)", 25.0,
         env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")
     """Pipeline link bandwidth (Gbit/s)."""
+    activation_placement: str = _setting(
+        "--pipemesh-activation-placement", "where the planner keeps the activations a backward needs: "
+        "'recompute-only' (default: on the device, recomputed where memory binds), 'auto' (per chunk-micro-batch "
+        "the cheapest of device, host memory (offloaded after the forward, reloaded before the backward), "
+        "selective or full recomputation), 'device' (all on the device, no offload, no recomputation: a plan "
+        "that does not fit the memory budget is an error)", "recompute-only", env="ACTIVATION_PLACEMENT",
+        cli="--activation-placement", choices=ACTIVATION_PLACEMENTS)
+    """Memory levers the planner may use: 'recompute-only' (recomputation, today's behaviour), 'auto'
+    (host offload and recomputation, chosen per chunk-micro-batch by bytes freed per ms of added time) or
+    'device' (none: every activation stays on the device; planning fails if that exceeds the budget)."""
+    host_link_gbps: Optional[float] = _setting(
+        "--pipemesh-host-link-gbps", "device-host link bandwidth per rank and direction in Gbit/s, for offloaded "
+        "activations; default in training on GPU: measured at start-up; without CUDA and in the `pipemesh` "
+        f"command: {DEFAULT_HOST_LINK_GBPS:g} (PCIe 4.0 x16, pinned memory)", env="HOST_LINK_GBPS",
+        cli="--host-link-gbps", type=_positive_number, metavar="GBPS")
+    """Device-to-host (and host-to-device) copy bandwidth of one rank (Gbit/s); None: measured on GPU,
+    :data:`~megatron_pipemesh.planning.costs.DEFAULT_HOST_LINK_GBPS` otherwise."""
+    host_memory_gb: Optional[float] = _setting(
+        "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB); "
+        "default in planning: unlimited; in training the runtime caps it by the machine's memory",
+        env="HOST_MEMORY_GB", cli="--host-memory-gb", type=_nonnegative_number, metavar="GB")
+    """Host memory budget per rank for offloaded activations (GiB); None: unlimited in planning."""
     measure_iters: int = _setting(
         "--pipemesh-measure-iters", "with 'auto': time the first N training iterations, then re-plan from the "
         "measured costs (0: analytic costs only)", 0, env="MEASURE_ITERS", type=int, metavar="N")
@@ -252,7 +302,7 @@ def bash_keys() -> str:
             kind = "choice:" + "|".join(choices)
         elif f.metadata["argparse"].get("type") is int:
             kind = "uint"
-        elif f.metadata["argparse"].get("type") is float:
+        elif f.metadata["argparse"].get("type") in _NUMBER_TYPES:
             kind = "number"
         else:
             kind = "path"

@@ -15,6 +15,15 @@ Checks (each reports pass/fail/skip with its numbers; the JSON summary goes to `
   ``planning/memory.py`` at each recompute level, within 10%.
 * ``recompute``: Megatron's recomputation switches (``runtime/recompute.py``) on the device: the
   gradients do not change and the kept bytes fall from none to selective to full.
+* ``executor_host``: the executor check again with a placement plan mixing every kind (device, host,
+  selective, full recomputation) on every rank role: host placement's OFFLOAD / RELOAD (side
+  streams, events, pinned buffer pool on GPU; synchronous copies on CPU) must leave losses and
+  gradients unchanged.
+* ``host_link`` (GPU only): pinned copy bandwidth each direction (``runtime/host_link.py``, the start-up
+  measurement of training), one chunk's activations offloaded and reloaded through the runtime's
+  offloader (gradients unchanged), and how much of a copy of those bytes hides behind a chunk's forward
+  and backward (hidden fraction, bandwidth while overlapping). Prints the ``--pipemesh-host-link-gbps``
+  value the planner should use (the slower direction while overlapping compute).
 * ``timing`` (GPU only): CUDA-event op times (``runtime/stats.py``) against synchronised wall time.
 * ``bench``: the memory-fair CPU benchmark, ``python -m megatron_pipemesh.bench --quick`` with 8
   ranks (pp4xdp2) when the machine has the cores for 8 ranks without oversubscription.
@@ -242,9 +251,20 @@ class Loopback:
         return work
 
 
+PLACEMENTS = ("none", "host", "selective", "full")
+
+
+def mixed_placement(pp: int, vpp: int, microbatches: int) -> Dict:
+    """Every placement kind on every rank and chunk, varying with the micro-batch."""
+    return {(r, c, j): PLACEMENTS[(r + c + j) % len(PLACEMENTS)]
+            for r in range(pp) for c in range(vpp) for j in range(microbatches)}
+
+
 def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_stage: int = 1, microbatches: int = 8,
-                 forward_groups=(8,), backward_groups=(4, 4), mbs: int = 2, seq: int = 32, vocab: int = 128):
-    """PipeMesh on ``pp`` thread-ranks vs the whole model; returns the check's record."""
+                 forward_groups=(8,), backward_groups=(4, 4), mbs: int = 2, seq: int = 32, vocab: int = 128,
+                 placement: Optional[Dict] = None):
+    """PipeMesh on ``pp`` thread-ranks vs the whole model (``placement``: the runtime's per (rank, chunk,
+    micro-batch) placement plan); returns the check's record."""
     import torch
 
     from megatron.core.pipeline_parallel import schedules as mcore
@@ -275,6 +295,7 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     tp_cp = mcore._build_default_pg_collection()
     results: Dict[int, object] = {}
     errors: Dict[int, str] = {}
+    offloaders: Dict[int, object] = {}
 
     class Collection:
         def __init__(self, rank):
@@ -290,12 +311,14 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
                 chunk.zero_grad()
             schedule = PipeMeshSchedule(
                 PipeMeshOptions(tuple(forward_groups), tuple(backward_groups), p2p_timeout_s=60.0,
-                                check_plan_across_ranks=False),
+                                check_plan_across_ranks=False, recompute=placement),
                 p2p_groups=lambda: {k: g for k, g in links.items() if rank in g.ranks})
             out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                            num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs,
                            pg_collection=Collection(rank))
             results[rank] = ([[float(x) for x in d["lm loss"].view(-1)] for d in out], schedule.last_stats)
+            if placement:
+                offloaders[rank] = schedule._offloader
         except BaseException as error:  # noqa: BLE001 - reported in the check's record
             errors[rank] = f"{type(error).__name__}: {error}"
 
@@ -329,6 +352,13 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     record = {"pp": pp, "vpp": vpp, "microbatches": microbatches, "forward_groups": list(forward_groups),
               "backward_groups": list(backward_groups), "backend": backend, "device": str(device),
               "waits": len(transport.waits)}
+    if placement:
+        hosted = [sum(1 for (r, _, _), level in placement.items() if r == rank and level == "host") for rank in range(pp)]
+        record.update(host_placed=hosted,
+                      offloaded_bytes=[sum(results[r][1].offloaded_bytes.values()) if r in results else 0 for r in range(pp)],
+                      peak_host_bytes=[results[r][1].peak_host_bytes if r in results else 0 for r in range(pp)],
+                      host_pool_allocations=[getattr(getattr(offloaders.get(r), "pool", None), "allocations", 0)
+                                             for r in range(pp)])
     if errors or len(results) != pp:
         return {**record, "status": "fail", "errors": errors or {"threads": "did not finish"}}
     losses = results[pp - 1][0]
@@ -344,6 +374,9 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     waits_ok = (not timed) if backend == "nccl" else len(timed) == len(transport.waits)
     stats = results[0][1].resolve()
     ok = len(losses) == microbatches and loss_diff <= TOLERANCE and grad_diff <= TOLERANCE and waits_ok
+    if placement:  # every rank moved bytes for each of its host-placed chunk-micro-batches
+        ok = ok and all(n == 0 or (moved > 0 and peak > 0) for n, moved, peak in
+                        zip(record["host_placed"], record["offloaded_bytes"], record["peak_host_bytes"]))
     return {**record, "status": "pass" if ok else "fail", "max_rel_loss_diff": loss_diff,
             "max_rel_grad_diff": grad_diff, "timed_waits": len(timed), "waits_as_backend_requires": waits_ok,
             "rank0_time_source": stats.time_source, "rank0_forward_s": stats.forward_s,
@@ -425,6 +458,80 @@ def check_recompute(device, hidden: int = 128, seq: int = 64, mbs: int = 2, voca
                for level in ("selective", "full") for n, g in grads["none"].items())
     ok = diff <= TOLERANCE and kept["none"] > kept["selective"] > kept["full"]
     return {"status": "pass" if ok else "fail", "max_rel_grad_diff": diff, "kept_bytes": kept}
+
+
+def check_host_link(device, hidden: int = 1024, heads: int = 16, seq: int = 1024, mbs: int = 2, layers: int = 2,
+                    vocab: int = 1024):
+    """A middle-stage chunk on the GPU: its activations offloaded and reloaded by the runtime's offloader
+    (gradients unchanged), the pinned host link each direction, and how much of a copy of those bytes
+    hides behind the chunk's forward and backward."""
+    if device.type != "cuda":
+        return {"status": "skip", "reason": "pinned copies on side streams need a GPU (on CPU the executor_host check "
+                                            "runs the offloader's synchronous path)"}
+    import torch
+
+    from megatron_pipemesh.runtime.host_link import measure_host_link, measure_overlap
+    from megatron_pipemesh.runtime.offload import ActivationOffloader
+
+    model = make_gpt(make_config(layers, hidden=hidden, heads=heads), device, vocab, seq, pre=False, post=False)
+    set_weights(model, 1)
+    batch = make_batches(1, mbs, seq, vocab, device)[0]
+    generator = torch.Generator(device=device).manual_seed(7)
+    received = torch.randn((seq, mbs, hidden), device=device, generator=generator)
+    grad_out = torch.randn((seq, mbs, hidden), device=device, generator=generator) * 1e-3
+
+    def forward(hooks=None):
+        x = received.clone().requires_grad_(True)
+        model.set_input_tensor(x)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        return x, out
+
+    def grads():
+        return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+    def step():
+        model.zero_grad()
+        x, out = forward()
+        out.backward(grad_out)
+
+    step()  # warm-up: kernels, workspaces
+    step()
+    reference = grads()
+    offloader = ActivationOffloader(device)
+    offloader.begin([*model.parameters(), *model.buffers()])
+    model.zero_grad()
+    x, out = forward(offloader.hooks("c"))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    moved = offloader.offload("c", keep=(x, out))
+    torch.cuda.synchronize(device)
+    # Blocks freed with record_stream return to the allocator once their copy's event is processed, which the
+    # next allocation does.
+    torch.empty(1, device=device)
+    freed = before - torch.cuda.memory_allocated(device) + 512  # the probe's own (rounded) block
+    offloader.reload("c")
+    offloader.wait("c")
+    out.backward(grad_out)
+    offloader.release("c")
+    diff = max(float((g - reference[n]).abs().max()) / max(float(reference[n].abs().max()), 1e-30)
+               for n, g in grads().items())
+    link = measure_host_link(device)
+    overlaps = {d: measure_overlap(device, step, moved, d) for d in ("d2h", "h2d")}
+    planner_gbps = min(o.overlapped_gbps for o in overlaps.values())
+    print(f"PipeMesh host link: d2h {link.d2h_gbps:.1f} Gbit/s, h2d {link.h2d_gbps:.1f} Gbit/s (pinned, "
+          f"{link.nbytes >> 20} MiB); one chunk's activations ({moved / 2**20:.1f} MiB) next to its forward+backward "
+          f"({overlaps['d2h'].compute_ms:.2f} ms): offload {100 * overlaps['d2h'].hidden_fraction:.0f}% hidden at "
+          f"{overlaps['d2h'].overlapped_gbps:.1f} Gbit/s, reload {100 * overlaps['h2d'].hidden_fraction:.0f}% hidden at "
+          f"{overlaps['h2d'].overlapped_gbps:.1f} Gbit/s; planner: --pipemesh-host-link-gbps {planner_gbps:.0f}",
+          file=sys.stderr, flush=True)
+    ok = diff <= TOLERANCE and moved > 0 and freed >= 0.9 * moved and planner_gbps > 0
+    return {"status": "pass" if ok else "fail", "max_rel_grad_diff": diff, "offloaded_bytes": moved,
+            "device_bytes_freed_by_offload": freed, "d2h_gbps": link.d2h_gbps, "h2d_gbps": link.h2d_gbps,
+            "overlap": {d: {"compute_ms": o.compute_ms, "copy_ms": o.copy_ms, "together_ms": o.together_ms,
+                            "hidden_fraction": o.hidden_fraction, "overlapped_gbps": o.overlapped_gbps}
+                        for d, o in overlaps.items()},
+            "planner_host_link_gbps": planner_gbps, "pool_allocations": offloader.pool.allocations}
 
 
 def check_timing(device, repeats: int = 20):
@@ -557,6 +664,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     backends = ("nccl",) if device.type == "cuda" else ("nccl", "gloo")  # CPU: both wait policies
     for backend in backends:
         _timed(f"executor_{backend}", checks, lambda backend=backend: run_pipeline(device, backend))
+    _timed("executor_host", checks, lambda: run_pipeline(device, backends[0], placement=mixed_placement(4, 2, 8)))
+    _timed("host_link", checks, lambda: check_host_link(device))
     _timed("meter", checks, lambda: check_meter(device))
     _timed("recompute", checks, lambda: check_recompute(device))
     _timed("timing", checks, lambda: check_timing(device))

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 FROZEN_FLAGS = (
     "--pipeline-schedule", "--forward-groups", "--backward-groups", "--pipemesh-recv-lookahead", "--pipemesh-plan",
     "--pipemesh-memory-budget-gb", "--pipemesh-device-tflops", "--pipemesh-mfu", "--pipemesh-dp-gbps",
-    "--pipemesh-p2p-gbps", "--pipemesh-measure-iters", "--pipemesh-profile", "--pipemesh-measure-memory",
+    "--pipemesh-p2p-gbps", "--pipemesh-activation-placement", "--pipemesh-host-link-gbps",
+    "--pipemesh-host-memory-gb", "--pipemesh-measure-iters", "--pipemesh-profile", "--pipemesh-measure-memory",
     "--pipemesh-print-schedule", "--pipemesh-sharding", "--pipemesh-shard-scope",
 )
 
@@ -32,7 +33,8 @@ def test_every_field_has_a_docstring_and_help():
 def test_megatron_flags_round_trip():
     """Flags produced from a config parse back into the same config."""
     config = PipeMeshConfig(pipeline_schedule="pipemesh", forward_groups=(6, 2), backward_groups=(4, 4),
-                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True,
+                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True, activation_placement="auto",
+                            host_link_gbps=100.0, host_memory_gb=0.0,
                             sharding=("optim", "optim_grads_params"), shard_scope="node")
     parser = add_megatron_arguments(argparse.ArgumentParser())
     assert PipeMeshConfig.from_args(parser.parse_args(config.megatron_flags())) == config
@@ -69,3 +71,29 @@ def test_executor_options_carry_the_settings():
     options = PipeMeshConfig(recv_lookahead=3, measure_memory=True).executor_options((4, 4), (8,), {(0, 0, 0): "full"}, 60.0)
     assert (options.recv_lookahead, options.measure_memory, options.forward_groups, options.backward_groups,
             options.p2p_timeout_s, options.recompute) == (3, True, (4, 4), (8,), 60.0, {(0, 0, 0): "full"})
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--pipemesh-activation-placement", "host"], "invalid choice: 'host'"),
+    (["--pipemesh-host-link-gbps", "0"], "expected a positive number, got '0'"),
+    (["--pipemesh-host-link-gbps", "fast"], "expected a number, got 'fast'"),
+    (["--pipemesh-host-memory-gb", "-1"], "expected a number >= 0, got '-1'"),
+    (["--pipemesh-host-memory-gb", "nan"], "expected a number >= 0, got 'nan'"),
+])
+def test_placement_flags_reject_bad_values_at_parse_time(argv, words, capsys):
+    """Bad activation-placement / host-link / host-memory values stop argument parsing with the flag named."""
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert argv[0] in err and words in err
+
+
+def test_placement_flags_defaults_and_cli():
+    """Defaults keep today's behaviour (recompute-only, link measured/defaulted, host memory unlimited)."""
+    config = PipeMeshConfig.from_args(add_megatron_arguments(argparse.ArgumentParser()).parse_args([]))
+    assert (config.activation_placement, config.host_link_gbps, config.host_memory_gb) == ("recompute-only", None, None)
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, ("activation_placement", "host_link_gbps", "host_memory_gb"))
+    args = parser.parse_args(["--activation-placement", "auto", "--host-link-gbps", "64", "--host-memory-gb", "100"])
+    assert (args.activation_placement, args.host_link_gbps, args.host_memory_gb) == ("auto", 64.0, 100.0)

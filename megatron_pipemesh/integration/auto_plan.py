@@ -3,7 +3,16 @@
 ``auto`` runs the planner at argument-validation time (every rank computes the same plan from the
 same arguments, so no communication is needed) with analytic costs from the model shape in
 Megatron's args and the cluster description in PipeMesh's flags. ``--pipemesh-plan FILE`` loads a
-plan saved by ``pipemesh plan --output FILE`` (checked against this run's p, V and m).
+plan saved by ``pipemesh plan --output FILE`` (checked against this run's p, V and m; its levels,
+host placement included, are used as they are).
+
+``--pipemesh-activation-placement`` (:class:`~..planning.planner.PlannerOptions`) chooses the memory
+levers: with ``auto`` the planner places chunk-micro-batches on the host or recomputes them, with
+``--forward-groups auto`` or, for given groups, a memory budget (:func:`place_given_groups`). Its
+inputs that differ between ranks are agreed on at the first call (:mod:`.measured`): the free device
+memory, the host-link bandwidth measured at start-up on GPU (:mod:`..runtime.host_link`; on CPU the
+planning default) and the host memory share per rank (available memory / local ranks, also the cap
+of ``--pipemesh-host-memory-gb``).
 """
 from __future__ import annotations
 
@@ -12,9 +21,14 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs
-from ..planning.planner import NoFeasiblePlan, plan_schedule
+from ..planning.costs import GB, RECOMPUTE_LEVELS, ClusterSpec, ModelSpec, analytic_costs
+from ..planning.costs import DEFAULT_HOST_LINK_GBPS
+from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
+from ..schedule.lower import HOST_LEVEL
+
+PLAN_LEVELS = RECOMPUTE_LEVELS + (HOST_LEVEL,)
+"""Levels a plan file may give a chunk-micro-batch (recomputation, or host placement)."""
 
 DEFAULT_MARGIN = 0.10
 """Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
@@ -75,7 +89,58 @@ def _on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def model_and_cluster(args, tflops: float) -> Tuple[ModelSpec, ClusterSpec]:
+def placement_mode(args) -> str:
+    return getattr(args, "pipemesh_activation_placement", None) or "recompute-only"
+
+
+def host_link_gbps(args) -> Tuple[float, str, bool]:
+    """(Gbit/s, where it came from, whether it is rank-local) of the host link the planner assumes:
+    ``--pipemesh-host-link-gbps``; else, when 'auto' placement may offload on a GPU, measured once now
+    (:func:`..runtime.host_link.startup_host_link`); else the planning default."""
+    given = getattr(args, "pipemesh_host_link_gbps", None)
+    if given:
+        return float(given), "given", False
+    if placement_mode(args) == "auto" and _on_cuda():
+        from ..runtime.host_link import startup_host_link
+        link = startup_host_link()
+        return link.planning_gbps, (f"measured d2h {link.d2h_gbps:.0f} / h2d {link.h2d_gbps:.0f} Gbit/s with "
+                                    f"{link.nbytes >> 20} MiB pinned copies"), True
+    return DEFAULT_HOST_LINK_GBPS, "default", False
+
+
+def machine_host_share_bytes() -> Optional[float]:
+    """This rank's share of the host's available memory (available / local ranks, minus the margin)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system with these names
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return available / max(local, 1) * (1 - DEFAULT_MARGIN)
+
+
+def host_budget_bytes(args) -> Tuple[Optional[float], bool]:
+    """(host memory per rank offloaded activations may fill, whether it is rank-local): the machine's
+    share, capped by ``--pipemesh-host-memory-gb`` when given."""
+    share = machine_host_share_bytes()
+    given = getattr(args, "pipemesh_host_memory_gb", None)
+    if given is None:
+        return share, share is not None
+    if share is not None and share < given * GB:
+        return share, True  # the flag asks for more than this machine has free
+    return given * GB, False
+
+
+def planner_options(args) -> Tuple[PlannerOptions, Optional[float], bool]:
+    """(the planner's placement options, the host link Gbit/s for the costs, whether some input is rank-local)."""
+    mode = placement_mode(args)
+    if mode != "auto":
+        return PlannerOptions(activation_placement=mode), None, False
+    link, _, link_local = host_link_gbps(args)
+    host_budget, budget_local = host_budget_bytes(args)
+    return PlannerOptions(activation_placement=mode, host_budget_bytes=host_budget), link, link_local or budget_local
+
+
+def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     vocab = getattr(args, "padded_vocab_size", None)
     if vocab is None and getattr(args, "vocab_size", None):
@@ -92,22 +157,34 @@ def model_and_cluster(args, tflops: float) -> Tuple[ModelSpec, ClusterSpec]:
     cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=tflops,
                           mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                          distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+                          distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                          host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS)
     return model, cluster
 
 
-def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
-    """Run the planner for this run; raises ValueError with a user-facing message."""
+def _budget_and_tflops(args, what: str) -> Tuple[float, float]:
     device_tflops, device_budget = _device_defaults(args)
     tflops = args.pipemesh_device_tflops or device_tflops
     budget = args.pipemesh_memory_budget_gb or device_budget
     if budget is None:
-        raise ValueError("--forward-groups auto needs --pipemesh-memory-budget-gb on a machine without CUDA (there is "
+        raise ValueError(f"{what} needs --pipemesh-memory-budget-gb on a machine without CUDA (there is "
                          "no device memory to read). Example: --pipemesh-memory-budget-gb 8")
     if tflops is None:
-        raise ValueError("--forward-groups auto needs --pipemesh-device-tflops: the device's peak 16-bit TFLOP/s is not "
+        raise ValueError(f"{what} needs --pipemesh-device-tflops: the device's peak 16-bit TFLOP/s is not "
                          "known here. Example: --pipemesh-device-tflops 312")
-    model, cluster = model_and_cluster(args, tflops)
+    return budget, tflops
+
+
+def _host_replan(options: PlannerOptions, link: Optional[float], rank_local: bool) -> dict:
+    """The host-placement inputs of :class:`~.measured.MeasuredReplanner`."""
+    return {"planner_options": options, "host_link_gbps": link, "agree_on_host": rank_local}
+
+
+def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
+    """Run the planner for this run; raises ValueError with a user-facing message."""
+    budget, tflops = _budget_and_tflops(args, "--forward-groups auto")
+    options, link, host_local = planner_options(args)
+    model, cluster = model_and_cluster(args, tflops, link)
     analytic = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
     profile = getattr(args, "pipemesh_profile", None)
     source, costs_for = "analytic costs", analytic
@@ -120,10 +197,10 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
         if sharding_auto:  # levels per chunk chosen jointly with the groups and recomputation
             from ..planning.sharding import plan_with_sharding
             best, by_levels = plan_with_sharding(pp, vpp, microbatches, costs_for, budget * GB, model, cluster,
-                                                 getattr(args, "pipemesh_shard_scope", "data-parallel"))
+                                                 getattr(args, "pipemesh_shard_scope", "data-parallel"), options=options)
             evaluated = [plan for plan in by_levels.values() if plan is not None]
         else:
-            best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB)
+            best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB, options)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
     measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
@@ -131,16 +208,64 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     # every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ.
     agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
-    if measure_iters or agree_on_budget:
+    if measure_iters or agree_on_budget or host_local:
         replan = {"analytic_costs_for": analytic, "costs_for": costs_for, "budget_bytes": budget * GB,
                   "agree_on_budget": agree_on_budget, "pp": pp, "vpp": vpp, "microbatches": microbatches,
                   "measure_iters": measure_iters, "profile_path": profile, "grad_bytes": model.grad_bytes,
-                  "distributed_optimizer": cluster.distributed_optimizer}
-    summary = f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB): {best.summary()}"
+                  "distributed_optimizer": cluster.distributed_optimizer, **_host_replan(options, link, host_local)}
+    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB"
+               f"{_placement_note(options, link)}): {best.summary()}")
     if sharding_auto:
         levels = best.sharding.spec.levels
         return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels)
     return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
+
+
+def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
+    if options.activation_placement != "auto":
+        return f", activation placement {options.activation_placement}" if options.activation_placement != "recompute-only" else ""
+    host = "unlimited" if options.host_budget_bytes is None else f"{options.host_budget_bytes / GB:.1f} GiB"
+    return f", activation placement auto, host link {link:g} Gbit/s, host memory {host} per rank"
+
+
+def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
+    """``--pipemesh-activation-placement auto`` with given groups: host placement and recomputation for
+    ``config`` under the memory budget (``--pipemesh-memory-budget-gb`` or the device's free memory)."""
+    what = "--pipemesh-activation-placement auto with given groups"
+    budget, tflops = _budget_and_tflops(args, what)
+    options, link, host_local = planner_options(args)
+    model, cluster = model_and_cluster(args, tflops, link)
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    plan = fit_with_recompute(config, analytic(config), budget * GB, options)
+    if not plan.fits:
+        peak = max(r.peak_memory_bytes for r in plan.result.ranks)
+        raise ValueError(f"{what}: {config.describe()} does not fit the memory budget of {budget:.2f} GiB per device "
+                         f"even with host placement and recomputation (peak {peak / GB:.2f} GiB). Use --forward-groups "
+                         "auto --backward-groups auto, a larger budget, or a smaller --micro-batch-size")
+    agree_on_budget = not args.pipemesh_memory_budget_gb
+    replan = None
+    if agree_on_budget or host_local:
+        replan = {"analytic_costs_for": analytic, "budget_bytes": budget * GB, "agree_on_budget": agree_on_budget,
+                  "pp": config.pp, "vpp": config.vpp, "microbatches": config.microbatches, "measure_iters": 0,
+                  "profile_path": None, "grad_bytes": model.grad_bytes,
+                  "distributed_optimizer": cluster.distributed_optimizer, "fixed_config": config,
+                  **_host_replan(options, link, host_local)}
+    summary = (f"PipeMesh plan (given groups, budget {budget:.2f} GiB{_placement_note(options, link)}): "
+               f"{plan.summary()}")
+    return ResolvedPlan(config, dict(plan.recompute), summary, replan)
+
+
+def _plan_level(level) -> bool:
+    """Whether the runtime applies ``level`` from a plan file: 'host' or a runtime recompute level."""
+    from ..runtime.recompute import parse_runtime_level
+
+    if level == HOST_LEVEL:
+        return True
+    try:
+        parse_runtime_level(level)
+    except ValueError:
+        return False
+    return True
 
 
 def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
@@ -157,9 +282,14 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                          "re-run `pipemesh plan` with this run's sizes")
     config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
     recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
-    bad = [level for level in recompute.values() if level not in ("none", "selective", "full")]
+    bad = [level for level in recompute.values() if not _plan_level(level)]
     if bad:
-        raise ValueError(f"--pipemesh-plan {path}: unknown recompute level(s) {sorted(set(bad))}; use none, selective or full")
+        raise ValueError(f"--pipemesh-plan {path}: unknown placement level(s) {sorted(set(bad))}; use "
+                         f"{', '.join(PLAN_LEVELS)} or 'selective:<modules joined by +>' (e.g. selective:core_attn+mlp)")
+    outside = sorted(key for key in recompute if not (0 <= key[0] < pp and 0 <= key[1] < vpp and 0 <= key[2] < microbatches))
+    if outside:
+        raise ValueError(f"--pipemesh-plan {path}: entries {outside[:3]} (rank, chunk, micro-batch) are outside p, V, m = "
+                         f"{(pp, vpp, microbatches)}")
     sharding = None
     if data.get("sharding") is not None:
         from ..planning.sharding import ShardingError, parse_levels
@@ -167,6 +297,8 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
             sharding = parse_levels(data["sharding"], vpp, allow_auto=False)
         except ShardingError as error:
             raise ValueError(f"--pipemesh-plan {path}: {error}") from error
+    recomputed = sum(1 for level in recompute.values() if level not in ("none", HOST_LEVEL))
+    hosted = sum(1 for level in recompute.values() if level == HOST_LEVEL)
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
-                                           f"{len(recompute)} recomputed chunk-micro-batches"
+                                           f"{recomputed} recomputed and {hosted} host-placed chunk-micro-batches"
                                            + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding)

@@ -147,8 +147,17 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             f"{error} (micro-batches per iteration m = --global-batch-size {args.global_batch_size} / "
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
-    return PipeMeshArgs(True, config.forward_groups if forward else None, config.backward_groups if backward else None,
-                        lookahead, timeout_s, config, flags=settings, sharding=sharding)
+    forward_groups, backward_groups = config.forward_groups if forward else None, config.backward_groups if backward else None
+    if settings.activation_placement == "auto":  # given groups: place / recompute under the budget
+        from .auto_plan import place_given_groups
+        try:
+            resolved = place_given_groups(args, config)
+        except (ValueError, ScheduleConfigError) as error:
+            raise PipeMeshArgumentError(str(error)) from error
+        return PipeMeshArgs(True, config.forward_groups, config.backward_groups, lookahead, timeout_s, config,
+                            resolved.recompute, resolved.summary, resolved.replan, flags=settings, sharding=sharding)
+    return PipeMeshArgs(True, forward_groups, backward_groups, lookahead, timeout_s, config, flags=settings,
+                        sharding=sharding)
 
 
 def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:

@@ -7,7 +7,9 @@ all-reduce benchmarks on the real groups), prints what it measured, saves it to
 with an existing ``--pipemesh-profile`` file plans from it at start-up and measures nothing.
 
 When the ``auto`` budget was read from the device (no ``--pipemesh-memory-budget-gb``), the same
-wrapper makes the ranks agree on the minimum free memory over all ranks at the first call.
+wrapper makes the ranks agree on the minimum free memory over all ranks at the first call; likewise
+for the inputs of ``--pipemesh-activation-placement auto`` that each rank found itself (the host link
+measured at start-up, the machine's host memory share): all ranks re-plan with the minimum of each.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 from typing import Dict, List, Optional
 
 from ..planning.costs import OpCosts
-from ..planning.planner import NoFeasiblePlan, plan_schedule
+from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 
 TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s", "dp_gather_s")
 
@@ -45,18 +47,26 @@ class MeasuredReplanner:
       ranks; at the first call (reached by every rank, with process groups) the ranks exchange their
       budgets and, if they differ, all re-plan for the minimum, so ranks near a threshold agree instead
       of failing the plan-digest check.
+    * ``agree_on_host``: the same for the host-link bandwidth and host memory budget of 'auto' activation
+      placement (measured or read per rank).
     * ``measure_iters`` > 0: after that many training calls, re-plan once from measured costs.
+
+    ``fixed_config``: the groups were given; re-planning only re-fits placement and recomputation to them.
     """
 
     def __init__(self, schedule, make_schedule, analytic_costs_for, budget_bytes: float, pp: int, vpp: int,
                  microbatches: int, measure_iters: int, profile_path: Optional[str], grad_bytes: int,
-                 distributed_optimizer: bool, costs_for=None, agree_on_budget: bool = False):
+                 distributed_optimizer: bool, costs_for=None, agree_on_budget: bool = False,
+                 planner_options: Optional[PlannerOptions] = None, host_link_gbps: Optional[float] = None,
+                 agree_on_host: bool = False, fixed_config=None):
         self.schedule, self.make_schedule, self.analytic_costs_for = schedule, make_schedule, analytic_costs_for
         self.costs_for = costs_for or analytic_costs_for
         self.budget_bytes, self.pp, self.vpp, self.microbatches = budget_bytes, pp, vpp, microbatches
         self.measure_iters, self.profile_path = measure_iters, profile_path
         self.grad_bytes, self.distributed_optimizer = grad_bytes, distributed_optimizer
         self.agree_on_budget = agree_on_budget
+        self.planner_options = planner_options or PlannerOptions()
+        self.host_link_gbps, self.agree_on_host, self.fixed_config = host_link_gbps, agree_on_host, fixed_config
         self.history: List = []
         self.measured: Optional[Dict[str, float]] = None
 
@@ -72,6 +82,9 @@ class MeasuredReplanner:
         if self.agree_on_budget:
             self.agree_on_budget = False
             self._agree_on_budget()
+        if self.agree_on_host:
+            self.agree_on_host = False
+            self._agree_on_host()
         result = self.schedule(**kwargs)
         if self.measure_iters and not kwargs.get("forward_only") and self.measured is None:
             self.history.append(self.schedule.last_stats)
@@ -90,7 +103,7 @@ class MeasuredReplanner:
         self.budget_bytes = low
         rank0 = dist.get_rank() == 0
         try:
-            best, _ = plan_schedule(self.pp, self.vpp, self.microbatches, self.costs_for, low)
+            best = self._plan(self.costs_for, low)
         except NoFeasiblePlan as error:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
@@ -99,6 +112,42 @@ class MeasuredReplanner:
         if rank0:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
                   f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
+
+    def _plan(self, costs_for, budget_bytes: float):
+        """The best plan for these costs (host link as agreed) and budget, with the run's placement options."""
+        link = self.host_link_gbps
+
+        def costs(cfg):
+            found = costs_for(cfg)
+            return dataclasses.replace(found, host_link_gbps=link) if link else found
+        if self.fixed_config is not None:
+            plan = fit_with_recompute(self.fixed_config, costs(self.fixed_config), budget_bytes, self.planner_options)
+            if not plan.fits:
+                raise NoFeasiblePlan(f"{self.fixed_config.describe()} does not fit {budget_bytes / 2**30:.2f} GiB even with "
+                                     "host placement and recomputation")
+            return plan
+        return plan_schedule(self.pp, self.vpp, self.microbatches, costs, budget_bytes, self.planner_options)[0]
+
+    def _agree_on_host(self) -> None:
+        """All ranks re-plan with the slowest host link and the smallest host budget when they differ."""
+        import torch.distributed as dist
+
+        mine = (self.host_link_gbps, self.planner_options.host_budget_bytes)
+        found: List = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        links = [f[0] for f in found if f[0] is not None]
+        budgets = [f[1] for f in found if f[1] is not None]
+        agreed = (min(links) if links else None, min(budgets) if budgets else None)
+        if all(tuple(f) == agreed for f in found):
+            return
+        self.host_link_gbps = agreed[0]
+        self.planner_options = dataclasses.replace(self.planner_options, host_budget_bytes=agreed[1])
+        best = self._plan(self.costs_for, self.budget_bytes)
+        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
+        if dist.get_rank() == 0:
+            host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
+            print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
+                  f"over ranks): {best.summary()}", flush=True)
 
     def _replan(self, kwargs) -> None:
         import torch.distributed as dist
@@ -128,9 +177,8 @@ class MeasuredReplanner:
                 with open(self.profile_path, "w", encoding="utf-8") as handle:
                     json.dump(self.measured, handle, indent=1)
         try:
-            best, _ = plan_schedule(self.pp, self.vpp, self.microbatches,
-                                    lambda cfg: with_measured_times(self.analytic_costs_for(cfg), self.measured),
-                                    self.budget_bytes)  # the minimum over ranks once agreed
+            best = self._plan(lambda cfg: with_measured_times(self.analytic_costs_for(cfg), self.measured),
+                              self.budget_bytes)  # the minimum over ranks once agreed
         except NoFeasiblePlan as error:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)

@@ -19,27 +19,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.costs import analytic_costs
+from ..planning.costs import ScheduleCosts, analytic_costs
 from ..planning.planner import baseline_plans
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import LoweringOptions, lower
+from ..schedule.lower import HOST_LEVEL, LoweringOptions, host_placement_of, lower
 
 MiB = 1024.0 ** 2
 PICTURE_RANKS = 4
 """Pipeline ranks drawn by --pipemesh-print-schedule (the picture of 64 ranks helps nobody)."""
 
 
-def training_lowering(args, recv_lookahead: int, sharding=()) -> LoweringOptions:
-    """The lowering the runtime uses for training iterations with these Megatron args (its digest is the
-    one the runtime checks across ranks): Megatron sets ``grad_sync_func`` only with
+def training_lowering(args, recv_lookahead: int, recompute: Optional[Dict] = None, sharding=()) -> LoweringOptions:
+    """The lowering the runtime uses for training iterations with these Megatron args, placement plan and
+    sharding levels (its digest is the one the runtime checks across ranks): Megatron sets ``grad_sync_func`` only with
     ``--overlap-grad-reduce`` and ``align_grad_reduce``, ``param_sync_func`` only with
-    ``--overlap-param-gather`` and ``--align-param-gather`` (megatron/training/training.py, train())."""
+    ``--overlap-param-gather`` and ``--align-param-gather`` (megatron/training/training.py, train());
+    the plan's 'host' entries add OFFLOAD / RELOAD ops."""
     return LoweringOptions(
         recv_lookahead=recv_lookahead,
         param_sync=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False)),
         grad_sync=bool(getattr(args, "overlap_grad_reduce", False) and getattr(args, "align_grad_reduce", True)),
-        forward_only=False, sharding=tuple(sharding or ()))
+        forward_only=False, host_placement=host_placement_of(recompute), sharding=tuple(sharding or ()))
 
 
 def _cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
@@ -64,6 +65,8 @@ class Prediction:
     breadth_first_s: float
     source: str
     """Where the costs came from (shown in brackets after the prediction)."""
+    host_bytes: List[float] = field(default_factory=list)
+    """Per rank: activation bytes of its chunk-micro-batches placed on the host (one iteration, summed)."""
 
 
 def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> Optional[Prediction]:
@@ -84,10 +87,15 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
         model, cluster = model_and_cluster(args, tflops)
     costs = analytic_costs(model, cluster, config)
     result = simulate(config, costs, recompute or {})
+    placed = ScheduleCosts(config, costs, recompute or {})
+    host_bytes = [0.0] * config.pp
+    for rank, chunk, _ in host_placement_of(recompute):
+        host_bytes[rank] += placed.bytes_at(rank, chunk, "none")
     baselines = baseline_plans(config.pp, config.vpp, config.microbatches, lambda cfg: analytic_costs(model, cluster, cfg),
                                float("inf"))  # stock orders as they are, without recomputation
     return Prediction(result.iteration_s, [r.peak_activation_bytes for r in result.ranks],
-                      baselines["depth-first"].result.iteration_s, baselines["breadth-first"].result.iteration_s, source)
+                      baselines["depth-first"].result.iteration_s, baselines["breadth-first"].result.iteration_s, source,
+                      host_bytes)
 
 
 def sharding_summary(args, config: ScheduleConfig, levels) -> str:
@@ -112,7 +120,7 @@ def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
     total = config.pp * config.vpp * config.microbatches
     counts: Dict[str, int] = {}
     for level in (recompute or {}).values():
-        if level != "none":
+        if level not in ("none", HOST_LEVEL):  # host placement has its own part of the line
             counts[level] = counts.get(level, 0) + 1
     if not counts:
         return "recompute none"
@@ -120,11 +128,26 @@ def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
         f" of {total} chunk-micro-batches"
 
 
+def host_summary(recompute: Optional[Dict], config: ScheduleConfig, host_bytes: Optional[Sequence[float]] = None) -> str:
+    """``host N (X MiB) ...`` per pipeline rank: chunk-micro-batches whose activations wait in host memory
+    (and their bytes per iteration, when the model shape is known); empty without host placement."""
+    counts = [0] * config.pp
+    for rank, _, _ in host_placement_of(recompute):
+        counts[rank] += 1
+    if not any(counts):
+        return ""
+    if host_bytes:
+        per_rank = " ".join(f"{n} ({b / MiB:.1f} MiB)" for n, b in zip(counts, host_bytes))
+    else:
+        per_rank = " ".join(str(n) for n in counts)
+    return f"host {per_rank} per rank"
+
+
 def plan_line(args, settings) -> str:
     """The one-line ``PipeMesh plan:`` summary of validated settings (:class:`~.flags.PipeMeshArgs`)."""
     config: ScheduleConfig = settings.config
     sharding = getattr(settings, "sharding", None)
-    digest = lower(config, training_lowering(args, settings.recv_lookahead, sharding)).digest()
+    digest = lower(config, training_lowering(args, settings.recv_lookahead, settings.recompute, sharding)).digest()
     flags = settings.flags
     origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
               else "given groups" if flags.forward_groups else "Megatron's group size")
@@ -137,6 +160,9 @@ def plan_line(args, settings) -> str:
     except Exception as error:  # a report must not stop training; say why there is no prediction
         prediction = None
         parts.append(f"no prediction ({type(error).__name__}: {error})")
+    host = host_summary(settings.recompute, config, prediction.host_bytes if prediction is not None else None)
+    if host:
+        parts.insert(4, host)
     if prediction is not None:
         peaks = " ".join(f"{b / MiB:.2f}" for b in prediction.peak_activation_bytes)
         parts.append(f"predicted peak activation MiB per rank {peaks}")
@@ -178,6 +204,7 @@ class _Totals:
     total_s: float = 0.0
     peak_activation_bytes: int = 0
     memory_source: str = ""
+    peak_host_bytes: int = 0
 
 
 @dataclass
@@ -198,6 +225,7 @@ class IntervalReport:
         t.pipeline_wait_s += stats.recv_wait_s + stats.send_drain_s
         t.dp_wait_s += stats.dp_sync_s
         t.total_s += stats.total_s
+        t.peak_host_bytes = max(t.peak_host_bytes, getattr(stats, "peak_host_bytes", 0))
         if stats.memory_source:
             t.peak_activation_bytes = max(t.peak_activation_bytes, stats.peak_activation_bytes)
             t.memory_source = stats.memory_source
@@ -209,7 +237,8 @@ class IntervalReport:
         return {"pipeline_wait_ms": 1e3 * t.pipeline_wait_s / n if waits else None,
                 "dp_wait_ms": 1e3 * t.dp_wait_s / n if waits else None,
                 "forward_backward_ms": 1e3 * t.total_s / n, "peak_activation_mib": t.peak_activation_bytes / MiB,
-                "memory_source": t.memory_source, "iterations": t.iterations}
+                "memory_source": t.memory_source, "iterations": t.iterations,
+                "peak_host_mib": t.peak_host_bytes / MiB}
 
 
 def format_interval(iteration: int, figures: Sequence[Dict]) -> Optional[str]:
@@ -226,6 +255,8 @@ def format_interval(iteration: int, figures: Sequence[Dict]) -> Optional[str]:
     line = f"PipeMesh [iteration {iteration}] per rank: " + " | ".join(parts)
     if all(f["memory_source"] for f in figures):
         line += f" | peak activation MiB {column('peak_activation_mib', '{:.2f}')} ({figures[0]['memory_source']})"
+    if any(f.get("peak_host_mib") for f in figures):  # activations placed in host memory (device peak excludes them)
+        line += f" | peak host MiB {' '.join('{:.2f}'.format(f.get('peak_host_mib', 0.0)) for f in figures)}"
     return line
 
 
@@ -248,9 +279,10 @@ def parse_interval_line(line: str) -> Optional[Dict[str, object]]:
 def write_scalars(iteration: int, figures: Sequence[Dict], tensorboard=None, wandb=None) -> None:
     """Per-rank figures to Megatron's TensorBoard / W&B writers (those that are on)."""
     scalars = {}
+    hosted = any(f.get("peak_host_mib") for f in figures)  # host placement on some rank
     for rank, f in enumerate(figures):
-        for key in ("pipeline_wait_ms", "dp_wait_ms", "forward_backward_ms", "peak_activation_mib"):
-            if f[key] is None or (key == "peak_activation_mib" and not f["memory_source"]):
+        for key in ("pipeline_wait_ms", "dp_wait_ms", "forward_backward_ms", "peak_activation_mib", "peak_host_mib"):
+            if f.get(key) is None or (key == "peak_host_mib" and not hosted) or (key == "peak_activation_mib" and not f["memory_source"]):
                 continue
             scalars[f"pipemesh/{key}/rank{rank}"] = f[key]
     if tensorboard is not None:

@@ -29,10 +29,16 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.lower import HOST_LEVEL
 from ..schedule.ops import Op, OpKind
 from .memory import ActivationShape, activation_bytes, parse_level, transient_bytes
 
 GB = 1024 ** 3
+
+DEFAULT_HOST_LINK_GBPS = 200.0
+"""Device-host copy bandwidth per rank and direction (Gbit/s) when nothing is measured: PCIe 4.0 x16
+moves 31.5 GB/s raw per direction (16 GT/s x 16 lanes x 128/130); pinned-memory cudaMemcpyAsync reaches
+about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 Gbit/s."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,8 @@ class ClusterSpec:
     pipeline link that leaves the node; None = no shared NIC (each link has its own bandwidth)."""
     optimizer_step: bool = True
     """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    """Device-host copy bandwidth of one device per direction (Gbit/s): offloaded activations."""
 
 
 def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
@@ -218,6 +226,9 @@ class OpCosts:
     """Extra data-parallel time of the last stage's chunk: the output layer parameters."""
     optimizer_s: Tuple[float, ...] = ()
     """Optimizer step per pipeline rank, after its last gradient reduction."""
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    """Device-host copy bandwidth of one rank per direction (Gbit/s): an OFFLOAD / RELOAD moves the
+    chunk-micro-batch's 'none' activation bytes (first/last-stage extras included) in bytes*8/rate."""
 
     @property
     def dp_total_s(self) -> float:
@@ -303,7 +314,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         recompute_s={level: recompute_time(level) for level in levels},
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=tuple(static),
+        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps,
     )
 
 
@@ -316,10 +327,31 @@ class ScheduleCosts:
     def level(self, rank: int, op: Op) -> str:
         return self.recompute.get((rank, op.chunk, op.microbatch), "none")
 
+    def kept_level(self, rank: int, op: Op) -> str:
+        """The recompute level whose bytes and backward time apply: 'host' keeps activations whole ('none')."""
+        level = self.level(rank, op)
+        return "none" if level == HOST_LEVEL else level
+
+    def recompute_time(self, rank: int, op: Op) -> float:
+        """Extra backward time of the chunk-micro-batch of ``op`` for its recomputation."""
+        return self.costs.recompute_s[self.kept_level(rank, op)]
+
+    def host_copy(self, rank: int, op: Op) -> float:
+        """Seconds one direction of the rank's host link is busy with an OFFLOAD / RELOAD of ``op``'s
+        chunk-micro-batch (its whole activations). Not modelled: PCIe shared with NCCL traffic (GPUs
+        without GPUDirect RDMA stage network transfers through host memory) or between the GPUs behind one
+        PCIe switch, and host-memory bandwidth; each rank's link is its own and full-duplex."""
+        return self.bytes_at(rank, op.chunk, "none") * 8 / (self.costs.host_link_gbps * 1e9)
+
     def activation(self, rank: int, op: Op) -> float:
         """Bytes the chunk-micro-batch of ``op`` keeps alive on ``rank`` until its backward."""
-        level, c = self.level(rank, op), self.costs
-        stage = self.config.stage(rank, op.chunk)
+        return self.bytes_at(rank, op.chunk, self.kept_level(rank, op))
+
+    def bytes_at(self, rank: int, chunk: int, level: str) -> float:
+        """Activation bytes of one micro-batch of ``chunk`` on ``rank`` at recompute ``level`` (with the
+        first/last-stage extras)."""
+        c = self.costs
+        stage = self.config.stage(rank, chunk)
         size = c.activation_bytes[level]
         if stage == 0:
             size += c.first_stage_activation_bytes.get(level, 0.0)
@@ -333,7 +365,7 @@ class ScheduleCosts:
         extra = (c.first_stage_extra_s if stage == 0 else 0.0) + (c.last_stage_extra_s if stage == self.config.num_stages - 1 else 0.0)
         if op.kind is OpKind.FORWARD:
             return c.forward_s + extra
-        return c.backward_s + 2 * extra + c.recompute_s[self.level(rank, op)]
+        return c.backward_s + 2 * extra + self.recompute_time(rank, op)
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
         return self.costs.p2p_s, self.costs.latency_s

@@ -73,6 +73,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
+from ..schedule.lower import HOST_LEVEL
+
 LEVELS = ("none", "selective", "full")
 """The per-chunk-micro-batch levels PipeMesh's runtime applies (``runtime/recompute.py``)."""
 
@@ -97,11 +99,12 @@ def selective_level(modules: Iterable[str]) -> str:
 def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:
     """(kind, selective modules, k) of a level name.
 
-    Kinds: 'none'; 'selective' (modules); 'full' (every layer checkpointed on its own, PipeMesh's
+    Kinds: 'none'; 'host' (kept whole like 'none', but in host memory between the offload after the
+    forward and the reload before the backward: the same bytes, no recomputation); 'selective' (modules); 'full' (every layer checkpointed on its own, PipeMesh's
     runtime and Megatron's ``--recompute-method uniform --recompute-num-layers 1``); 'uniform' and
     'block' with k layers (Megatron's ``--recompute-method uniform|block --recompute-num-layers k``).
     """
-    if level in ("none", "full"):
+    if level in ("none", "full", HOST_LEVEL):
         return level, frozenset(), 1 if level == "full" else 0
     if level == "selective":
         return "selective", frozenset({"core_attn"}), 0
@@ -112,7 +115,7 @@ def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:
             return kind, modules, 0
     if kind in ("uniform", "block") and arg.isdigit() and int(arg) >= 1:
         return kind, frozenset(), int(arg)
-    raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}, "
+    raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}, {HOST_LEVEL!r}, "
                      "'selective:<modules joined by +>' (modules from core_attn, layernorm, mlp), "
                      "'uniform:<k>' or 'block:<k>'")
 
@@ -238,7 +241,7 @@ def transient_bytes(shape: ActivationShape, layers: int, level: str) -> float:
     activations of the largest unit recomputed at once (k layers for 'uniform:k', one layer for
     'full' and 'block:k', the recomputed modules of one layer for selective levels)."""
     kind, modules, k = parse_level(level)
-    if kind == "none" or not layers:
+    if kind in ("none", HOST_LEVEL) or not layers:
         return 0.0
     if kind == "selective":
         return sum(size for name, size in _layer_terms(shape).items() if name in modules)

@@ -12,20 +12,31 @@ Search (each candidate is simulated with the same engine the runtime's plan is c
   recomputation (per chunk-micro-batch and level: selective module sets, full), those that wait
   longest between their forward and backward first among equals (early micro-batches on early
   ranks), until the rank fits; the extra backward time is part of the simulated time;
+* with ``activation_placement='auto'`` the chunk-micro-batches may also go to host memory
+  (:func:`fit_with_placement`): offloaded after their forward, reloaded before their backward, where
+  the host link carries the bytes within the compute in between; host moves and recomputation
+  compete by the same rule, bytes freed per second of added time;
 * the fastest candidate that fits on every rank wins (ties: less memory, less recompute).
 
 Pure: no torch, no processes.
 """
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
-from .costs import GB, RECOMPUTE_LEVELS, OpCosts
-from ..schedule.lower import lower
-from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
+from .costs import GB, RECOMPUTE_LEVELS, OpCosts, ScheduleCosts
+from ..schedule.lower import HOST_LEVEL, lower
+from ..schedule.ops import Op
+from .memory import parse_level
+from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
+
+PLACEMENT_MODES = ("recompute-only", "auto", "device")
+"""``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
 
 
 class NoFeasiblePlan(ValueError):
@@ -38,14 +49,33 @@ class Plan:
 
     config: ScheduleConfig
     recompute: RecomputePlan
+    """The placement plan: (rank, chunk, micro-batch) -> 'host' or a recompute level; missing = 'none'."""
     result: SimulationResult
     budget_bytes: float
     sharding: object = None
     """The :class:`.sharding.ShardingModel` the plan was simulated with (None: no mixed sharding)."""
+    host_budget_bytes: Optional[float] = None
+    """Host memory per rank offloaded activations may hold; None = unlimited."""
+    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
+    """Compute ops between a RELOAD and its backward in the lowered program the plan was simulated with."""
 
     @property
     def fits(self) -> bool:
-        return all(r.peak_memory_bytes <= self.budget_bytes for r in self.result.ranks)
+        host = float("inf") if self.host_budget_bytes is None else self.host_budget_bytes
+        return all(r.peak_memory_bytes <= self.budget_bytes and r.peak_host_bytes <= host for r in self.result.ranks)
+
+    def placement_counts(self) -> List[Dict[str, int]]:
+        """Per rank: chunk-micro-batches kept on the device whole, on the host, recomputed selectively or fully."""
+        counts = [{"device": 0, "host": 0, "selective": 0, "full": 0} for _ in range(self.config.pp)]
+        for rank in range(self.config.pp):
+            counts[rank]["device"] = self.config.vpp * self.config.microbatches
+        for (rank, _, _), level in self.recompute.items():
+            kind = parse_level(level)[0]
+            if kind == "none":
+                continue
+            counts[rank]["device"] -= 1
+            counts[rank][kind if kind in ("host", "selective") else "full"] += 1
+        return counts
 
     @property
     def recompute_share(self) -> float:
@@ -56,13 +86,19 @@ class Plan:
     def summary(self) -> str:
         """One line: the group flags, predicted iteration time, peak memory per rank, recompute share."""
         peaks = " ".join(f"{r.peak_memory_bytes / GB:.2f}" for r in self.result.ranks)
-        return (f"{self.config.group_flags()}; predicted iteration {self.result.iteration_s * 1e3:.1f} ms, peak memory "
+        line = (f"{self.config.group_flags()}; predicted iteration {self.result.iteration_s * 1e3:.1f} ms, peak memory "
                 f"GiB per rank {peaks}, recompute {100 * self.recompute_share:.2f}% of the time")
+        if any(r.host_placed for r in self.result.ranks):
+            placed = " ".join(str(r.host_placed) for r in self.result.ranks)
+            host = " ".join(f"{r.peak_host_bytes / GB:.2f}" for r in self.result.ranks)
+            line += (f", host placement per rank {placed} chunk-micro-batches holding {host} GiB at peak, "
+                     f"exposed host copies {self.result.exposed_host_s * 1e3:.1f} ms")
+        return line
 
     def to_dict(self) -> dict:
         counts = {level: 0 for level in RECOMPUTE_LEVELS if level != "none"}
         for level in self.recompute.values():
-            if level != "none":
+            if level not in ("none", HOST_LEVEL):
                 counts[level] = counts.get(level, 0) + 1
         return {
             "forward_groups": list(self.config.forward_groups),
@@ -79,6 +115,11 @@ class Plan:
                           for (r, c, j), level in sorted(self.recompute.items()) if level != "none"],
             **({"sharding": list(self.sharding.spec.levels), "shard_scope": self.sharding.spec.scope}
                if self.sharding is not None else {}),
+            "placement_counts": self.placement_counts(),
+            "peak_host_gb": [r.peak_host_bytes / GB for r in self.result.ranks],
+            "host_memory_budget_gb": None if self.host_budget_bytes is None else self.host_budget_bytes / GB,
+            "exposed_host_s": [r.exposed_host_s for r in self.result.ranks],
+            "reload_lookahead": self.reload_lookahead,
         }
 
 
@@ -97,6 +138,21 @@ class PlannerOptions:
     """Re-simulations per candidate while adding recomputation."""
     exhaustive_limit: int = 400
     """Search every pair of group lists when there are at most this many pairs."""
+    activation_placement: str = "recompute-only"
+    """'recompute-only' (recomputation is the only memory lever), 'auto' (host offload and recomputation
+    per chunk-micro-batch, :func:`fit_with_placement`) or 'device' (no lever: a plan over budget does not fit)."""
+    host_budget_bytes: Optional[float] = None
+    """Host memory per rank offloaded activations may hold (None = unlimited)."""
+    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
+    """Compute ops between a RELOAD's launch and its backward."""
+
+    def __post_init__(self) -> None:
+        if self.activation_placement not in PLACEMENT_MODES:
+            raise ValueError(f"activation placement {self.activation_placement!r}: use one of {', '.join(PLACEMENT_MODES)}")
+        if self.reload_lookahead < 1:
+            raise ValueError(f"reload_lookahead must be >= 1, got {self.reload_lookahead}")
+        if self.host_budget_bytes is not None and not self.host_budget_bytes >= 0:
+            raise ValueError(f"host memory budget must be >= 0 bytes, got {self.host_budget_bytes}")
 
 
 def _sizes(pp: int, microbatches: int, given: Optional[Iterable[int]]) -> List[int]:
@@ -210,6 +266,8 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     longest-waiting chunk-micro-batch first among equals, one upgrade per chunk-micro-batch per
     round, until the excess is covered; then re-simulate (the peak may move) and repeat.
     """
+    if options.activation_placement != "recompute-only":
+        return fit_with_placement(config, costs, budget_bytes, options, sharding)
     plan: RecomputePlan = {}
     allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
     options_ = lowering_for(costs)
@@ -239,7 +297,268 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
         if not changed:
             break
         result = simulate(config, costs, plan, schedule, sharding)
-    return Plan(config, plan, result, budget_bytes, sharding)
+    return Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead)
+
+
+class _RankModel:
+    """One rank of a simulated timeline, to try placements without re-simulating. Host copies: offloads
+    launch when their forward ends, reloads when the compute op ``reload_lookahead`` before their
+    backward is reached (the end of the op before it); each direction serves its copies one at a time
+    in launch order (the engine's FIFO channels), a reload no earlier than its offload's end; a backward
+    waits for its reload, and the exposed wait is how much later the reload ends than the backward was
+    ready. Device memory: the simulator's accounting with those copy times, compute times held fixed."""
+
+    def __init__(self, result: SimulationResult, adapter: ScheduleCosts, rank: int, lookahead: int):
+        events = result.timeline.compute[rank]
+        position = {(e.op.kind, e.op.chunk, e.op.microbatch): i for i, e in enumerate(events)}
+        # key -> (forward start, offload launch, reload launch, reload's program slot, backward ready,
+        #         backward start, backward end, copy seconds, backward's program position)
+        self.keys: Dict[Tuple[int, int], Tuple[float, ...]] = {}
+        for i, e in enumerate(events):
+            if e.op.kind is not OpKind.FORWARD:
+                continue
+            b = position[(OpKind.BACKWARD, e.op.chunk, e.op.microbatch)]
+            slot = max(b - lookahead, i + 1)
+            back = events[b]
+            ready = back.start - (back.comm_part if back.waited_on == "host" else 0.0)
+            copy = adapter.host_copy(rank, Op(OpKind.OFFLOAD, e.op.chunk, e.op.microbatch))
+            self.keys[(e.op.chunk, e.op.microbatch)] = (e.start, e.end, events[slot - 1].end, slot, ready,
+                                                        back.start, back.end, copy, b)
+        self.by_offload = sorted(self.keys, key=lambda k: (self.keys[k][1], k))  # d2h channel order
+        self.by_reload = sorted(self.keys, key=lambda k: (self.keys[k][3], k))  # h2d channel order (program order)
+        self.rank, self.adapter = rank, adapter
+        static = adapter.costs.static_bytes
+        self.static = static[rank] if rank < len(static) else 0.0
+
+    def wait_before_backward(self, key: Tuple[int, int]) -> float:
+        """Time between the forward's end and its backward being ready."""
+        return self.keys[key][4] - self.keys[key][1]
+
+    def windows(self, placed: set) -> Tuple[Dict[Tuple[int, int], Tuple[float, ...]], float]:
+        """(per key: offload start and end, reload start and end; total exposed wait) for the host set ``placed``."""
+        times: Dict[Tuple[int, int], List[float]] = {}
+        free = 0.0
+        for key in self.by_offload:
+            if key not in placed:
+                continue
+            start = max(self.keys[key][1], free)
+            free = start + self.keys[key][7]
+            times[key] = [start, free]
+        # A backward that waits delays everything after it on the rank: later reload launches and backwards
+        # shift by the waits before them (offloads, early in the iteration, are taken as they were).
+        free = exposed = 0.0
+        delays: List[Tuple[int, float]] = []
+        for key in self.by_reload:
+            if key not in placed:
+                continue
+            _, _, launch, slot, ready, _, _, copy, position = self.keys[key]
+            start = max(launch + sum(d for p, d in delays if p < slot), free, times[key][1])
+            free = start + copy
+            times[key] += [start, free]
+            wait = max(0.0, free - ready - sum(d for p, d in delays if p < position))
+            if wait > 0:
+                delays.append((position, wait))
+                exposed += wait
+        return {k: tuple(v) for k, v in times.items()}, exposed
+
+    def host_peak(self, windows) -> float:
+        """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end)."""
+        deltas = []
+        for (chunk, _), (off_start, _, _, rel_end) in windows.items():
+            size = self.adapter.bytes_at(self.rank, chunk, "none")
+            deltas += [(off_start, size), (rel_end, -size)]
+        return _peak(deltas)[1]
+
+    def device_peak(self, plan: RecomputePlan, windows) -> Tuple[float, float]:
+        """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""
+        deltas = []
+        transient = self.adapter.costs.transient_bytes
+        for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
+            level = plan.get((self.rank,) + key, "none")
+            kept = "none" if level == HOST_LEVEL else level
+            size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
+            deltas += [(f_start, size), (b_start, extra), (b_end, -size - extra)]
+            if key in windows:
+                deltas += [(windows[key][1], -size), (windows[key][2], size)]
+        time, peak = _peak(deltas)
+        return time, self.static + peak
+
+
+def _peak(deltas: List[Tuple[float, float]]) -> Tuple[float, float]:
+    """(time, value) of the running sum's maximum; frees before allocations at equal times."""
+    held, peak, when = 0.0, 0.0, 0.0
+    for t, size in sorted(deltas):
+        held += size
+        if held > peak:
+            peak, when = held, t
+    return when, peak
+
+
+def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, budget: float,
+                allowed: Sequence[str], options: PlannerOptions) -> bool:
+    """Moves for a rank over budget, chosen on :class:`_RankModel` (no re-simulation): at the estimated
+    peak, a knapsack step (:func:`_place_at`), then the peak is estimated again (offloads move it), until
+    the estimate fits or nothing is left to move."""
+    model = _RankModel(result, adapter, rank, options.reload_lookahead)
+    changed = False
+    for _ in range(4 * len(model.keys)):
+        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL})
+        peak_time, peak = model.device_peak(plan, windows)
+        if peak <= budget or not _place_at(model, plan, peak_time, peak - budget, allowed, options):
+            break
+        changed = True
+    return changed
+
+
+def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[str],
+              options: PlannerOptions) -> bool:
+    """One knapsack step at ``peak_time``: among the chunk-micro-batches on the device then, take the moves
+    (to host memory, to a recompute level) with the most bytes freed per second of added time until
+    ``excess`` is covered. Added time: the extra backward time of a recompute level; for a host move the
+    estimated exposed reload wait it adds to the rank's copies (contention included), minus any
+    recomputation it replaces. A host move frees bytes at the peak only if its offload ends before it
+    and its reload starts after it, and only within the host budget."""
+    rank, adapter = model.rank, model.adapter
+    costs = adapter.costs
+    host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL}
+    windows, exposed = model.windows(host)
+    host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
+
+    def host_move(key, level):
+        """(ratio, freed) of moving ``key`` (now at ``level``) to the host, or None."""
+        if model.keys[key][1] + model.keys[key][7] > peak_time:
+            return None  # even on an idle link the offload would end after the peak
+        windows_new, exposed_new = model.windows(host | {key})
+        off_end, rel_start = windows_new[key][1], windows_new[key][2]
+        if not off_end <= peak_time < rel_start:
+            return None
+        if host_budget < float("inf") and model.host_peak(windows_new) > host_budget:
+            return None
+        freed = adapter.bytes_at(rank, key[0], level)
+        cost = exposed_new - exposed - costs.recompute_s.get(level, 0.0)
+        return (freed / cost if cost > 1e-12 else float("inf")), freed
+
+    heap = []
+    for key, (f_start, _, _, _, _, _, b_end, _, _) in model.keys.items():
+        if not f_start <= peak_time < b_end:
+            continue
+        level = plan.get((rank,) + key, "none")
+        if level == HOST_LEVEL:
+            if windows[key][1] <= peak_time < windows[key][2]:
+                continue  # already off the device at the peak
+            kept, saved = "none", exposed - model.windows(host - {key})[1]
+        else:
+            kept, saved = level, 0.0
+        wait = model.wait_before_backward(key)
+        for new in allowed if level != HOST_LEVEL else [new for new in allowed if parse_level(new)[0] != "selective"]:
+            freed = adapter.bytes_at(rank, key[0], kept) - adapter.bytes_at(rank, key[0], new)
+            cost = costs.recompute_s[new] - costs.recompute_s.get(kept, 0.0) - saved
+            if freed > 0:
+                ratio = freed / cost if cost > 1e-12 else float("inf")
+                heapq.heappush(heap, (-ratio, -freed, -wait, key, new))
+        # Levels only go forward along none -> selective -> host -> full (a selective chunk-micro-batch may
+        # trade its recomputation for a copy, a host one only for full recomputation): the search cannot cycle.
+        if parse_level(level)[0] in ("none", "selective") and options.activation_placement == "auto":
+            move = host_move(key, level)
+            if move is not None:
+                heapq.heappush(heap, (-move[0], -move[1], -wait, key, HOST_LEVEL))
+    changed, moved = False, set()
+    while heap and excess > 0:
+        _, neg_freed, neg_wait, key, new = heapq.heappop(heap)
+        if key in moved:
+            continue
+        if new == HOST_LEVEL:
+            # The copies chosen since this estimate share the link: re-estimate, and requeue if it got worse.
+            move = host_move(key, plan.get((rank,) + key, "none"))
+            if move is None:
+                continue
+            if heap and (-move[0], -move[1], neg_wait) > heap[0][:3]:
+                heapq.heappush(heap, (-move[0], -move[1], neg_wait, key, new))
+                continue
+            neg_freed = -move[1]
+            host.add(key)
+            windows, exposed = model.windows(host)
+        elif plan.get((rank,) + key) == HOST_LEVEL:
+            host.discard(key)
+            windows, exposed = model.windows(host)
+        plan[(rank,) + key] = new
+        moved.add(key)
+        excess += neg_freed  # neg_freed = -bytes freed
+        changed = True
+    return changed
+
+
+def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, excess: float,
+                  allowed: Sequence[str]) -> bool:
+    """A rank over its host budget (the estimate of :func:`_place_rank` missed): recompute, at the allowed
+    level keeping the fewest bytes, the offloaded chunk-micro-batches held on the host at its host peak,
+    longest held first, until ``excess`` bytes are off the host."""
+    if not allowed or not result.host_memory[rank]:
+        return False
+    peak_time = max(result.host_memory[rank], key=lambda step: step[1])[0]
+    held: Dict[Tuple[int, int], List[float]] = {}
+    for c in result.timeline.comms:
+        if c.src == rank and c.lane in ("d2h", "h2d"):
+            span = held.setdefault((c.op.chunk, c.op.microbatch), [0.0, 0.0])
+            if c.lane == "d2h":
+                span[0] = c.start
+            else:
+                span[1] = c.end
+    smallest = min(allowed, key=lambda level: adapter.costs.activation_bytes[level])
+    changed = False
+    for _, key in sorted(((end - start, key) for key, (start, end) in held.items() if start <= peak_time < end), reverse=True):
+        if excess <= 0:
+            break
+        plan[(rank,) + key] = smallest
+        excess -= adapter.bytes_at(rank, key[0], "none")
+        changed = True
+    return changed
+
+
+def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
+                       options: PlannerOptions = PlannerOptions(activation_placement="auto"), sharding=None) -> Plan:
+    """The memory levers of ``options.activation_placement`` applied to ``config`` until every rank fits.
+
+    'device': none (the plan is the bare schedule; ``fits`` says whether it fits). 'auto': per round, on
+    each rank over budget, the joint knapsack of :func:`_place_rank` (host memory, selective and full
+    recomputation by bytes freed per second of added time, the copy slack estimated from the current
+    simulation), then one re-simulation (the truth: the peak may move, copies may contend); a rank
+    over the host budget gives back offloads to recomputation. A plan that recomputes, waits on host
+    copies or does not fit is compared with recomputation alone (same budget), and the faster fitting
+    one is returned, so 'auto' is never slower than 'recompute-only' on a candidate.
+    """
+    allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
+    plan: RecomputePlan = {}
+
+    def run(plan):
+        lowering = lowering_for(costs, plan, options.reload_lookahead)
+        schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+        return simulate(config, costs, plan, schedule, sharding)
+
+    result = run(plan)
+    host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
+    for _ in range(options.max_recompute_rounds if options.activation_placement == "auto" else 0):
+        adapter = sharding.adapter(config, costs, plan) if sharding is not None else ScheduleCosts(config, costs, plan)
+        changed = False
+        for r in result.ranks:
+            if r.peak_host_bytes > host_budget:
+                changed |= _relieve_host(result, adapter, plan, r.rank, r.peak_host_bytes - host_budget, allowed)
+        for r in result.ranks:
+            if r.peak_memory_bytes > budget_bytes:
+                changed |= _place_rank(result, adapter, plan, r.rank, budget_bytes, allowed, options)
+        if not changed:
+            break
+        result = run(plan)
+    placed = Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead)
+    # Without recomputation and without a wait on the host link the plan runs exactly as the bare schedule
+    # (copies block nothing else): nothing can be faster. Otherwise recomputation alone may be.
+    costly = any(r.recompute_s > 0 or r.exposed_host_s > 0 for r in result.ranks)
+    if options.activation_placement == "auto" and (not placed.fits or costly):
+        alone = fit_with_recompute(config, costs, budget_bytes, dataclasses.replace(options, activation_placement="recompute-only"),
+                                   sharding)
+        if alone.fits and (not placed.fits or alone.result.iteration_s < result.iteration_s):
+            return alone
+    return placed
 
 
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
@@ -274,6 +593,15 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     if not evaluated:
         raise NoFeasiblePlan(f"no candidate can beat the incumbent's {incumbent_s:.6f} s (each is slower even "
                              "without recomputation)")
+    if not feasible and options.activation_placement == "device":
+        least = min(evaluated, key=lambda plan: max(r.peak_memory_bytes for r in plan.result.ranks))
+        worst = max(least.result.ranks, key=lambda r: r.peak_memory_bytes)
+        raise NoFeasiblePlan(
+            f"--pipemesh-activation-placement device keeps every activation on the device, and no schedule fits the "
+            f"memory budget of {budget_bytes / GB:.2f} GiB per device that way: the smallest peak "
+            f"({least.config.describe()}) is {worst.peak_memory_bytes / GB:.2f} GiB on rank {worst.rank}. What would fit: "
+            "--pipemesh-activation-placement auto (host offload and recomputation) or recompute-only, a smaller "
+            "--micro-batch-size, more pipeline stages, or a larger budget")
     if not feasible:
         least = min(evaluated, key=lambda plan: max(r.peak_memory_bytes for r in plan.result.ranks))
         peak = max(r.peak_memory_bytes for r in least.result.ranks)

@@ -1,11 +1,17 @@
 """PNG timeline: one row per rank (compute coloured by chunk, forwards light, backwards dark),
-a thin row beneath each for pipeline sends and data-parallel collectives."""
+a thin row beneath each for pipeline sends and host copies (offload / reload), and one for data-parallel
+collectives."""
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..schedule.ops import OpKind
 from .simulator import SimulationResult
+
+
+_LANE_COLORS = {"p2p": "grey", "dp": "red", "d2h": "tab:purple", "h2d": "tab:green"}
+"""Colours of the thin rows: pipeline sends, data-parallel collectives, host offloads and reloads
+(copies share the sends' row: both are per-rank transfers beside the compute)."""
 
 
 def plot_timelines(results: Sequence[SimulationResult], path: str, titles: Sequence[str] = ()) -> None:
@@ -33,8 +39,8 @@ def plot_timelines(results: Sequence[SimulationResult], path: str, titles: Seque
                     ax.text(e.start + (e.end - e.start) / 2, y + 0.6, str(e.op), ha="center", va="center", fontsize=5)
         for c in result.timeline.comms:
             y = (p - 1 - c.src) * 1.0
-            color = "grey" if c.lane == "p2p" else "red"
-            row = 0.16 if c.lane == "p2p" else 0.02
+            color = _LANE_COLORS.get(c.lane, "red")
+            row = 0.16 if c.lane in ("p2p", "d2h", "h2d") else 0.02
             ax.broken_barh([(c.start, max(c.end - c.start, span * 1e-4))], (y + row, 0.12), facecolors=color, alpha=0.7)
         ax.set_yticks([(p - 1 - r) + 0.5 for r in range(p)])
         ax.set_yticklabels([f"rank {r}" for r in range(p)])
@@ -45,6 +51,9 @@ def plot_timelines(results: Sequence[SimulationResult], path: str, titles: Seque
     chunks = max(r.config.vpp for r in results)
     handles = [Patch(color=cmap(c % 10), label=f"chunk {c}") for c in range(chunks)]
     handles += [Patch(color="grey", alpha=0.7, label="pipeline send"), Patch(color="red", alpha=0.7, label="data-parallel")]
+    if any(c.lane in ("d2h", "h2d") for r in results for c in r.timeline.comms):
+        handles += [Patch(color=_LANE_COLORS[lane], alpha=0.7, label=label)
+                    for lane, label in (("d2h", "offload"), ("h2d", "reload"))]
     fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=130)

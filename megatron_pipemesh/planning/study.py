@@ -12,10 +12,15 @@ Per row:
 
 * ``best_stock``: the fastest stock setting that fits the device memory (:mod:`.stock`: 1F1B and
   interleaved for every V and group size, every recomputation option Megatron offers);
-* ``pipemesh_auto``: PipeMesh's planner (groups + per chunk-micro-batch recomputation at the levels its
-  runtime applies: selective and full) for every V, the fastest fitting plan;
+* ``pipemesh_auto``: PipeMesh's planner with activation placement (groups + per chunk-micro-batch
+  placement: on the device, in host memory (offloaded after the forward, reloaded before the
+  backward over the row's host link, :data:`HOST_LINK_GBPS`, within :data:`HOST_MEMORY_GB`), or
+  recomputed at the levels its runtime applies: selective and full) for every V, the fastest fitting plan;
+* ``pipemesh_recompute_only``: the same planner with recomputation as the only memory lever
+  (``--pipemesh-activation-placement recompute-only``, the previous study's ``pipemesh_auto``);
 * ``limit``: the communication-free limit at the same memory: depth-first (the least activation
-  memory) with free communication and the planner's recomputation, best over V;
+  memory) with free pipeline and data-parallel communication and the planner's placement (the host
+  link keeps its cost), best over V;
 * ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh.
 
 Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 with
@@ -50,6 +55,16 @@ GPT = {
 
 DEVICE_TFLOPS = {24: 125.0, 32: 125.0, 40: 312.0, 80: 312.0}
 """Dense bf16 TFLOP/s by device memory: 24 GB A10G/L4-class, 32 GB V100-class, 40/80 GB A100."""
+
+HOST_LINK_GBPS = {24: 100.0, 32: 48.0, 40: 100.0, 80: 100.0}
+"""Device-host copy bandwidth per device and direction (Gbit/s) by device memory: PCIe 4.0 x16 with
+pinned memory moves ~25 GB/s (:data:`~.costs.DEFAULT_HOST_LINK_GBPS`), PCIe 3.0 x16 (32 GB V100-class)
+~12 GB/s; commodity 8-GPU servers put two GPUs behind each x16 switch uplink, and data-parallel replicas
+run the same schedule, so both copy at once: half each (100 and 48 Gbit/s)."""
+
+HOST_MEMORY_GB = 48.0
+"""Host memory per device for offloaded activations (GiB): an 8-GPU commodity server with 768 GiB of RAM
+(e.g. AWS g5.48xlarge) has 96 GiB per GPU; half of it is left to the data loader, the OS and the rest."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,8 @@ def _specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
     cluster = ClusterSpec(tp=row.tp, dp=row.dp, device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0),
                           device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
                           sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                          devices_per_node=8, nic_gbps=8 * row.gbps)
+                          devices_per_node=8, nic_gbps=8 * row.gbps,
+                          host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0))
     return model, cluster
 
 
@@ -130,23 +146,26 @@ def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
     return [v for v in range(1, per_rank + 1) if per_rank % v == 0]
 
 
-def _planner_options(pp: int, microbatches: int) -> PlannerOptions:
+def _planner_options(pp: int, microbatches: int, placement: str = "recompute-only") -> PlannerOptions:
     """The structured group family (first forward group and last backward group at multiples of p
     and m, depth-first in between, plus every stock group size): the exhaustive search over all
-    group lists gains little and costs minutes per row."""
+    group lists gains little and costs minutes per row. ``placement``: the activation placement mode."""
     sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
-    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes)
+    host = HOST_MEMORY_GB * GB if placement == "auto" else None
+    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
+                          activation_placement=placement, host_budget_bytes=host)
 
 
 def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
-                  incumbent_s: float = float("inf")):
-    """PipeMesh's best plan over V (None if nothing fits or nothing beats ``incumbent_s``)."""
+                  incumbent_s: float = float("inf"), placement: str = "recompute-only"):
+    """PipeMesh's best plan over V with the ``placement`` mode (None if nothing fits or nothing beats
+    ``incumbent_s``)."""
     best = None
     for vpp in sorted(virtual_sizes(model, pp), reverse=True):  # larger V first: usually faster, prunes more
         bound = best.result.iteration_s if best else incumbent_s
         try:
             plan, _ = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget,
-                                    _planner_options(pp, microbatches), incumbent_s=bound)
+                                    _planner_options(pp, microbatches, placement), incumbent_s=bound)
         except NoFeasiblePlan:
             continue
         if best is None or plan.result.iteration_s < best.result.iteration_s:
@@ -162,7 +181,7 @@ def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, mi
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
         free = dataclasses.replace(analytic_costs(model, cluster, config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
                                    latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0)
-        plan = fit_with_recompute(config, free, budget)
+        plan = fit_with_recompute(config, free, budget, _planner_options(pp, microbatches, "auto"))
         if plan.fits:
             times.append(plan.result.iteration_s)
     return min(times) if times else None
@@ -174,7 +193,11 @@ def run_row(row: StudyRow) -> dict:
     m = row.microbatches
     static = analytic_costs(model, cluster, ScheduleConfig.depth_first(row.pp, 1, m)).static_bytes
     stock = best_stock(model, cluster, row.pp, m, tuple(budget - s for s in static), row.grad_reduce_in_bf16)
-    plan = pipemesh_auto(model, cluster, row.pp, m, budget)
+    alone = pipemesh_auto(model, cluster, row.pp, m, budget)
+    # Placement adds levers to recomputation: the recompute-only plan is one of its plans, so only
+    # candidates that may beat it are searched again.
+    placed = pipemesh_auto(model, cluster, row.pp, m, budget, alone.result.iteration_s if alone else float("inf"), "auto")
+    plan = placed if placed is not None and (alone is None or placed.result.iteration_s < alone.result.iteration_s) else alone
     limit = communication_free_limit(model, cluster, row.pp, m, budget)
     out = {"regime": row.regime, "setting": row.describe(), "model": row.model, "tp": row.tp,
            "sequence_parallel": row.sequence_parallel, "pp": row.pp, "dp": row.dp, "microbatches": m,
@@ -183,15 +206,26 @@ def run_row(row: StudyRow) -> dict:
     out["best_stock"] = None if stock is None else {
         "schedule": stock.setting.schedule, "vpp": stock.setting.vpp, "group_size": stock.setting.effective_group_size,
         "recompute": stock.setting.recompute.describe(), "flags": stock.setting.flags(), "iteration_s": stock.iteration_s}
-    out["pipemesh_auto"] = None if plan is None else {
-        "vpp": plan.config.vpp, "forward_groups": list(plan.config.forward_groups),
-        "backward_groups": list(plan.config.backward_groups), "recompute_share": plan.recompute_share,
-        "recompute_counts": plan.to_dict()["recompute_counts"], "iteration_s": plan.result.iteration_s}
+    out["host_link_gbps"], out["host_memory_gb"] = cluster.host_link_gbps, HOST_MEMORY_GB
+    out["pipemesh_auto"] = _plan_row(plan)
+    out["pipemesh_recompute_only"] = _plan_row(alone)
+    out["placement_speedup"] = alone.result.iteration_s / plan.result.iteration_s if (plan and alone) else None
     out["limit_iteration_s"] = limit
     pm = plan.result.iteration_s if plan else None
     out["ratio_to_best_stock"] = stock.iteration_s / pm if (pm and stock) else None
     out["fraction_of_limit"] = limit / pm if (pm and limit) else None
     return out
+
+
+def _plan_row(plan) -> Optional[dict]:
+    """The study's view of a plan: V, groups, recomputation and host placement, time."""
+    if plan is None:
+        return None
+    d = plan.to_dict()
+    return {"vpp": plan.config.vpp, "forward_groups": d["forward_groups"], "backward_groups": d["backward_groups"],
+            "recompute_share": plan.recompute_share, "recompute_counts": d["recompute_counts"],
+            "host_counts": [c["host"] for c in d["placement_counts"]], "peak_host_gb": d["peak_host_gb"],
+            "exposed_host_s": plan.result.exposed_host_s, "iteration_s": plan.result.iteration_s}
 
 
 def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE) -> List[dict]:
@@ -205,7 +239,10 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
     fractions = sorted(r["fraction_of_limit"] for r in commodity if r["fraction_of_limit"])
     every = [r["ratio_to_best_stock"] for r in rows if r["ratio_to_best_stock"]]
     median = lambda xs: (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan  # noqa: E731
+    speedups = sorted(r["placement_speedup"] for r in rows if r["regime"] == "commodity" and r.get("placement_speedup"))
     return {"commodity_rows": len(commodity),
+            "median_placement_speedup_commodity": median(speedups),
+            "max_placement_speedup_commodity": max(speedups) if speedups else math.nan,
             "share_at_least_1_15x": sum(x >= 1.15 for x in ratios) / len(ratios) if ratios else math.nan,
             "min_ratio_all_rows": min(every) if every else math.nan,
             "median_ratio_commodity": median(ratios),
@@ -213,19 +250,32 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
             "median_fraction_of_limit_commodity": median(fractions)}
 
 
+def _plan_cell(pm: Optional[dict], placement: bool) -> str:
+    if pm is None:
+        return "OOM"
+    cell = (f"V={pm['vpp']}; {' '.join(map(str, pm['forward_groups']))} / {' '.join(map(str, pm['backward_groups']))}; "
+            f"recompute {100 * pm['recompute_share']:.1f}% time")
+    if placement:
+        hosts = pm.get("host_counts") or []
+        cell += (f"; host {'/'.join(map(str, hosts))} per rank, {max(pm.get('peak_host_gb') or [0.0]):.1f} GiB"
+                 if any(hosts) else "; no host")
+    return cell
+
+
 def markdown(rows: Sequence[dict]) -> str:
-    lines = ["| regime | setting | m | best stock | s | PipeMesh auto (V; groups; recompute) | s | ratio | limit s | fraction of limit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| regime | setting | m | best stock | s | PipeMesh recompute-only (V; groups; recompute) | s | "
+             "PipeMesh with placement (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
+             "ratio to best stock | limit s | fraction of limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        st, pm = r["best_stock"], r["pipemesh_auto"]
+        st, pm, alone = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only")
         stock_cell = "OOM" if st is None else (
             f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}")
-        pm_cell = "OOM" if pm is None else (
-            f"V={pm['vpp']}; {' '.join(map(str, pm['forward_groups']))} / {' '.join(map(str, pm['backward_groups']))}; "
-            f"{100 * pm['recompute_share']:.1f}% time")
         fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
         lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {stock_cell} | "
-                     f"{fmt(st and st['iteration_s'], '.3f')} | {pm_cell} | {fmt(pm and pm['iteration_s'], '.3f')} | "
+                     f"{fmt(st and st['iteration_s'], '.3f')} | {_plan_cell(alone, False)} | "
+                     f"{fmt(alone and alone['iteration_s'], '.3f')} | {_plan_cell(pm, True)} | "
+                     f"{fmt(pm and pm['iteration_s'], '.3f')} | {fmt(r.get('placement_speedup'), '.3f')} | "
                      f"{fmt(r['ratio_to_best_stock'], '.3f')} | {fmt(r['limit_iteration_s'], '.3f')} | "
                      f"{fmt(r['fraction_of_limit'], '.3f')} |")
     return "\n".join(lines)
@@ -238,6 +288,8 @@ def cmd_study(args) -> int:
     rows = COMMODITY + DATACENTRE
     if args.regime != "all":
         rows = tuple(r for r in rows if r.regime == args.regime)
+    if args.only:
+        rows = tuple(r for r in rows if args.only in r.describe())
     if args.limit:
         rows = rows[:args.limit]
     results = run_study(rows)
@@ -257,6 +309,8 @@ def add_study_parser(sub) -> None:
     study.add_argument("--regime", choices=("all", "commodity", "datacentre"), default="all",
                        help="which rows to run (default all)")
     study.add_argument("--limit", type=int, default=0, help="run only the first N rows (0 = all)")
+    study.add_argument("--only", metavar="TEXT", default="",
+                       help="run only the rows whose setting contains TEXT (e.g. 'GPT-13B TP2 ' or '40GB')")
     study.set_defaults(func=cmd_study)
 
 

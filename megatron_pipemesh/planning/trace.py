@@ -1,5 +1,6 @@
 """Chrome / Perfetto trace of a simulated (or measured) timeline: one process per rank with a
-compute track, a pipeline-send track per link, a data-parallel track and a memory counter."""
+compute track, a pipeline-send track per link, a data-parallel track, device-to-host and host-to-device
+tracks (activation offloads and reloads), and device and host memory counters."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,8 @@ from typing import List
 
 from .costs import GB
 from .simulator import SimulationResult
+
+_LANE_TRACKS = {"dp": "data-parallel", "d2h": "device to host", "h2d": "host to device"}
 
 
 def trace_events(result: SimulationResult) -> List[dict]:
@@ -21,8 +24,10 @@ def trace_events(result: SimulationResult) -> List[dict]:
                                     "waited_on": e.waited_on}})
         for t, size in result.memory[rank]:
             events.append({"name": "memory", "ph": "C", "pid": rank, "ts": t * us, "args": {"GiB": size / GB}})
+        for t, size in (result.host_memory[rank] if result.host_memory else ()):
+            events.append({"name": "host memory", "ph": "C", "pid": rank, "ts": t * us, "args": {"GiB": size / GB}})
     for c in result.timeline.comms:
-        tid = f"send to rank {c.dst}" if c.lane == "p2p" else "data-parallel"
+        tid = f"send to rank {c.dst}" if c.lane == "p2p" else _LANE_TRACKS.get(c.lane, "data-parallel")
         name = f"{'act' if c.op.kind.value == 'F' else 'grad'} {c.op}" if c.lane == "p2p" else str(c.op)
         events.append({"name": name, "cat": c.lane, "ph": "X", "pid": c.src, "tid": tid,
                        "ts": c.start * us, "dur": max(c.end - c.start, 0.0) * us})

@@ -26,7 +26,11 @@ which comes from the validated plan:
   the plan; on CUDA, compute ops are also timed with CUDA events (GPU time, read lazily);
 * ``PipeMeshOptions.recompute`` chooses per (pipeline rank, chunk, micro-batch) whether a training
   forward keeps its activations, recomputes the attention core or recomputes the whole chunk
-  (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`).
+  (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`);
+* the same plan's level ``'host'`` keeps a chunk-micro-batch's activations whole but in host memory
+  between its forward and its backward: the lowering adds ``OFFLOAD c.j`` after the forward and
+  ``RELOAD c.j`` before the backward, which launch the copies (:mod:`.offload`, asynchronous on CUDA
+  side streams); the backward waits for its reload.
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
-from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
+from ..schedule.lower import HOST_LEVEL, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
 from .memory import make_memory_meter, model_tensors
+from .offload import ActivationOffloader
 from .recompute import check_plan, recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
 
@@ -69,7 +74,8 @@ class PipeMeshOptions:
     check_plan_across_ranks: bool = True
     """Compare the plan digest across all ranks on first use (one all-gather) and fail on mismatch."""
     recompute: Optional[Mapping[Tuple[int, int, int], str]] = None
-    """Recompute level ('none', 'selective', 'full') per (pipeline rank, chunk, micro-batch); missing keys
+    """Placement of each (pipeline rank, chunk, micro-batch)'s activations: recompute level 'none',
+    'selective', 'full', or 'host' (kept whole, in host memory between forward and backward); missing keys
     are 'none'. None leaves Megatron's own --recompute-* settings alone. Ignored by forward-only passes."""
     measure_memory: bool = False
     """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
@@ -124,6 +130,14 @@ class PipeMeshSchedule:
         from .sharding import ShardingRuntime
         self.sharding = ShardingRuntime(options.sharding) if options.sharding else None
         self.training_calls = 0
+        self._offloader: Optional[ActivationOffloader] = None
+        """Host placement's copy engine (pool of host buffers, side streams), kept across calls."""
+
+    def offloader(self, device: torch.device) -> ActivationOffloader:
+        """The schedule's :class:`ActivationOffloader` for ``device`` (created once: its buffers are reused)."""
+        if self._offloader is None or self._offloader.device != torch.device(device):
+            self._offloader = ActivationOffloader(device)
+        return self._offloader
 
     def continue_from(self, previous: "PipeMeshSchedule") -> "PipeMeshSchedule":
         """Take over ``previous``'s call counter (transfer tags) and failure state, when this schedule
@@ -258,7 +272,8 @@ class _Run:
                                    param_sync=self.param_sync_func is not None,
                                    grad_sync=self.grad_sync_func is not None,
                                    forward_only=forward_only,
-                                   sharding=() if forward_only else tuple(owner.options.sharding or ()))
+                                   sharding=() if forward_only else tuple(owner.options.sharding or ()),
+                                   host_placement=() if forward_only else host_placement_of(owner.options.recompute))
         self.schedule = owner.plan(schedule_config, lowering)
         self.program = self.schedule.programs[self.pp_rank]
         self.sent = {op.compute for op in self.program if op.kind is OpKind.SEND_FORWARD}
@@ -272,6 +287,12 @@ class _Run:
         self.meter = None
         if owner.options.measure_memory and not forward_only:
             self.meter = make_memory_meter(self.device, model_tensors(model))
+        self.offloader = None
+        self.host_keys = set(self.schedule.options.host_placement)
+        self.offloaded: Dict[Tuple[int, int], int] = {}
+        if any(op.kind.is_host for op in self.program):
+            self.offloader = owner.offloader(self.device)
+            self.offloader.begin(model_tensors(model), self.meter)
 
     # Helpers -------------------------------------------------------------------------------
     def _disable_grad_sync(self):
@@ -388,6 +409,8 @@ class _Run:
             if not self.timed:
                 self.owner._broken_links.extend(link for _, _, link in self.recvs.values())
         self.recvs, self.pending_sends = {}, []
+        if self.offloader is not None:
+            self.offloader.clear()
 
     def _op_range(self, op: Op):
         return torch.profiler.record_function(f"PipeMesh {op}")
@@ -436,6 +459,8 @@ class _Run:
                     self._disable_grad_sync()
                 elif kind.is_shard:
                     self.sharding.run(op)
+                elif kind.is_host:
+                    self._host_copy(step, op, inputs, outputs)
                 else:
                     received = None
                     if op in recvs:
@@ -445,7 +470,7 @@ class _Run:
                     ready, ready_event = self.clock.mark()
                     wait_s = ready - start
                     if kind is OpKind.FORWARD:
-                        output, num_tokens = self._forward(op, received, forward_data_store)
+                        output, num_tokens = self._forward(step, op, received, forward_data_store)
                         total_num_tokens += num_tokens
                         if not self.forward_only:
                             inputs[op], outputs[op] = received, output
@@ -458,10 +483,15 @@ class _Run:
                             synced.add(op.chunk)
                         # Megatron's custom_backward expects the sent output already deallocated.
                         self._drain_sends(block=False, step=step, only=forward_op)
+                        host = self._host_placed(op)
+                        if host:
+                            self._host_step(step, op, lambda key: self.offloader.wait(key))
                         with self._recompute(op):  # the backward's replay takes the forward's path
                             grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
                         if self.meter is not None:
                             self.meter.release((op.chunk, op.microbatch))
+                        if host:
+                            self.offloader.release((op.chunk, op.microbatch))
                         self._disable_grad_sync()
                         if grad is not None:
                             input_grads[op] = grad
@@ -497,6 +527,10 @@ class _Run:
             self.timer_started = False
             config.timers("forward-backward").stop()
         stats.total_s = time.perf_counter() - begin
+        if self.offloader is not None:
+            stats.peak_host_bytes = int(self.offloader.peak_host_bytes)
+            stats.offloaded_bytes = dict(self.offloaded)
+            self.offloader.clear()
         if self.meter is not None:
             stats.memory_source = self.meter.kind
             stats.peak_activation_bytes = int(self.meter.peak_bytes)
@@ -508,13 +542,40 @@ class _Run:
         if self.recompute is None:
             return contextlib.nullcontext()
         level = self.recompute.get((self.pp_rank, op.chunk, op.microbatch), "none")
-        return recompute_scope(self.model[op.chunk], level)
+        return recompute_scope(self.model[op.chunk], "none" if level == HOST_LEVEL else level)
 
-    def _forward(self, op: Op, received, forward_data_store):
+    def _host_placed(self, op: Op) -> bool:
+        """Whether ``op``'s chunk-micro-batch keeps its activations in host memory (this call's plan)."""
+        return self.offloader is not None and (self.pp_rank, op.chunk, op.microbatch) in self.host_keys
+
+    def _host_step(self, step: int, op: Op, action):
+        """Run one host-placement action on ``op``'s key; failures name rank, step and op."""
+        try:
+            return action((op.chunk, op.microbatch))
+        except Exception as error:
+            raise PipeMeshRuntimeError(f"{self._where(step, op)}: host placement failed: {error}") from error
+
+    def _host_copy(self, step: int, op: Op, inputs, outputs) -> None:
+        """OFFLOAD: launch the copy of the forward's saved tensors to host memory (the chunk's input goes too,
+        its ``.data`` emptied until the reload; the output stays: it is the backward's root, freed after its send
+        by Megatron's deallocation); RELOAD: launch the copy back."""
+        if op.kind is OpKind.OFFLOAD:
+            forward = op.compute
+            keep, swap = (outputs.get(forward),), (inputs.get(forward),)
+            self.offloaded[(op.chunk, op.microbatch)] = self._host_step(
+                step, op, lambda key: self.offloader.offload(key, keep, swap))
+        else:
+            self._host_step(step, op, self.offloader.reload)
+
+    def _forward(self, step: int, op: Op, received, forward_data_store):
         chunk, microbatch = op.chunk, op.microbatch
         last = chunk == self.vpp - 1 and self.pp_rank == self.pp - 1
-        with self._recompute(op), (self.meter.record((chunk, microbatch)) if self.meter is not None
-                                   else contextlib.nullcontext()):
+        hooks = self._host_step(step, op, self.offloader.hooks) if self._host_placed(op) else None
+        if self.meter is not None:
+            saved = self.meter.record((chunk, microbatch), inner=hooks)
+        else:
+            saved = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        with self._recompute(op), saved:
             output, num_tokens = self._forward_step(op, received, forward_data_store, last)
         if self.meter is not None and not last:
             self.meter.track((chunk, microbatch), output)  # kept for the send and the backward

@@ -17,12 +17,19 @@ Two meters with one interface, chosen by :func:`make_memory_meter` from the devi
 Both also account tensors the runtime itself keeps alive for a key (:meth:`track` / :meth:`untrack`:
 the chunk's output held until its backward, freed early when Megatron's ``deallocate_output_tensor``
 runs after the send); on CUDA these are already inside the allocator numbers and ignored.
+
+Host placement (:mod:`.offload`): ``record(key, inner=hooks)`` composes the offloader's saved-tensor
+hooks with the meter's (only the innermost hooks of a stack see the tensors), and the offloader
+reports the storages it moves (:meth:`offloaded` / :meth:`reloaded`). ``live_bytes`` / ``peak_bytes``
+are *device-resident* bytes (an offloaded storage stops counting once it left the device; on CUDA
+the allocator sees it freed once the copy finished); ``host_bytes`` / ``peak_host_bytes`` count the
+activations in host memory.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Dict, Hashable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -62,6 +69,12 @@ class SavedTensorMeter:
         """Bytes of runtime-held tensors (pipeline outputs) of each key, at their largest."""
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._host: Dict[Key, int] = {}
+        self.host_bytes = 0
+        """Activation bytes currently offloaded to host memory."""
+        self.peak_host_bytes = 0
+        self.offloaded_bytes: Dict[Key, int] = {}
+        """Bytes each key moved to host memory."""
 
     # Set-up ----------------------------------------------------------------------------------
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -107,15 +120,17 @@ class SavedTensorMeter:
         return found
 
     @contextlib.contextmanager
-    def record(self, key: Key) -> Iterator[None]:
-        """Account every tensor saved for backward inside the block to ``key``."""
+    def record(self, key: Key, inner: Optional[Tuple[Callable, Callable]] = None) -> Iterator[None]:
+        """Account every tensor saved for backward inside the block to ``key``; ``inner``: (pack, unpack)
+        hooks to run inside the meter's (the offloader's)."""
         self.saved_bytes.setdefault(key, 0)
+        inner_pack, inner_unpack = inner or (None, None)
 
         def pack(tensor):
             if not isinstance(tensor, torch.Tensor):
-                return tensor
+                return inner_pack(tensor) if inner_pack else tensor
             # A detached alias: same storage, no grad_fn, so no reference cycle (see module doc).
-            alias = tensor.detach()
+            packed = inner_pack(tensor) if inner_pack else tensor.detach()
             found = self._countable(tensor)
             if found is not None:
                 self._add(key, *found)
@@ -123,11 +138,11 @@ class SavedTensorMeter:
                 aliases[0] += 1
                 # Some packs are dropped at once (CPU dropout saves its mask even inside the no_grad
                 # forward of a checkpoint): a storage stops counting when its last alias dies.
-                weakref.finalize(alias, self._alias_dead, key, found[0])
-            return alias
+                weakref.finalize(packed, self._alias_dead, key, found[0])
+            return packed
 
-        def unpack(tensor):
-            return tensor
+        def unpack(packed):
+            return inner_unpack(packed) if inner_unpack else packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
@@ -157,8 +172,28 @@ class SavedTensorMeter:
         for ptr in self._tracked.pop(key, {}):
             self._drop(key, ptr)
 
+    def offloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
+        """The offloader moved ``key``'s (storage pointer, bytes) to host memory; their device copies
+        are gone (a storage other keys still hold stays live for them)."""
+        moved = 0
+        for ptr, nbytes in storages:
+            self._aliases.pop((key, ptr), None)  # the offloader's handles now own these bytes
+            self._drop(key, ptr)
+            moved += nbytes
+        self._host[key] = self._host.get(key, 0) + moved
+        self.offloaded_bytes[key] = self.offloaded_bytes.get(key, 0) + moved
+        self.host_bytes += moved
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
+    def reloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
+        """``key``'s storages are back on the device (new (pointer, bytes)) until its :meth:`release`."""
+        for ptr, nbytes in storages:
+            self._add(key, ptr, nbytes)
+        self.host_bytes -= self._host.pop(key, 0)
+
     def release(self, key: Key) -> None:
         """``key``'s backward finished: everything it held is free."""
+        self.host_bytes -= self._host.pop(key, 0)
         self._tracked.pop(key, None)
         for ptr in list(self._held.get(key, {})):
             self._drop(key, ptr)
@@ -181,6 +216,10 @@ class AllocatorMeter:
         """Bytes each key's forward left allocated (saved tensors + output; may include caches)."""
         self.tracked_bytes: Dict[Key, int] = {}
         self.peak_bytes = 0
+        self._host: Dict[Key, int] = {}
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self.offloaded_bytes: Dict[Key, int] = {}
 
     def begin(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -198,10 +237,11 @@ class AllocatorMeter:
         self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device) - self.baseline)
 
     @contextlib.contextmanager
-    def record(self, key: Key) -> Iterator[None]:
+    def record(self, key: Key, inner: Optional[Tuple[Callable, Callable]] = None) -> Iterator[None]:
         before = torch.cuda.memory_allocated(self.device)
         try:
-            yield
+            with torch.autograd.graph.saved_tensors_hooks(*inner) if inner else contextlib.nullcontext():
+                yield
         finally:
             self.saved_bytes[key] = self.saved_bytes.get(key, 0) + torch.cuda.memory_allocated(self.device) - before
             self._update_peak()
@@ -212,7 +252,19 @@ class AllocatorMeter:
     def untrack(self, key: Key) -> None:
         """Already counted by the allocator."""
 
+    def offloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
+        """Host bytes only: the allocator sees the device copies freed once the copy finished."""
+        moved = sum(nbytes for _, nbytes in storages)
+        self._host[key] = self._host.get(key, 0) + moved
+        self.offloaded_bytes[key] = self.offloaded_bytes.get(key, 0) + moved
+        self.host_bytes += moved
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
+    def reloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
+        self.host_bytes -= self._host.pop(key, 0)
+
     def release(self, key: Key) -> None:
+        self.host_bytes -= self._host.pop(key, 0)
         self._update_peak()
 
 

@@ -56,6 +56,8 @@ from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from ..schedule.lower import HOST_LEVEL
+
 LEVELS = ("none", "selective", "full")
 """The basic levels; ``'selective:<m1>+<m2>'`` module sets are accepted too (:func:`parse_runtime_level`)."""
 
@@ -84,15 +86,22 @@ def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+PLAN_LEVELS = LEVELS + (HOST_LEVEL,)
+"""Levels of a placement plan: the recompute levels and 'host' (kept whole, offloaded: :mod:`.offload`)."""
+
+
 def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
     """Fail early on unknown levels or malformed keys (pipeline rank, chunk, micro-batch)."""
     for key, level in (plan or {}).items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
             raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
+        if level == HOST_LEVEL:
+            continue
         try:
             parse_runtime_level(level)
         except ValueError as error:
-            raise ValueError(f"recompute plan {key}: {str(error).replace('unknown recompute level', 'unknown level')}") from None
+            raise ValueError(f"recompute plan {key}: {str(error).replace('unknown recompute level', 'unknown level')}; "
+                             f"or '{HOST_LEVEL}' (activation placement)") from None
 
 
 def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:

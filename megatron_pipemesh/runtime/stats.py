@@ -67,11 +67,16 @@ class RuntimeStats:
     """How memory was measured ('saved-tensors' on CPU, 'cuda-allocator' on CUDA); empty when not measured
     (``PipeMeshOptions.measure_memory``)."""
     peak_activation_bytes: int = 0
-    """Peak bytes of activations held for backwards (plus runtime-held chunk outputs) during the call."""
+    """Peak device-resident bytes of activations held for backwards (plus runtime-held chunk outputs) during
+    the call; activations offloaded to host memory (host placement) do not count while they are there."""
     saved_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
     """Bytes each (chunk, micro-batch) forward kept for its backward."""
     output_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
     """Bytes of each (chunk, micro-batch) output the runtime held beyond its saved tensors (CPU meter)."""
+    peak_host_bytes: int = 0
+    """Peak bytes of activations in host memory (host placement; measured with or without the meter)."""
+    offloaded_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    """Bytes each host-placed (chunk, micro-batch) moved to host memory (OFFLOAD)."""
     time_source: str = "host"
     """'host' (perf_counter) or 'cuda-events' (GPU times of compute ops)."""
 
@@ -104,4 +109,5 @@ class RuntimeStats:
         return {"total_s": self.total_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "recv_wait_s": self.recv_wait_s, "send_drain_s": self.send_drain_s, "dp_sync_s": self.dp_sync_s,
                 "peak_activation_bytes": float(self.peak_activation_bytes),
+                "peak_host_bytes": float(self.peak_host_bytes),
                 "max_saved_bytes": float(max(self.saved_bytes.values(), default=0))}

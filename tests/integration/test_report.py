@@ -1,5 +1,6 @@
 """The training-log report: the `PipeMesh plan:` line, the per-interval figures and their writers."""
 import argparse
+import re
 
 from megatron_pipemesh.config import PipeMeshConfig
 from megatron_pipemesh.integration.flags import PipeMeshArgs
@@ -110,3 +111,28 @@ def test_scalars_go_to_tensorboard_and_wandb():
     write_scalars(7, [report.local_figures()] * 2, board, wandb)
     assert ("pipemesh/peak_activation_mib/rank1", 2.0, 7) in board.calls and len(board.calls) == 8
     assert wandb.calls[0][1] == 7 and wandb.calls[0][0]["pipemesh/pipeline_wait_ms/rank0"] == 1.0
+
+
+def test_plan_line_reports_host_placement_per_rank_and_digest_with_host_ops():
+    """Host-placed chunk-micro-batches are counted per rank with their bytes, and the digest includes OFFLOAD/RELOAD."""
+    config = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
+    plan = {(0, 0, 0): "host", (0, 1, 0): "host", (0, 0, 1): "full", (1, 0, 3): "host"}
+    line = plan_line(_args(), _settings(config, plan))
+    digest = lower(config, LoweringOptions(param_sync=False, grad_sync=False,
+                                           host_placement=((0, 0, 0), (0, 1, 0), (1, 0, 3)))).digest()
+    assert f"digest {digest}" in line and training_lowering(_args(), 1, plan).host_placement == ((0, 0, 0), (0, 1, 0), (1, 0, 3))
+    assert "recompute full 1 of 32 chunk-micro-batches" in line
+    match = re.search(r"host 2 \(([0-9.]+) MiB\) 1 \(([0-9.]+) MiB\) per rank", line)
+    assert match and float(match.group(1)) > float(match.group(2)) > 0, line
+    assert "host" not in plan_line(_args(), _settings(config, {(0, 0, 0): "full"})).split("|")[3]
+
+
+def test_interval_line_reports_peak_host_memory():
+    """With offloaded activations the interval line adds the peak host MiB per rank (and only then)."""
+    report = IntervalReport()
+    stats = _stats(0.001, 0.0, 0.002, 0.05, 2 << 20)
+    stats.peak_host_bytes = 3 << 20
+    report.add(stats)
+    line = format_interval(10, [report.local_figures(), IntervalReport().local_figures() | {"iterations": 1}])
+    assert line.endswith("| peak host MiB 3.00 0.00"), line
+    assert parse_interval_line(line)["peak host"] == [3.0, 0.0]

@@ -119,3 +119,24 @@ def test_knapsack_takes_most_bytes_per_second_first():
     assert plan.fits and set(plan.recompute.values()) == {"full"}
     # Selective would need 15 chunk-micro-batches per rank (10 bytes each) to cover 150 bytes.
     assert len(plan.recompute) < 15
+
+
+def test_host_level_keeps_none_bytes_and_copies_them_over_the_host_link():
+    """'host' parses, holds the 'none' bytes (stage extras included), recomputes nothing, and one copy
+    moves those bytes at ClusterSpec.host_link_gbps."""
+    from megatron_pipemesh.planning.memory import parse_level, transient_bytes
+
+    assert parse_level("host") == ("host", frozenset(), 0)
+    shape = ActivationShape(2048, 1, 2048, 16, 50257)
+    assert activation_bytes(shape, 3, "host", last_stage=True) == activation_bytes(shape, 3, "none", last_stage=True)
+    assert transient_bytes(shape, 3, "host") == 0.0
+    model, config = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024), ScheduleConfig.depth_first(2, 2, 4)
+    costs = analytic_costs(model, ClusterSpec(host_link_gbps=100.0), config)
+    plan = {(0, 0, 0): "host", (1, 1, 0): "host"}
+    adapter = ScheduleCosts(config, costs, plan)
+    for rank, chunk in ((0, 0), (1, 1)):  # the first stage and the last stage, with their extras
+        forward, backward = Op(OpKind.FORWARD, chunk, 0), Op(OpKind.BACKWARD, chunk, 0)
+        whole = ScheduleCosts(config, costs).activation(rank, forward)
+        assert adapter.activation(rank, forward) == whole > costs.activation_bytes["none"]
+        assert adapter.host_copy(rank, Op(OpKind.OFFLOAD, chunk, 0)) == pytest.approx(whole * 8 / 100e9)
+        assert adapter.compute(rank, backward) == ScheduleCosts(config, costs).compute(rank, backward)

@@ -32,7 +32,18 @@ def test_tight_memory_makes_both_sides_recompute(tiny):
     """At a device memory where nothing fits without recomputation, both sides recompute."""
     row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 16, 1.8, 10.0))
     assert row["best_stock"]["recompute"] != "no recomputation"
-    assert row["pipemesh_auto"]["recompute_share"] > 0
+    assert row["pipemesh_recompute_only"]["recompute_share"] > 0
+
+
+def test_placement_row_is_never_slower_than_recompute_only(tiny):
+    """With memory binding, the placement-enabled plan (pipemesh_auto) is at least as fast as recompute-only,
+    reports its host placement per rank, and stays within the study's host memory."""
+    row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 16, 1.8, 10.0))
+    placed, alone = row["pipemesh_auto"], row["pipemesh_recompute_only"]
+    assert placed["iteration_s"] <= alone["iteration_s"] and row["placement_speedup"] >= 1.0
+    assert len(placed["host_counts"]) == 2 and max(placed["peak_host_gb"]) <= study.HOST_MEMORY_GB
+    assert row["ratio_to_best_stock"] == pytest.approx(row["best_stock"]["iteration_s"] / placed["iteration_s"])
+    assert "recompute-only" in markdown([row]) and "placement" in markdown([row])
 
 
 def test_summary_counts_the_targets():
@@ -63,4 +74,5 @@ def test_cli_study_json(tiny, monkeypatch, capsys):
     assert cli.main(["study", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert isinstance(rows, list) and len(rows) == 1
-    assert {"regime", "best_stock", "pipemesh_auto", "ratio_to_best_stock", "fraction_of_limit"} <= set(rows[0])
+    assert {"regime", "best_stock", "pipemesh_auto", "ratio_to_best_stock", "fraction_of_limit",
+            "pipemesh_recompute_only", "placement_speedup"} <= set(rows[0])

@@ -99,23 +99,26 @@ def _timed_failure(run) -> None:
 
 # Recomputation and measured memory (tests/runtime/test_recompute.py, tests/planning/test_memory_model.py)
 RECOMPUTE_LEVELS = ("none", "selective", "full")
+PLACEMENTS = RECOMPUTE_LEVELS + ("host",)
 
 
 def recompute_plan(name: str, pp: int, vp: int, microbatches: int):
-    """Named recompute plans keyed (pipeline rank, chunk, micro-batch) -> level; None = no plan."""
+    """Named placement plans keyed (pipeline rank, chunk, micro-batch) -> level; None = no plan."""
     if name in ("plain", "measured"):
         return None
     keys = [(r, c, j) for r in range(pp) for c in range(vp) for j in range(microbatches)]
     if name == "mixed":  # every level on every rank and chunk, varying with the micro-batch
         return {(r, c, j): RECOMPUTE_LEVELS[(r + c + j) % 3] for r, c, j in keys if (r + c + j) % 3}
-    if name in RECOMPUTE_LEVELS:
+    if name == "placed":  # every placement kind (host included) on every rank and chunk
+        return {(r, c, j): PLACEMENTS[(r + c + j) % 4] for r, c, j in keys}
+    if name in PLACEMENTS:
         return {key: name for key in keys}
     raise ValueError(name)
 
 
 def recompute_runs(runs: List[str], pp: int = 2, vp: int = 2, microbatches: int = 8,
                    forward_groups=(6, 2), backward_groups=(4, 4), spec_kwargs: Optional[Dict] = None,
-                   config_overrides: Optional[Dict] = None):
+                   config_overrides: Optional[Dict] = None, failing_host_copy: bool = False):
     """PipeMesh on the same model and data for each named run: 'plain' (no recompute plan, no meter),
     'measured' (meter only), or a recompute plan name ('mixed', 'none', 'selective', 'full') with the
     meter. Returns losses, grads and the memory statistics of each run, plus the recompute switches
@@ -131,13 +134,44 @@ def recompute_runs(runs: List[str], pp: int = 2, vp: int = 2, microbatches: int 
         result = h.run_schedule(schedule, model, spec, microbatches)
         stats = schedule.last_stats
         result.update(summary=stats.summary(), peak=stats.peak_activation_bytes, saved=dict(stats.saved_bytes),
-                      outputs=dict(stats.output_bytes), source=stats.memory_source, plan=plan)
+                      outputs=dict(stats.output_bytes), source=stats.memory_source, plan=plan,
+                      peak_host=stats.peak_host_bytes, offloaded=dict(stats.offloaded_bytes))
         results[name] = result
+    if failing_host_copy:
+        results["failure"] = _failing_host_copy(model, spec, pp, vp, microbatches, forward_groups, backward_groups)
     attention = [m.checkpoint_core_attention for chunk in model for m in chunk.modules()
                  if hasattr(m, "checkpoint_core_attention")]
     results["restored"] = {"granularity": config.recompute_granularity, "method": config.recompute_method,
                            "num_layers": config.recompute_num_layers, "attention": attention}
     return results
+
+
+def placement_runs(runs: List[str], budget_fraction: float, failing_host_copy: bool = False):
+    """One launch for tests/runtime/test_offload_ranks.py: :func:`recompute_runs` (PP=2 V=2 m=8) and
+    :func:`planned_under_budget` with 'auto' activation placement at ``budget_fraction``."""
+    results = recompute_runs(runs, failing_host_copy=failing_host_copy)
+    results["auto_placement"] = planned_under_budget(budget_fraction, placement="auto")
+    return results
+
+
+def _failing_host_copy(model, spec, pp, vp, microbatches, forward_groups, backward_groups) -> str:
+    """Every rank's first OFFLOAD fails (the host buffer pool raises): return the runtime's error."""
+    from megatron_pipemesh.runtime import PipeMeshRuntimeError
+    from megatron_pipemesh.runtime.offload import HostBufferPool
+
+    def broken(self, nbytes):
+        raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
+
+    original, HostBufferPool.acquire = HostBufferPool.acquire, broken
+    try:
+        schedule = make_pipemesh(forward_groups, backward_groups, recompute=recompute_plan("host", pp, vp, microbatches),
+                                 p2p_timeout_s=5.0)
+        h.run_schedule(schedule, model, spec, microbatches)
+    except PipeMeshRuntimeError as error:
+        return str(error)
+    finally:
+        HostBufferPool.acquire = original
+    return "no error"
 
 
 def single_chunk_memory(shapes: List[Dict], dtypes: List[str]):
@@ -178,10 +212,11 @@ def single_chunk_memory(shapes: List[Dict], dtypes: List[str]):
     return out
 
 
-def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, microbatches: int = 8):
-    """Plan groups + recomputation for a budget below the no-recompute peak (memory model of
-    planning/memory.py for this model), run the plan with the meter, and return measured peaks and
-    losses next to a plain run's."""
+def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, microbatches: int = 8,
+                         placement: str = "recompute-only"):
+    """Plan groups + recomputation (``placement`` 'auto': and host placement) for a budget below the
+    no-recompute peak (memory model of planning/memory.py for this model), run the plan with the meter,
+    and return measured peaks and losses next to a plain run's."""
     h.init_parallel(pp=pp, vp=vp)
     from megatron_pipemesh.planning.costs import OpCosts
     from megatron_pipemesh.planning.memory import ActivationShape, chunk_bytes
@@ -189,7 +224,9 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
 
     spec = h.TinyGPT(num_layers=pp * vp)
     model = h.build_model(spec)
-    plain = h.run_schedule(make_pipemesh(measure_memory=True), model, spec, microbatches)
+    plain_schedule = make_pipemesh(measure_memory=True)
+    plain = h.run_schedule(plain_schedule, model, spec, microbatches)
+    plain_peak = plain_schedule.last_stats.peak_activation_bytes
     shape = ActivationShape(seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size,
                             hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
                             vocab_size=spec.vocab_size, dtype_bytes=4)
@@ -211,12 +248,18 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
 
     unplanned = max(r.peak_memory_bytes for r in simulate(ScheduleConfig.depth_first(pp, vp, microbatches), costs).ranks)
     budget = budget_fraction * unplanned
-    best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget)
+    from megatron_pipemesh.planning.planner import PlannerOptions
+
+    best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget, PlannerOptions(activation_placement=placement))
     schedule = make_pipemesh(best.config.forward_groups, best.config.backward_groups,
                              recompute={k: v for k, v in best.recompute.items() if v != "none"}, measure_memory=True)
     planned = h.run_schedule(schedule, model, spec, microbatches)
+    mine = best.result.ranks[dist.get_rank() % pp]
     return {"plain": plain, "planned": planned, "budget": budget, "unplanned_model_peak": unplanned,
             "measured_peak": schedule.last_stats.peak_activation_bytes,
-            "predicted_peak": best.result.ranks[dist.get_rank() % pp].peak_memory_bytes,
-            "recomputed": sum(1 for v in best.recompute.values() if v != "none"),
+            "predicted_peak": mine.peak_memory_bytes, "predicted_host_peak": mine.peak_host_bytes,
+            "measured_host_peak": schedule.last_stats.peak_host_bytes,
+            "plain_measured_peak": plain_peak,
+            "recomputed": sum(1 for v in best.recompute.values() if v not in ("none", "host")),
+            "hosted": sum(1 for v in best.recompute.values() if v == "host"),
             "groups": (best.config.forward_groups, best.config.backward_groups)}

@@ -17,8 +17,9 @@ def _env():
 
 
 def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
-    """Every CPU check passes (executor for every rank role under both wait policies, meter vs model within
-    10%, recompute switches), the GPU-only timing is skipped with a reason, and the printed JSON is the file."""
+    """Every CPU check passes (executor for every rank role under both wait policies, with host placement too,
+    meter vs model within 10%, recompute switches), the GPU-only timing and host link are skipped with a reason,
+    and the printed JSON is the file."""
     out = tmp_path / "summary.json"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--bench", "skip", "--out", str(out)],
                           cwd=str(REPO), env=_env(), capture_output=True, text=True, timeout=480)
@@ -26,8 +27,11 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     summary = json.loads(out.read_text())
     assert json.loads(proc.stdout) == summary and summary["passed"] and summary["mode"] == "cpu-only"
     checks = summary["checks"]
-    for name in ("executor_nccl", "executor_gloo", "meter", "recompute"):
+    for name in ("executor_nccl", "executor_gloo", "executor_host", "meter", "recompute"):
         assert checks[name]["status"] == "pass", (name, checks[name])
+    host = checks["executor_host"]
+    assert all(n > 0 for n in host["host_placed"]) and all(b > 0 for b in host["offloaded_bytes"])
+    assert checks["host_link"]["status"] == "skip" and "GPU" in checks["host_link"]["reason"]
     assert checks["executor_nccl"]["timed_waits"] == 0 < checks["executor_nccl"]["waits"]
     assert checks["executor_gloo"]["timed_waits"] == checks["executor_gloo"]["waits"] > 0
     assert checks["timing"]["status"] == "skip" and "GPU" in checks["timing"]["reason"]

@@ -66,12 +66,35 @@ def test_pipemesh_matches_default_schedule(base_args, uninterrupted):
     assert losses[-1] < losses[0]
 
 
+# The first half of the checkpoint test runs ELASTIC's groups from a plan file that places activations
+# on the host (OFFLOAD/RELOAD) and recomputes others: the trajectory must not change.
+HOST_PLAN = {(0, 0, 0): "host", (0, 0, 1): "host", (0, 0, 2): "host", (1, 0, 0): "host", (0, 1, 5): "selective",
+             (1, 1, 1): "full"}
+
+
+def _host_plan_file(work) -> str:
+    path = work / "host_plan.json"
+    path.write_text(json.dumps({"pp": 2, "vpp": 2, "microbatches": 8, "forward_groups": [6, 2], "backward_groups": [4, 4],
+                                "recompute": [{"rank": r, "chunk": c, "microbatch": j, "level": level}
+                                              for (r, c, j), level in HOST_PLAN.items()]}))
+    return str(path)
+
+
 def test_checkpoint_under_pipemesh_resumes_under_pipemesh_and_default(base_args, uninterrupted):
-    """A PipeMesh checkpoint resumes identically under PipeMesh and the default schedule."""
+    """A PipeMesh checkpoint (written by a run with host-placed activations, same losses) resumes identically
+    under PipeMesh and the default schedule."""
     work, args = base_args
     ckpt = str(work / "ckpt")
-    first = _log(_train(args + ELASTIC + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]))
+    out = _train(args + ["--pipeline-schedule", "pipemesh", "--pipemesh-plan", _host_plan_file(work),
+                         "--pipemesh-measure-memory", "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"])
+    first = _log(out)
     assert sorted(first[0]) == [1, 2, 3]
+    assert first[0] == {i: uninterrupted[0][i] for i in (1, 2, 3)}  # host placement leaves the trajectory
+    plan_line = next(line for line in out.splitlines() if line.startswith("PipeMesh plan:"))
+    assert re.search(r"\| host 3 \([0-9.]+ MiB\) 1 \([0-9.]+ MiB\) per rank \|", plan_line), plan_line
+    assert "recompute full 1, selective 1 of 32" in plan_line
+    hosts = [line for line in out.splitlines() if "PipeMesh [iteration" in line]
+    assert hosts and all(re.search(r"\| peak host MiB [0-9.]*[1-9][0-9.]* [0-9.]*[1-9]", line) for line in hosts), hosts
     resumed_pipemesh = _log(_train(args + ELASTIC + ["--load", ckpt]))
     resumed_default = _log(_train(args + ["--load", ckpt]))
     assert resumed_pipemesh == resumed_default
@@ -91,8 +114,9 @@ def test_auto_plan_measures_replans_and_keeps_the_losses(base_args, uninterrupte
     profile = work / "profile.json"
     auto = ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
             "--pipemesh-memory-budget-gb", "2", "--pipemesh-device-tflops", "0.05", "--pipemesh-profile", str(profile)]
-    out = _train(args + auto + ["--pipemesh-measure-iters", "2"])
-    assert "PipeMesh plan (auto, analytic costs" in out
+    # 'auto' activation placement: the ranks' host memory shares are rank-local, agreed on at the first call
+    out = _train(args + auto + ["--pipemesh-measure-iters", "2", "--pipemesh-activation-placement", "auto"])
+    assert "PipeMesh plan (auto, analytic costs" in out and "activation placement auto, host link 200 Gbit/s" in out
     assert "PipeMesh measured costs" in out and "PipeMesh plan (measured)" in out
     assert _log(out) == uninterrupted
     measured = json.loads(profile.read_text())

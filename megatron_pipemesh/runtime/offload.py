@@ -1,0 +1,327 @@
+"""Host placement of activations: the runtime side of the ``OFFLOAD c.j`` / ``RELOAD c.j`` ops.
+
+A chunk-micro-batch whose placement level is ``'host'`` (``schedule.lower.HOST_LEVEL``) runs its
+forward with recompute level ``'none'`` under :meth:`ActivationOffloader.hooks`
+(``torch.autograd.graph.saved_tensors_hooks``): every tensor autograd saves for the backward is
+packed into a :class:`_Saved` handle (a detached alias plus the view metadata); unpack returns the
+tensor from wherever it lives at that moment.
+
+* ``OFFLOAD c.j`` (:meth:`ActivationOffloader.offload`) copies the *storages* behind the live handles
+  into host buffers and drops the device references, so the device memory is freed. Storages are
+  deduplicated (two saved views of one storage travel once and come back as views of one storage).
+* ``RELOAD c.j`` (:meth:`ActivationOffloader.reload`) copies each storage back into a fresh device
+  buffer and rebuilds every handle's tensor as the same view of it; the host buffers return to the
+  pool. :meth:`ActivationOffloader.wait` (called just before ``B c.j``) makes the backward wait for
+  the reload; an unpack of a tensor still on the host is an error (the lowering puts RELOAD first).
+
+The executor's own tensors: the chunk's **input** (the received activation, which the first layer
+saves and whose ``.grad`` ``backward_step`` reads) is offloaded with the saved tensors and its
+``.data`` swapped for an empty placeholder until the reload puts the reloaded view back (``swap``:
+the tensor object, a leaf autograd knows, stays the same; Megatron's ``deallocate_output_tensor``
+uses the same trick for sent outputs). The chunk's **output** stays (``keep``): it is the backward's
+root, freed by ``deallocate_output_tensor`` after its send as usual (on the last stage it is the loss).
+
+What is *not* offloaded (stays on the device, even when saved): parameters and registered buffers
+and anything sharing their storage; Parameter objects; tensors on another device or without a real
+storage (sparse, meta, tensor subclasses without one); ``keep`` tensors and what aliases them.
+
+Copies and buffers:
+
+* CUDA: device-to-host copies run on one side stream and host-to-device copies on another (the
+  link is full-duplex), both non-blocking, into pinned host buffers taken from
+  :class:`HostBufferPool` (keyed by size in bytes, grown only when no free buffer of that size is
+  left: after the first iteration no pinned memory is allocated). Ordering uses events only (no
+  host synchronisation): the offload stream waits for the compute stream (the forward wrote the
+  tensors); the reload stream waits for the offload's completion and for the compute stream at the
+  point where the device buffer was allocated; the compute stream waits for the reload before the
+  backward; a host buffer goes back to the pool with the event of the copy that last read it and
+  the next user's stream waits for that event. ``record_stream`` marks every device storage the
+  side streams touched, so the caching allocator reuses it only after the copy finished.
+* CPU: the same code with synchronous copies into (unpinned) pool buffers; "device memory" is
+  freed by dropping the references to the original storages. Numerics and placement are therefore
+  tested on CPU exactly as they run on CUDA, minus the streams.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+
+import torch
+
+Key = Hashable
+
+
+class OffloadError(RuntimeError):
+    """A host copy cannot run (unknown key, wrong order); the executor adds rank, step and op."""
+
+
+class _Saved:
+    """What autograd holds instead of a saved tensor: the tensor, or where its bytes are."""
+
+    __slots__ = ("tensor", "dtype", "offset", "size", "stride", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.dtype, self.offset = tensor.dtype, tensor.storage_offset()
+        self.size, self.stride = tuple(tensor.size()), tuple(tensor.stride())
+
+
+def _storage_ptr(tensor: torch.Tensor) -> Optional[int]:
+    try:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, meta, subclasses
+        return None
+    return ptr if ptr and storage.nbytes() else None
+
+
+def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over ``tensor``'s whole storage."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class HostBufferPool:
+    """Reusable host buffers (pinned on CUDA), keyed by size in bytes.
+
+    ``acquire`` returns a free buffer of exactly that size (allocating only when none is free) and the
+    event of the last copy that read it (None when free to use); ``release`` returns it with that event.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: Dict[int, List[Tuple[torch.Tensor, object]]] = {}
+        self.allocated_bytes = 0
+        """Host bytes this pool ever allocated (its footprint: buffers are never given back)."""
+        self.allocations = 0
+
+    def acquire(self, nbytes: int) -> Tuple[torch.Tensor, object]:
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+
+    def release(self, buffer: torch.Tensor, event: object = None) -> None:
+        self._free.setdefault(buffer.numel(), []).append((buffer, event))
+
+
+@dataclass
+class _Group:
+    """One offloaded storage: its host buffer and the handles that view it."""
+
+    nbytes: int
+    handles: List[Callable[[], Optional[_Saved]]]
+    """Weak references to autograd's handles (and strong ones to swapped tensors' records)."""
+    host: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _Entry:
+    """Host-placement state of one key (chunk, micro-batch) in the current call."""
+
+    handles: List["weakref.ref[_Saved]"] = field(default_factory=list)
+    state: str = "device"
+    """'device' (captured by the forward), 'host' (offloaded), 'reloaded'."""
+    groups: List[_Group] = field(default_factory=list)
+    offload_done: object = None
+    """CUDA event: the device-to-host copies finished (host buffers valid)."""
+    reload_done: object = None
+    """CUDA event: the host-to-device copies finished (the backward may run)."""
+    host_bytes: int = 0
+    swapped: List[Tuple[torch.Tensor, _Saved]] = field(default_factory=list)
+    """The caller's tensors whose ``.data`` is empty while offloaded, with where their view comes back."""
+
+
+class ActivationOffloader:
+    """Moves the saved activations of host-placed keys to host memory and back (see module doc).
+
+    One instance per schedule (its pool and streams live across calls); :meth:`clear` ends a call.
+    ``meter`` (optional, :mod:`.memory`) is told which storages moved (``offloaded`` / ``reloaded``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pool = HostBufferPool(pin=self.cuda)
+        self._d2h = self._h2d = None
+        if self.cuda:  # full-duplex link: one stream per direction
+            self._d2h = torch.cuda.Stream(device=self.device)
+            self._h2d = torch.cuda.Stream(device=self.device)
+        self._entries: Dict[Key, _Entry] = {}
+        self._excluded: set = set()
+        self.meter = None
+        self.host_bytes = 0
+        """Bytes of activations currently in host buffers."""
+        self.peak_host_bytes = 0
+
+    # Per call ------------------------------------------------------------------------------------
+    def begin(self, excluded: Iterable[torch.Tensor] = (), meter=None) -> None:
+        """Start a call: ``excluded`` storages (parameters, buffers) never move."""
+        self.clear()
+        self._excluded = {p for p in (_storage_ptr(t) for t in excluded) if p is not None}
+        self.meter = meter
+        self.peak_host_bytes = 0
+
+    def clear(self) -> None:
+        """Forget every key (end of call or failure); host buffers go back to the pool."""
+        for entry in self._entries.values():
+            for group in entry.groups:
+                if group.host is not None:
+                    self.pool.release(group.host, entry.offload_done)
+                    group.host = None
+        self._entries = {}
+        self.host_bytes = 0
+
+    # Capture -------------------------------------------------------------------------------------
+    def hooks(self, key: Key) -> Tuple[Callable, Callable]:
+        """(pack, unpack) for ``saved_tensors_hooks`` around ``key``'s forward."""
+        if key in self._entries:
+            raise OffloadError(f"chunk-micro-batch {key} was already captured in this call")
+        entry = self._entries[key] = _Entry()
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.Tensor):
+                return tensor
+            handle = _Saved(tensor.detach())  # detached alias: no reference cycle through grad_fn
+            entry.handles.append(weakref.ref(handle))
+            return handle
+
+        def unpack(handle):
+            if not isinstance(handle, _Saved):
+                return handle
+            if handle.tensor is None:
+                raise OffloadError(f"the backward of chunk-micro-batch {key} needs a tensor that is still in host "
+                                   "memory (RELOAD must run before the backward)")
+            return handle.tensor
+
+        return pack, unpack
+
+    def _entry(self, key: Key, expected: str, what: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise OffloadError(f"{what}: chunk-micro-batch {key} has no captured activations (its forward did not "
+                               "run with host placement in this call)")
+        if entry.state != expected:
+            raise OffloadError(f"{what}: chunk-micro-batch {key} is in state {entry.state!r}, expected {expected!r}")
+        return entry
+
+    def _movable(self, tensor: torch.Tensor, keep: set) -> Optional[int]:
+        if isinstance(tensor, torch.nn.Parameter) or tensor.device != self.device:
+            return None
+        ptr = _storage_ptr(tensor)
+        return None if ptr is None or ptr in self._excluded or ptr in keep else ptr
+
+    # Copies --------------------------------------------------------------------------------------
+    def offload(self, key: Key, keep: Iterable[Optional[torch.Tensor]] = (),
+                swap: Iterable[Optional[torch.Tensor]] = ()) -> int:
+        """Launch the copy of ``key``'s saved storages to host memory and drop them from the device
+        (``keep``: tensors the caller holds that must stay, e.g. the chunk's output; ``swap``: tensors the
+        caller holds whose storage may go, their ``.data`` emptied until :meth:`reload`, e.g. the input).
+        Returns bytes."""
+        entry = self._entry(key, "device", "OFFLOAD")
+        keep_ptrs = {p for p in (_storage_ptr(t) for t in keep if isinstance(t, torch.Tensor)) if p is not None}
+        groups: Dict[int, Tuple[torch.Tensor, _Group]] = {}
+        for ref in entry.handles:
+            handle = ref()
+            if handle is None or handle.tensor is None:
+                continue  # its graph died during the forward (e.g. dropped intermediate results)
+            ptr = self._movable(handle.tensor, keep_ptrs)
+            if ptr is None:
+                continue
+            if ptr not in groups:
+                source = _bytes_view(handle.tensor)
+                groups[ptr] = (source, _Group(source.numel(), []))
+            groups[ptr][1].handles.append(ref)
+        entry.handles = []
+        for tensor in swap:  # the caller's own reference to a moving storage: emptied, restored at reload
+            ptr = _storage_ptr(tensor) if isinstance(tensor, torch.Tensor) else None
+            if ptr in groups and tensor.device == self.device:
+                record = _Saved(tensor.detach())
+                groups[ptr][1].handles.append(lambda record=record: record)  # a strong "reference"
+                entry.swapped.append((tensor, record))
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        stream = self._d2h
+        if self.cuda:
+            ready = torch.cuda.current_stream(self.device).record_event()
+            stream.wait_event(ready)  # the forward wrote these tensors on the compute stream
+        with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+            for source, group in groups.values():
+                group.host, previous_reader = self.pool.acquire(group.nbytes)
+                if previous_reader is not None:
+                    stream.wait_event(previous_reader)
+                group.host.copy_(source, non_blocking=self.cuda)
+                if self.cuda:
+                    source.record_stream(stream)  # freed storage is reused only after the copy
+            if self.cuda:
+                entry.offload_done = stream.record_event()
+        for _, group in groups.values():  # the device copies are now referenced by nobody here
+            for ref in group.handles:
+                handle = ref()
+                if handle is not None:
+                    handle.tensor = None
+        moved = [(ptr, group.nbytes) for ptr, (_, group) in groups.items()]
+        entry.groups = [group for _, group in groups.values()]
+        entry.host_bytes = sum(n for _, n in moved)
+        entry.state = "host"
+        self.host_bytes += entry.host_bytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        if self.meter is not None:
+            self.meter.offloaded(key, moved)
+        return entry.host_bytes
+
+    def reload(self, key: Key) -> int:
+        """Launch the copy of ``key``'s storages back to the device; returns bytes."""
+        entry = self._entry(key, "host", "RELOAD")
+        stream = self._h2d
+        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=self.device) for group in entry.groups]
+        if self.cuda:
+            # The buffers were allocated in the compute stream's order, and the host bytes must be complete.
+            stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+            if entry.offload_done is not None:
+                stream.wait_event(entry.offload_done)
+        with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+            for target, group in zip(targets, entry.groups):
+                target.copy_(group.host, non_blocking=self.cuda)
+                if self.cuda:
+                    target.record_stream(stream)
+            if self.cuda:
+                entry.reload_done = stream.record_event()
+        moved = []
+        for target, group in zip(targets, entry.groups):
+            self.pool.release(group.host, entry.reload_done)  # reusable once this copy has read it
+            group.host = None
+            storage = target.untyped_storage()
+            for ref in group.handles:
+                handle = ref()
+                if handle is not None:
+                    handle.tensor = torch.empty(0, dtype=handle.dtype, device=self.device).set_(
+                        storage, handle.offset, handle.size, handle.stride)
+            moved.append((storage.data_ptr(), group.nbytes))
+        for tensor, record in entry.swapped:
+            tensor.data = record.tensor
+            record.tensor = None
+        entry.swapped = []
+        entry.groups = []
+        entry.state = "reloaded"
+        self.host_bytes -= entry.host_bytes
+        if self.meter is not None:
+            self.meter.reloaded(key, moved)
+        return entry.host_bytes
+
+    def wait(self, key: Key) -> None:
+        """Just before ``key``'s backward: the compute stream waits for its reload (no host sync)."""
+        entry = self._entry(key, "reloaded", "backward")
+        if entry.reload_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.reload_done)
+
+    def release(self, key: Key) -> None:
+        """``key``'s backward finished."""
+        self._entries.pop(key, None)
+
+    def placed(self, key: Key) -> bool:
+        return key in self._entries
+
