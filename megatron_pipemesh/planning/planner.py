@@ -22,8 +22,10 @@ Pure: no torch, no processes.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -143,13 +145,14 @@ class PlannerOptions:
     per chunk-micro-batch, :func:`fit_with_placement`) or 'device' (no lever: a plan over budget does not fit)."""
     host_budget_bytes: Optional[float] = None
     """Host memory per rank offloaded activations may hold (None = unlimited)."""
-    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
-    """Compute ops between a RELOAD's launch and its backward."""
+    reload_lookahead: Optional[int] = None
+    """Compute ops between a RELOAD's launch and its backward; None: enough forwards to hide one copy
+    (:func:`reload_lookahead_for`)."""
 
     def __post_init__(self) -> None:
         if self.activation_placement not in PLACEMENT_MODES:
             raise ValueError(f"activation placement {self.activation_placement!r}: use one of {', '.join(PLACEMENT_MODES)}")
-        if self.reload_lookahead < 1:
+        if self.reload_lookahead is not None and self.reload_lookahead < 1:
             raise ValueError(f"reload_lookahead must be >= 1, got {self.reload_lookahead}")
         if self.host_budget_bytes is not None and not self.host_budget_bytes >= 0:
             raise ValueError(f"host memory budget must be >= 0 bytes, got {self.host_budget_bytes}")
@@ -297,7 +300,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
         if not changed:
             break
         result = simulate(config, costs, plan, schedule, sharding)
-    return Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead)
+    return Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead or DEFAULT_RELOAD_LOOKAHEAD)
 
 
 class _RankModel:
@@ -515,6 +518,127 @@ def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: Recomp
     return changed
 
 
+class _Curve:
+    """A rank's device memory as steps (time, bytes from then on), edited by intervals."""
+
+    def __init__(self, steps: List[Tuple[float, float]]):
+        self.times, self.values = [], []
+        for t, value in steps:
+            if self.times and self.times[-1] == t:
+                self.values[-1] = value
+            else:
+                self.times.append(t)
+                self.values.append(value)
+
+    def _index(self, t: float) -> int:
+        """Index of the step starting at ``t`` (inserted if missing)."""
+        i = bisect.bisect_left(self.times, t)
+        if i < len(self.times) and self.times[i] == t:
+            return i
+        self.times.insert(i, t)
+        self.values.insert(i, self.values[i - 1] if i else 0.0)
+        return i
+
+    def peak(self, start: float, end: float) -> float:
+        """Largest value on [start, end)."""
+        if end <= start:
+            return -math.inf
+        i = max(bisect.bisect_right(self.times, start) - 1, 0)
+        j = bisect.bisect_left(self.times, end)
+        return max(self.values[i:max(j, i + 1)])
+
+    def add(self, start: float, end: float, delta: float) -> None:
+        if end <= start:
+            return
+        i, j = self._index(start), self._index(end)
+        for k in range(i, j):
+            self.values[k] += delta
+
+
+def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, options: PlannerOptions,
+                           rounds: int = 2, sharding=None) -> Plan:
+    """Improve a fitting plan by trading recomputation for host copies: per rank, the recomputed
+    chunk-micro-batches that save the most backward time first (longest-waiting first among equals) go
+    to the host where the estimated copies (:class:`_RankModel`, contention included) expose less wait
+    than the recomputation saved and the device memory stays within the budget while the bytes are on
+    the device (from the forward to the offload's end, from the reload's start to the backward's end).
+    The estimate holds compute times fixed; the re-simulation is the judge: if the plan no longer fits
+    or is not faster, only the first half of each rank's moves is kept, and so on (at most 4 halvings)."""
+    best = start
+    host_budget = math.inf if options.host_budget_bytes is None else options.host_budget_bytes
+    for _ in range(rounds):
+        moves = [_host_moves(best, costs, rank, options, host_budget) for rank in range(config.pp)]
+        if not any(moves):
+            break
+        improved = False
+        for halving in range(5):
+            plan = dict(best.recompute)
+            for rank_moves in moves:
+                for key in rank_moves[:math.ceil(len(rank_moves) / 2 ** halving)]:
+                    plan[key] = HOST_LEVEL
+            lowering = lowering_for(costs, plan, options.reload_lookahead)
+            schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+            candidate = Plan(config, plan, simulate(config, costs, plan, schedule, sharding), best.budget_bytes, sharding,
+                             options.host_budget_bytes, options.reload_lookahead)
+            if candidate.fits and candidate.result.iteration_s < best.result.iteration_s:
+                best, improved = candidate, True
+                break
+        if not improved:
+            break
+    return best
+
+
+def _host_moves(plan: Plan, costs: OpCosts, rank: int, options: PlannerOptions, host_budget: float) -> List[Tuple[int, int, int]]:
+    """The recomputed chunk-micro-batches of ``rank`` that :func:`_offload_recomputation` moves to the host,
+    in the order chosen (most recomputation saved first)."""
+    result, levels = plan.result, plan.recompute
+    adapter = ScheduleCosts(plan.config, costs, levels)
+    model = _RankModel(result, adapter, rank, options.reload_lookahead)
+    curve = _Curve(result.memory[rank])
+    host = {(c, j) for (r, c, j), level in levels.items() if r == rank and level == HOST_LEVEL}
+    _, exposed = model.windows(host)
+    candidates = sorted(((costs.recompute_s.get(level, 0.0), model.wait_before_backward((c, j)), (c, j))
+                         for (r, c, j), level in levels.items()
+                         if r == rank and level not in ("none", HOST_LEVEL) and costs.recompute_s.get(level, 0.0) > 0),
+                        reverse=True)
+    chosen = []
+    for saved, _, key in candidates:
+        f_start, f_end, _, _, ready, b_start, b_end, copy, _ = model.keys[key]
+        if f_end + 2 * copy > ready:
+            continue  # both copies cannot fit between the forward and the backward
+        trial = host | {key}
+        trial_windows, trial_exposed = model.windows(trial)
+        if trial_exposed - exposed >= saved:
+            continue
+        if host_budget < math.inf and model.host_peak(trial_windows) > host_budget:
+            continue
+        level = levels[(rank,) + key]
+        whole, kept = adapter.bytes_at(rank, key[0], "none"), adapter.bytes_at(rank, key[0], level)
+        transient = costs.transient_bytes.get(level, 0.0)
+        off_end, rel_start = trial_windows[key][1], trial_windows[key][2]
+        if max(curve.peak(f_start, off_end), curve.peak(rel_start, b_end)) + whole - kept > plan.budget_bytes:
+            continue
+        curve.add(f_start, off_end, whole - kept)
+        curve.add(off_end, rel_start, -kept)
+        curve.add(rel_start, b_end, whole - kept)
+        curve.add(b_start, b_end, -transient)
+        chosen.append((rank,) + key)
+        host, exposed = trial, trial_exposed
+    return chosen
+
+
+def reload_lookahead_for(config: ScheduleConfig, costs: OpCosts, options: PlannerOptions) -> int:
+    """``options.reload_lookahead``, or (None) the compute ops a reload needs to hide behind: its copy time
+    over the shortest compute op (a forward), at least the lowering's default. Reloading earlier keeps the
+    bytes on the device longer; the simulation charges both."""
+    if options.reload_lookahead is not None:
+        return options.reload_lookahead
+    adapter = ScheduleCosts(config, costs)
+    copy = max(adapter.host_copy(rank, Op(OpKind.RELOAD, chunk, 0)) for rank in range(config.pp) for chunk in range(config.vpp))
+    shortest = min(adapter.compute(rank, Op(OpKind.FORWARD, chunk, 0)) for rank in range(config.pp) for chunk in range(config.vpp))
+    return max(DEFAULT_RELOAD_LOOKAHEAD, math.ceil(copy / shortest) if shortest > 0 else DEFAULT_RELOAD_LOOKAHEAD)
+
+
 def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
                        options: PlannerOptions = PlannerOptions(activation_placement="auto"), sharding=None) -> Plan:
     """The memory levers of ``options.activation_placement`` applied to ``config`` until every rank fits.
@@ -524,11 +648,13 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     recomputation by bytes freed per second of added time, the copy slack estimated from the current
     simulation), then one re-simulation (the truth: the peak may move, copies may contend); a rank
     over the host budget gives back offloads to recomputation. A plan that recomputes, waits on host
-    copies or does not fit is compared with recomputation alone (same budget), and the faster fitting
-    one is returned, so 'auto' is never slower than 'recompute-only' on a candidate.
+    copies or does not fit is compared with recomputation alone (same budget); the fitting ones are then
+    improved by trading recomputation for hidden copies (:func:`_offload_recomputation`), and the fastest
+    is returned, so 'auto' is never slower than 'recompute-only' on a candidate.
     """
     allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
     plan: RecomputePlan = {}
+    options = dataclasses.replace(options, reload_lookahead=reload_lookahead_for(config, costs, options))
 
     def run(plan):
         lowering = lowering_for(costs, plan, options.reload_lookahead)
@@ -553,12 +679,12 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     # Without recomputation and without a wait on the host link the plan runs exactly as the bare schedule
     # (copies block nothing else): nothing can be faster. Otherwise recomputation alone may be.
     costly = any(r.recompute_s > 0 or r.exposed_host_s > 0 for r in result.ranks)
-    if options.activation_placement == "auto" and (not placed.fits or costly):
-        alone = fit_with_recompute(config, costs, budget_bytes, dataclasses.replace(options, activation_placement="recompute-only"),
-                                   sharding)
-        if alone.fits and (not placed.fits or alone.result.iteration_s < result.iteration_s):
-            return alone
-    return placed
+    if options.activation_placement != "auto" or (placed.fits and not costly):
+        return placed
+    alone = fit_with_recompute(config, costs, budget_bytes, dataclasses.replace(options, activation_placement="recompute-only"),
+                               sharding)
+    fitting = [_offload_recomputation(config, costs, plan, options, sharding=sharding) for plan in (placed, alone) if plan.fits]
+    return min(fitting, key=lambda plan: plan.result.iteration_s) if fitting else placed
 
 
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,

@@ -114,12 +114,17 @@ def _commodity() -> Tuple[StudyRow, ...]:
     for gbps in (10.0, 50.0):
         rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, gbps))
     rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, 6.25, grad_reduce_in_bf16=True))
+    # Transformer Engine's flash attention keeps no s x s scores: selective recomputation frees little and
+    # full recomputation is the lever, where activation placement (host memory) competes with it.
+    for model, tp in (("GPT-6.7B", 1), ("GPT-13B", 2)):
+        rows.append(StudyRow("commodity", model, tp, 4, 2, 64, 24, 25.0, layer_spec="te"))
     return tuple(rows)
 
 
 COMMODITY: Tuple[StudyRow, ...] = _commodity()
 """The commodity subset: 8 layouts (every model, TP 1 / 2 / 2+SP, DP 2-8, 24/32/40 GB) x 6.25 and
-25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B layout."""
+25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B layout, and GPT-6.7B TP1 /
+GPT-13B TP2 on 24 GB with Transformer Engine's layer spec at 25 Gbit/s."""
 
 DATACENTRE: Tuple[StudyRow, ...] = (
     StudyRow("datacentre", "GPT-7B", 2, 4, 2, 64, 40, 25.0, True),
