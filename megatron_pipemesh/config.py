@@ -215,15 +215,17 @@ class PipeMeshConfig:
         return out
 
     def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None,
-                         sharding=None):
+                         sharding=None, reload_lookahead=None):
         """The runtime's :class:`~megatron_pipemesh.runtime.PipeMeshOptions` for these settings, with the
-        validated groups, recomputation and sharding levels (imports the runtime, hence torch)."""
+        validated groups, recomputation, sharding levels and the plan's reload lookahead (imports the runtime,
+        hence torch)."""
         from .runtime import PipeMeshOptions
 
         return PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
                                recv_lookahead=self.recv_lookahead, p2p_timeout_s=timeout_s,
                                recompute=recompute or None, measure_memory=self.measure_memory,
-                               sharding=sharding)
+                               sharding=sharding,
+                               **({} if reload_lookahead is None else {"reload_lookahead": reload_lookahead}))
 
 
 def dest(name: str) -> str:

@@ -26,6 +26,7 @@ from ..planning.costs import DEFAULT_HOST_LINK_GBPS
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import HOST_LEVEL
+from ..planning.simulator import DEFAULT_RELOAD_LOOKAHEAD
 
 PLAN_LEVELS = RECOMPUTE_LEVELS + (HOST_LEVEL,)
 """Levels a plan file may give a chunk-micro-batch (recomputation, or host placement)."""
@@ -49,6 +50,8 @@ class ResolvedPlan:
     from the device); None when neither applies."""
     sharding: Optional[Tuple[str, ...]] = None
     """ZeRO level per chunk saved in a plan made with ``pipemesh plan --sharding``; None: not in the plan."""
+    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
+    """Compute ops between a RELOAD and its backward, as planned (the lowering must use the plan's value)."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -217,8 +220,9 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                f"{_placement_note(options, link)}): {best.summary()}")
     if sharding_auto:
         levels = best.sharding.spec.levels
-        return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels)
-    return ResolvedPlan(best.config, dict(best.recompute), summary, replan)
+        return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels,
+                            best.reload_lookahead)
+    return ResolvedPlan(best.config, dict(best.recompute), summary, replan, reload_lookahead=best.reload_lookahead)
 
 
 def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
@@ -252,7 +256,7 @@ def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
                   **_host_replan(options, link, host_local)}
     summary = (f"PipeMesh plan (given groups, budget {budget:.2f} GiB{_placement_note(options, link)}): "
                f"{plan.summary()}")
-    return ResolvedPlan(config, dict(plan.recompute), summary, replan)
+    return ResolvedPlan(config, dict(plan.recompute), summary, replan, reload_lookahead=plan.reload_lookahead)
 
 
 def _plan_level(level) -> bool:
@@ -290,6 +294,10 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     if outside:
         raise ValueError(f"--pipemesh-plan {path}: entries {outside[:3]} (rank, chunk, micro-batch) are outside p, V, m = "
                          f"{(pp, vpp, microbatches)}")
+    lookahead = data.get("reload_lookahead", DEFAULT_RELOAD_LOOKAHEAD)
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 1:
+        raise ValueError(f"--pipemesh-plan {path}: reload_lookahead {lookahead!r} must be an integer >= 1 (compute ops "
+                         "between a RELOAD and its backward); re-run `pipemesh plan --output`")
     sharding = None
     if data.get("sharding") is not None:
         from ..planning.sharding import ShardingError, parse_levels
@@ -301,4 +309,5 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     hosted = sum(1 for level in recompute.values() if level == HOST_LEVEL)
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
                                            f"{recomputed} recomputed and {hosted} host-placed chunk-micro-batches"
-                                           + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding)
+                                           + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding,
+                        reload_lookahead=lookahead)

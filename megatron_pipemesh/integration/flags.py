@@ -51,6 +51,8 @@ class PipeMeshArgs:
     """The flags as given (the source of the runtime's options and of the start-up report)."""
     sharding: Optional[Tuple[str, ...]] = None
     """Validated ZeRO level per virtual chunk (--pipemesh-sharding); None: not given."""
+    reload_lookahead: int = 2
+    """Compute ops between a RELOAD and its backward: the plan's (2, the lowering's default, without a plan)."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -135,7 +137,7 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=tuple(planned)))
         return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
                             resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings,
-                            sharding=sharding)
+                            sharding=sharding, reload_lookahead=resolved.reload_lookahead)
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:
@@ -155,7 +157,8 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
         return PipeMeshArgs(True, config.forward_groups, config.backward_groups, lookahead, timeout_s, config,
-                            resolved.recompute, resolved.summary, resolved.replan, flags=settings, sharding=sharding)
+                            resolved.recompute, resolved.summary, resolved.replan, flags=settings, sharding=sharding,
+                            reload_lookahead=resolved.reload_lookahead)
     return PipeMeshArgs(True, forward_groups, backward_groups, lookahead, timeout_s, config, flags=settings,
                         sharding=sharding)
 

@@ -73,17 +73,19 @@ def activate(settings) -> None:
         _STATE["schedule"] = None
         return
 
-    def make_schedule(forward_groups, backward_groups, recompute):
+    def make_schedule(forward_groups, backward_groups, recompute, reload_lookahead=None):
         options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s,
-                                                  settings.sharding)
+                                                  settings.sharding, reload_lookahead)
         return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
 
-    schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute)
+    schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute,
+                             settings.reload_lookahead)
     if settings.replan:
         from .measured import MeasuredReplanner
         replan = dict(settings.replan)
         schedule = MeasuredReplanner(
-            schedule, lambda config, recompute: make_schedule(config.forward_groups, config.backward_groups, recompute),
+            schedule, lambda plan: make_schedule(plan.config.forward_groups, plan.config.backward_groups,
+                                                 dict(plan.recompute), plan.reload_lookahead),
             **replan)
     _STATE["schedule"] = schedule
     if settings.summary and os.environ.get("RANK", "0") == "0":

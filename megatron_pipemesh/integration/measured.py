@@ -59,6 +59,7 @@ class MeasuredReplanner:
                  distributed_optimizer: bool, costs_for=None, agree_on_budget: bool = False,
                  planner_options: Optional[PlannerOptions] = None, host_link_gbps: Optional[float] = None,
                  agree_on_host: bool = False, fixed_config=None):
+        # make_schedule(plan) -> a PipeMeshSchedule running the plan's groups, placement and reload lookahead.
         self.schedule, self.make_schedule, self.analytic_costs_for = schedule, make_schedule, analytic_costs_for
         self.costs_for = costs_for or analytic_costs_for
         self.budget_bytes, self.pp, self.vpp, self.microbatches = budget_bytes, pp, vpp, microbatches
@@ -108,7 +109,7 @@ class MeasuredReplanner:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
                                  "memory on that device or give --pipemesh-memory-budget-gb") from error
-        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
+        self.schedule = self.make_schedule(best).continue_from(self.schedule)
         if rank0:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
                   f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
@@ -143,7 +144,7 @@ class MeasuredReplanner:
         self.host_link_gbps = agreed[0]
         self.planner_options = dataclasses.replace(self.planner_options, host_budget_bytes=agreed[1])
         best = self._plan(self.costs_for, self.budget_bytes)
-        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
+        self.schedule = self.make_schedule(best).continue_from(self.schedule)
         if dist.get_rank() == 0:
             host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
             print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
@@ -183,6 +184,6 @@ class MeasuredReplanner:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)
             return
-        self.schedule = self.make_schedule(best.config, dict(best.recompute)).continue_from(self.schedule)
+        self.schedule = self.make_schedule(best).continue_from(self.schedule)
         if rank0:
             print(f"PipeMesh plan (measured): {best.summary()}", flush=True)

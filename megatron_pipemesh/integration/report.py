@@ -30,7 +30,8 @@ PICTURE_RANKS = 4
 """Pipeline ranks drawn by --pipemesh-print-schedule (the picture of 64 ranks helps nobody)."""
 
 
-def training_lowering(args, recv_lookahead: int, recompute: Optional[Dict] = None, sharding=()) -> LoweringOptions:
+def training_lowering(args, recv_lookahead: int, recompute: Optional[Dict] = None, sharding=(),
+                      reload_lookahead: int = LoweringOptions.reload_lookahead) -> LoweringOptions:
     """The lowering the runtime uses for training iterations with these Megatron args, placement plan and
     sharding levels (its digest is the one the runtime checks across ranks): Megatron sets ``grad_sync_func`` only with
     ``--overlap-grad-reduce`` and ``align_grad_reduce``, ``param_sync_func`` only with
@@ -40,7 +41,8 @@ def training_lowering(args, recv_lookahead: int, recompute: Optional[Dict] = Non
         recv_lookahead=recv_lookahead,
         param_sync=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False)),
         grad_sync=bool(getattr(args, "overlap_grad_reduce", False) and getattr(args, "align_grad_reduce", True)),
-        forward_only=False, host_placement=host_placement_of(recompute), sharding=tuple(sharding or ()))
+        forward_only=False, host_placement=host_placement_of(recompute), sharding=tuple(sharding or ()),
+        reload_lookahead=reload_lookahead)
 
 
 def _cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
@@ -147,7 +149,8 @@ def plan_line(args, settings) -> str:
     """The one-line ``PipeMesh plan:`` summary of validated settings (:class:`~.flags.PipeMeshArgs`)."""
     config: ScheduleConfig = settings.config
     sharding = getattr(settings, "sharding", None)
-    digest = lower(config, training_lowering(args, settings.recv_lookahead, settings.recompute, sharding)).digest()
+    digest = lower(config, training_lowering(args, settings.recv_lookahead, settings.recompute, sharding,
+                                             getattr(settings, "reload_lookahead", LoweringOptions.reload_lookahead))).digest()
     flags = settings.flags
     origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
               else "given groups" if flags.forward_groups else "Megatron's group size")

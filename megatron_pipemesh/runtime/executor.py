@@ -82,6 +82,8 @@ class PipeMeshOptions:
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
     sharding: Optional[Tuple[str, ...]] = None
     """ZeRO level per chunk (--pipemesh-sharding; :mod:`.sharding`); None: Megatron's own data parallelism."""
+    reload_lookahead: int = LoweringOptions.reload_lookahead
+    """Compute ops between a RELOAD and its backward: the plan's (the planner sizes it from the copy time)."""
 
 
 TAG_LIMIT = 1 << 30
@@ -273,7 +275,8 @@ class _Run:
                                    grad_sync=self.grad_sync_func is not None,
                                    forward_only=forward_only,
                                    sharding=() if forward_only else tuple(owner.options.sharding or ()),
-                                   host_placement=() if forward_only else host_placement_of(owner.options.recompute))
+                                   host_placement=() if forward_only else host_placement_of(owner.options.recompute),
+                                   reload_lookahead=owner.options.reload_lookahead)
         self.schedule = owner.plan(schedule_config, lowering)
         self.program = self.schedule.programs[self.pp_rank]
         self.sent = {op.compute for op in self.program if op.kind is OpKind.SEND_FORWARD}

@@ -56,7 +56,8 @@ class StandInSchedule:
 def _replanner(resolved):
     made = []
 
-    def make_schedule(config, recompute):
+    def make_schedule(plan):
+        config, recompute = plan.config, plan.recompute
         made.append((config.forward_groups, config.backward_groups, sum(1 for v in recompute.values() if v != "none")))
         return StandInSchedule()
     replanner = MeasuredReplanner(StandInSchedule(), make_schedule, **resolved.replan)

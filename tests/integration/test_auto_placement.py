@@ -79,7 +79,8 @@ def test_ranks_agree_on_the_slowest_host_link(monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, (0.5, mine[1])]))
     made = []
 
-    def make_schedule(config, recompute):
+    def make_schedule(plan):
+        config, recompute = plan.config, plan.recompute
         made.append(dict(recompute))
         return StandInSchedule()
 
