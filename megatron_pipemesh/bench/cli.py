@@ -101,6 +101,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     pm.add_argument("--device-tflops", type=float, default=0.05,
                     help="planner and predictions: peak TFLOP/s of one rank (default 0.05: a CPU core)")
     pm.add_argument("--mfu", type=float, default=0.45, help="planner and predictions: fraction of peak (default 0.45)")
+    pm.add_argument("--activation-placement", choices=("auto", "recompute-only"), default="auto",
+                    help="PipeMesh rows' memory levers: 'auto' (default) places chunk-micro-batches in host memory or "
+                         "recomputes them, as the planner chooses; 'recompute-only' only recomputes (stock Megatron "
+                         "cannot offload with pipeline parallelism, so stock rows only recompute)")
     pm.add_argument("--link-share", type=float, default=None,
                     help="fraction of the shaped rate one link gets (all ranks share one token bucket), for the "
                          "predictions, the plans and the calibration (default 1; --quick: 0.5)")
@@ -249,7 +253,8 @@ def resolve(args: argparse.Namespace) -> dict:
                 raise UsageError(f"{config.name}: {error}") from error
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
-            "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu), "families": families,
+            "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu,
+                                     activation_placement=args.activation_placement), "families": families,
             "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
             "link_share": args.link_share}
 

@@ -37,6 +37,10 @@ from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
 MB = 2 ** 20
 CPU_MEMORY_GBS = 10.0
 """Memory bandwidth one CPU core reaches (GB/s): the optimizer step and norm recomputation."""
+CPU_HOST_LINK_GBPS = CPU_MEMORY_GBS * 8 / 2
+"""The "host link" on CPU (Gbit/s): an OFFLOAD / RELOAD is a memcpy within the same RAM (read + write at
+:data:`CPU_MEMORY_GBS`), run synchronously on the rank's compute thread, so its time is charged to
+compute in the measurement however the planner expected it to hide."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class RunSpec:
     """PipeMesh: the plan file passed with ``--pipemesh-plan``."""
     recomputed: int = 0
     """PipeMesh: chunk-micro-batches the plan recomputes."""
+    host_placed: int = 0
+    """PipeMesh: chunk-micro-batches the plan places in host memory between forward and backward."""
     predicted_peak_bytes: Optional[Tuple[float, ...]] = None
     """Predicted peak activation bytes per pipeline rank."""
     predicted_iteration_s: Optional[float] = None
@@ -92,7 +98,8 @@ class RunSpec:
         if self.setting is not None:
             return self.setting.describe()
         groups = f"{' '.join(map(str, self.groups[0]))} / {' '.join(map(str, self.groups[1]))}" if self.groups else ""
-        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches"
+        host = f", {self.host_placed} on the host" if self.host_placed else ""
+        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches{host}"
 
 
 def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> ClusterSpec:
@@ -100,7 +107,7 @@ def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) ->
     (``gbps``, the link share applied); data parallel at ``gbps`` / d: the d ranks of a ring all send
     through the one shaped token bucket at once (:func:`.calibrate.shared_bucket_allreduce_s`)."""
     return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps / config.dp, p2p_gbps=gbps,
-                       distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS)
+                       distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS, host_link_gbps=CPU_HOST_LINK_GBPS)
 
 
 def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,
@@ -181,24 +188,27 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     """A PipeMesh row planned for ``budget``: the given ``groups`` with pipeline-aware recomputation
     (``pipemesh``) or the planner's best groups and recomputation (``pipemesh-auto``); written to a plan
     file for ``--pipemesh-plan``. Without a budget nothing is recomputed (auto: an unbounded budget)."""
-    from ..planning.planner import fit_with_recompute, plan_schedule
+    from ..planning.planner import PlannerOptions, fit_with_recompute, plan_schedule
+    from ..schedule.lower import HOST_LEVEL
 
     pp, vpp, m = config.pp, model.vpp, model.microbatches
     costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps)  # noqa: E731
     limit = budget if budget is not None else float("inf")
+    options = PlannerOptions(activation_placement=auto.activation_placement)
     if family == "pipemesh-auto":
-        plan, _ = plan_schedule(pp, vpp, m, costs_for, limit)
+        plan, _ = plan_schedule(pp, vpp, m, costs_for, limit, options)
     else:
         sched = ScheduleConfig(pp, vpp, m, *groups)
-        plan = fit_with_recompute(sched, costs_for(sched), limit)
+        plan = fit_with_recompute(sched, costs_for(sched), limit, options)
     os.makedirs(plan_dir, exist_ok=True)
     path = os.path.join(plan_dir, f"{config.name}-{family}.json")
     data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1, default=str)
-    recomputed = sum(1 for level in plan.recompute.values() if level != "none")
+    recomputed = sum(1 for level in plan.recompute.values() if level not in ("none", HOST_LEVEL))
+    host_placed = sum(1 for level in plan.recompute.values() if level == HOST_LEVEL)
     return RunSpec(name=family, family=family, groups=(plan.config.forward_groups, plan.config.backward_groups),
-                   plan_path=path, recomputed=recomputed,
+                   plan_path=path, recomputed=recomputed, host_placed=host_placed,
                    predicted_peak_bytes=tuple(r.peak_activation_bytes for r in plan.result.ranks),
                    predicted_iteration_s=plan.result.iteration_s, predicted_fits=plan.fits)
 

@@ -117,6 +117,7 @@ def _row(spec: RunSpec, shaped: Optional[dict], unshaped: Optional[dict], budget
            "tokens_per_s_runs": main["tokens_per_s_runs"] if main else None,
            "groups": [list(spec.groups[0]), list(spec.groups[1])] if spec.groups else None,
            "recomputed_chunk_microbatches": spec.recomputed if not spec.stock else None,
+           "host_placed_chunk_microbatches": spec.host_placed if not spec.stock else None,
            "shaped": shaped, "unshaped": unshaped}
     if ok(shaped) and ok(unshaped):
         row["fraction_of_unshaped"] = shaped["tokens_per_s_median"] / unshaped["tokens_per_s_median"]

@@ -87,6 +87,10 @@ class AutoPlanSettings:
     memory_budget_gb: float = 8.0
     device_tflops: float = 0.05
     mfu: float = 0.45
+    activation_placement: str = "auto"
+    """PipeMesh rows' memory levers (``--activation-placement``): 'auto' places chunk-micro-batches in host
+    memory or recomputes them, 'recompute-only' only recomputes. Stock Megatron 0.19 has no offloading with
+    pipeline parallelism, so stock rows only recompute."""
 
 
 def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

@@ -63,14 +63,15 @@ def test_stock_rows_cover_every_schedule_and_fit_or_say_so():
 @pytest.mark.parametrize("family", ["pipemesh", "pipemesh-auto"])
 def test_pipemesh_rows_are_planned_for_the_budget(tmp_path, family):
     """The plan file loads for this run's p, V, m, predicts every rank within the budget and recomputes
-    where the unplanned schedule would not fit."""
+    (or places on the host) where the unplanned schedule would not fit."""
     budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
     spec = pipemesh_spec(MODEL, CONFIG, family, budget, AUTO, GBPS, str(tmp_path), ((4,), (4,)))
     plan = load_plan(spec.plan_path, 2, 2, 4)
     assert (plan.config.forward_groups, plan.config.backward_groups) == spec.groups
     assert max(spec.predicted_peak_bytes) <= budget and spec.predicted_fits
     if family == "pipemesh":  # breadth-first groups exceed the budget without recomputation
-        assert spec.groups == ((4,), (4,)) and spec.recomputed > 0 and len(plan.recompute) == spec.recomputed
+        assert spec.groups == ((4,), (4,)) and spec.recomputed + spec.host_placed > 0
+        assert len(plan.recompute) == spec.recomputed + spec.host_placed
     assert json.load(open(spec.plan_path))["memory_budget_gb"] == pytest.approx(budget / 2 ** 30)
 
 
@@ -90,3 +91,16 @@ def test_planner_sees_the_shared_bucket_for_data_parallel():
 
     cluster = cluster_spec(CONFIG, AUTO, GBPS)
     assert cluster.p2p_gbps == GBPS and cluster.dp_gbps == pytest.approx(GBPS / CONFIG.dp)
+
+
+def test_placement_mode_reaches_the_pipemesh_plans(tmp_path):
+    """'auto' (the default) moves activations to the host where the CPU memcpy can carry them; 'recompute-only'
+    recomputes the same chunk-micro-batches instead, as before placement existed."""
+    from dataclasses import replace
+    budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
+    auto = pipemesh_spec(MODEL, CONFIG, "pipemesh", budget, AUTO, GBPS, str(tmp_path), ((4,), (4,)))
+    only = pipemesh_spec(MODEL, CONFIG, "pipemesh", budget, replace(AUTO, activation_placement="recompute-only"), GBPS,
+                         str(tmp_path / "only"), ((4,), (4,)))
+    assert auto.host_placed > 0 and "on the host" in auto.describe()
+    assert only.host_placed == 0 and only.recomputed > 0
+    assert auto.predicted_iteration_s <= only.predicted_iteration_s
