@@ -21,15 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..planning.costs import GB, RECOMPUTE_LEVELS, ClusterSpec, ModelSpec, analytic_costs
-from ..planning.costs import DEFAULT_HOST_LINK_GBPS
+from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import HOST_LEVEL
 from ..planning.simulator import DEFAULT_RELOAD_LOOKAHEAD
-
-PLAN_LEVELS = RECOMPUTE_LEVELS + (HOST_LEVEL,)
-"""Levels a plan file may give a chunk-micro-batch (recomputation, or host placement)."""
 
 DEFAULT_MARGIN = 0.10
 """Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
@@ -259,19 +255,6 @@ def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
     return ResolvedPlan(config, dict(plan.recompute), summary, replan, reload_lookahead=plan.reload_lookahead)
 
 
-def _plan_level(level) -> bool:
-    """Whether the runtime applies ``level`` from a plan file: 'host' or a runtime recompute level."""
-    from ..runtime.recompute import parse_runtime_level
-
-    if level == HOST_LEVEL:
-        return True
-    try:
-        parse_runtime_level(level)
-    except ValueError:
-        return False
-    return True
-
-
 def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     """A plan saved by ``pipemesh plan --output``; raises ValueError naming the mismatch."""
     try:
@@ -286,7 +269,9 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                          "re-run `pipemesh plan` with this run's sizes")
     config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
     recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
-    bad = [level for level in recompute.values() if not _plan_level(level)]
+    from ..runtime.recompute import PLAN_LEVELS, is_plan_level
+
+    bad = [level for level in recompute.values() if not is_plan_level(level)]
     if bad:
         raise ValueError(f"--pipemesh-plan {path}: unknown placement level(s) {sorted(set(bad))}; use "
                          f"{', '.join(PLAN_LEVELS)} or 'selective:<modules joined by +>' (e.g. selective:core_attn+mlp)")

@@ -87,7 +87,20 @@ def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 PLAN_LEVELS = LEVELS + (HOST_LEVEL,)
-"""Levels of a placement plan: the recompute levels and 'host' (kept whole, offloaded: :mod:`.offload`)."""
+"""Levels of a placement plan: the recompute levels and 'host' (kept whole, offloaded: :mod:`.offload`);
+``'selective:<m1>+<m2>'`` module sets are accepted too (:func:`is_plan_level`)."""
+
+
+def is_plan_level(level) -> bool:
+    """Whether a placement plan may give a chunk-micro-batch ``level``: 'host' or a level this runtime
+    applies (:func:`parse_runtime_level`)."""
+    if level == HOST_LEVEL:
+        return True
+    try:
+        parse_runtime_level(level)
+    except ValueError:
+        return False
+    return True
 
 
 def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
@@ -95,9 +108,9 @@ def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
     for key, level in (plan or {}).items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
             raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
-        if level == HOST_LEVEL:
+        if is_plan_level(level):
             continue
-        try:
+        try:  # for its message
             parse_runtime_level(level)
         except ValueError as error:
             raise ValueError(f"recompute plan {key}: {str(error).replace('unknown recompute level', 'unknown level')}; "
