@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from .planning.study import add_study_parser
     add_study_parser(sub)
+    from .planning.headroom import add_headroom_parser
+    add_headroom_parser(sub)
     return parser
 
 

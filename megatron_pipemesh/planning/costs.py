@@ -152,6 +152,9 @@ class ClusterSpec:
     """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Device-host copy bandwidth of one device per direction (Gbit/s): offloaded activations."""
+    intra_node_gbps: Optional[float] = None
+    """Per-device bandwidth of a data-parallel ring or pipeline link that stays inside one node
+    (PCIe or NVLink, Gbit/s); None = the same as ``dp_gbps`` / ``p2p_gbps`` (one rate everywhere)."""
 
 
 def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
@@ -176,11 +179,15 @@ def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
 def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
     """(data-parallel, pipeline) bandwidth per flow after sharing the node's NIC fairly between
     every flow that leaves the node (the conservative case where the pipeline streams while the
-    rings reduce); links that stay inside the node keep their own bandwidth."""
+    rings reduce); rings and links that stay inside the node run at ``intra_node_gbps`` (when given)."""
     dp, p2p = cluster.dp_gbps, cluster.p2p_gbps
+    rings, links = node_flows(cluster, pp)
+    if cluster.intra_node_gbps is not None:
+        # A ring or link that never leaves the node runs over PCIe/NVLink, not the Ethernet rate.
+        dp = dp if rings or cluster.dp <= 1 else cluster.intra_node_gbps
+        p2p = p2p if links or pp <= 1 else cluster.intra_node_gbps
     if cluster.nic_gbps is None:
         return dp, p2p
-    rings, links = node_flows(cluster, pp)
     share = cluster.nic_gbps / max(rings + links, 1)
     return (min(dp, share) if rings else dp), (min(p2p, share) if links else p2p)
 

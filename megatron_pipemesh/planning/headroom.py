@@ -1,0 +1,164 @@
+"""``pipemesh headroom``: how much faster than the best stock schedule *any* schedule could be, over the
+whole commodity space of the study, from the simulator's cost model.
+
+Per setting (model, TP, DP, PP, global batch, device memory, network rate, GPUs per node):
+
+* ``best_stock``: the fastest stock Megatron setting that fits (:func:`.stock.best_stock`: 1F1B and
+  interleaved for every V and group size, every recomputation option);
+* ``bound``: the least iteration time of any schedule (:func:`.bounds.iteration_lower_bound`);
+* ``headroom = best_stock / bound``: no schedule, PipeMesh's included, beats the best stock setting by
+  more than this, under the same costs.
+
+The space is the cross product the performance issue names for the commodity regime: device memory
+24/32/40 GB, TP 1 / 2 / 2 with sequence parallelism, 6.25/10/25/50 Gbit/s, DP 2/4/8, GPT
+1.3B/2.7B/6.7B/13B, global batch 64/256 (``--batches`` for more), the smallest pipeline size of 2/4/8
+where stock fits, and two node shapes: 8-GPU servers whose data-parallel rings stay inside the node
+when TP x DP <= 8 (PCIe, :data:`INTRA_NODE_GBPS`) and one GPU (one TP group) per VM, where every ring
+and pipeline link crosses the network. Settings where no stock schedule fits at any pipeline size are
+counted and left out. Costs are the study's (:func:`.study._specs` assumptions: bf16, distributed
+optimizer, seq 2048, micro-batch 1, local layer spec, 10% memory margin).
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from ..schedule.config import ScheduleConfig
+from .bounds import iteration_lower_bound
+from .costs import GB, ClusterSpec, analytic_costs
+from .stock import best_stock
+
+INTRA_NODE_GBPS = 100.0
+"""Per-GPU bandwidth of a collective inside one commodity 8-GPU server (PCIe 4.0 through its switches,
+no NVLink: NCCL reaches roughly 10-15 GB/s of bus bandwidth), Gbit/s."""
+
+TARGET = 1.15
+"""The issue's target ratio to best stock."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the commodity space."""
+
+    model: str
+    tp: int
+    sequence_parallel: bool
+    dp: int
+    global_batch: int
+    memory_gb: int
+    gbps: float
+    gpus_per_node: int
+    """8: an 8-GPU PCIe server; 1: one GPU (one TP group) per VM."""
+
+    def describe(self) -> str:
+        sp = "+SP" if self.sequence_parallel else ""
+        return (f"{self.model} TP{self.tp}{sp} DP{self.dp} GB{self.global_batch} {self.memory_gb}GB "
+                f"{self.gbps:g}Gb/s {self.gpus_per_node}/node")
+
+
+def commodity_space(batches: Sequence[int] = (64, 256)) -> List[Setting]:
+    """The issue's commodity cross product (see the module docstring)."""
+    out = []
+    for model, (tp, sp), dp, batch, memory, gbps, node in itertools.product(
+            ("GPT-1.3B", "GPT-2.7B", "GPT-6.7B", "GPT-13B"), ((1, False), (2, False), (2, True)), (2, 4, 8),
+            batches, (24, 32, 40), (6.25, 10.0, 25.0, 50.0), (8, 1)):
+        out.append(Setting(model, tp, sp, dp, batch, memory, gbps, node))
+    return out
+
+
+def cluster_for(setting: Setting) -> ClusterSpec:
+    """The study's cluster for ``setting``: its NIC carries ``gbps`` per GPU; rings inside a node run at
+    :data:`INTRA_NODE_GBPS`."""
+    from .study import DEVICE_TFLOPS, HOST_LINK_GBPS
+
+    node = max(setting.gpus_per_node, setting.tp)
+    return ClusterSpec(tp=setting.tp, dp=setting.dp, device_tflops=DEVICE_TFLOPS[setting.memory_gb],
+                       device_memory_gb=setting.memory_gb, dp_gbps=setting.gbps, p2p_gbps=setting.gbps,
+                       sequence_parallel=setting.sequence_parallel, distributed_optimizer=True,
+                       devices_per_node=node, nic_gbps=node * setting.gbps, intra_node_gbps=INTRA_NODE_GBPS,
+                       host_link_gbps=HOST_LINK_GBPS[setting.memory_gb])
+
+
+def evaluate(setting: Setting) -> Optional[dict]:
+    """best stock, bound and headroom at the smallest pipeline size where stock fits (None: none fits)."""
+    from .study import GPT, MEMORY_MARGIN
+
+    model = GPT[setting.model]
+    cluster = cluster_for(setting)
+    m = setting.global_batch // setting.dp
+    budget = setting.memory_gb * GB * (1 - MEMORY_MARGIN)
+    for pp in (2, 4, 8):
+        if model.num_layers % pp or m < pp:
+            continue
+        static = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, 1, m)).static_bytes
+        if max(static) >= budget:
+            continue
+        stock = best_stock(model, cluster, pp, m, tuple(budget - s for s in static))
+        if stock is None:
+            continue
+        bound = iteration_lower_bound(model, cluster, pp, m)
+        return {"setting": setting.describe(), **dataclasses.asdict(setting), "pp": pp, "microbatches": m,
+                "best_stock": stock.setting.describe(), "best_stock_s": stock.iteration_s,
+                "bound": bound.to_dict(), "headroom": stock.iteration_s / bound.seconds}
+    return None
+
+
+def sweep(settings: Iterable[Setting], jobs: int = 1) -> List[Optional[dict]]:
+    settings = list(settings)
+    if jobs <= 1:
+        return [evaluate(s) for s in settings]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(evaluate, settings, chunksize=4))
+
+
+def summary(rows: Sequence[Optional[dict]]) -> Dict[str, object]:
+    """Share of settings where some schedule could reach :data:`TARGET`, overall and per node shape and rate."""
+    fitted = [r for r in rows if r]
+    out: Dict[str, object] = {"settings": len(rows), "no_stock_fits": len(rows) - len(fitted)}
+
+    def share(subset: List[dict]) -> float:
+        return sum(r["headroom"] >= TARGET for r in subset) / len(subset) if subset else math.nan
+
+    out["share_headroom_at_least_1_15"] = share(fitted)
+    heads = sorted(r["headroom"] for r in fitted)
+    out["median_headroom"] = heads[len(heads) // 2] if heads else math.nan
+    for node in (8, 1):
+        for gbps in (6.25, 10.0, 25.0, 50.0):
+            subset = [r for r in fitted if r["gpus_per_node"] == node and r["gbps"] == gbps]
+            out[f"share_{node}_per_node_{gbps:g}gbps"] = share(subset)
+    return out
+
+
+def cmd_headroom(args) -> int:
+    """Entry point of ``pipemesh headroom``."""
+    import json
+    import os
+
+    settings = [s for s in commodity_space(tuple(args.batches)) if args.only in s.describe()]
+    rows = sweep(settings, args.jobs or os.cpu_count() or 1)
+    if args.json:
+        print(json.dumps([r for r in rows if r], indent=1))
+        return 0
+    for row in rows:
+        if row:
+            print(f"{row['setting']:48s} PP{row['pp']} best stock {row['best_stock_s']:8.3f} s  bound "
+                  f"{row['bound']['seconds']:8.3f} s ({row['bound']['bottleneck']})  headroom {row['headroom']:.3f}")
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary(rows).items()))
+    return 0
+
+
+def add_headroom_parser(sub) -> None:
+    """Register ``pipemesh headroom`` on the CLI's subparsers."""
+    p = sub.add_parser("headroom", help="upper bound on any schedule's speed-up over best stock, commodity space")
+    p.add_argument("--json", action="store_true", help="print a JSON list of settings")
+    p.add_argument("--only", metavar="TEXT", default="", help="only settings whose description contains TEXT")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256], metavar="GB",
+                   help="global batch sizes of the sweep (default 64 256)")
+    p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
+    p.set_defaults(func=cmd_headroom)

@@ -1,0 +1,32 @@
+"""planning/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
+from megatron_pipemesh.planning.bounds import iteration_lower_bound
+from megatron_pipemesh.planning.costs import link_gbps
+from megatron_pipemesh.planning.headroom import (INTRA_NODE_GBPS, Setting, cluster_for, commodity_space, evaluate,
+                                                 summary)
+from megatron_pipemesh.planning.study import GPT
+
+
+def test_space_is_the_issues_cross_product():
+    """4 models x 3 TP variants x DP 2/4/8 x 2 batches x 3 memories x 4 rates x 2 node shapes."""
+    space = commodity_space()
+    assert len(space) == 4 * 3 * 3 * 2 * 3 * 4 * 2
+    assert {s.gpus_per_node for s in space} == {1, 8} and {s.gbps for s in space} == {6.25, 10.0, 25.0, 50.0}
+
+
+def test_node_shape_sets_the_data_parallel_rate():
+    """DP4 x TP1 inside an 8-GPU server reduces over PCIe; one GPU per VM shares its NIC with the pipeline."""
+    server = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 8))
+    vm = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 1))
+    assert link_gbps(server, 4)[0] == INTRA_NODE_GBPS
+    assert link_gbps(vm, 4) == (6.25 / 2, 6.25 / 2)
+
+
+def test_headroom_is_best_stock_over_the_bound():
+    """The row's headroom is its best stock time over the bound at its pipeline size, and at least 1."""
+    setting = Setting("GPT-1.3B", 1, False, 4, 64, 24, 10.0, 1)
+    row = evaluate(setting)
+    bound = iteration_lower_bound(GPT["GPT-1.3B"], cluster_for(setting), row["pp"], row["microbatches"])
+    assert row["headroom"] == row["best_stock_s"] / bound.seconds >= 1.0
+    stats = summary([row, None])
+    assert stats["settings"] == 2 and stats["no_stock_fits"] == 1
+    assert stats["share_headroom_at_least_1_15"] in (0.0, 1.0)
