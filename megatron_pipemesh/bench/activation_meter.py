@@ -23,13 +23,14 @@ Model state (``pipemesh bench --sharding``: every chunk a Megatron DDP chunk und
 optimizer): the line also carries ``state S total T``. The rank's weights + gradients + optimizer state
 are counted as the mixed-sharding runtime counts them (:func:`model_state_probe`: whole buffers of a
 ZeRO-1 chunk, buffers + shard tensors + accumulators of a ZeRO-2/3 chunk, the optimizers' state) and
-sampled at every saved tensor, every unpack of one, and after each step of the mixed-sharding runtime
-(:func:`install_state_sampling`: program start, before every op, every GATHER / RELEASE / REDUCE; a
-host-placed chunk-micro-batch's tensors never reach the bench's hooks) (:func:`state_and_activation_meter`): S is the least
-model state held while the schedule ran (for ZeRO-2/3 chunks: outside their groups), T the peak of model
-state + activations, at least S + the activation peak: it also holds gathered ZeRO-3 weights and
-ZeRO-2/3 gradient buffers while their groups run, and the whole buffers the optimizer step uses (the
-state sampled before the call). On CUDA S is the state before the call and T the allocator's peak.
+sampled (:func:`state_and_activation_meter`) at every saved tensor, every unpack of one, and after each
+step of the mixed-sharding runtime (:func:`install_state_sampling`: program start, before every op,
+every GATHER / RELEASE / REDUCE; needed because a host-placed chunk-micro-batch's tensors never reach
+the bench's hooks). S is the least model state held while the schedule ran (for ZeRO-2/3 chunks:
+outside their groups); T the peak of model state + activations, at least S + the activation peak: it
+also holds gathered ZeRO-3 weights and ZeRO-2/3 gradient buffers while their groups run, and the whole
+buffers the optimizer step uses (the state sampled before the call). On CUDA S is the state before the
+call and T the allocator's peak.
 """
 from __future__ import annotations
 

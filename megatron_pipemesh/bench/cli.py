@@ -55,7 +55,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="PP=2 x DP=2, V=4, m=4, 400 Mbit/s shared, 1 repeat of 1 warm-up + 2 measured iterations (about 4.5 minutes on an idle machine; with --sharding a smaller hidden size and a memory budget)")
+                   help="PP=2 x DP=2, V=4, m=4, 400 Mbit/s shared, 1 repeat of 1 warm-up + 2 measured iterations "
+                        "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
+                        "budget)")
     run = p.add_argument_group("what to run")
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")

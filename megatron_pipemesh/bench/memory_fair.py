@@ -12,21 +12,21 @@ Rows (one training run per row and repeat):
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
 
-With ``--sharding`` (:func:`sharded_budget_note`) every row runs with Megatron's distributed optimizer and the
-budget is per-rank *memory*: weights + gradients + optimizer state + activations. Stock rows are ZeRO-1
-everywhere (``optim``: Megatron's ZeRO-2/3 is Megatron-FSDP, CUDA-only); their recomputation is chosen for
-what the ZeRO-1 state leaves of the budget. PipeMesh rows get a level per chunk chosen jointly with the groups,
-recomputation and activation placement (:func:`megatron_pipemesh.planning.sharding.plan_with_sharding`; for the
-given groups, :func:`fit_levels`). A row fits when every rank's measured peak of model state + activations is
-within the budget.
+With ``--sharding`` every row runs with Megatron's distributed optimizer and the budget is per-rank
+*memory*: weights + gradients + optimizer state + activations. Stock rows are ZeRO-1 everywhere (``optim``:
+Megatron's ZeRO-2/3 is Megatron-FSDP, CUDA-only: :data:`STOCK_SHARDING_NOTE`); their recomputation is
+chosen for what the ZeRO-1 state leaves of the budget. PipeMesh rows get a level per chunk chosen jointly
+with the groups, recomputation and activation placement
+(:func:`megatron_pipemesh.planning.sharding.plan_with_sharding`; for the given groups, :func:`fit_levels`).
+A row fits when every rank's measured peak of model state + activations is within the budget.
 
 Predictions (stock choice and PipeMesh plans alike) use the same simulator and analytic costs:
 compute at the bench's ``--device-tflops`` x ``--mfu``, the shaped rate for pipeline and
 data-parallel transfers, activation bytes of :mod:`megatron_pipemesh.planning.memory` for this run
 (fp32, local layer spec, dropout 0: the bench runs with ``--hidden-dropout 0 --attention-dropout 0``
 so that CPU and CUDA keep the same tensors; the model matches the activation meter to a few bytes),
-and no static memory without ``--sharding``: the budget is then for activations alone. Whether a row fits is decided by the
-*measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
+and no static memory without ``--sharding``: the budget is then for activations alone. Whether a row fits
+is decided by the *measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
 """
 from __future__ import annotations
 
