@@ -18,21 +18,124 @@ Each rank prints one line per training iteration, parsed by :func:`parse_activat
 
 Evaluation (``forward_only``) calls are not measured. The same wrapper measures every schedule, so
 the numbers compare like with like.
+
+Model state (``pipemesh bench --sharding``: every chunk a Megatron DDP chunk under the distributed
+optimizer): the line also carries ``state S total T``. The rank's weights + gradients + optimizer state
+are counted as the mixed-sharding runtime counts them (:func:`model_state_probe`: whole buffers of a
+ZeRO-1 chunk, buffers + shard tensors + accumulators of a ZeRO-2/3 chunk, the optimizers' state) and
+sampled (:func:`state_and_activation_meter`) at every saved tensor, every unpack of one, and after each
+step of the mixed-sharding runtime (:func:`install_state_sampling`: program start, before every op,
+every GATHER / RELEASE / REDUCE; needed because a host-placed chunk-micro-batch's tensors never reach
+the bench's hooks). S is the least model state held while the schedule ran (for ZeRO-2/3 chunks:
+outside their groups); T the peak of model state + activations, at least S + the activation peak: it
+also holds gathered ZeRO-3 weights and ZeRO-2/3 gradient buffers while their groups run, and the whole
+buffers the optimizer step uses (the state sampled before the call). On CUDA S is the state before the
+call and T the allocator's peak.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 ENV_VAR = "PIPEMESH_BENCH_ACTIVATION_METER"
 """Set to 1 to measure (the bench sets it for every run)."""
-LINE_RE = re.compile(r"\[pipemesh-bench\] activation peak: rank (\d+) iteration (\d+) bytes (\d+) meter ([\w-]+)")
+LINE_RE = re.compile(r"\[pipemesh-bench\] activation peak: rank (\d+) iteration (\d+) bytes (\d+) meter ([\w-]+)"
+                     r"(?: state (\d+) total (\d+))?")
 
 
 def enabled(environ=None) -> bool:
     return (environ if environ is not None else os.environ).get(ENV_VAR, "") not in ("", "0")
+
+
+def model_state_probe(chunks: Sequence) -> Optional[Callable[[], int]]:
+    """A function returning the bytes of weights + gradients + optimizer state the rank holds now, as the
+    mixed-sharding runtime counts them (:mod:`megatron_pipemesh.runtime.sharding`); None unless every chunk
+    is a Megatron DDP chunk under the distributed optimizer. The optimizer state is read once: it only
+    changes in the step, between calls."""
+    if not chunks or not all(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        return None
+    from ..runtime.sharding import optimizer_state_bytes, whole_chunk_bytes
+
+    optimizer = optimizer_state_bytes()
+
+    def probe() -> int:
+        held = 0
+        for chunk in chunks:
+            state = getattr(chunk, "_pipemesh_sharding", None)  # ZeRO-2/3 chunk (made on the first call)
+            held += state.held_bytes() if state is not None else whole_chunk_bytes(chunk)
+        return held + optimizer
+
+    return probe
+
+
+def state_and_activation_meter(parameters: Iterable, probe: Callable[[], int]):
+    """A :class:`~megatron_pipemesh.runtime.memory.SavedTensorMeter` that also samples ``probe`` (model state)
+    whenever activations grow (a save) and whenever a backward reads them (an unpack: a chunk's gathered
+    weights and gradient buffer are back before its backward runs, with its activations still held)."""
+    from ..runtime.memory import SavedTensorMeter
+
+    class StateAndActivationMeter(SavedTensorMeter):
+        def __init__(self):
+            super().__init__(parameters)
+            self.peak_total_bytes = 0
+            """Peak of model state + activations over the samples."""
+            self.least_state_bytes: Optional[int] = None
+            """Least model state over the samples."""
+
+        def sample(self) -> None:
+            state = probe()
+            self.least_state_bytes = state if self.least_state_bytes is None else min(self.least_state_bytes, state)
+            self.peak_total_bytes = max(self.peak_total_bytes, state + self.live_bytes)
+
+        def _add(self, key, ptr, nbytes) -> bool:
+            added = super()._add(key, ptr, nbytes)
+            if added:
+                self.sample()
+            return added
+
+        @contextlib.contextmanager
+        def record(self, key, inner=None):
+            inner_pack, inner_unpack = inner or (None, None)
+
+            def unpack(packed):
+                self.sample()
+                return inner_unpack(packed) if inner_unpack else packed
+
+            with super().record(key, inner=(inner_pack, unpack)):
+                yield
+
+    return StateAndActivationMeter()
+
+
+_SAMPLER: Dict[str, Callable[[], None]] = {}
+"""The running call's ``sample`` (set while a training call runs under a state-and-activation meter)."""
+
+
+def _sampled(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def sampled(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        sample = _SAMPLER.get("current")
+        if sample is not None:
+            sample()
+        return result
+
+    sampled._pipemesh_bench_sampled = True
+    return sampled
+
+
+def install_state_sampling() -> None:
+    """Sample the running meter after each step of :class:`megatron_pipemesh.runtime.sharding.ProgramSharding`
+    (where ZeRO-2/3 buffers are freed and brought back), so the joint peak sees them whatever the activations do."""
+    from ..runtime.sharding import ProgramSharding
+
+    for name in ("begin", "before", "run"):
+        method = getattr(ProgramSharding, name)
+        if not getattr(method, "_pipemesh_bench_sampled", False):
+            setattr(ProgramSharding, name, _sampled(method))
 
 
 def measure_forward_backward(func: Callable, report: Callable[[str], None] = print) -> Callable:
@@ -55,19 +158,37 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
         chunks = [chunk for chunk in chunks if isinstance(chunk, torch.nn.Module)]
         device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
         # Module.buffers explicitly: Megatron's DDP wrapper shadows ``buffers`` with its gradient buffers.
-        meter = make_memory_meter(device, (t for chunk in chunks for t in (*torch.nn.Module.parameters(chunk),
-                                                                           *torch.nn.Module.buffers(chunk))))
+        excluded = [t for chunk in chunks for t in (*torch.nn.Module.parameters(chunk), *torch.nn.Module.buffers(chunk))]
+        probe = model_state_probe(chunks)
+        before = probe() if probe is not None else None  # whole buffers + optimizer state: what the step holds
+        if probe is not None and device.type == "cpu":
+            meter = state_and_activation_meter(excluded, probe)
+        else:
+            meter = make_memory_meter(device, excluded)
         meter.begin()
         if meter.kind == "saved-tensors":
-            with meter.record("iteration"):
-                result = func(*args, **kwargs)
+            if hasattr(meter, "sample"):
+                _SAMPLER["current"] = meter.sample
+            try:
+                with meter.record("iteration"):
+                    result = func(*args, **kwargs)
+            finally:
+                _SAMPLER.pop("current", None)
         else:
             result = func(*args, **kwargs)
             meter.release("iteration")  # updates the allocator peak
         state["iteration"] += 1
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        memory = ""
+        if before is not None:
+            if hasattr(meter, "peak_total_bytes"):
+                least = meter.least_state_bytes if meter.least_state_bytes is not None else before
+                total = max(before, meter.peak_total_bytes)
+            else:  # CUDA: the allocator's absolute peak holds state and activations
+                least, total = before, meter.baseline + meter.peak_bytes
+            memory = f" state {int(least)} total {int(total)}"
         report(f"[pipemesh-bench] activation peak: rank {rank} iteration {state['iteration']} "
-               f"bytes {int(meter.peak_bytes)} meter {meter.kind}")
+               f"bytes {int(meter.peak_bytes)} meter {meter.kind}{memory}")
         return result
 
     measured._pipemesh_activation_meter = True
@@ -75,7 +196,8 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
 
 
 def install() -> None:
-    """Wrap the forward-backward function ``megatron.training.training`` hands to ``train_step``."""
+    """Wrap the forward-backward function ``megatron.training.training`` hands to ``train_step``, and sample model
+    state after each step of the mixed-sharding runtime (:func:`install_state_sampling`)."""
     from megatron.training import training
 
     getter = training.get_forward_backward_func
@@ -88,6 +210,7 @@ def install() -> None:
 
     get_forward_backward_func._pipemesh_activation_meter = True
     training.get_forward_backward_func = get_forward_backward_func
+    install_state_sampling()
 
 
 def install_from_env() -> bool:
@@ -104,6 +227,26 @@ def parse_activation_peaks(text: str) -> Dict[int, List[int]]:
     for match in LINE_RE.finditer(text):
         out.setdefault(int(match.group(1)), []).append(int(match.group(3)))
     return out
+
+
+def parse_memory(text: str) -> Dict[int, List[Tuple[int, int]]]:
+    """Rank -> (model state, peak of model state + activations) of each measured iteration that reported them."""
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for match in LINE_RE.finditer(text):
+        if match.group(5) is not None:
+            out.setdefault(int(match.group(1)), []).append((int(match.group(5)), int(match.group(6))))
+    return out
+
+
+def memory_per_rank(text: str, world: int) -> Tuple[Optional[List[Optional[int]]], Optional[List[Optional[int]]]]:
+    """(model state, peak of state + activations) of each rank 0..world-1, each the largest over the run's
+    iterations (the optimizer state exists from the first step on); (None, None) when no rank reported them."""
+    memory = parse_memory(text)
+    if not memory:
+        return None, None
+    state = [max(s for s, _ in memory[r]) if memory.get(r) else None for r in range(world)]
+    total = [max(t for _, t in memory[r]) if memory.get(r) else None for r in range(world)]
+    return state, total
 
 
 def peak_per_rank(text: str, world: int) -> Optional[List[Optional[int]]]:

@@ -22,11 +22,15 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
   different pipeline stages reducing at once), and the dp embedding groups of 2 ranks reduce at
   the same time. The per-rank formula of a switched network, 2(d-1)/d x bytes / rate, under-predicted
   the measured PP=2 x DP=2 ``--quick`` rows by 10-20% (see ``tests/bench/test_calibrate.py``).
+* ``--sharding`` (Megatron's distributed optimizer): the all-reduce becomes a reduce-scatter of the
+  gradients and an all-gather of the parameters, (d-1) x bytes each through the bucket, and the
+  simulation runs with the row's levels (:class:`megatron_pipemesh.planning.sharding.ShardingModel`:
+  ZeRO-2/3 reductions per backward group, ZeRO-3 gathers per group span) on the same shared bucket.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from ..planning.costs import ModelSpec, OpCosts
 from ..planning.simulator import simulate
@@ -58,7 +62,8 @@ class MeasuredCompute:
 
 
 def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
-                   bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0) -> OpCosts:
+                   bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0,
+                   distributed_optimizer: bool = False) -> OpCosts:
     """:class:`OpCosts` from measured compute and the shaped network (``bytes_per_s`` None: free network)."""
     pp, vpp, m = sched.pp, sched.vpp, sched.microbatches
     ops = m * vpp
@@ -76,13 +81,16 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
     chunk_grad_bytes = layers_per_chunk * spec.layer_params() * FP32
     d = config.dp
     latency = latency_s
+    gather = 0.0
     if bytes_per_s:
         rate = bytes_per_s * link_share
         p2p = act_bytes / rate
         reduce = shared_bucket_allreduce_s(chunk_grad_bytes, d, rate)
+        if distributed_optimizer:  # half of the all-reduce's volume each way (fp32: weights and gradients alike)
+            reduce = gather = reduce / 2
     else:
         p2p = reduce = 0.0
-    return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=0.0,
+    return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
                    latency_s=latency, first_stage_extra_s=first_extra, last_stage_extra_s=last_extra,
                    activation_bytes={"none": 0.0, "selective": 0.0, "full": 0.0},
                    static_bytes=tuple(0.0 for _ in range(pp)))
@@ -104,11 +112,30 @@ def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: i
     return shared_bucket_allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp)
 
 
+def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[str], bytes_per_s: Optional[float],
+                   link_share: float = 1.0):
+    """The levels' :class:`~megatron_pipemesh.planning.sharding.ShardingModel` on the shared bucket: each ring
+    collective of a chunk moves (d-1) x its payload through the bucket, i.e. a link of rate / d per rank."""
+    from ..planning.costs import ClusterSpec
+    from ..planning.sharding import ShardingModel, ShardingSpec
+
+    gbps = bytes_per_s * link_share * 8 / 1e9 / config.dp if bytes_per_s else UNSHAPED_GBPS
+    cluster = ClusterSpec(dp=config.dp, dp_gbps=gbps, p2p_gbps=gbps, distributed_optimizer=True)
+    return ShardingModel(model_spec(model, config.pp), cluster, ShardingSpec(tuple(levels)))
+
+
+UNSHAPED_GBPS = 1e6
+"""The unshaped loopback in the calibration: free (its cost is in the fitted per-transfer overhead)."""
+
+
 def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
-                         bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0) -> Dict[str, float]:
-    """Simulated forward-backward and iteration time (ms) with measured costs."""
-    costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share)
-    result = simulate(sched, costs)
+                         bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0,
+                         sharding: Optional[Sequence[str]] = None) -> Dict[str, float]:
+    """Simulated forward-backward and iteration time (ms) with measured costs; ``sharding``: the row's levels
+    (``--sharding``: the distributed optimizer's collectives and the levels' gathers and reductions)."""
+    costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None)
+    shards = sharding_model(model, config, sharding, bytes_per_s, link_share) if sharding else None
+    result = simulate(sched, costs, sharding=shards)
     fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s, config.dp)
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
             "simulated_idle_fraction": result.idle_fraction,

@@ -29,6 +29,11 @@ QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="400mbit", 
 the two data-parallel rings (link share 0.5), an activation budget 20% of the way from the depth-first to the
 breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured iterations, no
 unshaped runs. Every value can be overridden by its flag."""
+QUICK_SHARDING = dict(hidden_size=256, num_attention_heads=4, seq_length=128, memory_budget_mb="auto:0.2")
+"""``--quick --sharding``: the --quick configuration with a model whose state is a real share of memory: about
+38 MiB of weights + gradients + ZeRO-1 optimizer state per rank (fp32, DP = 2) next to 16-34 MiB of activations
+(depth-first to breadth-first), inside a memory budget 20% of the way from the depth-first to the breadth-first
+total. Every value can be overridden by its flag."""
 MODEL_DEFAULTS = dict(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=2, microbatches=8, vpp=2,
                       layers_per_chunk=1, link_share=1.0)
 DEFAULT_RATE = "200mbit"
@@ -50,7 +55,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="pp2 only, 1 repeat, 1 warm-up + 4 measured iterations, 200 Mbit/s (about 5 minutes on 2 cores)")
+                   help="PP=2 x DP=2, V=4, m=4, 400 Mbit/s shared, 1 repeat of 1 warm-up + 2 measured iterations "
+                        "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
+                        "budget)")
     run = p.add_argument_group("what to run")
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
@@ -67,6 +74,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                           "the depth-first and the breadth-first peak of the configuration. Stock rows get the cheapest "
                           "stock recomputation predicted to fit, PipeMesh rows are planned for it; a row whose measured "
                           "peak exceeds it is marked and never counts as best (default: no budget)")
+    run.add_argument("--sharding", action="store_true",
+                     help="every row runs Megatron's distributed optimizer (--use-distributed-optimizer "
+                          "--overlap-grad-reduce --overlap-param-gather) and the budget is per-rank memory "
+                          "(--memory-budget-mb): stock rows ZeRO-1 (optim; Megatron's ZeRO-2/3, Megatron-FSDP, is "
+                          "CUDA-only), PipeMesh rows a level per chunk planned with the groups, recomputation and "
+                          "placement (--pipemesh-sharding). Needs data parallelism (ppNxdpM, M >= 2)")
+    run.add_argument("--memory-budget-mb", default=None, metavar="MB|auto",
+                     help="with --sharding: weights + gradients + optimizer state + activations per rank that every "
+                          "row must fit (MiB), or 'auto[:F]': F of the way (default 0.5) from what depth-first to what "
+                          "breadth-first needs with ZeRO-1 (--quick --sharding: auto:0.2)")
     run.add_argument("--pin-cores", action="store_true",
                      help="pin the ranks of pipeline stage s to core s %% cores (with more ranks than cores: a waiting "
                           "stage's core is not lent to another stage)")
@@ -84,9 +101,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--unshaped", action="store_true",
                      help="no namespace and no shaping (no root needed): only the plain-loopback runs")
     model = p.add_argument_group("model and batch")
-    model.add_argument("--hidden-size", type=int, default=None, help="default 256 (--quick: 384)")
-    model.add_argument("--num-attention-heads", type=int, default=None, help="default 4 (--quick: 8)")
-    model.add_argument("--seq-length", type=int, default=None, help="default 128 (--quick: 64)")
+    model.add_argument("--hidden-size", type=int, default=None, help="default 256 (--quick: 384; --quick --sharding: 256)")
+    model.add_argument("--num-attention-heads", type=int, default=None, help="default 4 (--quick: 8; --quick --sharding: 4)")
+    model.add_argument("--seq-length", type=int, default=None, help="default 128 (--quick: 64; --quick --sharding: 128)")
     model.add_argument("--micro-batch-size", type=int, default=None, help="default 2 (--quick: 1)")
     model.add_argument("--microbatches", "-m", type=int, default=None,
                        help="micro-batches per iteration per replica (default 8; --quick: 4)")
@@ -124,30 +141,54 @@ def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
-    """Flags the user left out take their --quick value (with --quick) or their default."""
+    """Flags the user left out take their --quick (--quick --sharding) value or their default."""
+    quick = {**QUICK, **(QUICK_SHARDING if args.sharding else {})}
     for name, value in MODEL_DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, QUICK[name] if args.quick else value)
+            setattr(args, name, quick[name] if args.quick else value)
     if args.quick:
-        if args.activation_budget_mb is None:
+        if args.sharding and args.memory_budget_mb is None:
+            args.memory_budget_mb = quick["memory_budget_mb"]
+        if not args.sharding and args.activation_budget_mb is None:
             args.activation_budget_mb = QUICK["activation_budget_mb"]
         args.pin_cores = args.pin_cores or QUICK["pin_cores"]
         args.no_limit = args.no_limit or QUICK["no_limit"]
 
 
-def parse_budget(text: Optional[str]):
-    """``--activation-budget-mb``: None, a number of MiB, or ('auto', fraction) for 'auto' / 'auto:F'."""
+def parse_budget(text: Optional[str], flag: str = "--activation-budget-mb"):
+    """``--activation-budget-mb`` / ``--memory-budget-mb``: None, a number of MiB, or ('auto', fraction) for
+    'auto' / 'auto:F'."""
     if text is None:
         return None
     if text == "auto" or text.startswith("auto:"):
         fraction = 0.5 if text == "auto" else _number(text[5:])
         if not (fraction is not None and 0.0 <= fraction <= 1.0):
-            raise UsageError(f"--activation-budget-mb {text} is invalid: auto:F needs a fraction F in [0, 1] of the way "
-                         "from the depth-first to the breadth-first peak. Example: --activation-budget-mb auto:0.2")
+            raise UsageError(f"{flag} {text} is invalid: auto:F needs a fraction F in [0, 1] of the way "
+                         f"from the depth-first to the breadth-first peak. Example: {flag} auto:0.2")
         return ("auto", fraction)
     value = _number(text)
-    _positive("--activation-budget-mb", value, "64 (or auto)")
+    _positive(flag, value, "64 (or auto)")
     return value
+
+
+def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) -> None:
+    """``--sharding`` / ``--memory-budget-mb`` / ``--activation-budget-mb``: which budget goes with which mode,
+    and data parallelism for every configuration (UsageError naming the flag, the rule and an example)."""
+    if not args.sharding:
+        if args.memory_budget_mb is not None:
+            raise UsageError(f"--memory-budget-mb {args.memory_budget_mb} needs --sharding: without it the model state "
+                             f"is the same for every row and the budget is for activations alone. Example: --sharding "
+                             f"--memory-budget-mb {args.memory_budget_mb} (or --activation-budget-mb auto)")
+        return
+    if args.activation_budget_mb is not None:
+        raise UsageError(f"--activation-budget-mb {args.activation_budget_mb} with --sharding is invalid: sharding "
+                         f"changes the model state, so the budget must cover weights + gradients + optimizer state + "
+                         f"activations. Example: --sharding --memory-budget-mb auto:0.2")
+    flat = [c.name for c in configs if c.dp < 2]
+    if flat:
+        raise UsageError(f"--sharding with --configs {' '.join(flat)} is invalid: every level shards over the "
+                         f"data-parallel ranks, so without data parallelism (DP = 1) all levels hold the same bytes. "
+                         f"Example: --sharding --configs pp2xdp2")
 
 
 def _number(text: str) -> Optional[float]:
@@ -166,6 +207,7 @@ def resolve(args: argparse.Namespace) -> dict:
         configs = [ParallelConfig.parse(c) for c in configs_text]
     except ValueError as error:
         raise UsageError(str(error)) from error
+    check_sharding(args, configs)
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if quick else 3)
     warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick else 2)
     iters = args.iters if args.iters is not None else (QUICK["iters"] if quick else 6)
@@ -213,7 +255,8 @@ def resolve(args: argparse.Namespace) -> dict:
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                        args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
-    budget_mb = parse_budget(args.activation_budget_mb)
+    budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding
+                 else parse_budget(args.activation_budget_mb))
     families = [f for f in SCHEDULES if f in args.schedules]
     group_sizes = list(args.group_sizes) if args.group_sizes else None
     aliases = [a for a in SCHEDULE_ALIASES if a in args.schedules]
@@ -256,13 +299,13 @@ def resolve(args: argparse.Namespace) -> dict:
             "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu,
                                      activation_placement=args.activation_placement), "families": families,
             "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
-            "link_share": args.link_share}
+            "link_share": args.link_share, "sharding": bool(args.sharding)}
 
 
 def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str, cores: int):
-    """(activation budget in bytes or None, the rows of one configuration). Predictions see each link at
-    ``gbps`` x the link share and each rank at ``--device-tflops`` x cores / ranks when the ranks
-    outnumber the cores."""
+    """(activation budget -- with ``--sharding`` memory budget -- in bytes or None, the rows of one
+    configuration). Predictions see each link at ``gbps`` x the link share and each rank at
+    ``--device-tflops`` x cores / ranks when the ranks outnumber the cores."""
     from dataclasses import replace
 
     from .memory_fair import MB, auto_budget_bytes, pipemesh_spec, stock_specs
@@ -270,18 +313,18 @@ def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str,
     model, families = setup["model"], setup["families"]
     auto = replace(setup["auto"], device_tflops=setup["auto"].device_tflops * min(1.0, cores / config.world))
     gbps = gbps * setup["link_share"]
-    budget_mb = setup["budget_mb"]
+    budget_mb, sharding = setup["budget_mb"], setup.get("sharding", False)
     if isinstance(budget_mb, tuple):
-        budget = auto_budget_bytes(model, config, auto, gbps, budget_mb[1])
+        budget = auto_budget_bytes(model, config, auto, gbps, budget_mb[1], sharding)
     else:
         budget = budget_mb * MB if budget_mb is not None else None
     specs = stock_specs(model, config, budget, auto, gbps, families, setup["group_sizes"].get(config.name),
-                        setup["stock_vpps"])
+                        setup["stock_vpps"], sharding)
     for family in ("pipemesh", "pipemesh-auto"):
         if family in families:
             try:
                 specs.append(pipemesh_spec(model, config, family, budget, auto, gbps, plan_dir,
-                                           setup["groups"].get((config.name, "pipemesh"))))
+                                           setup["groups"].get((config.name, "pipemesh")), sharding))
             except ValueError as error:  # NoFeasiblePlan: nothing fits even with every activation recomputed
                 raise UsageError(f"{config.name} {family}: {error}") from error
     return budget, specs
@@ -304,9 +347,10 @@ def machine_description() -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .memory_fair import DISTRIBUTED_OPTIMIZER_FLAGS, STOCK_SHARDING_NOTE
     from .netns import NamespaceError, ShapedNamespace
     from .report import format_table, plot_summary, summarize
-    from .activation_meter import peak_per_rank
+    from .activation_meter import memory_per_rank, peak_per_rank
     from .affinity import stage_cores
     from .logparse import parse_log
     from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
@@ -327,7 +371,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"),
                                                                machine["cores"])
         budget = budgets[config.name]
-        log(f"{config.name}: activation budget per rank "
+        log(f"{config.name}: {'memory (model state + activations)' if setup['sharding'] else 'activation'} budget per rank "
             + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none") + "; rows: "
             + "; ".join(f"{spec.name} [{spec.describe()}]" for spec in specs[config.name]))
     plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in specs[c.name] for v in variants]
@@ -367,7 +411,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             error = "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}"
             results.append(RunResult(config=config.name, schedule=spec.name, shaped=shaped, repeat=repeat, returncode=code,
                                      wall_s=wall, log_path=os.path.join(out_dir, "logs", name + ".log"), parsed=parsed,
-                                     peak_rss_mb=rss, error=error, activation_peak_bytes=peak_per_rank(text, config.world)))
+                                     peak_rss_mb=rss, error=error, activation_peak_bytes=peak_per_rank(text, config.world),
+                                     **dict(zip(("model_state_bytes", "peak_memory_bytes"),
+                                                memory_per_rank(text, config.world)))))
             measured = parsed.measured(model.warmup_iters)
             ms = sorted(it.elapsed_ms for it in measured)
             med = ms[len(ms) // 2] if ms else float("nan")
@@ -381,7 +427,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             namespace.close()
     summary = summarize(results, model, configs, specs, budgets,
                         shaping.bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
-                        args.link_share)
+                        args.link_share, setup["sharding"])
     for entry in summary:
         threads, over = threads_per_rank(entry["world"], machine["cores"])
         entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"],
@@ -392,6 +438,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "delay_ms": shaping.delay_ms if shaping else 0.0,
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
         "model": {**model.__dict__, "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
+        "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}
+                     if setup["sharding"] else None),
         "repeats": repeats, "wall_s": time.monotonic() - started, "out_dir": out_dir, "configs": summary,
         "rows": [compact_row(entry, row) for entry in summary for row in entry["schedules"]],
     }
@@ -421,13 +469,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 COMPACT_KEYS = ("name", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
                 "tokens_per_s_spread", "tokens_per_s_runs", "stock_flags", "setting", "groups",
                 "recomputed_chunk_microbatches")
+SHARDING_KEYS = ("sharding", "model_state_bytes", "peak_memory_bytes", "predicted_model_state_bytes",
+                 "predicted_peak_memory_bytes")
+"""Row keys added with ``--sharding``: levels per chunk, measured model state and peak of state + activations
+per rank, and their predictions."""
 
 
 def compact_row(entry: dict, row: dict) -> dict:
     """One schedule row of the JSON's flat ``rows`` list: the keys above, its configuration and budget, and
-    for PipeMesh rows ``ratio_to_best_stock`` (to the configuration's fastest stock row that fits)."""
+    for PipeMesh rows ``ratio_to_best_stock`` (to the configuration's fastest stock row that fits); with
+    ``--sharding`` also :data:`SHARDING_KEYS` and the memory budget."""
     out = {"config": entry["config"], "activation_budget_bytes": entry.get("activation_budget_bytes"),
            **{k: row.get(k) for k in COMPACT_KEYS}}
+    if entry.get("sharding"):
+        out.update({"memory_budget_bytes": entry.get("memory_budget_bytes"), **{k: row.get(k) for k in SHARDING_KEYS}})
     if not row["stock"]:
         out["ratio_to_best_stock"] = row.get("ratio_to_best_stock")
         out["best_stock"] = entry.get("best_stock")

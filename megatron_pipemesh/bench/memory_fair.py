@@ -12,13 +12,21 @@ Rows (one training run per row and repeat):
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
 
+With ``--sharding`` every row runs with Megatron's distributed optimizer and the budget is per-rank
+*memory*: weights + gradients + optimizer state + activations. Stock rows are ZeRO-1 everywhere (``optim``:
+Megatron's ZeRO-2/3 is Megatron-FSDP, CUDA-only: :data:`STOCK_SHARDING_NOTE`); their recomputation is
+chosen for what the ZeRO-1 state leaves of the budget. PipeMesh rows get a level per chunk chosen jointly
+with the groups, recomputation and activation placement
+(:func:`megatron_pipemesh.planning.sharding.plan_with_sharding`; for the given groups, :func:`fit_levels`).
+A row fits when every rank's measured peak of model state + activations is within the budget.
+
 Predictions (stock choice and PipeMesh plans alike) use the same simulator and analytic costs:
 compute at the bench's ``--device-tflops`` x ``--mfu``, the shaped rate for pipeline and
 data-parallel transfers, activation bytes of :mod:`megatron_pipemesh.planning.memory` for this run
 (fp32, local layer spec, dropout 0: the bench runs with ``--hidden-dropout 0 --attention-dropout 0``
 so that CPU and CUDA keep the same tensors; the model matches the activation meter to a few bytes),
-and no static memory: the budget is for activations alone. Whether a row fits is decided by the
-*measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
+and no static memory without ``--sharding``: the budget is then for activations alone. Whether a row fits
+is decided by the *measured* peak of every rank (:mod:`.activation_meter`), never by the prediction.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, rank_splits
 from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
                               schedule_options)
 from ..schedule.config import ScheduleConfig
@@ -67,6 +76,13 @@ class RunSpec:
     predicted_fits: bool = True
     """Whether the prediction fits the budget (False: the least-memory stock setting of a schedule where
     nothing is predicted to fit)."""
+    sharding: Optional[Tuple[str, ...]] = None
+    """``--sharding``: the ZeRO level of each virtual chunk (stock: ``optim`` everywhere); None without it."""
+    predicted_state_bytes: Optional[Tuple[float, ...]] = None
+    """``--sharding``: predicted weights + gradients + optimizer state per pipeline rank outside any group."""
+    predicted_peak_memory_bytes: Optional[Tuple[float, ...]] = None
+    """``--sharding``: predicted peak of model state (gathered weights and gradient buffers included) plus
+    activations, per pipeline rank."""
 
     @property
     def stock(self) -> bool:
@@ -85,6 +101,14 @@ class RunSpec:
         """Megatron flags of the stock setting beyond the pipeline size (V, g, recomputation)."""
         return tuple(self.setting.flags()[2:]) if self.setting else ()
 
+    @property
+    def sharding_flags(self) -> Tuple[str, ...]:
+        """``--sharding``: Megatron's distributed optimizer for every row, and PipeMesh's level per chunk."""
+        if self.sharding is None:
+            return ()
+        levels = ("--pipemesh-sharding", *self.sharding) if not self.stock else ()
+        return DISTRIBUTED_OPTIMIZER_FLAGS + levels
+
     def schedule_config(self, pp: int, vpp: int, m: int) -> ScheduleConfig:
         """The order this row runs (for the simulator and the calibration)."""
         if self.setting is not None:
@@ -95,35 +119,81 @@ class RunSpec:
 
     def describe(self) -> str:
         """One line: what this row runs with."""
+        levels = f", sharding {' '.join(self.sharding)}" if self.sharding else ""
         if self.setting is not None:
-            return self.setting.describe()
+            return self.setting.describe() + levels
         groups = f"{' '.join(map(str, self.groups[0]))} / {' '.join(map(str, self.groups[1]))}" if self.groups else ""
         host = f", {self.host_placed} on the host" if self.host_placed else ""
-        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches{host}"
+        return f"PipeMesh groups {groups}, {self.recomputed} recomputed chunk-micro-batches{host}{levels}"
 
 
-def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float) -> ClusterSpec:
+STOCK_LEVEL = "optim"
+"""The one sharding level stock Megatron runs on CPU (``--sharding``): ZeRO-1, its distributed optimizer."""
+DISTRIBUTED_OPTIMIZER_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+"""What every ``--sharding`` row runs with: Megatron's distributed optimizer, reductions and gathers overlapped."""
+STOCK_SHARDING_NOTE = (
+    "stock rows run ZeRO-1 only (optim: Megatron's distributed optimizer): Megatron's ZeRO-2/3 is Megatron-FSDP "
+    "(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads / optim_grads_params), which is CUDA-only "
+    "(megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:231-234 calls torch.cuda.current_device(), "
+    ":406-407 creates CUDA streams) and cannot run on this CPU/gloo machine")
+
+
+def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
+                 distributed_optimizer: bool = False) -> ClusterSpec:
     """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; pipeline links at the shaped rate
     (``gbps``, the link share applied); data parallel at ``gbps`` / d: the d ranks of a ring all send
-    through the one shaped token bucket at once (:func:`.calibrate.shared_bucket_allreduce_s`)."""
+    through the one shaped token bucket at once (:func:`.calibrate.shared_bucket_allreduce_s`); with the
+    distributed optimizer (``--sharding``) the all-reduce becomes a reduce-scatter plus an all-gather."""
     return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps / config.dp, p2p_gbps=gbps,
-                       distributed_optimizer=False, memory_gbs=CPU_MEMORY_GBS, host_link_gbps=CPU_HOST_LINK_GBPS)
+                       distributed_optimizer=distributed_optimizer, memory_gbs=CPU_MEMORY_GBS,
+                       host_link_gbps=CPU_HOST_LINK_GBPS)
 
 
 def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,
-                     gbps: float) -> OpCosts:
-    """Analytic costs with no static memory: what the planner sees under an activation budget."""
-    costs = analytic_costs(_model_spec(model, config.pp), cluster_spec(config, auto, gbps), sched)
+                     gbps: float, distributed_optimizer: bool = False) -> OpCosts:
+    """Analytic costs with no static memory: what the planner sees under an activation budget (with
+    ``--sharding`` the simulator adds each level's model state itself)."""
+    costs = analytic_costs(_model_spec(model, config.pp), cluster_spec(config, auto, gbps, distributed_optimizer), sched)
     return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
 
+def state_bytes(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, levels: Sequence[str],
+                cluster: ClusterSpec) -> Tuple[float, ...]:
+    """Weights + gradients + optimizer state per pipeline rank outside any group at ``levels`` (one per chunk;
+    fp32 on CPU: :func:`megatron_pipemesh.planning.sharding.bytes_per_param`)."""
+    splits = rank_splits(_model_spec(model, config.pp), cluster, sched, ShardingSpec(tuple(levels)))
+    return tuple(split.state.resident for split in splits)
+
+
+def step_state_bytes(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, levels: Sequence[str],
+                     cluster: ClusterSpec) -> Tuple[float, ...]:
+    """Model state per pipeline rank during Megatron's optimizer step under the mixed-sharding runtime (no
+    activations then): whole parameter and gradient buffers (the distributed optimizer's fp32 shard is a view of
+    them) and, for ZeRO-2/3 chunks, the gradient-shard accumulators the runtime keeps
+    (:class:`megatron_pipemesh.runtime.sharding.ChunkSharding`: ``grad_accum``, allocated once)."""
+    splits = rank_splits(_model_spec(model, config.pp), cluster, sched, ShardingSpec(tuple(levels)))
+    return tuple(sum(chunk.peak + (chunk.grads if level != STOCK_LEVEL else 0.0)
+                     for chunk, level in zip(split.chunks, levels)) for split in splits)
+
+
+def stock_state_bytes(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig,
+                      cluster: ClusterSpec) -> Tuple[float, ...]:
+    """ZeRO-1 (``optim`` for every chunk) model state per pipeline rank: what stock holds with ``--sharding``."""
+    return state_bytes(model, config, sched, (STOCK_LEVEL,) * sched.vpp, cluster)
+
+
 def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
-                      fraction: float = 0.5) -> float:
+                      fraction: float = 0.5, sharding: bool = False) -> float:
     """``--activation-budget-mb auto[:F]``: ``fraction`` of the way from the depth-first to the breadth-first
-    peak (largest rank, no recomputation) of stock interleaved at the bench's V (auto: halfway)."""
+    peak (largest rank, no recomputation) of stock interleaved at the bench's V (auto: halfway). With
+    ``sharding`` (``--memory-budget-mb auto[:F]``) each peak is ZeRO-1 model state + activations."""
     pp, vpp, m = config.pp, model.vpp, model.microbatches
-    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
-    peaks = [max(evaluate(StockSetting(pp, vpp, m, g), spec, cluster).peak_activation_bytes) for g in (pp, m)]
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps, sharding)
+    peaks = []
+    for g in (pp, m):
+        setting = StockSetting(pp, vpp, m, g)
+        static = stock_state_bytes(model, config, setting.config(), cluster) if sharding else (0.0,) * pp
+        peaks.append(max(a + s for a, s in zip(evaluate(setting, spec, cluster).peak_activation_bytes, static)))
     return peaks[0] + fraction * (peaks[1] - peaks[0])
 
 
@@ -146,28 +216,32 @@ def runnable_options(layers_per_chunk: int, layer_spec: str = "local",
 
 
 def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
-                 budget: Optional[float]) -> Tuple[StockResult, bool]:
+                 budget: Optional[float], static: Optional[Sequence[float]] = None) -> Tuple[StockResult, bool]:
     """(simulated setting, predicted to fit) of one stock schedule: the fitting runnable recomputation with the
     least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
-    none fits, the one with the smallest peak (largest rank)."""
+    none fits, the one with the smallest peak (largest rank). ``static``: model state per pipeline rank that
+    shares the budget with the activations (``--sharding``; none otherwise)."""
     options = runnable_options(spec.num_layers // (pp * vpp), spec.layer_spec)
     probe = StockSetting(pp, vpp, m, g)
     costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
     peaks = order_peaks(probe.config(), costs, [o.level for o in options])
-    fitting = [o for o in options if budget is None or max(peaks[o.level]) <= budget]
+    static = tuple(static) if static is not None else (0.0,) * pp
+    total = lambda option: max(a + s for a, s in zip(peaks[option.level], static))  # noqa: E731
+    fitting = [o for o in options if budget is None or total(o) <= budget]
     if fitting:
         choice = min(fitting, key=lambda o: costs.recompute_s[o.level])
     else:
-        choice = min(options, key=lambda o: (max(peaks[o.level]), costs.recompute_s[o.level]))
+        choice = min(options, key=lambda o: (total(o), costs.recompute_s[o.level]))
     return evaluate(replace(probe, recompute=choice), spec, cluster), bool(fitting)
 
 
 def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[float], auto: AutoPlanSettings,
                 gbps: float, families: Sequence[str] = STOCK_FAMILIES, group_sizes: Optional[Sequence[int]] = None,
-                vpps: Optional[Sequence[int]] = None) -> List[RunSpec]:
+                vpps: Optional[Sequence[int]] = None, sharding: bool = False) -> List[RunSpec]:
     """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
-    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget)."""
-    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps)
+    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget). ``sharding``:
+    Megatron's distributed optimizer, ZeRO-1 for every chunk, the budget covering model state + activations."""
+    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps, sharding)
     pp, m = config.pp, model.microbatches
     rows = []
     for vpp, g in schedule_options(pp, spec.num_layers, m):
@@ -175,31 +249,63 @@ def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[floa
         if family not in families or (vpp > 1 and ((group_sizes and g not in group_sizes)
                                                    or (vpps and vpp not in vpps))):
             continue
-        result, fits_predicted = choose_stock(spec, cluster, pp, vpp, m, g, budget)
+        static = stock_state_bytes(model, config, StockSetting(pp, vpp, m, g).config(), cluster) if sharding else None
+        result, fits_predicted = choose_stock(spec, cluster, pp, vpp, m, g, budget, static)
+        peaks = tuple(result.peak_activation_bytes)
         rows.append(RunSpec(name=_row_name(result.setting), family=family, setting=result.setting,
-                            predicted_peak_bytes=tuple(result.peak_activation_bytes),
-                            predicted_iteration_s=result.iteration_s, predicted_fits=fits_predicted))
+                            predicted_peak_bytes=peaks, predicted_iteration_s=result.iteration_s,
+                            predicted_fits=fits_predicted,
+                            sharding=(STOCK_LEVEL,) * vpp if sharding else None, predicted_state_bytes=static,
+                            predicted_peak_memory_bytes=tuple(a + s for a, s in zip(peaks, static)) if sharding else None))
     return rows
+
+
+def fit_levels(sched: ScheduleConfig, costs: OpCosts, budget: float, options, model: ModelSpec, cluster: ClusterSpec):
+    """The given groups with mixed sharding: for each level tuple ``auto`` tries
+    (:func:`megatron_pipemesh.planning.sharding.candidate_levels`) the planner's recomputation and placement
+    for ``budget``; the fastest fitting plan wins (ties: less peak memory, then fewer sharded chunks), or,
+    when none fits, the one with the least peak memory."""
+    from ..planning.planner import fit_with_recompute
+    from ..planning.sharding import ZERO
+
+    plans = [fit_with_recompute(sched, costs, budget, options, ShardingModel(model, cluster, ShardingSpec(levels)))
+             for levels in candidate_levels(sched.vpp)]
+    peak = lambda plan: max(r.peak_memory_bytes for r in plan.result.ranks)  # noqa: E731
+    fitting = [plan for plan in plans if plan.fits]
+    if not fitting:
+        return min(plans, key=peak)
+    return min(fitting, key=lambda plan: (round(plan.result.iteration_s, 12), peak(plan),
+                                          sum(ZERO[level] for level in plan.sharding.spec.levels)))
 
 
 def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget: Optional[float],
                   auto: AutoPlanSettings, gbps: float, plan_dir: str,
-                  groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None) -> RunSpec:
+                  groups: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None, sharding: bool = False) -> RunSpec:
     """A PipeMesh row planned for ``budget``: the given ``groups`` with pipeline-aware recomputation
     (``pipemesh``) or the planner's best groups and recomputation (``pipemesh-auto``); written to a plan
-    file for ``--pipemesh-plan``. Without a budget nothing is recomputed (auto: an unbounded budget)."""
+    file for ``--pipemesh-plan``. Without a budget nothing is recomputed (auto: an unbounded budget).
+    ``sharding``: the level per chunk is planned with them (the plan file and ``--pipemesh-sharding`` carry it)
+    and ``budget`` covers model state + activations."""
     from ..planning.planner import PlannerOptions, fit_with_recompute, plan_schedule
+    from ..planning.sharding import plan_with_sharding
     from ..schedule.lower import HOST_LEVEL
 
     pp, vpp, m = config.pp, model.vpp, model.microbatches
-    costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps)  # noqa: E731
+    costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps, sharding)  # noqa: E731
     limit = budget if budget is not None else float("inf")
     options = PlannerOptions(activation_placement=auto.activation_placement)
+    spec, cluster = _model_spec(model, pp), cluster_spec(config, auto, gbps, sharding)
     if family == "pipemesh-auto":
-        plan, _ = plan_schedule(pp, vpp, m, costs_for, limit, options)
+        if sharding:
+            plan, _ = plan_with_sharding(pp, vpp, m, costs_for, limit, spec, cluster, options=options)
+        else:
+            plan, _ = plan_schedule(pp, vpp, m, costs_for, limit, options)
     else:
         sched = ScheduleConfig(pp, vpp, m, *groups)
-        plan = fit_with_recompute(sched, costs_for(sched), limit, options)
+        if sharding:
+            plan = fit_levels(sched, costs_for(sched), limit, options, spec, cluster)
+        else:
+            plan = fit_with_recompute(sched, costs_for(sched), limit, options)
     os.makedirs(plan_dir, exist_ok=True)
     path = os.path.join(plan_dir, f"{config.name}-{family}.json")
     data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
@@ -207,10 +313,21 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
         json.dump(data, handle, indent=1, default=str)
     recomputed = sum(1 for level in plan.recompute.values() if level not in ("none", HOST_LEVEL))
     host_placed = sum(1 for level in plan.recompute.values() if level == HOST_LEVEL)
+    levels = peak_memory = None
+    fits_predicted = plan.fits
+    if sharding:
+        levels = tuple(plan.sharding.spec.levels)
+        # The runtime hands Megatron's optimizer step whole buffers (docs/sharding.md, Limits): the planner's
+        # peak (during the schedule) or the step's, whichever is larger.
+        step = step_state_bytes(model, config, plan.config, levels, cluster)
+        peak_memory = tuple(max(r.peak_memory_bytes, s) for r, s in zip(plan.result.ranks, step))
+        fits_predicted = plan.fits and max(peak_memory) <= limit
     return RunSpec(name=family, family=family, groups=(plan.config.forward_groups, plan.config.backward_groups),
                    plan_path=path, recomputed=recomputed, host_placed=host_placed,
                    predicted_peak_bytes=tuple(r.peak_activation_bytes for r in plan.result.ranks),
-                   predicted_iteration_s=plan.result.iteration_s, predicted_fits=plan.fits)
+                   predicted_iteration_s=plan.result.iteration_s, predicted_fits=fits_predicted, sharding=levels,
+                   predicted_state_bytes=state_bytes(model, config, plan.config, levels, cluster) if sharding else None,
+                   predicted_peak_memory_bytes=peak_memory)
 
 
 def fits(peaks: Optional[Sequence[Optional[float]]], budget: Optional[float]) -> bool:

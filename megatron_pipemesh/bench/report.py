@@ -6,7 +6,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .calibrate import MeasuredCompute, fit_transfer_overhead, predict_iteration_ms
 from .logparse import ParsedLog
-from .memory_fair import RunSpec, best_stock, fits
+from .memory_fair import STOCK_SHARDING_NOTE, RunSpec, best_stock, fits
 from .runner import ModelSetup, ParallelConfig, RunResult
 
 
@@ -22,6 +22,12 @@ def rank_timer_medians(logs: Sequence[ParsedLog], warmup: int, name: str, world:
         values = [it.timers.get(name, {}).get(rank) for log in logs for it in log.measured(warmup)]
         out.append(_median([v for v in values if v is not None]))
     return out
+
+
+def max_per_rank(per_run: Sequence[Optional[Sequence[Optional[float]]]], world: int) -> List[Optional[float]]:
+    """Per rank: the largest of the runs' values (None where no run has one)."""
+    return [max((values[rank] for values in per_run if values and values[rank] is not None), default=None)
+            for rank in range(world)]
 
 
 def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: ParallelConfig) -> Optional[dict]:
@@ -43,9 +49,7 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
     idle = [x - c if x is not None and c is not None else None for x, c in zip(fb, compute)]
     tps_med = statistics.median(per_run_tps)
     rss = [_median([r.peak_rss_mb.get(rank) for r in good if rank in r.peak_rss_mb]) for rank in range(world)]
-    peaks = [max((r.activation_peak_bytes[rank] for r in good
-                  if r.activation_peak_bytes and r.activation_peak_bytes[rank] is not None), default=None)
-             for rank in range(world)]
+    peaks = max_per_rank([r.activation_peak_bytes for r in good], world)
     return {
         "runs": len(good), "failed_runs": failed, "errors": [r.error for r in runs if r.error][:2],
         "tokens_per_s_median": tps_med,
@@ -55,6 +59,8 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
         "iteration_ms_min": min(all_iters), "iteration_ms_max": max(all_iters),
         "forward_backward_ms": fb, "forward_compute_ms": fwd, "backward_compute_ms": bwd,
         "idle_ms": idle, "peak_rss_mb": rss, "peak_activation_bytes": peaks,
+        "model_state_bytes": max_per_rank([r.model_state_bytes for r in good], world),
+        "peak_memory_bytes": max_per_rank([r.peak_memory_bytes for r in good], world),
         "auto_groups": ([logs[0].auto_forward_groups, logs[0].auto_backward_groups]
                         if logs[0].auto_forward_groups else None),
         "loss_last": good[0].parsed.iterations[-1].loss if good[0].parsed.iterations else None,
@@ -63,14 +69,18 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
 
 def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence[ParallelConfig],
               specs: Dict[str, Sequence[RunSpec]], budgets: Dict[str, Optional[float]], bytes_per_s: Optional[float],
-              latency_s: float, link_share: float = 1.0) -> List[dict]:
+              latency_s: float, link_share: float = 1.0, sharding: bool = False) -> List[dict]:
     """Per configuration: one row per run spec (shaped/unshaped metrics, measured peak activation bytes per
-    rank, ``fits`` the budget), the best stock row that fits, PipeMesh's ratios to it, calibration."""
+    rank, ``fits`` the budget), the best stock row that fits, PipeMesh's ratios to it, calibration. With
+    ``sharding`` the budget is per-rank memory (model state + activations) and rows carry their levels."""
     out = []
     for config in configs:
         budget = budgets.get(config.name)
         entry = {"config": config.name, "pp": config.pp, "dp": config.dp, "world": config.world,
-                 "activation_budget_bytes": budget, "schedules": []}
+                 "activation_budget_bytes": None if sharding else budget,
+                 "memory_budget_bytes": budget if sharding else None, "sharding": sharding, "schedules": []}
+        if sharding:
+            entry["stock_sharding"] = STOCK_SHARDING_NOTE
         for spec in specs[config.name]:
             runs = [r for r in results if r.config == config.name and r.schedule == spec.name]
             shaped = variant_metrics([r for r in runs if r.shaped], model, config) if any(r.shaped for r in runs) else None
@@ -98,19 +108,26 @@ def _row(spec: RunSpec, shaped: Optional[dict], unshaped: Optional[dict], budget
     measured, else unshaped)."""
     ok = lambda v: v is not None and v.get("runs")  # noqa: E731
     main = shaped if ok(shaped) else (unshaped if ok(unshaped) else None)
-    peaks = None
-    measured = [v["peak_activation_bytes"] for v in (shaped, unshaped) if ok(v) and any(
-        p is not None for p in v["peak_activation_bytes"])]
-    if measured:  # the larger of the shaped and unshaped runs' peaks, per rank
-        peaks = [max((m[r] for m in measured if m[r] is not None), default=None) for r in range(config.world)]
-    predicted = None
-    if spec.predicted_peak_bytes is not None:  # per pipeline rank -> per global rank (stage r // dp)
-        predicted = [spec.predicted_peak_bytes[pipeline_rank(r, config)] for r in range(config.world)]
+    variants = [v for v in (shaped, unshaped) if ok(v)]
+
+    def measured(key: str) -> Optional[List[Optional[float]]]:
+        """The larger of the shaped and unshaped runs' values, per rank (None when none was measured)."""
+        values = max_per_rank([v.get(key) for v in variants], config.world)
+        return values if any(x is not None for x in values) else None
+
+    peaks, state, total = measured("peak_activation_bytes"), measured("model_state_bytes"), measured("peak_memory_bytes")
+    per_global = lambda values: (None if values is None  # noqa: E731  (per pipeline rank -> per global rank)
+                                 else [values[pipeline_rank(r, config)] for r in range(config.world)])
+    predicted = per_global(spec.predicted_peak_bytes)
     row = {"name": spec.name, "schedule": spec.name, "family": spec.family, "stock": spec.stock,
            "group_size": spec.group_size, "recompute": spec.recompute, "stock_flags": list(spec.stock_flags),
            "setting": spec.describe(), "predicted_fits": spec.predicted_fits, "plan_file": spec.plan_path,
-           "fits": fits(peaks, budget), "peak_activation_bytes": peaks,
+           # --sharding: the budget holds model state + activations, so the measured peak of both decides
+           "fits": fits(total if spec.sharding else peaks, budget), "peak_activation_bytes": peaks,
            "predicted_peak_activation_bytes": predicted,
+           "sharding": list(spec.sharding) if spec.sharding else None, "model_state_bytes": state,
+           "peak_memory_bytes": total, "predicted_model_state_bytes": per_global(spec.predicted_state_bytes),
+           "predicted_peak_memory_bytes": per_global(spec.predicted_peak_memory_bytes),
            "predicted_iteration_ms": spec.predicted_iteration_s * 1e3 if spec.predicted_iteration_s else None,
            "tokens_per_s": main["tokens_per_s_median"] if main else None,
            "tokens_per_s_spread": main["tokens_per_s_spread"] if main else None,
@@ -170,7 +187,8 @@ def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_
     for name, measured, bw in (("shaped", shaped, bytes_per_s), ("unshaped", unshaped, None)):
         if measured is None or (name == "shaped" and not bytes_per_s):
             continue
-        pred = predict_iteration_ms(model, config, sched, compute, bw, (latency_s if bw else 0.0) + overhead_s, link_share)
+        pred = predict_iteration_ms(model, config, sched, compute, bw, (latency_s if bw else 0.0) + overhead_s, link_share,
+                                    spec.sharding)
         meas = measured["iteration_ms_median"]
         row[name] = {**pred, "measured_iteration_ms": meas,
                      "error": (pred["iteration_ms"] - meas) / meas}
@@ -212,17 +230,22 @@ def _mib(values) -> str:
 
 def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
     lines = []
+    sharded = any(entry.get("sharding") for entry in summary)
     for entry in summary:
-        budget = entry.get("activation_budget_bytes")
+        budget = entry.get("memory_budget_bytes" if entry.get("sharding") else "activation_budget_bytes")
         lines.append(f"## {entry['config']} (PP={entry['pp']}, DP={entry['dp']}, {entry['world']} ranks); shaped: "
-                     f"{shaping_desc}; activation budget per rank: "
-                     + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none"))
+                     f"{shaping_desc}; {'memory (model state + activations)' if entry.get('sharding') else 'activation'} "
+                     f"budget per rank: " + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none"))
+        if entry.get("stock_sharding"):
+            lines.append(f"   note: {entry['stock_sharding']}")
         if entry.get("oversubscribed"):
             lines.append(f"   note: {entry['world']} ranks on {entry.get('cores')} cores: oversubscribed "
                          f"(1 thread per rank{'; ranks pinned to the core of their pipeline stage' if entry.get('pinned') else ''}; "
                          "compute times are inflated and noisy)")
+        memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
+                  else "")
         header = (f"{'schedule':<17} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
-                  f"{'comm %':>6}  {'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
+                  f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
         lines.append(header)
         lines.append("-" * len(header))
         for row in entry["schedules"]:
@@ -230,6 +253,10 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
             main = s if s.get("runs") else u
             predicted = row.get("predicted_peak_activation_bytes")
             peaks = f"{_mib(row.get('peak_activation_bytes'))} ({_mib(predicted)})"
+            if entry.get("sharding"):
+                total = f"{_mib(row.get('peak_memory_bytes'))} ({_mib(row.get('predicted_peak_memory_bytes'))})"
+                state = f"{_mib(row.get('model_state_bytes'))} ({_mib(row.get('predicted_model_state_bytes'))})"
+                peaks = f"{total:<35} {state:<35} {peaks}"
             lines.append(
                 f"{row['name']:<17} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
                 f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
@@ -272,8 +299,14 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                     parts.append(c["error"])
                 lines.append(f"   {name:<17} " + "; ".join(parts))
         lines.append("")
-    lines.append("fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
-                 "CPU, the CUDA allocator on GPU) within the budget; a row that does not fit never counts as best. "
+    fits_text = ("fits: every rank's measured peak of model state (weights + gradients + optimizer state, with "
+                 "gathered ZeRO-3 weights, ZeRO-2/3 gradient buffers and the optimizer step's whole buffers) + "
+                 "activations within the memory budget (--sharding: every row runs Megatron's distributed optimizer "
+                 "with --overlap-grad-reduce --overlap-param-gather); state: the least model state held while the "
+                 "schedule ran" if sharded else
+                 "fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
+                 "CPU, the CUDA allocator on GPU) within the budget")
+    lines.append(fits_text + "; a row that does not fit never counts as best. "
                  "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
                  "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
                  "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")

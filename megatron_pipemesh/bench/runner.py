@@ -112,7 +112,8 @@ def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
 def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: Sequence[str],
                   run_dir: str) -> List[str]:
     """Megatron/PipeMesh flags of one run of row ``spec`` (a :class:`~.memory_fair.RunSpec`): the same model,
-    data, seed and batch for every row; the row adds its schedule and memory flags."""
+    data, seed and batch for every row; the row adds its schedule and memory flags (with ``--sharding`` the
+    distributed optimizer and, for PipeMesh rows, ``--pipemesh-sharding`` with the planned level per chunk)."""
     if spec.family not in SCHEDULES:
         raise ValueError(f"unknown schedule family {spec.family!r}; choose from {', '.join(SCHEDULES)}")
     pp = config.pp
@@ -131,7 +132,8 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
         # and the activation model predicts the meter exactly.
         "--hidden-dropout", "0", "--attention-dropout", "0",
     ]
-    if config.dp > 1:
+    sharding = tuple(spec.sharding_flags)  # --sharding: the distributed optimizer (and levels)
+    if config.dp > 1 and not sharding:
         args += ["--overlap-grad-reduce"]
     if spec.family in ("pipemesh", "pipemesh-auto"):
         args += ["--num-layers-per-virtual-pipeline-stage", str(model.layers_per_chunk)]
@@ -140,7 +142,7 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
         if not spec.plan_path:
             raise ValueError(f"row {spec.name} needs a plan file")
         args += ["--pipeline-schedule", "pipemesh", "--pipemesh-plan", spec.plan_path]
-    return args
+    return args + list(sharding)
 
 
 def launch_command(nproc: int, train_args: Sequence[str], prefix: Sequence[str] = (),
@@ -190,6 +192,10 @@ class RunResult:
     error: str = ""
     activation_peak_bytes: Optional[List[Optional[int]]] = None
     """Peak activation bytes per global rank over the run's training iterations (activation meter)."""
+    model_state_bytes: Optional[List[Optional[int]]] = None
+    """``--sharding``: weights + gradients + optimizer state per global rank (least held while the schedule ran)."""
+    peak_memory_bytes: Optional[List[Optional[int]]] = None
+    """``--sharding``: peak of model state + activations per global rank over the run's training iterations."""
 
 
 class _RssSampler(threading.Thread):

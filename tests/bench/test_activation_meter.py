@@ -41,6 +41,70 @@ def test_wrapper_measures_saved_tensors_of_a_training_call_only():
     assert measure_forward_backward(measured) is measured
 
 
+def test_state_lines_are_parsed_per_rank():
+    """--sharding lines add model state and the peak of state + activations; each rank's largest of each."""
+    from megatron_pipemesh.bench.activation_meter import memory_per_rank
+
+    text = ("[pipemesh-bench] activation peak: rank 0 iteration 1 bytes 10 meter saved-tensors state 70 total 95\n"
+            "[pipemesh-bench] activation peak: rank 0 iteration 2 bytes 12 meter saved-tensors state 90 total 100\n"
+            "[pipemesh-bench] activation peak: rank 1 iteration 1 bytes 12 meter saved-tensors\n")
+    assert peak_per_rank(text, 2) == [12, 12]
+    assert memory_per_rank(text, 2) == ([90, None], [100, None])
+    assert memory_per_rank("[pipemesh-bench] activation peak: rank 0 iteration 1 bytes 1 meter saved-tensors", 1) == \
+        (None, None)
+
+
+def test_wrapper_measures_model_state_with_activations():
+    """A distributed-optimizer chunk: the line carries the least model state during the call (a ZeRO-2/3 chunk's
+    released buffers) and the peak of state + activations, sampled after each mixed-sharding runtime step (a
+    gather while activations are held) and bounded below by the whole buffers the optimizer step holds."""
+    import types
+
+    import torch
+
+    from megatron_pipemesh.bench.activation_meter import install_state_sampling
+    from megatron_pipemesh.runtime.sharding import ProgramSharding, optimizer_state_bytes
+
+    class Chunk(torch.nn.Module):  # Megatron DDP's shape: ``ddp_config`` and a ``buffers`` list
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(64, 64)
+            self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=True)
+            self.buffers = [types.SimpleNamespace(param_data=torch.zeros(250), grad_data=torch.zeros(250))]
+
+    class Sharded:  # a ZeRO-2/3 chunk's bytes as the runtime's ChunkSharding reports them
+        held = 500
+
+        def held_bytes(self):
+            return self.held
+
+    chunk, sharded, lines = Chunk(), Sharded(), []
+    install_state_sampling()
+
+    def schedule(*, model, forward_only=False, **_):
+        model[0]._pipemesh_sharding = sharded  # the runtime's state, made on the first call, buffers released
+        y = torch.relu(model[0].layer(torch.randn(32, 64)))  # 16384 bytes saved
+        sharded.held = 3000  # a gather brings whole weights back while the activations are held
+        ProgramSharding([], (), {}).begin()  # a runtime step: the meter samples
+        y.sum().backward()
+        sharded.held = 2500  # whole buffers (and the shard accumulators) back for the optimizer step
+        return []
+
+    def idle(*, model, forward_only=False, **_):  # no activations: the step's whole buffers are the peak
+        sharded.held = 500
+        ProgramSharding([], (), {}).begin()
+        sharded.held = 2500
+        return []
+
+    measure_forward_backward(schedule, lines.append)(model=[chunk])
+    measure_forward_backward(idle, lines.append)(model=[chunk])
+    optimizer = optimizer_state_bytes()
+    assert lines == [f"[pipemesh-bench] activation peak: rank 0 iteration 1 bytes 16384 meter saved-tensors "
+                     f"state {500 + optimizer} total {3000 + 16384 + optimizer}",
+                     f"[pipemesh-bench] activation peak: rank 0 iteration 1 bytes 0 meter saved-tensors "
+                     f"state {500 + optimizer} total {2500 + optimizer}"]
+
+
 def test_stage_cores_and_pinning():
     """Ranks of one pipeline stage share its core; pinning without the variable does nothing."""
     assert stage_cores(2, 2, 2) == [0, 0, 1, 1]

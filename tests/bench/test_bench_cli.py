@@ -253,3 +253,85 @@ def test_sigterm_stops_the_bench_like_ctrl_c():
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--memory-budget-mb", "64"], "--memory-budget-mb 64 needs --sharding"),
+    (["--sharding", "--configs", "pp2xdp2", "--activation-budget-mb", "auto"], "--activation-budget-mb auto with --sharding"),
+    (["--sharding", "--configs", "pp2", "pp2xdp2"], "--sharding with --configs pp2 is invalid"),
+    (["--sharding", "--configs", "pp2xdp2", "--memory-budget-mb", "auto:2"], "--memory-budget-mb auto:2 is invalid"),
+    (["--sharding", "--configs", "pp2xdp2", "--memory-budget-mb", "0"], "--memory-budget-mb"),
+])
+def test_bad_sharding_input_is_a_usage_error(argv, match):
+    """--sharding needs data parallelism and takes --memory-budget-mb (model state + activations), never the
+    activation budget; --memory-budget-mb needs --sharding; each error names the flag and gives an example."""
+    with pytest.raises(UsageError, match=match) as error:
+        bench_cli.resolve(_args(*argv))
+    assert "Example" in str(error.value)
+
+
+def test_quick_sharding_defaults():
+    """--quick --sharding: the --quick layout with hidden 256 / seq 128 (model state a real share of memory) and a
+    memory budget auto:0.2; a flag the user gives wins; without --sharding nothing changes."""
+    setup = bench_cli.resolve(_args("--quick", "--sharding"))
+    assert setup["sharding"] and setup["budget_mb"] == ("auto", 0.2)
+    assert (setup["model"].hidden_size, setup["model"].num_attention_heads, setup["model"].seq_length) == (256, 4, 128)
+    assert (setup["model"].vpp, setup["model"].microbatches) == (4, 4) and [c.name for c in setup["configs"]] == ["pp2xdp2"]
+    assert bench_cli.resolve(_args("--quick", "--sharding", "--memory-budget-mb", "70"))["budget_mb"] == 70
+    assert bench_cli.resolve(_args("--quick", "--sharding", "--hidden-size", "128"))["model"].hidden_size == 128
+    assert not bench_cli.resolve(_args("--quick"))["sharding"]
+
+
+def test_training_args_with_sharding():
+    """--sharding: every row runs the distributed optimizer with overlapped reduction and gather (no duplicate
+    --overlap-grad-reduce); stock rows get no --pipemesh-sharding, PipeMesh rows their levels, in chunk order."""
+    model, config = ModelSetup(vpp=2), ParallelConfig(2, 2)
+    data = ["--data-path", "/d/corpus"]
+    stock = training_args(model, config, RunSpec("interleaved-V2-g2", "interleaved", StockSetting(2, 2, 8, 2),
+                                                 sharding=("optim", "optim")), data, "/r")
+    assert {"--use-distributed-optimizer", "--overlap-param-gather"} <= set(stock)
+    assert stock.count("--overlap-grad-reduce") == 1 and "--pipemesh-sharding" not in stock
+    pm = training_args(model, config, RunSpec("pipemesh-auto", "pipemesh-auto", groups=((8,), (8,)),
+                                              plan_path="/p.json", sharding=("optim", "optim_grads_params")), data, "/r")
+    assert {"--use-distributed-optimizer", "--overlap-param-gather"} <= set(pm) and pm.count("--overlap-grad-reduce") == 1
+    assert pm[pm.index("--pipemesh-sharding") + 1:] == ["optim", "optim_grads_params"]
+    plain = training_args(model, config, RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)), data, "/r")
+    assert "--use-distributed-optimizer" not in plain and "--overlap-grad-reduce" in plain
+
+
+def test_sharding_fits_counts_model_state_and_activations():
+    """--sharding: a row fits when every rank's measured peak of model state + activations is within the memory
+    budget, however small its activations; rows and the JSON carry levels, state, peaks and predictions per rank."""
+    model = ModelSetup(warmup_iters=1, measured_iters=4)
+    config = ParallelConfig(2)
+    specs = [RunSpec("interleaved-V2-g2", "interleaved", StockSetting(2, 2, 8, 2), sharding=("optim", "optim"),
+                     predicted_state_bytes=(900.0, 800.0), predicted_peak_memory_bytes=(1400.0, 1300.0)),
+             RunSpec("interleaved-V2-g8", "interleaved", StockSetting(2, 2, 8, 8), sharding=("optim", "optim")),
+             RunSpec("pipemesh-auto", "pipemesh-auto", groups=((8,), (8,)), plan_path="/p.json",
+                     sharding=("optim", "optim_grads"))]
+    # (activation peaks, model state, peak of state + activations) per rank: g8's activations are the smallest but
+    # its total exceeds the 1500-byte budget
+    measured = {"interleaved-V2-g2": ([500, 400], [900, 800], [1400, 1250]),
+                "interleaved-V2-g8": ([300, 300], [900, 800], [1600, 1150]),
+                "pipemesh-auto": ([550, 450], [700, 650], [1300, 1150])}
+    results = [RunResult("pp2", name, True, 0, 0, 1.0, "x", _log(800, [200, 210], [220, 230], [750] * 2),
+                         activation_peak_bytes=act, model_state_bytes=state, peak_memory_bytes=total)
+               for name, (act, state, total) in measured.items()]
+    (entry,) = summarize(results, model, [config], {"pp2": specs}, {"pp2": 1500}, 200e6 / 8, 0.0, sharding=True)
+    rows = {r["name"]: r for r in entry["schedules"]}
+    assert [rows[n]["fits"] for n in measured] == [True, False, True]
+    assert entry["memory_budget_bytes"] == 1500 and entry["activation_budget_bytes"] is None
+    assert "ZeRO-1" in entry["stock_sharding"] and "CUDA-only" in entry["stock_sharding"]
+    assert entry["best_stock"] == "interleaved-V2-g2"
+    g2 = bench_cli.compact_row(entry, rows["interleaved-V2-g2"])
+    assert g2["sharding"] == ["optim", "optim"] and g2["model_state_bytes"] == [900, 800]
+    assert g2["peak_activation_bytes"] == [500, 400] and g2["peak_memory_bytes"] == [1400, 1250]
+    assert g2["predicted_model_state_bytes"] == [900.0, 800.0] and g2["predicted_peak_memory_bytes"] == [1400.0, 1300.0]
+    assert g2["memory_budget_bytes"] == 1500
+    pm = bench_cli.compact_row(entry, rows["pipemesh-auto"])
+    assert pm["sharding"] == ["optim", "optim_grads"] and pm["ratio_to_best_stock"] > 0
+    text = format_table([entry], "200 Mbit/s")
+    assert "memory (model state + activations) budget per rank" in text and "interleaved-V2-g8 NO" in text
+    assert "sharding optim optim_grads" in text and "ZeRO-1 only" in text
+    plain = bench_cli.compact_row({"config": "pp2"}, rows["interleaved-V2-g2"])
+    assert "model_state_bytes" not in plain  # without --sharding the JSON rows keep their keys

@@ -104,3 +104,52 @@ def test_placement_mode_reaches_the_pipemesh_plans(tmp_path):
     assert auto.host_placed > 0 and "on the host" in auto.describe()
     assert only.host_placed == 0 and only.recomputed > 0
     assert auto.predicted_iteration_s <= only.predicted_iteration_s
+
+
+def test_sharded_stock_rows_are_zero1_and_fit_state_plus_activations():
+    """--sharding: every stock row is ZeRO-1 (optim per chunk, fp32: 4 + 4 + 8/d bytes per parameter) and its
+    recomputation is chosen for state + activations: a budget the activations alone fit no longer suffices."""
+    from megatron_pipemesh.bench.memory_fair import cluster_spec, state_bytes
+
+    rows = stock_specs(MODEL, CONFIG, None, AUTO, GBPS, sharding=True)
+    assert {r.name: r.sharding for r in rows} == {"1f1b": ("optim",), "interleaved-V2-g2": ("optim", "optim"),
+                                                 "interleaved-V2-g4": ("optim", "optim")}
+    depth = next(r for r in rows if r.name == "interleaved-V2-g2")
+    sched = depth.setting.config()
+    zero2 = state_bytes(MODEL, CONFIG, sched, ("optim_grads",) * 2, cluster_spec(CONFIG, AUTO, GBPS, True))
+    for one, two in zip(depth.predicted_state_bytes, zero2):
+        assert two == pytest.approx(one * 10 / 12)  # ZeRO-2 at d = 2 frees half the fp32 gradients
+    assert depth.predicted_peak_memory_bytes == tuple(a + s for a, s in zip(depth.predicted_peak_bytes,
+                                                                            depth.predicted_state_bytes))
+    budget = max(depth.predicted_peak_bytes) + 1.0  # activations alone fit, with the model state they do not
+    alone = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS)}["interleaved-V2-g2"]
+    assert alone.predicted_fits and alone.setting.recompute.granularity == "none" and alone.sharding is None
+    shared = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS, sharding=True)}["interleaved-V2-g2"]
+    assert not shared.predicted_fits and shared.setting.recompute.granularity != "none"
+    ample = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS, sharding=True)
+    assert ample > auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS) + min(depth.predicted_state_bytes)
+
+
+@pytest.mark.parametrize("family", ["pipemesh", "pipemesh-auto"])
+def test_pipemesh_rows_plan_levels_into_plan_file_and_flags(tmp_path, family):
+    """--sharding on the --quick --sharding model: PipeMesh rows get a level per chunk from the planner (here some
+    chunks above ZeRO-1), the same in the plan file, in the loaded plan and after --pipemesh-sharding; the predicted
+    peak covers the state the optimizer step holds."""
+    from megatron_pipemesh.bench.memory_fair import cluster_spec, step_state_bytes
+    from megatron_pipemesh.bench.runner import training_args
+
+    model = ModelSetup(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1, microbatches=4, vpp=4)
+    auto, gbps = AutoPlanSettings(device_tflops=0.025, mfu=0.45), 0.2
+    budget = auto_budget_bytes(model, CONFIG, auto, gbps, 0.2, sharding=True)
+    spec = pipemesh_spec(model, CONFIG, family, budget, auto, gbps, str(tmp_path), ((4,), (4,)), sharding=True)
+    assert len(spec.sharding) == 4 and set(spec.sharding) <= {"optim", "optim_grads", "optim_grads_params"}
+    assert any(level != "optim" for level in spec.sharding) and spec.predicted_fits
+    assert json.load(open(spec.plan_path))["sharding"] == list(spec.sharding)
+    assert load_plan(spec.plan_path, 2, 4, 4).sharding == spec.sharding
+    args = training_args(model, CONFIG, spec, ["--data-path", "/d"], str(tmp_path))
+    assert args[args.index("--pipemesh-sharding") + 1:] == list(spec.sharding)
+    step = step_state_bytes(model, CONFIG, spec.schedule_config(2, 4, 4), spec.sharding,
+                            cluster_spec(CONFIG, auto, gbps, True))
+    assert all(peak >= s for peak, s in zip(spec.predicted_peak_memory_bytes, step))
+    assert max(spec.predicted_peak_memory_bytes) <= budget
+    assert all(s < p for s, p in zip(spec.predicted_state_bytes, spec.predicted_peak_memory_bytes))
