@@ -151,7 +151,7 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
         import torch
         import torch.distributed as dist
 
-        from ..runtime.memory import make_memory_meter
+        from ..runtime.memory import make_memory_meter, measuring
 
         model = kwargs.get("model")
         chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -170,7 +170,7 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
             if hasattr(meter, "sample"):
                 _SAMPLER["current"] = meter.sample
             try:
-                with meter.record("iteration"):
+                with meter.record("iteration"), measuring(meter):
                     result = func(*args, **kwargs)
             finally:
                 _SAMPLER.pop("current", None)

@@ -48,7 +48,7 @@ from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, Sched
 from ..schedule.lower import HOST_LEVEL, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
-from .memory import make_memory_meter, model_tensors
+from .memory import ambient_meter, make_memory_meter, model_tensors
 from .offload import ActivationOffloader
 from .recompute import check_plan, recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
@@ -293,9 +293,13 @@ class _Run:
         self.offloader = None
         self.host_keys = set(self.schedule.options.host_placement)
         self.offloaded: Dict[Tuple[int, int], int] = {}
+        # Host-placed keys bypass any outer saved-tensor hooks (only the innermost see the tensors), so a
+        # caller measuring the whole call (the bench) is given their saves and copies explicitly.
+        self.host_meter = None
         if any(op.kind.is_host for op in self.program):
             self.offloader = owner.offloader(self.device)
-            self.offloader.begin(model_tensors(model), self.meter)
+            self.host_meter = self.meter if self.meter is not None else ambient_meter()
+            self.offloader.begin(model_tensors(model), self.host_meter)
 
     # Helpers -------------------------------------------------------------------------------
     def _disable_grad_sync(self):
@@ -494,6 +498,8 @@ class _Run:
                         if self.meter is not None:
                             self.meter.release((op.chunk, op.microbatch))
                         if host:
+                            if self.host_meter is not None and self.host_meter is not self.meter:
+                                self.host_meter.release((op.chunk, op.microbatch))
                             self.offloader.release((op.chunk, op.microbatch))
                         self._disable_grad_sync()
                         if grad is not None:
@@ -576,6 +582,8 @@ class _Run:
         hooks = self._host_step(step, op, self.offloader.hooks) if self._host_placed(op) else None
         if self.meter is not None:
             saved = self.meter.record((chunk, microbatch), inner=hooks)
+        elif hooks and self.host_meter is not None:
+            saved = self.host_meter.record((chunk, microbatch), inner=hooks)
         else:
             saved = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
         with self._recompute(op), saved:

@@ -36,6 +36,27 @@ import torch
 Key = Hashable
 
 
+_AMBIENT: list = []
+"""Meters measuring a whole training call from outside the runtime (innermost last)."""
+
+
+@contextlib.contextmanager
+def measuring(meter) -> Iterator[None]:
+    """Make ``meter`` the ambient meter while a whole call runs under it (the bench's meter): the executor
+    hands it the saves of host-placed chunk-micro-batches, whose own hooks hide them from outer ones, and
+    the offloader's copies (:meth:`SavedTensorMeter.offloaded` / :meth:`~SavedTensorMeter.reloaded`)."""
+    _AMBIENT.append(meter)
+    try:
+        yield
+    finally:
+        _AMBIENT.remove(meter)
+
+
+def ambient_meter():
+    """The innermost meter of :func:`measuring`, or None."""
+    return _AMBIENT[-1] if _AMBIENT else None
+
+
 def _storage(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(data pointer, bytes) of ``tensor``'s storage; None for tensors without real storage."""
     try:
