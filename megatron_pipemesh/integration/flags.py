@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -270,8 +272,6 @@ def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
     distributed-optimizer instances (nodes a data-parallel group spans), after checking that every
     data-parallel group splits evenly into nodes. Records the ranks per node in
     ``args.pipemesh_ranks_per_node`` (the runtime re-checks the real groups at start-up)."""
-    import os
-
     from ..planning.sharding import ShardingError, shard_size
 
     per_node, source = detect_ranks_per_node(getattr(args, "pipemesh_ranks_per_node", None),
@@ -307,6 +307,11 @@ def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
             f"--num-distributed-optimizer-instances {given} with --pipemesh-shard-scope node is invalid ({where}): the "
             f"node scope sets it to the nodes a data-parallel group of {dp} spans ({instances}, {shard} per node). "
             f"Drop --num-distributed-optimizer-instances")
+    if instances > 1 and importlib.util.find_spec("einops") is None:
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node ({instances} distributed-optimizer instances) needs the einops package: "
+            f"Megatron builds the groups of its hierarchical distributed optimizer with it "
+            f"(megatron/core/parallel_state.py:401). Install it: pip install 'einops~=0.8'")
     args.pipemesh_ranks_per_node = per_node
     return instances
 

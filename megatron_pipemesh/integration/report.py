@@ -107,7 +107,7 @@ def sharding_summary(args, config: ScheduleConfig, levels) -> str:
     from .auto_plan import model_and_cluster
 
     scope = getattr(args, "pipemesh_shard_scope", "data-parallel")
-    text = f"sharding {' '.join(levels)}" + (f" (scope node: nodes of {args.pipemesh_ranks_per_node} ranks)"
+    text = f"sharding {' '.join(levels)}" + (f" (scope node, ranks per node: {args.pipemesh_ranks_per_node})"
                                              if scope == "node" else "")
     try:
         model, cluster = model_and_cluster(args, 1.0)
