@@ -222,6 +222,11 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
         if not settings.enabled:
             raise PipeMeshArgumentError(f"{FLAG} {' '.join(levels)} needs {SCHEDULE_FLAG} pipemesh: the schedule places the "
                                         f"gathers and reductions of ZeRO-2/3 chunks around its groups. Example: {example}")
+        if getattr(args, "ddp_param_name_patterns_for_fp32_local_accumulation", None):
+            raise PipeMeshArgumentError(
+                f"{FLAG} {' '.join(levels)} with --ddp-param-name-patterns-for-fp32-local-accumulation is not supported: "
+                f"those parameters accumulate in separate fp32 main gradients outside the gradient buffer that ZeRO-2/3 "
+                f"chunks free and reduce per group. Drop the flag or use {FLAG} optim")
         if "optim_grads_params" in levels:
             if not getattr(args, "overlap_param_gather", False):
                 raise PipeMeshArgumentError(

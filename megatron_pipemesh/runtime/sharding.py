@@ -38,14 +38,14 @@ data-parallel ranks of one node.
 
 Limits (checked at parse time): no checkpoint saving, parameter norms or weight hashes with ZeRO-3
 chunks (between iterations their buffers hold only the shard, as Megatron's own buffers hold stale
-values until the next gather); no ``--ddp-param-name-patterns-for-fp32-local-accumulation`` (its
-separate main gradients live outside the freed buffer). On CUDA the copies, resizes and collectives
+values until the next gather); no ``--ddp-param-name-patterns-for-fp32-local-accumulation`` with ZeRO-2/3
+chunks (its separate main gradients live outside the freed buffer; also refused when a chunk state is built). On CUDA the copies, resizes and collectives
 are ordered on the current stream like Megatron's own gathers; the shard tensors are allocated once
 and only their storage is resized (no per-micro-batch allocation).
 
-The runtime also counts the bytes every data-parallel op of the program gathers or reduces and the
-bytes held by parameters, gradients and optimizer state while no group runs, for comparison with the
-planning model (:meth:`ProgramSharding.report`).
+The runtime also counts the bytes every data-parallel op of the program gathers, reduces or all-reduces
+across nodes and the bytes held by parameters, gradients and optimizer state while no group runs, for
+comparison with the planning model (:func:`format_report`).
 """
 from __future__ import annotations
 

@@ -127,6 +127,8 @@ def test_plan_file_round_trip(tmp_path):
           pipemesh_ranks_per_node=2, data_parallel_size=4, world_size=16, use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
     (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
           pipemesh_ranks_per_node=0), "must be >= 1"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True,
+          ddp_param_name_patterns_for_fp32_local_accumulation=["*bias"]), "separate fp32 main gradients"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
           save="/tmp/ckpt"), "--save is not supported"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
