@@ -175,10 +175,15 @@ class PipeMeshConfig:
         cli="--sharding", nargs="+", metavar="LEVEL", choices=("optim", "optim_grads", "optim_grads_params", "auto"))
     """Sharding level per virtual chunk, 'auto', or None (no mixed sharding: Megatron's own flags decide)."""
     shard_scope: str = _setting(
-        "--pipemesh-shard-scope", "ranks that ZeRO-2/3 chunks shard weights and gradients over: data-parallel (all) or "
-        "node (the data-parallel ranks of one node; the optimizer state stays sharded over all)", "data-parallel",
+        "--pipemesh-shard-scope", "ranks that the shards span: data-parallel (all) or node (the data-parallel ranks of "
+        "one node, as Megatron's hierarchical distributed optimizer: parameters, gradients and optimizer state sharded "
+        "within the node, gradients all-reduced across nodes once per iteration)", "data-parallel",
         env="SHARD_SCOPE", cli="--shard-scope", choices=("data-parallel", "node"))
     """'data-parallel' or 'node'."""
+    ranks_per_node: Optional[int] = _setting(
+        "--pipemesh-ranks-per-node", "ranks per node for --pipemesh-shard-scope node (default: the launcher's "
+        "LOCAL_WORLD_SIZE, torchrun, or SLURM_NTASKS_PER_NODE, Slurm)", type=int, metavar="N")
+    """Ranks per node of the node scope; None: from the launcher's environment."""
 
     # Derived views ----------------------------------------------------------------------------
     @classmethod

@@ -12,14 +12,15 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/pip"
 stamp="$VENV/.pipemesh-stack"
-want="torch==2.13.0 megatron-core==0.19.2 numpy<2.5 psutil"
+want="torch==2.13.0 megatron-core==0.19.2 numpy<2.5 psutil einops~=0.8"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
   "$PIP" install -q torch==2.13.0
   "$PIP" install -q --only-binary=:all: "numpy<2.5"
   "$PIP" install -q --ignore-requires-python megatron-core==0.19.2
-  # psutil: megatron-core's checkpoint writer needs it (not declared by the wheel).
-  "$PIP" install -q psutil
+  # psutil: megatron-core's checkpoint writer needs it (not declared by the wheel); einops: its
+  # hierarchical distributed optimizer (--pipemesh-shard-scope node; parallel_state.py:401, a "dev" extra).
+  "$PIP" install -q psutil "einops~=0.8"
   echo "$want" > "$stamp"
 fi
 "$PIP" install -q -e ".[test]"

@@ -116,6 +116,46 @@ def run_torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def run_torchrun_nodes(target: Sequence[str], nnodes: int, nproc_per_node: int, timeout: float = 300.0,
+                       env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``nnodes`` torchrun launches of ``nproc_per_node`` ranks each on 127.0.0.1 with a static rendezvous, as
+    ``nnodes`` machines would start them (each rank sees its node's LOCAL_WORLD_SIZE). Returns one
+    CompletedProcess: the first non-zero return code (else 0) and every launch's output, node by node.
+    Raises :class:`WorkerError` on timeout (every launch and rank killed)."""
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmds = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", f"--nproc-per-node={nproc_per_node}", *target]
+            for node in range(nnodes)]
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in cmds]  # files, not pipes: no launch blocks on a full pipe
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=str(REPO_ROOT),
+                              start_new_session=True) for cmd, log in zip(cmds, logs)]
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for proc in procs:
+            _kill_tree(proc.pid)
+            proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    out = "".join(outputs)
+    if timed_out:
+        raise WorkerError(f"timed out after {timeout}s: {' '.join(cmds[0])}\n{out[-6000:]}")
+    code = next((proc.returncode for proc in procs if proc.returncode), 0)
+    return subprocess.CompletedProcess(cmds[0], code, out, "")
+
+
 def _descendants(pid: int) -> List[int]:
     """Every process below ``pid`` (Linux /proc; [] elsewhere)."""
     children: Dict[int, List[int]] = {}

@@ -14,7 +14,7 @@ FROZEN_FLAGS = (
     "--pipemesh-memory-budget-gb", "--pipemesh-device-tflops", "--pipemesh-mfu", "--pipemesh-dp-gbps",
     "--pipemesh-p2p-gbps", "--pipemesh-activation-placement", "--pipemesh-host-link-gbps",
     "--pipemesh-host-memory-gb", "--pipemesh-measure-iters", "--pipemesh-profile", "--pipemesh-measure-memory",
-    "--pipemesh-print-schedule", "--pipemesh-sharding", "--pipemesh-shard-scope",
+    "--pipemesh-print-schedule", "--pipemesh-sharding", "--pipemesh-shard-scope", "--pipemesh-ranks-per-node",
 )
 
 

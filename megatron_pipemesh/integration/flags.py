@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -53,6 +55,8 @@ class PipeMeshArgs:
     """Validated ZeRO level per virtual chunk (--pipemesh-sharding); None: not given."""
     reload_lookahead: int = 2
     """Compute ops between a RELOAD and its backward: the plan's (2, the lowering's default, without a plan)."""
+    ranks_per_node: Optional[int] = None
+    """Ranks per node of the node scope (``--pipemesh-shard-scope node``), checked at start-up; None: other scope."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -69,6 +73,13 @@ def microbatches_per_iteration(args) -> int:
 
 def check_pipemesh_args(args) -> PipeMeshArgs:
     """Validate PipeMesh's flags against Megatron's validated ``args``; raise PipeMeshArgumentError."""
+    settings = _check_pipemesh_args(args)
+    if settings.sharding is not None and settings.flags.shard_scope == "node":
+        settings = dataclasses.replace(settings, ranks_per_node=args.pipemesh_ranks_per_node)
+    return settings
+
+
+def _check_pipemesh_args(args) -> PipeMeshArgs:
     try:
         settings = PipeMeshConfig.from_args(args)
     except ValueError as error:
@@ -186,6 +197,16 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             f"invalid: FSDP applies one --data-parallel-sharding-strategy to every chunk, and the optimizer follows the first "
             f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
             f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if settings.shard_scope == "node":
+        args.num_distributed_optimizer_instances = node_scope_instances(args, settings)
+    elif instances > 1:
+        raise PipeMeshArgumentError(
+            f"{FLAG} with --num-distributed-optimizer-instances {instances} is invalid under --pipemesh-shard-scope "
+            f"data-parallel (one instance: shards over all data-parallel ranks). For shards within a node use "
+            f"--pipemesh-shard-scope node, which sets the instances to the nodes a data-parallel group spans. "
+            f"Example: {FLAG} {' '.join(settings.sharding) if not isinstance(settings.sharding, str) else settings.sharding} "
+            f"--pipemesh-shard-scope node")
     if levels == "auto":
         auto_groups = settings.forward_groups == "auto" and settings.backward_groups in ("auto", None)
         if not (settings.enabled and auto_groups and settings.memory_budget_gb and not settings.measure_iters):
@@ -201,15 +222,11 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
         if not settings.enabled:
             raise PipeMeshArgumentError(f"{FLAG} {' '.join(levels)} needs {SCHEDULE_FLAG} pipemesh: the schedule places the "
                                         f"gathers and reductions of ZeRO-2/3 chunks around its groups. Example: {example}")
-        if settings.shard_scope != "data-parallel":
+        if getattr(args, "ddp_param_name_patterns_for_fp32_local_accumulation", None):
             raise PipeMeshArgumentError(
-                f"--pipemesh-shard-scope {settings.shard_scope} is planned and simulated (`pipemesh plan/simulate "
-                f"--shard-scope node`) but not run: the runtime shards over Megatron's distributed-optimizer group (all "
-                f"data-parallel ranks). Example: {example} --pipemesh-shard-scope data-parallel")
-        if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
-            raise PipeMeshArgumentError(f"{FLAG} with --num-distributed-optimizer-instances "
-                                        f"{args.num_distributed_optimizer_instances} is invalid: ZeRO-2/3 chunks shard over "
-                                        f"one distributed-optimizer instance. Example: {example}")
+                f"{FLAG} {' '.join(levels)} with --ddp-param-name-patterns-for-fp32-local-accumulation is not supported: "
+                f"those parameters accumulate in separate fp32 main gradients outside the gradient buffer that ZeRO-2/3 "
+                f"chunks free and reduce per group. Drop the flag or use {FLAG} optim")
         if "optim_grads_params" in levels:
             if not getattr(args, "overlap_param_gather", False):
                 raise PipeMeshArgumentError(
@@ -225,6 +242,83 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
                         f"only its parameter shard (the rest of its parameters is gathered per group), which {flag} would "
                         f"read. Drop {flag} or use {FLAG} optim_grads")
     return levels
+
+
+RANKS_PER_NODE_FLAG = "--pipemesh-ranks-per-node"
+
+
+def detect_ranks_per_node(given: Optional[int], environ) -> Tuple[int, str]:
+    """Ranks per node and where the number came from: ``--pipemesh-ranks-per-node``, torchrun's
+    ``LOCAL_WORLD_SIZE`` or Slurm's ``SLURM_NTASKS_PER_NODE`` (in that order)."""
+    if given is not None:
+        if given < 1:
+            raise PipeMeshArgumentError(f"{RANKS_PER_NODE_FLAG} {given} is invalid: it must be >= 1. "
+                                        f"Example: {RANKS_PER_NODE_FLAG} 8")
+        return given, RANKS_PER_NODE_FLAG
+    local = environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local), "LOCAL_WORLD_SIZE"
+    slurm = environ.get("SLURM_NTASKS_PER_NODE")
+    if slurm:
+        # Slurm writes "8" or "8(x4)"; a comma lists nodes with different task counts.
+        if "," in slurm:
+            raise PipeMeshArgumentError(
+                f"--pipemesh-shard-scope node with SLURM_NTASKS_PER_NODE={slurm} is invalid: the nodes run different "
+                f"numbers of ranks, so the data-parallel groups cannot split evenly into nodes. Launch the same number "
+                f"of tasks on every node (e.g. --ntasks-per-node 8)")
+        return int(slurm.split("(")[0]), "SLURM_NTASKS_PER_NODE"
+    raise PipeMeshArgumentError(
+        f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
+        f"(torchrun) or SLURM_NTASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
+
+
+def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
+    """``--pipemesh-shard-scope node`` as Megatron's hierarchical distributed optimizer: the number of
+    distributed-optimizer instances (nodes a data-parallel group spans), after checking that every
+    data-parallel group splits evenly into nodes. Records the ranks per node in
+    ``args.pipemesh_ranks_per_node`` (the runtime re-checks the real groups at start-up)."""
+    from ..planning.sharding import ShardingError, shard_size
+
+    per_node, source = detect_ranks_per_node(getattr(args, "pipemesh_ranks_per_node", None),
+                                             os.environ if environ is None else environ)
+    rank = int((os.environ if environ is None else environ).get("RANK", getattr(args, "rank", 0) or 0))
+    where = f"rank {rank}: {source}={per_node}"
+    tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1) or 1
+    dp = args.data_parallel_size * cp
+    world = getattr(args, "world_size", None) or per_node
+    if getattr(args, "use_tp_pp_dp_mapping", False):
+        raise PipeMeshArgumentError(f"--pipemesh-shard-scope node with --use-tp-pp-dp-mapping is invalid ({where}): that "
+                                    f"rank order puts pipeline stages between data-parallel ranks, so a node does not hold "
+                                    f"whole data-parallel blocks. Drop --use-tp-pp-dp-mapping")
+    if world % per_node or per_node % tp:
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node is invalid ({where}): the world size ({world}) must split into nodes of "
+            f"{per_node} ranks and each node must hold whole tensor-parallel groups (size {tp}). Fix the launcher's ranks "
+            f"per node or {RANKS_PER_NODE_FLAG}, e.g. {RANKS_PER_NODE_FLAG} {max(tp, 1)}")
+    if per_node > tp * dp and per_node % (tp * dp):
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node is invalid ({where}): a node of {per_node} ranks cuts through the data-parallel "
+            f"groups ({tp * dp} consecutive ranks each, tensor x data parallel); it must hold whole groups or split one "
+            f"evenly. Fix the ranks per node (e.g. {RANKS_PER_NODE_FLAG} {tp * dp}) or use --pipemesh-shard-scope "
+            f"data-parallel")
+    try:
+        shard = shard_size("node", dp, tp, per_node)
+    except ShardingError as error:
+        raise PipeMeshArgumentError(f"{error} ({where})") from error
+    instances = dp // shard
+    given = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if given not in (1, instances):
+        raise PipeMeshArgumentError(
+            f"--num-distributed-optimizer-instances {given} with --pipemesh-shard-scope node is invalid ({where}): the "
+            f"node scope sets it to the nodes a data-parallel group of {dp} spans ({instances}, {shard} per node). "
+            f"Drop --num-distributed-optimizer-instances")
+    if instances > 1 and importlib.util.find_spec("einops") is None:
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node ({instances} distributed-optimizer instances) needs the einops package: "
+            f"Megatron builds the groups of its hierarchical distributed optimizer with it "
+            f"(megatron/core/parallel_state.py:401). Install it: pip install 'einops~=0.8'")
+    args.pipemesh_ranks_per_node = per_node
+    return instances
 
 
 def fail(error: Exception) -> "NoReturn":  # noqa: F821

@@ -18,7 +18,8 @@ arguments of a megatron-core patch release pass through):
    the PipeMesh schedule exactly where Megatron's rule returns its interleaved schedule (an explicit
    ``vp_size=None`` stays non-interleaved), else defer to Megatron's.
 4. ``megatron.core.parallel_state.initialize_model_parallel``: also creates and warms up PipeMesh's
-   per-link pipeline groups, with that call's timeout and NCCL options, when PipeMesh is active.
+   per-link pipeline groups, with that call's timeout and NCCL options, when PipeMesh is active; with
+   ``--pipemesh-shard-scope node`` checks that Megatron's distributed-optimizer instances are the nodes.
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def activate(settings) -> None:
     from .parallel_state import get_pipemesh_p2p_groups
 
     _STATE["args"] = settings
+    if settings.ranks_per_node:  # node scope: Megatron's hierarchical distributed optimizer, with its fix
+        from .hierarchical_distopt import start_grad_sync_once_per_iteration
+        start_grad_sync_once_per_iteration()
     if not settings.enabled:
         _STATE["schedule"] = None
         return
@@ -233,11 +237,21 @@ def wrap_getter(original, parallel_state):
 
 
 def wrap_initialize(original):
-    """``initialize_model_parallel`` that then creates and warms up the per-link groups with the call's
-    timeout, backend and NCCL options (when PipeMesh is active)."""
+    """``initialize_model_parallel`` that then checks the node scope's groups (all ranks agree on the node size,
+    each distributed-optimizer instance is one node's data-parallel ranks; exit 2 naming the rank otherwise) and
+    creates and warms up the per-link groups with the call's timeout, backend and NCCL options (when PipeMesh
+    is active)."""
     @functools.wraps(original)
     def initialize_model_parallel(*args, **kwargs):
         result = original(*args, **kwargs)
+        settings = _STATE["args"]
+        if settings is not None and settings.ranks_per_node:
+            from ..runtime.sharding import check_node_groups
+            from .flags import fail
+            try:
+                check_node_groups(settings.ranks_per_node)
+            except ValueError as error:
+                fail(error)
         if _STATE["schedule"] is not None:
             from .parallel_state import create_pipemesh_groups, megatron_group_options
             bound = _bind(original, args, kwargs)

@@ -106,11 +106,13 @@ def sharding_summary(args, config: ScheduleConfig, levels) -> str:
     from ..planning.sharding import ShardingSpec, rank_splits
     from .auto_plan import model_and_cluster
 
-    text = f"sharding {' '.join(levels)}"
+    scope = getattr(args, "pipemesh_shard_scope", "data-parallel")
+    text = f"sharding {' '.join(levels)}" + (f" (scope node, ranks per node: {args.pipemesh_ranks_per_node})"
+                                             if scope == "node" else "")
     try:
         model, cluster = model_and_cluster(args, 1.0)
-        mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels)))
-        zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp))
+        mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels), scope))
+        zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp, scope))
     except Exception as error:  # a report must not stop training
         return f"{text} (no memory prediction: {type(error).__name__}: {error})"
     return (f"{text}: predicted weights+grads+optimizer MiB per pipeline rank "

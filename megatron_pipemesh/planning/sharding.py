@@ -14,20 +14,26 @@ Levels use Megatron's names (``--data-parallel-sharding-strategy``):
   after the group (:func:`megatron_pipemesh.schedule.spans.gather_spans`: one gather per merged
   span). Bigger groups mean fewer gathers.
 
-Scope (``--pipemesh-shard-scope``): ``data-parallel`` shards weights and gradients over all ``d``
-data-parallel ranks; ``node`` only over the data-parallel ranks of one node (``s`` of them), so the
-per-group gathers and reductions stay on the fast intra-node link, and the node shards are reduced
-across nodes once per iteration. The optimizer state is always sharded over all ``d``.
+Scope (``--pipemesh-shard-scope``): ``data-parallel`` shards over all ``d`` data-parallel ranks
+(``s = d``); ``node`` is Megatron's hierarchical distributed optimizer
+(``--num-distributed-optimizer-instances d/s``, one instance per node of ``s`` data-parallel ranks):
+every data-parallel collective of every level -- the gathers, the per-group reductions, the
+optimizer-state shards -- stays inside the node, and Megatron all-reduces each rank's node shard of
+the gradients (``N/s`` of them) across the ``d/s`` nodes once per iteration, inside the chunk's
+``GRAD_SYNC``. The optimizer state is therefore sharded over the node (``o/s``), replicated across
+nodes, and every node steps its own copy (the issue asked for the optimizer sharded over all ``d``;
+Megatron 0.19.2's instances replicate it, and sharding it over all would need a cross-node
+reduce-scatter into a shard layout that Megatron's buffers do not have).
 
 Bytes per parameter (w = weight bytes, g = gradient bytes, o = optimizer bytes: 8 for Adam's
-moments plus 4 for fp32 main parameters when w < 4):
+moments plus 4 for fp32 main parameters when w < 4; s = d with the data-parallel scope):
 
 ==================  ===========  ===========  =========  ==========================================
 level               weights      gradients    optimizer  transient (while a group span runs)
 ==================  ===========  ===========  =========  ==========================================
-optim               w            g            o/d        --
-optim_grads         w            g/s          o/d        g(1-1/s) (rest of the gradient buffer)
-optim_grads_params  w/s          g/s          o/d        w(1-1/s) (rest of the weights) + g(1-1/s)
+optim               w            g            o/s        --
+optim_grads         w            g/s          o/s        g(1-1/s) (rest of the gradient buffer)
+optim_grads_params  w/s          g/s          o/s        w(1-1/s) (rest of the weights) + g(1-1/s)
 ==================  ===========  ===========  =========  ==========================================
 
 The shard is a slice of the whole buffer (as in Megatron's buffers, where each rank's shard of a
@@ -149,7 +155,7 @@ class StateBytes:
     grads: float = 0.0
     """Gradients held all the time (the whole buffer, or the reduced shard)."""
     optimizer: float = 0.0
-    """Optimizer state (fp32 main parameters when 16-bit, Adam moments): always a 1/d shard."""
+    """Optimizer state (fp32 main parameters when 16-bit, Adam moments): a 1/s shard (s = d, or a node's)."""
     gathered: float = 0.0
     """The rest of the whole weights (beyond the shard), held only while a gather span runs (ZeRO-3)."""
     grad_buffer: float = 0.0
@@ -178,12 +184,13 @@ def optimizer_bytes(dtype_bytes: int) -> int:
     return 8 + (4 if dtype_bytes < 4 else 0)
 
 
-def bytes_per_param(level: str, dp: int, shard: int, dtype_bytes: int = 2, grad_bytes: int = 4) -> StateBytes:
-    """Bytes per parameter of a chunk at ``level`` (table in the module docstring)."""
+def bytes_per_param(level: str, shard: int, dtype_bytes: int = 2, grad_bytes: int = 4) -> StateBytes:
+    """Bytes per parameter of a chunk at ``level`` whose shards span ``shard`` ranks (table in the module
+    docstring; the optimizer state is sharded over the same ranks: Megatron's distributed-optimizer instance)."""
     if level not in ZERO:
         raise ShardingError(f"unknown sharding level {level!r}; levels are {', '.join(LEVELS)}")
     zero = ZERO[level]
-    optimizer = optimizer_bytes(dtype_bytes) / dp
+    optimizer = optimizer_bytes(dtype_bytes) / shard
     weights = dtype_bytes / shard if zero == 3 else dtype_bytes
     grads = grad_bytes / shard if zero >= 2 else grad_bytes
     rest = 1 - 1 / shard
@@ -240,9 +247,9 @@ def chunk_params(model, cluster, config: ScheduleConfig) -> List[List[float]]:
     return out
 
 
-def chunk_state(params: float, level: str, dp: int, shard: int, dtype_bytes: int, grad_bytes: int) -> StateBytes:
-    """Bytes of one chunk of ``params`` parameters at ``level``."""
-    return bytes_per_param(level, dp, shard, dtype_bytes, grad_bytes).scaled(params)
+def chunk_state(params: float, level: str, shard: int, dtype_bytes: int, grad_bytes: int) -> StateBytes:
+    """Bytes of one chunk of ``params`` parameters at ``level``, sharded over ``shard`` ranks."""
+    return bytes_per_param(level, shard, dtype_bytes, grad_bytes).scaled(params)
 
 
 @dataclass(frozen=True)
@@ -258,30 +265,32 @@ class Traffic:
     reduce_bytes: float
     """Payload of one reduce-scatter: the chunk's whole gradients."""
     group: int
-    """Ranks of these collectives (d, or s with the node scope)."""
+    """Ranks of the gathers and reduce-scatters (d, or the s data-parallel ranks of a node with the node scope)."""
     cross_node_bytes: float = 0.0
-    """Node scope: payload of the once-per-iteration reduction of the node shard across nodes (and the
-    matching gather of updated node shards): g*N/s + w*N/s."""
+    """Node scope: payload of the once-per-iteration all-reduce of this rank's node shard of the gradients
+    across the nodes (g*N/s; Megatron's inter-instance all-reduce in ``GRAD_SYNC``); 0 otherwise."""
+    nodes: int = 1
+    """Ranks of that cross-node all-reduce (d/s)."""
 
     def sent_bytes(self) -> float:
-        """Bytes each rank sends per iteration (ring: (n-1)/n of each payload)."""
+        """Bytes each rank sends per iteration (ring: (n-1)/n of each gather / reduce-scatter payload,
+        2(n-1)/n of the all-reduce's)."""
         ring = (self.group - 1) / self.group if self.group > 1 else 0.0
-        return ring * (self.gathers * self.gather_bytes + self.reduces * self.reduce_bytes) + self.cross_node_bytes
+        across = 2 * (self.nodes - 1) / self.nodes * self.cross_node_bytes
+        return ring * (self.gathers * self.gather_bytes + self.reduces * self.reduce_bytes) + across
 
 
 def chunk_traffic(config: ScheduleConfig, rank: int, chunk: int, level: str, params: float, dp: int, shard: int,
                   dtype_bytes: int, grad_bytes: int, lookahead: int = 1) -> Traffic:
-    """Collectives of ``chunk`` on ``rank`` in one iteration of ``config`` at ``level``."""
+    """Collectives of ``chunk`` on ``rank`` in one iteration of ``config`` at ``level``, with shards over
+    ``shard`` of the ``dp`` data-parallel ranks (``shard < dp``: the node scope)."""
     zero = ZERO[level]
     compute = compute_program(config, rank)
     gathers = len(gather_spans(config, compute, chunk, lookahead)) if zero == 3 else 1
     reduces = len(group_spans(config, compute, chunk, OpKind.BACKWARD)) if zero >= 2 else 1
-    group = shard if zero >= 2 else dp
-    cross = 0.0
-    if zero >= 2 and shard < dp:
-        nodes = dp // shard
-        cross = (nodes - 1) / nodes * params * (grad_bytes + dtype_bytes) / shard
-    return Traffic(gathers, params * dtype_bytes, reduces, params * grad_bytes, group, cross)
+    nodes = dp // shard
+    cross = params * grad_bytes / shard if nodes > 1 else 0.0
+    return Traffic(gathers, params * dtype_bytes, reduces, params * grad_bytes, shard, cross, nodes)
 
 
 @dataclass
@@ -310,7 +319,7 @@ def rank_splits(model, cluster, config: ScheduleConfig, spec: ShardingSpec) -> L
     params = chunk_params(model, cluster, config)
     out = []
     for rank in range(config.pp):
-        chunks = [chunk_state(params[rank][c], spec.levels[c], cluster.dp, shard, model.dtype_bytes, model.grad_bytes)
+        chunks = [chunk_state(params[rank][c], spec.levels[c], shard, model.dtype_bytes, model.grad_bytes)
                   for c in range(config.vpp)]
         total = StateBytes()
         for state in chunks:
@@ -329,10 +338,11 @@ def format_split(split: RankSplit, unit: float = 1024 ** 3, unit_name: str = "Gi
 
 class ShardedCosts(ScheduleCosts):
     """Costs adapter that charges the collectives of mixed sharding on the data-parallel channel:
-    ZeRO-1 chunks keep the given costs; a ZeRO-3 GATHER all-gathers the chunk's weights and a REDUCE /
-    the GRAD_SYNC of a ZeRO-2/3 chunk reduce-scatters its gradients over the shard group (ring: (n-1)/n
-    of the payload), plus, with the node scope, the cross-node reduction of the node shard at the
-    GRAD_SYNC."""
+    with the data-parallel scope ZeRO-1 chunks keep the given costs; a ZeRO-3 GATHER all-gathers the
+    chunk's weights and a REDUCE / the GRAD_SYNC of a ZeRO-2/3 chunk reduce-scatters its gradients over
+    the shard group (ring: (n-1)/n of the payload). With the node scope every level's gathers
+    (PARAM_SYNC too) and reductions run over the node's ranks at the intra-node bandwidth, and every
+    GRAD_SYNC adds the all-reduce of the node shard across the nodes (2(n-1)/n) at the data-parallel one."""
 
     def __init__(self, config: ScheduleConfig, costs, recompute, model, cluster, spec: ShardingSpec):
         super().__init__(config, costs, recompute)
@@ -343,21 +353,20 @@ class ShardedCosts(ScheduleCosts):
         self.dp_gbps = link_gbps(cluster, config.pp)[0]
         self.shard_gbps = (spec.intra_node_gbps or self.dp_gbps) if spec.scope == "node" else self.dp_gbps
 
-    def _ring(self, payload: float, group: int, gbps: float) -> float:
-        return (group - 1) / group * payload * 8 / (gbps * 1e9) + self.costs.latency_s if group > 1 else 0.0
+    def _ring(self, payload: float, group: int, gbps: float, steps: int = 1) -> float:
+        return steps * (group - 1) / group * payload * 8 / (gbps * 1e9) + self.costs.latency_s if group > 1 else 0.0
 
     def data_parallel(self, rank: int, op) -> float:
         zero = ZERO[self.spec.levels[op.chunk]]
-        if zero == 1 or op.kind is OpKind.PARAM_SYNC:
+        node = self.shard < self.dp
+        if not node and (zero == 1 or op.kind is OpKind.PARAM_SYNC):
             return super().data_parallel(rank, op)
         params = self.params[rank][op.chunk]
-        if op.kind is OpKind.GATHER:
+        if op.kind in (OpKind.GATHER, OpKind.PARAM_SYNC):
             return self._ring(params * self.model.dtype_bytes, self.shard, self.shard_gbps)
         seconds = self._ring(params * self.model.grad_bytes, self.shard, self.shard_gbps)
-        if op.kind is OpKind.GRAD_SYNC and self.shard < self.dp:
-            nodes = self.dp // self.shard
-            node_shard = params * (self.model.grad_bytes + self.model.dtype_bytes) / self.shard
-            seconds += self._ring(node_shard, nodes, self.dp_gbps)
+        if op.kind is OpKind.GRAD_SYNC and node:
+            seconds += self._ring(params * self.model.grad_bytes / self.shard, self.dp // self.shard, self.dp_gbps, 2)
         return seconds
 
 
@@ -378,6 +387,11 @@ class ShardingModel:
 
     def splits(self, config: ScheduleConfig) -> List[RankSplit]:
         return rank_splits(self.model, self.cluster, config, self.spec)
+
+    def optimizer_seconds(self, seconds: Sequence[float]) -> List[float]:
+        """The optimizer step per rank: with the node scope each rank steps a 1/s shard, not a 1/d one."""
+        shard = shard_size(self.spec.scope, self.cluster.dp, self.cluster.tp, self.cluster.devices_per_node)
+        return [t * self.cluster.dp / shard for t in seconds]
 
     def memory_deltas(self, rank: int, timeline, splits: List[RankSplit]) -> List[Tuple[float, float]]:
         """(time, bytes) changes of ``rank``'s transient buffers: gathered weights from each GATHER's start

@@ -123,6 +123,8 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
                          "with lowering_for(costs, plan)")
     timeline = execute(schedule, adapter)
     optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
+    if sharding is not None:
+        optimizer = sharding.optimizer_seconds(optimizer)
     # Each rank steps its optimizer once its own gradients are reduced; the iteration ends with the slowest.
     end = max(timeline.rank_end[r] + optimizer[r] for r in range(config.pp))
     copies: List[list] = [[] for _ in range(config.pp)]

@@ -18,22 +18,34 @@ and this module frees and re-allocates the *storage* of its buffers around the s
   in place; the next program starts by releasing it again.
 * ``optim_grads`` (ZeRO-2, also ZeRO-3): the gradient buffer's storage is freed at the start of the
   program (it was zeroed) and re-allocated (zeroed) at the first backward of each backward group;
-  ``REDUCE c.k`` scales and reduce-scatters it exactly as Megatron's ``start_grad_sync`` does, adds
-  the reduced shard to a shard accumulator and frees the buffer; the last group's reduction is the
-  chunk's ordinary ``GRAD_SYNC``, after whose ``finish_grad_sync`` the accumulator is added to the
-  shard (so Megatron's finalize, gradient clipping and optimizer see the whole iteration's gradient).
+  ``REDUCE c.k`` scales each bucket by Megatron's ``gradient_scaling_factor`` and reduce-scatters it
+  (sum) over the bucket's own group, adds the reduced shard to a shard accumulator and frees the
+  buffer; the last group's reduction is the chunk's ordinary ``GRAD_SYNC``: its ``start_grad_sync``
+  first scales the buffer and adds the accumulator into this rank's slot, then runs Megatron's own
+  reduction with the factor set to 1 for that call. So the earlier groups' shards ride the final
+  reduce-scatter (each rank adds only its own slot, which the reduce-scatter returns to it alone) and,
+  with several distributed-optimizer instances, Megatron's inter-instance all-reduce of the shard:
+  every gradient crosses the instance boundary exactly once per iteration.
 
-Limits (checked at parse time): shards span Megatron's distributed-optimizer group (all
-data-parallel ranks; the ``node`` scope is planned and simulated only), one distributed-optimizer
-instance, no checkpoint saving, parameter norms or weight hashes with ZeRO-3 chunks (between
-iterations their buffers hold only the shard, as Megatron's own buffers hold stale values until the
-next gather). On CUDA the copies,
-resizes and collectives are ordered on the current stream like Megatron's own gathers; the shard
-tensors are allocated once and only their storage is resized (no per-micro-batch allocation).
+Scope (``--pipemesh-shard-scope``): every shard spans the bucket's own group, Megatron's
+distributed-optimizer instance. ``data-parallel`` is one instance (all data-parallel ranks); ``node``
+is Megatron's hierarchical distributed optimizer (``--num-distributed-optimizer-instances``, set by
+the integration to the number of nodes a data-parallel group spans): gathers, per-group reductions
+and the optimizer state stay inside a node, and Megatron all-reduces the node shard of the gradients
+across the nodes once per iteration (on CUDA on its communication stream, ordered after the current
+stream). :func:`check_node_groups` verifies at start-up that each instance is exactly the
+data-parallel ranks of one node.
 
-The runtime also counts the bytes every data-parallel op of the program gathers or reduces and the
-bytes held by parameters, gradients and optimizer state while no group runs, for comparison with the
-planning model (:meth:`ProgramSharding.report`).
+Limits (checked at parse time): no checkpoint saving, parameter norms or weight hashes with ZeRO-3
+chunks (between iterations their buffers hold only the shard, as Megatron's own buffers hold stale
+values until the next gather); no ``--ddp-param-name-patterns-for-fp32-local-accumulation`` with ZeRO-2/3
+chunks (its separate main gradients live outside the freed buffer; also refused when a chunk state is built). On CUDA the copies, resizes and collectives
+are ordered on the current stream like Megatron's own gathers; the shard tensors are allocated once
+and only their storage is resized (no per-micro-batch allocation).
+
+The runtime also counts the bytes every data-parallel op of the program gathers, reduces or all-reduces
+across nodes and the bytes held by parameters, gradients and optimizer state while no group runs, for
+comparison with the planning model (:func:`format_report`).
 """
 from __future__ import annotations
 
@@ -106,9 +118,13 @@ class ChunkSharding:
         self.gathering = False
         self.pending: List[Tuple[object, int]] = []
         self.to_add: set = set()
-        """Bucket groups whose final reduction still has to take the accumulated shards of earlier groups."""
+        """Bucket groups whose final reduction still has to carry the accumulated shards of earlier groups."""
+        if any(bucket.params_with_extra_main_grads for bucket in self.buckets):
+            raise ValueError(f"--pipemesh-sharding {level} (chunk {chunk}) with "
+                             f"--ddp-param-name-patterns-for-fp32-local-accumulation is not supported: those parameters "
+                             f"accumulate in separate main gradients outside the gradient buffer this level frees")
         for index, bucket_group in enumerate(self.bucket_groups):
-            bucket_group.finish_grad_sync = self._after_grad_sync(index, bucket_group, bucket_group.finish_grad_sync)
+            bucket_group.start_grad_sync = self._folding_start(index, bucket_group, bucket_group.start_grad_sync)
 
     # Parameters (ZeRO-3) -----------------------------------------------------------------------
     def release_params(self) -> None:
@@ -168,17 +184,16 @@ class ChunkSharding:
             self.grads_out = False
 
     def reduce(self) -> int:
-        """REDUCE: scale and reduce-scatter each bucket as Megatron's ``start_grad_sync`` does; returns bytes."""
+        """REDUCE: scale each bucket as Megatron's ``start_grad_sync`` does and reduce-scatter it (sum; an
+        averaging configuration has the factor 1 and averages once, in the final reduction); returns bytes."""
         self.restore_grads()  # (a chunk without backwards since the last reduction has a zero buffer)
-        config = self.bucket_groups[0].ddp_config
-        op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
         total = 0
         with torch.no_grad():
             for index, bucket in enumerate(self.buckets):
                 if bucket.gradient_scaling_factor != 1.0:
                     bucket.grad_data *= bucket.gradient_scaling_factor
                 work = dist.reduce_scatter_tensor(_shard(bucket.grad_data, self.size, self.rank), bucket.grad_data,
-                                                  op=op, group=self.group, async_op=True)
+                                                  op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                 self.pending.append((work, index))
                 total += bucket.grad_data.numel() * bucket.grad_data.element_size()
         return total
@@ -196,20 +211,35 @@ class ChunkSharding:
         self.to_add = set(range(len(self.bucket_groups)))
         self.release_grads()
 
-    def _after_grad_sync(self, group_index: int, bucket_group, original):
+    def _folding_start(self, group_index: int, bucket_group, original):
+        """``start_grad_sync`` of one bucket group that, once per iteration, scales the buffer itself, adds
+        the accumulated shards of the earlier backward groups into this rank's slot and lets Megatron
+        reduce with the factor 1 (so its reduce-scatter and, across instances, its all-reduce carry them)."""
         indices = [self.buckets.index(bucket) for bucket in bucket_group.buckets]
 
-        def finish_grad_sync(*args, **kwargs):
-            result = original(*args, **kwargs)
-            if group_index in self.to_add:  # once per iteration: earlier groups' reduced shards join the last one's
-                self.to_add.discard(group_index)
-                with torch.no_grad():
-                    for index in indices:
-                        _shard(self.buckets[index].grad_data, self.size, self.rank).add_(self.grad_accum[index])
-                        self.grad_accum[index].zero_()
-            return result
+        def start_grad_sync(*args, **kwargs):
+            if group_index not in self.to_add:
+                return original(*args, **kwargs)
+            if kwargs.get("force_all_reduce"):
+                raise RuntimeError("--pipemesh-sharding optim_grads*: Megatron's force_all_reduce gradient sync would "
+                                   "all-reduce the shard accumulator of this rank's slot only")
+            self.to_add.discard(group_index)
+            buckets = [self.buckets[index] for index in indices]
+            factors = [bucket.gradient_scaling_factor for bucket in buckets]
+            with torch.no_grad():
+                for index, bucket in zip(indices, buckets):
+                    if bucket.gradient_scaling_factor != 1.0:
+                        bucket.grad_data *= bucket.gradient_scaling_factor
+                    _shard(bucket.grad_data, self.size, self.rank).add_(self.grad_accum[index])
+                    self.grad_accum[index].zero_()
+                    bucket.gradient_scaling_factor = 1.0
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for bucket, factor in zip(buckets, factors):
+                    bucket.gradient_scaling_factor = factor
 
-        return finish_grad_sync
+        return start_grad_sync
 
     # Accounting --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -219,10 +249,21 @@ class ChunkSharding:
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
+def _buffers(ddp) -> list:
+    return list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+
+
+def cross_node_bytes(ddp) -> int:
+    """Payload of Megatron's inter-instance all-reduce in one ``GRAD_SYNC`` of ``ddp`` (each rank's slot of
+    every gradient bucket; 0 with one distributed-optimizer instance)."""
+    if getattr(ddp.ddp_config, "num_distributed_optimizer_instances", 1) <= 1:
+        return 0
+    return sum(b.grad_data.numel() * b.grad_data.element_size() // b.data_parallel_group.size() for b in _buffers(ddp))
+
+
 def whole_chunk_bytes(ddp) -> int:
     """Bytes of a ZeRO-1 chunk's parameter and gradient buffers."""
-    buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
-    return sum(b.param_data.untyped_storage().nbytes() + b.grad_data.untyped_storage().nbytes() for b in buffers)
+    return sum(b.param_data.untyped_storage().nbytes() + b.grad_data.untyped_storage().nbytes() for b in _buffers(ddp))
 
 
 class ProgramSharding:
@@ -264,6 +305,7 @@ class ProgramSharding:
                 state.restore_grads()
             self._count("reduce", op.chunk, sum(b.grad_data.numel() * b.grad_data.element_size()
                                                 for b in self.model[op.chunk].buffers))
+            self._count("cross", op.chunk, cross_node_bytes(self.model[op.chunk]))
         elif state is not None and kind.is_compute:
             state.wait_gather()
             if kind is OpKind.BACKWARD:
@@ -316,34 +358,76 @@ class ShardingRuntime:
 
 
 def predicted_report(program: ProgramSharding, config, pp_rank: int, lookahead: int = 1) -> Dict[str, object]:
-    """What the planning model predicts for this rank's chunks (their real buffer sizes): bytes held by
-    parameters, gradients and optimizer state while no group runs, and the bytes each chunk gathers and
-    reduces per iteration (:func:`megatron_pipemesh.planning.sharding.chunk_traffic`)."""
+    """What the planning model predicts for this rank's chunks (their real buffer sizes, the real data-parallel
+    and instance sizes): bytes held by parameters, gradients and optimizer state while no group runs, and the
+    bytes each chunk gathers, reduces and all-reduces across nodes per iteration
+    (:func:`megatron_pipemesh.planning.sharding.chunk_traffic`)."""
     from ..planning.sharding import bytes_per_param, chunk_traffic
 
-    held, gather, reduce = 0.0, {}, {}
+    held, gather, reduce, cross = 0.0, {}, {}, {}
     for chunk, ddp in enumerate(program.model):
         level = program.levels[chunk]
         buffers = list(ddp.buffers)
-        size = buffers[0].data_parallel_group.size()
+        shard = buffers[0].data_parallel_group.size()  # Megatron's distributed-optimizer instance
+        dp = ddp.dp_cp_group.size() if getattr(ddp, "dp_cp_group", None) is not None else shard
         numel = sum(b.param_data.numel() for b in buffers)
         w, g = buffers[0].param_data.element_size(), buffers[0].grad_data.element_size()
-        held += numel * bytes_per_param(level, size, size, w, g).resident
-        traffic = chunk_traffic(config, pp_rank, chunk, level, numel, size, size, w, g, lookahead)
+        held += numel * bytes_per_param(level, shard, w, g).resident
+        traffic = chunk_traffic(config, pp_rank, chunk, level, numel, dp, shard, w, g, lookahead)
         gather[chunk] = traffic.gathers * traffic.gather_bytes
         reduce[chunk] = traffic.reduces * traffic.reduce_bytes
-    return {"held": held, "gather": gather, "reduce": reduce}
+        cross[chunk] = traffic.cross_node_bytes
+    return {"held": held, "gather": gather, "reduce": reduce, "cross": cross}
 
 
 def format_report(program: ProgramSharding, config, rank: int, pp_rank: int) -> str:
     """One line per rank: measured vs predicted memory and traffic (printed once, at the second iteration)."""
     predicted = predicted_report(program, config, pp_rank)
     measured = program.resident_bytes or 0
-    gathered = {c: program.traffic.get(("gather", c), 0) for c in range(len(program.model))}
-    reduced = {c: program.traffic.get(("reduce", c), 0) for c in range(len(program.model))}
+    chunks = range(len(program.model))
+    counted = {what: {c: program.traffic.get((what, c), 0) for c in chunks} for what in ("gather", "reduce", "cross")}
+    simulated = {what: {c: int(v) for c, v in predicted[what].items()} for what in ("gather", "reduce", "cross")}
     ratio = measured / predicted["held"] if predicted["held"] else float("nan")
     return (f"PipeMesh sharding rank {rank} (pipeline rank {pp_rank}) [{' '.join(program.levels)}]: parameters + gradients "
             f"+ optimizer state held outside groups: measured {measured} B, predicted {predicted['held']:.0f} B "
-            f"({100 * ratio:.1f}%); per iteration gathered {gathered} B (simulator "
-            f"{ {c: int(v) for c, v in predicted['gather'].items()} }), reduced {reduced} B (simulator "
-            f"{ {c: int(v) for c, v in predicted['reduce'].items()} })")
+            f"({100 * ratio:.1f}%); per iteration gathered {counted['gather']} B (simulator {simulated['gather']}), "
+            f"reduced {counted['reduce']} B (simulator {simulated['reduce']}), all-reduced across nodes "
+            f"{counted['cross']} B (simulator {simulated['cross']})")
+
+
+def node_group_error(rank: int, ranks_per_node: int, data_parallel: Sequence[int], instance: Sequence[int]) -> Optional[str]:
+    """Why ``instance`` (this rank's distributed-optimizer instance, global ranks) is not exactly the ranks of
+    ``data_parallel`` (its data-parallel group) on this rank's node, with nodes of ``ranks_per_node``
+    consecutive global ranks (torchrun and Slurm number the ranks node by node); None when it is."""
+    node = rank // ranks_per_node
+    local = sorted(r for r in data_parallel if r // ranks_per_node == node)
+    if sorted(instance) == local:
+        return None
+    return (f"--pipemesh-shard-scope node: on rank {rank} (node {node} of {ranks_per_node} ranks) Megatron's "
+            f"distributed-optimizer instance holds ranks {sorted(instance)} but the data-parallel ranks of this node are "
+            f"{local}: the node's ranks must be whole data-parallel blocks (Megatron's rank order puts tensor, then "
+            f"data parallelism fastest: --use-tp-pp-dp-mapping breaks it) and every node must hold the same number of "
+            f"them. Fix --pipemesh-ranks-per-node / the launcher's ranks per node, or use --pipemesh-shard-scope "
+            f"data-parallel")
+
+
+def check_node_groups(ranks_per_node: int) -> None:
+    """Start-up check of the node scope (after Megatron created its groups, on every rank): all ranks agree on
+    the node size and each distributed-optimizer instance is exactly the data-parallel ranks of one node.
+    Raises ValueError naming the rank."""
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    sizes: List[Optional[int]] = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, ranks_per_node)
+    if len(set(sizes)) != 1:
+        other = next(r for r, size in enumerate(sizes) if size != ranks_per_node)
+        raise ValueError(f"--pipemesh-shard-scope node: rank {rank} counts {ranks_per_node} ranks per node but rank "
+                         f"{other} counts {sizes[other]}: every node must run the same number of ranks "
+                         f"(--pipemesh-ranks-per-node, or the launcher's LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE)")
+    data_parallel = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    instance = dist.get_process_group_ranks(
+        parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True))
+    error = node_group_error(rank, ranks_per_node, data_parallel, instance)
+    if error:
+        raise ValueError(error)

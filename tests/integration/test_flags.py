@@ -111,7 +111,24 @@ def test_plan_file_round_trip(tmp_path):
     (dict(pipemesh_sharding=["optim"], use_distributed_optimizer=True, use_megatron_fsdp=True), "one --data-parallel-sharding-strategy"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True), "needs --overlap-param-gather"),
     (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipeline_schedule="default"), "needs --pipeline-schedule pipemesh"),
-    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node"), "planned and simulated"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, num_distributed_optimizer_instances=2),
+     "use --pipemesh-shard-scope node"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=3, data_parallel_size=4, world_size=16), "split into nodes of 3"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=3, data_parallel_size=4, world_size=15), "multiple of the data-parallel ranks per node"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=6, data_parallel_size=4, world_size=24, pipeline_model_parallel_size=6),
+     "cuts through the data-parallel groups"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=2, data_parallel_size=4, world_size=16, num_distributed_optimizer_instances=4),
+     "sets it to the nodes a data-parallel group of 4 spans"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=2, data_parallel_size=4, world_size=16, use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True, pipemesh_shard_scope="node",
+          pipemesh_ranks_per_node=0), "must be >= 1"),
+    (dict(pipemesh_sharding=["optim_grads"], use_distributed_optimizer=True,
+          ddp_param_name_patterns_for_fp32_local_accumulation=["*bias"]), "separate fp32 main gradients"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
           save="/tmp/ckpt"), "--save is not supported"),
     (dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
@@ -123,6 +140,28 @@ def test_sharding_flags_are_checked_before_work(overrides, message):
     """Wrong level count, missing distributed optimizer, FSDP, unexecuted levels and a lone scope fail at parse time."""
     with pytest.raises(PipeMeshArgumentError, match=message):
         check_pipemesh_args(_args(**overrides))
+
+
+def test_node_scope_becomes_megatrons_instances(monkeypatch):
+    """--pipemesh-shard-scope node sets --num-distributed-optimizer-instances to the nodes a data-parallel group
+    spans, from the flag, LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE; none of them is an error naming the fix."""
+    from megatron_pipemesh.integration.flags import detect_ranks_per_node
+    node = dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
+                pipemesh_shard_scope="node", data_parallel_size=4, world_size=16, num_distributed_optimizer_instances=1,
+                global_batch_size=64)
+    args = _args(pipemesh_ranks_per_node=2, **node)
+    settings = check_pipemesh_args(args)
+    assert args.num_distributed_optimizer_instances == 2 and settings.ranks_per_node == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a node holds a whole data-parallel group: one instance
+    args = _args(pipemesh_ranks_per_node=None, **node)
+    assert check_pipemesh_args(args).ranks_per_node == 8 and args.num_distributed_optimizer_instances == 1
+    assert check_pipemesh_args(_args(pipemesh_sharding=["optim"], use_distributed_optimizer=True)).ranks_per_node is None
+    assert detect_ranks_per_node(None, {"SLURM_NTASKS_PER_NODE": "4(x2)"}) == (4, "SLURM_NTASKS_PER_NODE")
+    assert detect_ranks_per_node(3, {"LOCAL_WORLD_SIZE": "8"}) == (3, "--pipemesh-ranks-per-node")
+    with pytest.raises(PipeMeshArgumentError, match="different numbers of ranks"):
+        detect_ranks_per_node(None, {"SLURM_NTASKS_PER_NODE": "4,2"})
+    with pytest.raises(PipeMeshArgumentError, match="--pipemesh-ranks-per-node 8"):
+        detect_ranks_per_node(None, {})
 
 
 def test_sharding_levels_accepted():

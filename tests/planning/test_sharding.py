@@ -11,19 +11,19 @@ ELASTIC = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
 
 def test_bytes_per_param_by_level():
     """The table of the module docstring: 16-bit weights, fp32 grads, d = s = 4."""
-    z1 = bytes_per_param("optim", 4, 4, 2, 4)
+    z1 = bytes_per_param("optim", 4, 2, 4)
     assert (z1.weights, z1.grads, z1.optimizer, z1.gathered, z1.grad_buffer) == (2, 4, 3, 0, 0)
     assert z1.resident == 9  # Megatron's 6 + 12/d
-    z2 = bytes_per_param("optim_grads", 4, 4, 2, 4)
+    z2 = bytes_per_param("optim_grads", 4, 2, 4)
     assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 3)
-    z3 = bytes_per_param("optim_grads_params", 4, 4, 2, 4)
+    z3 = bytes_per_param("optim_grads_params", 4, 2, 4)
     assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 1.5, 3)
     assert z3.resident == 4.5 and z3.peak == z1.peak == 9  # the shard is a slice of the gathered buffer
 
 
 def test_fp32_weights_have_no_main_copy():
     """fp32 models: Megatron's optimizer shard is a view of the weights, so only Adam's 8 bytes are sharded."""
-    assert bytes_per_param("optim", 2, 2, 4, 4).resident == 4 + 4 + 8 / 2
+    assert bytes_per_param("optim", 2, 4, 4).resident == 4 + 4 + 8 / 2
 
 
 def test_analytic_static_bytes_equal_uniform_optim():
@@ -37,14 +37,15 @@ def test_analytic_static_bytes_equal_uniform_optim():
 
 
 def test_node_scope_shards_within_the_node():
-    """node scope: weights/grads over the DP ranks of a node (8 devices, TP 2 -> 4), optimizer over all d."""
+    """node scope: weights, grads and optimizer state over the DP ranks of a node (8 devices, TP 2 -> 4), as
+    Megatron's distributed-optimizer instances."""
     assert shard_size("data-parallel", 16, 2, 8) == 16
     assert shard_size("node", 16, 2, 8) == 4
     assert shard_size("node", 2, 1, 8) == 2
     with pytest.raises(ShardingError, match="multiple"):
         shard_size("node", 6, 1, 4)
-    z3 = bytes_per_param("optim_grads_params", 16, 4, 2, 4)
-    assert (z3.weights, z3.grads, z3.optimizer) == (0.5, 1, 12 / 16)
+    z3 = bytes_per_param("optim_grads_params", 4, 2, 4)
+    assert (z3.weights, z3.grads, z3.optimizer) == (0.5, 1, 12 / 4)
 
 
 def test_gathers_follow_groups():
@@ -60,9 +61,14 @@ def test_gathers_follow_groups():
 
 
 def test_node_scope_adds_one_cross_node_reduction():
-    """Node scope: per-group collectives over s ranks, plus one node-shard reduction + gather across nodes."""
+    """Node scope: every level's gathers and reduce-scatters over the s ranks of a node, plus one all-reduce of the
+    node shard of the gradients across the d/s nodes per iteration (ZeRO-1 too: Megatron's instances)."""
     t = chunk_traffic(ELASTIC, 0, 1, "optim_grads", 800, 4, 2, 4, 4)
-    assert t.group == 2 and t.cross_node_bytes == 0.5 * 800 * 8 / 2
+    assert (t.group, t.nodes, t.cross_node_bytes, t.reduces) == (2, 2, 800 * 4 / 2, 2)
+    assert t.sent_bytes() == 0.5 * (3200 + 2 * 3200) + 2 * 0.5 * 1600
+    z1 = chunk_traffic(ELASTIC, 0, 1, "optim", 800, 4, 2, 4, 4)
+    assert (z1.group, z1.cross_node_bytes, z1.gathers, z1.reduces) == (2, 1600, 1, 1)
+    assert chunk_traffic(ELASTIC, 0, 1, "optim", 800, 4, 4, 4, 4).cross_node_bytes == 0
 
 
 @pytest.mark.parametrize("values, vpp, message", [
@@ -115,7 +121,7 @@ def test_simulator_charges_gathers_and_holds_them_only_during_spans():
     model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=512)
     params = 2 * model.layer_params()  # chunk 1 of rank 0 = stage 2: two layers, no embedding or head
     assert gathers[0].end - gathers[0].start == pytest.approx(0.75 * params * 2 * 8 / 1e9 + costs.latency_s)
-    z3 = bytes_per_param("optim_grads_params", 4, 4, 2, 4)
+    z3 = bytes_per_param("optim_grads_params", 4, 2, 4)
     resident = mixed.memory[0][0][1]
     assert plain.memory[0][0][1] - resident == pytest.approx(params * (9 - z3.resident))
     # Between spans the timeline sits at resident + activations; the peak includes the gathered weights.
@@ -140,3 +146,30 @@ def test_auto_shards_only_when_memory_demands_it():
     tight, by_levels = plan_with_sharding(2, 2, 4, costs_for, budget, model, cluster, options=options)
     assert tight.fits and tight.sharding.spec.levels != ("optim", "optim") and by_levels[("optim", "optim")] is None
     assert tight.to_dict()["sharding"] == list(tight.sharding.spec.levels)
+
+
+def test_node_scope_costs_and_memory_follow_megatrons_instances():
+    """Node scope (nodes of 2 of d=4): ZeRO-1's PARAM_SYNC gathers over the node at the intra-node bandwidth, each
+    GRAD_SYNC adds the cross-node all-reduce of the node shard, optimizer state and step cover a 1/s shard."""
+    from megatron_pipemesh.planning.sharding import ShardedCosts, ShardingModel, chunk_params
+    from megatron_pipemesh.schedule.lower import lower
+    from megatron_pipemesh.planning.simulator import lowering_for
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=512)
+    cluster = ClusterSpec(dp=4, dp_gbps=25.0, devices_per_node=2)
+    sharding = ShardingModel(model, cluster, ShardingSpec(("optim", "optim_grads"), "node", 200.0))
+    costs = analytic_costs(model, cluster, ELASTIC)
+    adapter = sharding.adapter(ELASTIC, costs, {})
+    assert isinstance(adapter, ShardedCosts) and adapter.shard == 2
+    params = chunk_params(model, cluster, ELASTIC)[0]
+    ring = lambda payload, gbps, steps=1: steps * 0.5 * payload * 8 / (gbps * 1e9) + costs.latency_s  # noqa: E731
+    ops = {(op.kind.value, op.chunk): op for op in lower(ELASTIC, sharding.lowering(lowering_for(costs))).programs[0]
+           if op.kind.value in ("PARAM_SYNC", "GRAD_SYNC", "REDUCE")}
+    w, g = model.dtype_bytes, model.grad_bytes
+    assert adapter.data_parallel(0, ops[("PARAM_SYNC", 0)]) == pytest.approx(ring(params[0] * w, 200.0))
+    for chunk in (0, 1):
+        assert adapter.data_parallel(0, ops[("GRAD_SYNC", chunk)]) == pytest.approx(
+            ring(params[chunk] * g, 200.0) + ring(params[chunk] * g / 2, 25.0, 2))
+    assert adapter.data_parallel(0, ops[("REDUCE", 1)]) == pytest.approx(ring(params[1] * g, 200.0))
+    split = sharding.splits(ELASTIC)[0]
+    assert split.chunks[0].optimizer == pytest.approx(params[0] * 12 / 2)
+    assert sharding.optimizer_seconds([1.0, 3.0]) == [2.0, 6.0]

@@ -1,6 +1,7 @@
 """Mixed-sharding mechanism (runtime/sharding.py) on stand-ins of Megatron's DDP buffers, in one process
 (a one-rank gloo group): storage freed and brought back with every view intact, shards kept, gradient
-reductions accumulated into the last one. The 4-rank end-to-end check is tests/training/test_pretrain_distopt.py."""
+reductions accumulated and folded into the last one; the node scope's group check. The 4-rank end-to-end
+checks are tests/training/test_pretrain_distopt.py."""
 import os
 import tempfile
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_pipemesh.runtime.sharding import ChunkSharding, ProgramSharding
+from megatron_pipemesh.runtime.sharding import ChunkSharding, ProgramSharding, node_group_error
 from megatron_pipemesh.schedule.ops import Op, OpKind
 
 
@@ -44,18 +45,24 @@ class _BucketGroup:
     def finish_param_sync(self, skip_next_bucket_dispatch=False):
         self.calls.append("finish_param_sync")
 
-    def finish_grad_sync(self):
-        self.calls.append("finish_grad_sync")
+    def start_grad_sync(self, force_all_reduce=False):
+        """Megatron's: scale each bucket by its factor, then reduce-scatter it (one rank: onto itself)."""
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+            dist.reduce_scatter_tensor(bucket.grad_data, bucket.grad_data.clone())
+        self.calls.append(("start_grad_sync", [bucket.gradient_scaling_factor for bucket in self.buckets]))
 
 
 def _ddp(numel=12):
     param_data, grad_data = torch.arange(numel, dtype=torch.float32), torch.zeros(numel)
     buffer = SimpleNamespace(param_data=param_data, grad_data=grad_data, data_parallel_group=dist.group.WORLD)
-    bucket = SimpleNamespace(param_data=param_data, grad_data=grad_data, gradient_scaling_factor=0.5)
+    bucket = SimpleNamespace(param_data=param_data, grad_data=grad_data, gradient_scaling_factor=0.5,
+                             params_with_extra_main_grads=[])
     buffer.buckets = [bucket]
     weight = param_data[:8].view(2, 4)  # a parameter: a view of the buffer, as Megatron's
     ddp = SimpleNamespace(buffers=[buffer], expert_parallel_buffers=[], bucket_groups=[_BucketGroup([bucket])],
-                          expert_parallel_bucket_groups=[])
+                          expert_parallel_bucket_groups=[], ddp_config=SimpleNamespace(num_distributed_optimizer_instances=1))
     return ddp, weight
 
 
@@ -74,9 +81,11 @@ def test_release_and_gather_keep_views_and_values():
     assert ddp.bucket_groups[0].calls == ["start_param_sync", "finish_param_sync"]
 
 
-def test_group_reductions_join_the_last_one():
+def test_group_reductions_ride_the_last_one():
     """ZeRO-2: a REDUCE scales and reduces the first group's gradients into the accumulator and frees the buffer;
-    the next backward gets a zeroed buffer; Megatron's finish_grad_sync of the last reduction adds the accumulator once."""
+    the next backward gets a zeroed buffer; the last group's start_grad_sync scales the buffer, adds the accumulator
+    into the rank's slot before Megatron's own reduction (which then scales by 1, so the accumulator also rides
+    Megatron's inter-instance all-reduce), once per iteration, and restores the factor."""
     ddp, _ = _ddp()
     state = ChunkSharding(0, ddp, "optim_grads")
     grads = ddp.buffers[0].grad_data
@@ -87,10 +96,21 @@ def test_group_reductions_join_the_last_one():
     state.restore_grads()              # second backward group
     assert torch.equal(grads, torch.zeros(12))
     grads += 3.0
-    grads *= 0.5                       # (Megatron's own last reduction scales and reduce-scatters)
-    ddp.bucket_groups[0].finish_grad_sync()
-    ddp.bucket_groups[0].finish_grad_sync()  # a second finish (idempotent in Megatron) adds nothing more
-    assert torch.equal(grads, torch.full((12,), 2.5))
+    group = ddp.bucket_groups[0]
+    group.start_grad_sync()            # Megatron's last reduction (its hooks or GRAD_SYNC)
+    assert torch.equal(grads, torch.full((12,), 2.5)) and group.calls[-1] == ("start_grad_sync", [1.0])
+    assert ddp.buffers[0].buckets[0].gradient_scaling_factor == 0.5 and torch.equal(state.grad_accum[0], torch.zeros(12))
+    grads.fill_(4.0)
+    group.start_grad_sync()            # the next iteration without a REDUCE: Megatron's reduction alone
+    assert torch.equal(grads, torch.full((12,), 2.0)) and group.calls[-1] == ("start_grad_sync", [0.5])
+
+
+def test_node_group_check_names_the_rank():
+    """The node scope's start-up check: an instance must be exactly the data-parallel ranks of this rank's node."""
+    assert node_group_error(5, 2, [4, 5, 6, 7], [4, 5]) is None
+    assert node_group_error(2, 8, [0, 1, 2, 3], [0, 1, 2, 3]) is None  # a node holds the whole group
+    error = node_group_error(5, 2, [1, 3, 5, 7], [5, 7])  # a rank order with pipeline stages between DP ranks
+    assert "rank 5 (node 2 of 2 ranks)" in error and "[5, 7]" in error and "[5]" in error
 
 
 def test_program_counts_and_waits():

@@ -8,7 +8,11 @@ The real data loader gives each data-parallel replica its own samples.
 
 Mixed sharding (issue 11) rides on the same runs: the PipeMesh run names ``--pipemesh-sharding optim`` (ZeRO-1
 everywhere, which is the distributed optimizer, plus the runtime's memory/traffic report), and one more run
-shards chunk 1 fully (``optim optim_grads_params``).
+shards chunk 1 fully (``optim optim_grads_params``). The node scope runs as four one-rank "nodes" (four torchrun
+launches with a static rendezvous on 127.0.0.1, so each rank reads LOCAL_WORLD_SIZE=1): Megatron's hierarchical
+distributed optimizer with two instances per stage, degenerate in memory (a node holds one data-parallel rank)
+but with the per-group reductions folded into the cross-node all-reduce. The non-degenerate PP=2 x DP=4 case
+(8 ranks, nodes of 2) takes about two minutes here; docs/sharding.md has its numbers.
 """
 import ast
 import re
@@ -44,26 +48,32 @@ def args(base_args):
 
 REPORT = re.compile(r"PipeMesh sharding rank (\d+) \(pipeline rank \d+\) \[([a-z_ ]+)\]: .*? measured (\d+) B, "
                     r"predicted (\d+) B .*?gathered (\{.*?\}) B \(simulator (\{.*?\})\), reduced (\{.*?\}) B "
-                    r"\(simulator (\{.*?\})\)")
+                    r"\(simulator (\{.*?\})\), all-reduced across nodes (\{.*?\}) B \(simulator (\{.*?\})\)")
 
 
 STARTUP = re.compile(r"predicted weights\+grads\+optimizer MiB per pipeline rank ([0-9. ]+) \(optim everywhere")
 
 
 def _reports(stdout):
-    """rank -> (levels, measured, predicted, gathered, simulated gathers, reduced, simulated reductions)."""
+    """rank -> (levels, measured, predicted, gathered, simulated gathers, reduced, simulated reductions, all-reduced
+    across nodes, simulated)."""
     return {int(m[0]): (m[1], int(m[2]), int(m[3]), *(ast.literal_eval(x) for x in m[4:]))
             for m in REPORT.findall(stdout)}
 
 
-def test_pipemesh_with_distributed_optimizer_matches_default(args):
+@pytest.fixture(scope="module")
+def default(args):
+    """The stock schedule's log with the distributed optimizer (one run shared by the tests of this module)."""
+    return _log(_train(args + DISTOPT))
+
+
+def test_pipemesh_with_distributed_optimizer_matches_default(args, default):
     """Same per-iteration losses and grad norms (and validation losses): pipemesh = default = no distopt; with
     chunk 1 at ZeRO-3 the losses stay the same while each rank holds less for parameters + gradients + optimizer
     state (measured within 10% of the model), and the bytes gathered/reduced per iteration equal the simulator's."""
     zero1_out = _train(args + DISTOPT + ELASTIC + ["--pipemesh-sharding", "optim"])
     mixed_out = _train(args + DISTOPT + ELASTIC + ["--pipemesh-sharding", "optim", "optim_grads_params"])
     pipemesh, mixed = _log(zero1_out), _log(mixed_out)
-    default = _log(_train(args + DISTOPT))
     plain = _log(_train(args + ["--overlap-grad-reduce"]))
     assert sorted(pipemesh[0]) == [1, 2, 3, 4] and len(pipemesh[1]) == 2
     assert pipemesh == default
@@ -73,9 +83,10 @@ def test_pipemesh_with_distributed_optimizer_matches_default(args):
     assert sorted(zero1) == sorted(zero3) == [0, 1, 2, 3]
     for rank in range(4):
         assert zero1[rank][0] == "optim optim" and zero3[rank][0] == "optim optim_grads_params"
-        for levels, measured, predicted, gathered, sim_gathered, reduced, sim_reduced in (zero1[rank], zero3[rank]):
+        for levels, measured, predicted, gathered, sim_gathered, reduced, sim_reduced, cross, _ in (zero1[rank], zero3[rank]):
             assert abs(measured / predicted - 1) < 0.10, (rank, levels, measured, predicted)
             assert gathered == sim_gathered and reduced == sim_reduced, (rank, levels)
+            assert set(cross.values()) == {0}  # one distributed-optimizer instance: nothing crosses nodes
         assert zero3[rank][1] < zero1[rank][1]
         # Chunk 1 (ZeRO-3) is gathered once per merged group span (3 on pipeline rank 0, 2 on rank 1), reduced per
         # backward group (2); chunk 0 (ZeRO-1) once each.
@@ -85,3 +96,28 @@ def test_pipemesh_with_distributed_optimizer_matches_default(args):
             assert abs(reports[rank][1] / startup[rank // 2] - 1) < 0.10, (rank, reports[rank][0], startup)
         chunk1 = zero1[rank][3][1]
         assert zero3[rank][3][1] == (3 if rank < 2 else 2) * chunk1 and zero3[rank][5][1] == 2 * chunk1
+
+
+def test_node_scope_matches_default(args, default):
+    """--pipemesh-shard-scope node on four one-rank nodes (LOCAL_WORLD_SIZE=1 from torchrun): ZeRO-2 chunk 0 and
+    ZeRO-3 chunk 1 train with the stock schedule's losses; each rank holds what the node-scope model predicts, and
+    the bytes gathered and reduced in the node and all-reduced across nodes equal the simulator's."""
+    cp = h.run_torchrun_nodes([str(REPO / "scripts" / "pretrain_gpt.py")] + args + DISTOPT + ELASTIC
+                              + ["--pipemesh-sharding", "optim_grads", "optim_grads_params", "--pipemesh-shard-scope", "node"],
+                              nnodes=4, nproc_per_node=1)
+    assert cp.returncode == 0, cp.stdout[-6000:]
+    train, valid = _log(cp.stdout)
+    default_train, default_valid = default
+    assert train == default_train
+    assert valid == pytest.approx(default_valid, rel=1e-6)  # the per-group reductions sum in another order
+    reports = _reports(cp.stdout)
+    assert sorted(reports) == [0, 1, 2, 3]
+    startup = [float(x) * 1024 ** 2 for x in STARTUP.search(cp.stdout)[1].split()]
+    assert "scope node, ranks per node: 1" in cp.stdout
+    for rank, (levels, measured, predicted, gathered, sim_gathered, reduced, sim_reduced, cross, sim_cross) in reports.items():
+        assert levels == "optim_grads optim_grads_params"
+        assert abs(measured / predicted - 1) < 0.10 and abs(measured / startup[rank // 2] - 1) < 0.10, (rank, measured)
+        assert (gathered, reduced, cross) == (sim_gathered, sim_reduced, sim_cross), rank
+        # One all-reduce per chunk and iteration of the node shard (here the whole gradient buffer), the
+        # per-group reductions (2 backward groups) inside the node.
+        assert all(cross[c] > 0 and reduced[c] == 2 * cross[c] for c in (0, 1)), (rank, reduced, cross)
