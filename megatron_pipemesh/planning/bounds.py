@@ -10,8 +10,11 @@ For every V (the bound is the least over V) and every pipeline rank r, a schedul
 * **compute**: r forwards before rank r's first input exists (stage r waits for stages 0..r-1), or
   the smallest parameter gather of its chunks if longer (its first forward waits for its chunk's
   gather), then every forward and backward of its chunks on every micro-batch at no recomputation
-  (one compute stream per rank), then the smallest gradient reduction of its chunks (its last
-  backward is its chunk's last, whose reduction follows it), then its optimizer step;
+  (one compute stream per rank), then the smallest gradient reduction of its chunks and its
+  optimizer step (its last backward is its chunk's last, whose reduction follows it) or, if longer,
+  r backwards (its last op is the backward of its stage r for some micro-batch, whose backwards on
+  stages r-1..0 follow on the other ranks): the pipeline's fill and drain, (p-1)(f+b) of one chunk
+  on the ends;
 * **data parallel**: every parameter gather and gradient reduction of its chunks on its one
   data-parallel channel (the timeline's model: one channel per rank, collectives in issue order),
   then its optimizer step, which follows its last reduction. Every gather ends before any reduction
@@ -78,7 +81,9 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts) -> IterationBound:
         reductions = [costs.data_parallel(rank, Op(OpKind.GRAD_SYNC, chunk)) for chunk in range(config.vpp)]
         # The first forward waits for its inputs (r upstream forwards) and its chunk's gather; the last
         # backward is its chunk's last, so that chunk's reduction follows all compute.
-        compute = max(compute, max(rank * c.forward_s, min(gathers)) + busy + min(reductions) + step)
+        # Rank r's last op is a backward of its stage r (a micro-batch's backward on a rank ends at its
+        # lowest stage); stages r-1..0 of that micro-batch still run their backwards on other ranks.
+        compute = max(compute, max(rank * c.forward_s, min(gathers)) + busy + max(rank * c.backward_s, min(reductions) + step))
         # Every gather ends before any reduction starts (a chunk's last backward needs every chunk's
         # forwards), and a reduction starts after its chunk's m forwards and m backwards.
         chunk = config.microbatches * min(costs.compute(rank, Op(OpKind.FORWARD, k, 0)) +

@@ -11,11 +11,10 @@ Per setting (model, TP, DP, PP, global batch, device memory, network rate, GPUs 
 
 The space is the cross product the performance issue names for the commodity regime: device memory
 24/32/40 GB, TP 1 / 2 / 2 with sequence parallelism, 6.25/10/25/50 Gbit/s, DP 2/4/8, GPT
-1.3B/2.7B/6.7B/13B, global batch 64/256 (``--batches`` for more), the smallest pipeline size of 2/4/8
-where stock fits, and two node shapes: 8-GPU servers whose data-parallel rings stay inside the node
+1.3B/2.7B/6.7B/13B, global batch 64/256 (``--batches`` for others), the pipeline size of 2/4/8 where
+the best stock setting is fastest (the layout a Megatron user would pick), and two node shapes: 8-GPU servers whose data-parallel rings stay inside the node
 when TP x DP <= 8 (PCIe, :data:`INTRA_NODE_GBPS`) and one GPU (one TP group) per VM, where every ring
-and pipeline link crosses the network. Settings where no stock schedule fits at any pipeline size are
-counted and left out. Costs are the study's (:func:`.study._specs` assumptions: bf16, distributed
+and pipeline link crosses the network. Settings where no stock schedule fits at any pipeline size are counted and left out. Costs are the study's (:func:`.study._specs` assumptions: bf16, distributed
 optimizer, seq 2048, micro-batch 1, local layer spec, 10% memory margin).
 
 Pure: no torch.
@@ -27,7 +26,7 @@ import itertools
 import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..schedule.config import ScheduleConfig
 from .bounds import iteration_lower_bound
@@ -86,13 +85,15 @@ def cluster_for(setting: Setting) -> ClusterSpec:
 
 
 def evaluate(setting: Setting) -> Optional[dict]:
-    """best stock, bound and headroom at the smallest pipeline size where stock fits (None: none fits)."""
+    """best stock, bound and headroom at the pipeline size (2, 4 or 8) where stock is fastest, the layout a
+    Megatron user would pick (None: stock fits at none)."""
     from .study import GPT, MEMORY_MARGIN
 
     model = GPT[setting.model]
     cluster = cluster_for(setting)
     m = setting.global_batch // setting.dp
     budget = setting.memory_gb * GB * (1 - MEMORY_MARGIN)
+    best = None
     for pp in (2, 4, 8):
         if model.num_layers % pp or m < pp:
             continue
@@ -100,21 +101,25 @@ def evaluate(setting: Setting) -> Optional[dict]:
         if max(static) >= budget:
             continue
         stock = best_stock(model, cluster, pp, m, tuple(budget - s for s in static))
-        if stock is None:
-            continue
-        bound = iteration_lower_bound(model, cluster, pp, m)
-        return {"setting": setting.describe(), **dataclasses.asdict(setting), "pp": pp, "microbatches": m,
-                "best_stock": stock.setting.describe(), "best_stock_s": stock.iteration_s,
-                "bound": bound.to_dict(), "headroom": stock.iteration_s / bound.seconds}
-    return None
+        if stock is not None and (best is None or stock.iteration_s < best[1].iteration_s):
+            best = (pp, stock)
+    if best is None:
+        return None
+    pp, stock = best
+    bound = iteration_lower_bound(model, cluster, pp, m)
+    return {"setting": setting.describe(), **dataclasses.asdict(setting), "pp": pp, "microbatches": m,
+            "best_stock": stock.setting.describe(), "best_stock_s": stock.iteration_s,
+            "bound": bound.to_dict(), "headroom": stock.iteration_s / bound.seconds}
 
 
-def sweep(settings: Iterable[Setting], jobs: int = 1) -> List[Optional[dict]]:
+def sweep(settings: Iterable[Setting], jobs: int = 1) -> Iterator[Optional[dict]]:
+    """:func:`evaluate` of every setting, in order, as each is done (``jobs`` worker processes)."""
     settings = list(settings)
     if jobs <= 1:
-        return [evaluate(s) for s in settings]
+        yield from map(evaluate, settings)
+        return
     with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(evaluate, settings, chunksize=4))
+        yield from pool.map(evaluate, settings, chunksize=2)
 
 
 def summary(rows: Sequence[Optional[dict]]) -> Dict[str, object]:
@@ -141,14 +146,16 @@ def cmd_headroom(args) -> int:
     import os
 
     settings = [s for s in commodity_space(tuple(args.batches)) if args.only in s.describe()]
-    rows = sweep(settings, args.jobs or os.cpu_count() or 1)
+    rows = []
+    for row in sweep(settings, args.jobs or os.cpu_count() or 1):
+        rows.append(row)
+        if row and not args.json:
+            print(f"{row['setting']:48s} PP{row['pp']} best stock {row['best_stock_s']:8.3f} s  bound "
+                  f"{row['bound']['seconds']:8.3f} s ({row['bound']['bottleneck']})  headroom {row['headroom']:.3f}",
+                  flush=True)
     if args.json:
         print(json.dumps([r for r in rows if r], indent=1))
         return 0
-    for row in rows:
-        if row:
-            print(f"{row['setting']:48s} PP{row['pp']} best stock {row['best_stock_s']:8.3f} s  bound "
-                  f"{row['bound']['seconds']:8.3f} s ({row['bound']['bottleneck']})  headroom {row['headroom']:.3f}")
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary(rows).items()))
     return 0
 

@@ -14,20 +14,25 @@ MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_le
 
 @pytest.mark.parametrize("gbps", [0.5, 5.0, 100.0])
 @pytest.mark.parametrize("level", ["none", "full"])
-def test_no_schedule_beats_the_bound(gbps, level):
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 4)])
+def test_no_schedule_beats_the_bound(gbps, level, pp, m):
     """Depth-first, breadth-first, uniform and uneven groups at every V, with and without recomputation:
-    each simulated iteration is at least the bound (a bound that counted an overlap twice would fail)."""
+    each simulated iteration is at least the bound (a bound that counted an overlap or the pipeline's
+    fill and drain twice would fail), and with m > p the closest schedule comes within 30% of it."""
     cluster = ClusterSpec(dp=4, device_tflops=125, dp_gbps=gbps, p2p_gbps=gbps)
-    pp, m = 2, 8
     bound = iteration_lower_bound(MODEL, cluster, pp, m)
-    for vpp in (1, 2, 4):
+    closest = float("inf")
+    for vpp in [v for v in (1, 2, 4) if (8 // pp) % v == 0]:
         configs = [ScheduleConfig.depth_first(pp, vpp, m), ScheduleConfig.uniform(pp, vpp, m, m)]
-        if vpp > 1:
+        if vpp > 1 and m == 8:
             configs += [ScheduleConfig.uniform(pp, vpp, m, 4), ScheduleConfig(pp, vpp, m, (6, 2), (4, 4))]
         for config in configs:
             costs = analytic_costs(MODEL, cluster, config)
             result = simulate(config, costs, uniform_plan(config, level))
             assert result.iteration_s >= bound.seconds * (1 - 1e-9), (config, result.iteration_s, bound)
+            closest = min(closest, result.iteration_s)
+    if level == "none" and m > pp:  # m = p leaves a bubble no bound of this kind sees whole
+        assert closest <= 1.3 * bound.seconds, (closest, bound)
 
 
 def test_bottleneck_follows_the_network():
