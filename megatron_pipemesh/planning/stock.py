@@ -69,8 +69,12 @@ def sharding_flags(level: Optional[str]) -> List[str]:
     return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level, "--ckpt-format", "fsdp_dtensor"]
 
 
+FSDP_MODELS = ("span", "per-microbatch bound")
+"""How a stock ZeRO-2/3 setting's time and memory are predicted (:class:`MegatronFsdpSharding`)."""
+
+
 class MegatronFsdpSharding(ShardingModel):
-    """Megatron-FSDP's uniform ZeRO-2 / ZeRO-3 on a stock schedule, modelled at least as favourably as
+    """Megatron-FSDP's uniform ZeRO-2 / ZeRO-3 on a stock schedule, predicted at least as favourably as
     megatron-core 0.19.2 runs it.
 
     What Megatron-FSDP does (``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py``): with
@@ -89,19 +93,40 @@ class MegatronFsdpSharding(ShardingModel):
     virtual pipeline parallelism (``training/arguments.py`` rejects pipeline parallelism only for
     ``--use-torch-fsdp2``, ``:997-1001``).
 
-    The model here is more favourable on both axes: communication as PipeMesh's own span model (one
-    all-gather per merged group span, one reduce-scatter per backward group: at most as many as
-    Megatron's per micro-batch), and transient memory of one FSDP unit (one layer's gathered weights and
-    gradient buffer) instead of the whole chunk held during a span. Resident bytes as :mod:`.sharding`."""
+    Stock gets the faster of two predictions (each fitting the memory on its own terms):
 
-    def splits(self, config: ScheduleConfig):
-        splits = super().splits(config)
+    * ``span``: PipeMesh's own span model (this class as a :class:`.sharding.ShardingModel`): one
+      all-gather per merged group span and one reduce-scatter per backward group -- fewer collectives
+      than Megatron's per micro-batch ones -- with the whole chunk's weights held during a span;
+    * ``per-microbatch bound``: Megatron-FSDP's own pattern, with buffers of one FSDP unit (one layer's
+      gathered weights and gradient bucket), and as time a lower bound: the busier of a rank's compute
+      (:func:`_compute_bound`) and its data-parallel channel carrying 2m gathers (ZeRO-3) and m
+      reduce-scatters per chunk (:meth:`microbatch_channel_s`), as if they overlapped perfectly."""
+
+    def unit_buffers(self) -> float:
+        """Bytes one FSDP unit (a transformer layer) holds beyond its shard: gathered weights (ZeRO-3) and
+        its whole gradient bucket."""
         unit = self.model.layer_params() / self.cluster.tp
-        for split in splits:
-            split.chunks = [dataclasses.replace(c, gathered=min(c.gathered, unit * self.model.dtype_bytes),
-                                                grad_buffer=min(c.grad_buffer, unit * self.model.grad_bytes))
-                            for c in split.chunks]
-        return splits
+        rest = 1 - 1 / self.cluster.dp
+        zero3 = self.spec.levels[0] == "optim_grads_params"
+        return unit * rest * (self.model.grad_bytes + (self.model.dtype_bytes if zero3 else 0))
+
+    def microbatch_channel_s(self, config: ScheduleConfig, costs: OpCosts) -> List[float]:
+        """Per rank: seconds its data-parallel channel is busy per iteration with Megatron-FSDP's
+        collectives (ring time per collective as :class:`.sharding.ShardedCosts`)."""
+        adapter = self.adapter(config, costs, {})
+        zero3 = self.spec.levels[0] == "optim_grads_params"
+        m = config.microbatches
+        out = []
+        for rank in range(config.pp):
+            busy = 0.0
+            for chunk in range(config.vpp):
+                gather = adapter.data_parallel(rank, Op(OpKind.GATHER, chunk, 0))
+                reduce = adapter.data_parallel(rank, Op(OpKind.REDUCE, chunk, 0))
+                # ZeRO-2 gathers the updated parameters once (after the step), ZeRO-3 per forward and backward.
+                busy += (2 * m if zero3 else 1) * gather + m * reduce
+            out.append(busy)
+        return out
 
 
 @dataclass(frozen=True)
@@ -264,13 +289,15 @@ class StockResult:
     buffers, less the static bytes the level saves against the distributed optimizer."""
     static_bytes: Tuple[float, ...]
     """Per pipeline rank: weights, gradients and optimizer state (at the setting's sharding level)."""
+    fsdp_model: Optional[str] = None
+    """ZeRO-2/3 (Megatron-FSDP): which prediction (:data:`FSDP_MODELS`) gave the time and peaks."""
 
     def fits(self, budget: Budget) -> bool:
         return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, _per_rank(budget, len(self.peak_activation_bytes))))
 
     def to_dict(self) -> dict:
         return {**self.setting.to_dict(), "iteration_s": self.iteration_s,
-                "peak_activation_bytes": list(self.peak_activation_bytes)}
+                "peak_activation_bytes": list(self.peak_activation_bytes), "fsdp_model": self.fsdp_model}
 
 
 def _per_rank(budget: Budget, pp: int) -> List[float]:
@@ -350,14 +377,35 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
     resident = tuple(split.state.resident for split in sharding.splits(config))
     # In the budget's terms: the whole peak less the distributed optimizer's static bytes.
     return StockResult(setting, result.iteration_s,
-                       tuple(r.peak_memory_bytes - static for r, static in zip(result.ranks, costs.static_bytes)), resident)
+                       tuple(r.peak_memory_bytes - static for r, static in zip(result.ranks, costs.static_bytes)), resident,
+                       FSDP_MODELS[0])
 
 
-def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> StockResult:
-    """Simulate one stock setting: iteration time and per-rank peaks."""
+def _microbatch_bound(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: MegatronFsdpSharding,
+                      peaks: Sequence[float]) -> StockResult:
+    """Megatron-FSDP's per-micro-batch pattern (:class:`MegatronFsdpSharding`): a lower bound of the time and
+    the peak with one unit's buffers, from the program-order activation ``peaks``."""
+    resident = tuple(split.state.resident for split in sharding.splits(config))
+    busy = max(sharding.microbatch_channel_s(config, costs))
+    time = max(_compute_bound(config, costs, setting.recompute.level), busy)
+    buffers = sharding.unit_buffers()
+    return StockResult(setting, time, tuple(p + r + buffers - static for p, r, static in zip(peaks, resident, costs.static_bytes)),
+                       resident, FSDP_MODELS[1])
+
+
+def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budget: Budget = float("inf")) -> StockResult:
+    """Simulate one stock setting: iteration time and per-rank peaks. ZeRO-2/3: the faster of the two
+    predictions of :class:`MegatronFsdpSharding` that fits ``budget`` (the span model if neither does)."""
     config = setting.config()
-    return _result(setting, config, _costs(model, cluster, setting, (setting.recompute.level,)),
-                   sharding_model(setting, model, cluster))
+    level = setting.recompute.level
+    costs = _costs(model, cluster, setting, (level,))
+    sharding = sharding_model(setting, model, cluster)
+    span = _result(setting, config, costs, sharding)
+    if sharding is None:
+        return span
+    bound = _microbatch_bound(setting, config, costs, sharding, order_peaks(config, costs, (level,))[level])
+    fitting = [r for r in (span, bound) if r.fits(budget)]
+    return min(fitting, key=lambda r: r.iteration_s) if fitting else span
 
 
 @dataclass
@@ -374,9 +422,9 @@ class _Choice:
     """No schedule finishes before its busiest rank's compute plus optimizer step (one stream per rank)."""
     sharding: Optional[MegatronFsdpSharding] = None
     """ZeRO-2/3: the sharding model (``schedule`` is lowered with its ops)."""
-    options: Tuple[Tuple[float, StockRecompute], ...] = ()
-    """ZeRO-2/3: (compute bound, recomputation) of every option whose activation peak alone fits, least
-    recomputation first; the first whose simulated peak (buffers included) fits is the choice's setting."""
+    options: Tuple[Tuple[float, StockRecompute, Tuple[float, ...]], ...] = ()
+    """ZeRO-2/3: (compute bound, recomputation, activation peaks) of every option whose activation peak
+    alone fits, least recomputation first (:func:`_simulated` takes the first that fits, per prediction)."""
 
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
@@ -409,7 +457,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             if not fitting:
                 continue
             option = fitting[0][2]
-            bounds = tuple((_compute_bound(config, costs, o.level), o) for _, _, o in fitting)
+            bounds = tuple((_compute_bound(config, costs, o.level), o, peaks_of[o.level]) for _, _, o in fitting)
             out.append(_Choice(dataclasses.replace(setting, recompute=option), config, costs,
                                schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
                                bounds[0][0], shard, bounds if shard is not None else ()))
@@ -430,19 +478,22 @@ def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
 
 
 def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) -> Optional[StockResult]:
-    """Simulate ``choice``: its setting; with ZeRO-2/3 the first option (least recomputation first) whose
-    simulated peak fits ``budget``, skipping the rest once their compute bound exceeds ``best_s``
-    (None: none fits or can beat it)."""
+    """Simulate ``choice``: its setting; with ZeRO-2/3, per prediction of :class:`MegatronFsdpSharding`, the
+    first option (least recomputation first) that fits ``budget`` -- options whose compute bound exceeds
+    ``best_s`` are not tried -- and the faster of the two (None: nothing fits or can beat ``best_s``)."""
     if choice.sharding is None:
         return _result(choice.setting, choice.config, choice.costs, None, choice.schedule)
-    for bound, option in choice.options:
-        if bound * (1 - BOUND_SLACK) > best_s:
-            return None
-        result = _result(dataclasses.replace(choice.setting, recompute=option), choice.config, choice.costs,
-                         choice.sharding, choice.schedule)
-        if result.fits(budget):
-            return result
-    return None
+    found: List[StockResult] = []
+    for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
+                    lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
+        for bound, option, peaks in choice.options:
+            if bound * (1 - BOUND_SLACK) > best_s:
+                break
+            result = predict(dataclasses.replace(choice.setting, recompute=option), peaks)
+            if result.fits(budget):
+                found.append(result)
+                break
+    return min(found, key=lambda r: r.iteration_s) if found else None
 
 
 def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,

@@ -124,13 +124,13 @@ def test_uniform_zero_levels_fit_where_the_distributed_optimizer_does_not():
     budget = min(max(r.peak_activation_bytes) for r in optim) - 1e6  # 1 MB short of the least `optim` peak
     assert best_stock(MODEL, CLUSTER, pp, m, budget, sharding=("optim",)) is None
     best = best_stock(MODEL, CLUSTER, pp, m, budget, sharding=STOCK_SHARDING)
-    assert best is not None and best.setting.sharding in ("optim_grads", "optim_grads_params")
+    assert best is not None and best.setting.sharding in ("optim_grads", "optim_grads_params") and best.fsdp_model
     flags = best.setting.flags()
     assert flags[flags.index("--data-parallel-sharding-strategy") + 1] == best.setting.sharding
     assert {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"} <= set(flags)
     assert best.to_dict()["sharding"] == best.setting.sharding
     assert sum(best.static_bytes) < sum(optim[0].static_bytes)
-    every = [evaluate(s, MODEL, CLUSTER) for s in stock_settings(pp, MODEL.num_layers, m, sharding=STOCK_SHARDING)]
+    every = [evaluate(s, MODEL, CLUSTER, budget) for s in stock_settings(pp, MODEL.num_layers, m, sharding=STOCK_SHARDING)]
     assert best.iteration_s == pytest.approx(min(r.iteration_s for r in every if r.fits(budget)))
     assert StockSetting(pp, 1, m, sharding="optim").flags()[-1] == "--use-distributed-optimizer"
     with pytest.raises(ValueError, match="data-parallel-sharding-strategy"):
