@@ -294,13 +294,14 @@ def _ratio(stock, plan) -> Optional[float]:
 
 
 def _stock_row(stock) -> Optional[dict]:
-    """The study's view of a stock result: schedule, V, g, recomputation, sharding level, flags, time."""
+    """The study's view of a stock result: schedule, V, g, recomputation, sharding level (and, for ZeRO-2/3,
+    which prediction of :class:`.stock.MegatronFsdpSharding` gave it), flags, time."""
     if stock is None:
         return None
     setting = stock.setting
     return {"schedule": setting.schedule, "vpp": setting.vpp, "group_size": setting.effective_group_size,
-            "recompute": setting.recompute.describe(), "sharding": setting.sharding, "flags": setting.flags(),
-            "iteration_s": stock.iteration_s}
+            "recompute": setting.recompute.describe(), "sharding": setting.sharding, "fsdp_model": stock.fsdp_model,
+            "flags": setting.flags(), "iteration_s": stock.iteration_s}
 
 
 def _plan_row(plan) -> Optional[dict]:
