@@ -31,12 +31,13 @@ With it:
   Megatron-FSDP's ZeRO-2 / ZeRO-3 on every chunk (``--use-megatron-fsdp --data-parallel-sharding-strategy
   optim_grads|optim_grads_params --ckpt-format fsdp_dtensor``, :func:`.stock.sharding_flags`). Megatron-FSDP
   gathers every layer's parameters before each micro-batch's forward and backward and reduce-scatters after
-  every backward, ``no_sync`` notwithstanding (file:line in :class:`.stock.MegatronFsdpSharding`); here it is
-  given PipeMesh's span model for its collectives (one gather per merged group span, one reduction per
-  backward group: fewer) and buffers of one FSDP unit (a layer; PipeMesh holds the whole chunk during a
-  span): at least as favourable as Megatron runs it. Nothing in megatron-core 0.19.2 rejects it with
-  pipeline or virtual pipeline parallelism (only ``--use-torch-fsdp2`` is, ``training/arguments.py:997-1001``);
-  it is CUDA-only (``mcore_fsdp_adapter.py:156``).
+  every backward, ``no_sync`` notwithstanding (file:line in :class:`.stock.MegatronFsdpSharding`). Stock gets
+  the faster of two predictions, each at least as favourable as Megatron runs it: PipeMesh's span model
+  (one gather per merged group span, one reduction per backward group: fewer collectives; the whole chunk
+  held during a span), or Megatron-FSDP's per-micro-batch pattern with one FSDP unit's buffers (a layer)
+  and a lower bound as time (compute and the data-parallel channel perfectly overlapped). Nothing in
+  megatron-core 0.19.2 rejects it with pipeline or virtual pipeline parallelism (only ``--use-torch-fsdp2``
+  is, ``training/arguments.py:997-1001``); it is CUDA-only (``mcore_fsdp_adapter.py:156``).
 * ``pipemesh_auto`` chooses a level per chunk jointly with groups, recomputation and activation
   placement (:func:`pipemesh_sharded`: the level tuples of :func:`.sharding.candidate_levels`, scope
   data-parallel), after the unsharded plan, which is the incumbent: a tuple is planned only where a
