@@ -383,8 +383,9 @@ def levels_cell(levels) -> str:
 def markdown(rows: Sequence[dict]) -> str:
     sharded = any("ratio_without_sharding" in r for r in rows)
     extra = " ratio without sharding |" if sharded else ""
+    auto = "PipeMesh with placement and mixed sharding" if sharded else "PipeMesh with placement"
     lines = ["| regime | setting | m | best stock | s | PipeMesh recompute-only (V; groups; recompute) | s | "
-             "PipeMesh with placement (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
+             f"{auto} (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
              "sharding: stock / PipeMesh | ratio to best stock |" + extra + " limit s | fraction of limit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sharded else "")]
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
