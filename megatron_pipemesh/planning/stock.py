@@ -78,7 +78,7 @@ class MegatronFsdpSharding(ShardingModel):
     megatron-core 0.19.2 runs it.
 
     What Megatron-FSDP does (``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py``): with
-    ``optim_grads_params`` every ``TransformerLayer`` is an FSDP unit (``mcore_fsdp_adapter.py:158-161``);
+    ``optim_grads_params`` every ``TransformerLayer`` is an FSDP unit (``mcore_fsdp_adapter.py:158-164``);
     its parameters are all-gathered in a pre-forward hook (``_pre_forward_param_unshard``, ``:780-797``)
     and released after the unit's forward (``_post_forward``, ``:956-978``), gathered again before its
     backward (``_pre_backward_param_unshard``, ``:897-913``) and released after it: per unit, per

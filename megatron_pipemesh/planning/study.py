@@ -322,7 +322,8 @@ def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool 
 
 
 def summary(rows: Sequence[dict]) -> Dict[str, float]:
-    """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit."""
+    """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit
+    (with ``--sharding`` over the sharded comparison), plus the ZeRO-1 ratio and the rows sharding changed."""
     commodity = [r for r in rows if r["regime"] == "commodity" and r["ratio_to_best_stock"]]
     ratios = sorted(r["ratio_to_best_stock"] for r in commodity)
     fractions = sorted(r["fraction_of_limit"] for r in commodity if r["fraction_of_limit"])
