@@ -13,7 +13,11 @@ What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerate
   ``--recompute-granularity full --recompute-method uniform|block --recompute-num-layers k`` for
   every k from 1 to the layers of one model chunk (Megatron applies k per chunk; a larger k acts
   like k = layers);
-* ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes).
+* ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes);
+* sharding (on request, :data:`STOCK_SHARDING`): one level for every chunk, the uniform levels Megatron
+  offers: ``optim`` = ``--use-distributed-optimizer`` (ZeRO-1, Megatron's DDP buffers), and through
+  Megatron-FSDP ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` (ZeRO-2) or
+  ``optim_grads_params`` (ZeRO-3), GPU only (:class:`MegatronFsdpSharding` says how they are modelled).
 
 Megatron's ``num_microbatches_with_partial_activation_checkpoints`` is read by no layer in
 megatron-core 0.19.2, so stock has no per-micro-batch recomputation and none is offered here.
@@ -37,10 +41,92 @@ from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
 from .memory import SELECTIVE_MODULES, selective_level
+from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
 
 Budget = Union[float, Sequence[float]]
-"""Activation bytes allowed per pipeline rank: one number for every rank, or one per rank."""
+"""Activation bytes allowed per pipeline rank: one number for every rank, or one per rank. With a
+sharding level above ZeRO-1 it is still the device memory left after the *distributed optimizer's*
+static bytes: the bytes the level saves are added to it, its gather and gradient buffers taken from it."""
+
+STOCK_SHARDING = ("optim", "optim_grads", "optim_grads_params")
+"""The uniform sharding levels stock Megatron offers: the distributed optimizer (ZeRO-1) and
+Megatron-FSDP's ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy``)."""
+
+
+def sharding_flags(level: Optional[str]) -> List[str]:
+    """Megatron's flags for a uniform sharding ``level`` (None: none given, whatever the run uses).
+
+    Megatron-FSDP makes ``--use-distributed-optimizer`` implicit (``training/arguments.py:1106-1112``)
+    and requires ``--ckpt-format fsdp_dtensor`` (``:1146``)."""
+    if level is None:
+        return []
+    if level == "optim":
+        return ["--use-distributed-optimizer"]
+    if level not in STOCK_SHARDING:
+        raise ValueError(f"stock sharding level {level!r}: use one of {', '.join(STOCK_SHARDING)}, "
+                         f"e.g. --data-parallel-sharding-strategy optim_grads")
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level, "--ckpt-format", "fsdp_dtensor"]
+
+
+FSDP_MODELS = ("span", "per-microbatch bound")
+"""How a stock ZeRO-2/3 setting's time and memory are predicted (:class:`MegatronFsdpSharding`)."""
+
+
+class MegatronFsdpSharding(ShardingModel):
+    """Megatron-FSDP's uniform ZeRO-2 / ZeRO-3 on a stock schedule, predicted at least as favourably as
+    megatron-core 0.19.2 runs it.
+
+    What Megatron-FSDP does (``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py``): with
+    ``optim_grads_params`` every ``TransformerLayer`` is an FSDP unit (``mcore_fsdp_adapter.py:158-164``);
+    its parameters are all-gathered in a pre-forward hook (``_pre_forward_param_unshard``, ``:780-797``)
+    and released after the unit's forward (``_post_forward``, ``:956-978``), gathered again before its
+    backward (``_pre_backward_param_unshard``, ``:897-913``) and released after it: per unit, per
+    micro-batch, forward and backward. With ``optim_grads`` or ``optim_grads_params`` the gradients are
+    reduce-scattered after *every* backward (``grad_reduce_every_bprop``, ``:757-771`` and ``:865-880``);
+    ``no_sync`` does not defer them (``:1150-1162``: "for grads shard mode there will actually always be
+    gradient sync happening"), each bucket's whole gradient living in a temporary buffer until its
+    reduce-scatter (``param_and_grad_buffer.py:3868``, ``:4230``). Pipeline parallelism: the
+    schedules call each chunk's forward and backward as with DDP (``training/training.py:3532-3547``
+    installs the chunks' ``no_sync`` / ``start_grad_sync`` / ``start_param_sync`` the same way), each
+    virtual chunk is its own wrapper, and no check rejects ``--use-megatron-fsdp`` with pipeline or
+    virtual pipeline parallelism (``training/arguments.py`` rejects pipeline parallelism only for
+    ``--use-torch-fsdp2``, ``:997-1001``).
+
+    Stock gets the faster of two predictions (each fitting the memory on its own terms):
+
+    * ``span``: PipeMesh's own span model (this class as a :class:`.sharding.ShardingModel`): one
+      all-gather per merged group span and one reduce-scatter per backward group -- fewer collectives
+      than Megatron's per micro-batch ones -- with the whole chunk's weights held during a span;
+    * ``per-microbatch bound``: Megatron-FSDP's own pattern, with buffers of one FSDP unit (one layer's
+      gathered weights and gradient bucket), and as time a lower bound: the busier of a rank's compute
+      (:func:`_compute_bound`) and its data-parallel channel carrying 2m gathers (ZeRO-3) and m
+      reduce-scatters per chunk (:meth:`microbatch_channel_s`), as if they overlapped perfectly."""
+
+    def unit_buffers(self) -> float:
+        """Bytes one FSDP unit (a transformer layer) holds beyond its shard: gathered weights (ZeRO-3) and
+        its whole gradient bucket."""
+        unit = self.model.layer_params() / self.cluster.tp
+        rest = 1 - 1 / self.cluster.dp
+        zero3 = self.spec.levels[0] == "optim_grads_params"
+        return unit * rest * (self.model.grad_bytes + (self.model.dtype_bytes if zero3 else 0))
+
+    def microbatch_channel_s(self, config: ScheduleConfig, costs: OpCosts) -> List[float]:
+        """Per rank: seconds its data-parallel channel is busy per iteration with Megatron-FSDP's
+        collectives (ring time per collective as :class:`.sharding.ShardedCosts`)."""
+        adapter = self.adapter(config, costs, {})
+        zero3 = self.spec.levels[0] == "optim_grads_params"
+        m = config.microbatches
+        out = []
+        for rank in range(config.pp):
+            busy = 0.0
+            for chunk in range(config.vpp):
+                gather = adapter.data_parallel(rank, Op(OpKind.GATHER, chunk, 0))
+                reduce = adapter.data_parallel(rank, Op(OpKind.REDUCE, chunk, 0))
+                # ZeRO-2 gathers the updated parameters once (after the step), ZeRO-3 per forward and backward.
+                busy += (2 * m if zero3 else 1) * gather + m * reduce
+            out.append(busy)
+        return out
 
 
 @dataclass(frozen=True)
@@ -108,6 +194,12 @@ class StockSetting:
     """Recomputation applied everywhere."""
     grad_reduce_in_bf16: bool = False
     """[--grad-reduce-in-bf16] Reduce gradients in bf16 (2 bytes) instead of fp32."""
+    sharding: Optional[str] = None
+    """Uniform sharding level of every chunk (:data:`STOCK_SHARDING`, flags :func:`sharding_flags`); None:
+    not part of the setting (the distributed optimizer is assumed, no flag is emitted)."""
+
+    def __post_init__(self) -> None:
+        sharding_flags(self.sharding)  # validates the level
 
     @property
     def schedule(self) -> str:
@@ -131,16 +223,17 @@ class StockSetting:
         out += self.recompute.flags()
         if self.grad_reduce_in_bf16:
             out.append("--grad-reduce-in-bf16")
-        return out
+        return out + sharding_flags(self.sharding)
 
     def describe(self) -> str:
         sched = "1F1B" if self.vpp == 1 else f"interleaved V={self.vpp} g={self.effective_group_size}"
-        return f"{sched}, {self.recompute.describe()}" + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
+        return (f"{sched}, {self.recompute.describe()}" + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
+                + (f", sharding {self.sharding}" if self.sharding else ""))
 
     def to_dict(self) -> dict:
         return {"schedule": self.schedule, "vpp": self.vpp, "group_size": self.effective_group_size,
                 "recompute": self.recompute.describe(), "grad_reduce_in_bf16": self.grad_reduce_in_bf16,
-                "flags": self.flags()}
+                "sharding": self.sharding, "flags": self.flags()}
 
 
 def recompute_options(layers_per_chunk: int, layer_spec: str = "local") -> List[StockRecompute]:
@@ -174,12 +267,12 @@ def schedule_options(pp: int, num_layers: int, microbatches: int) -> List[Tuple[
 
 
 def stock_settings(pp: int, num_layers: int, microbatches: int, layer_spec: str = "local",
-                   grad_reduce_in_bf16: bool = False) -> List[StockSetting]:
-    """The whole stock option set (schedules x recomputation)."""
+                   grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)) -> List[StockSetting]:
+    """The whole stock option set (schedules x recomputation x the ``sharding`` levels)."""
     out = []
     for vpp, g in schedule_options(pp, num_layers, microbatches):
         for recompute in recompute_options(num_layers // (pp * vpp), layer_spec):
-            out.append(StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16))
+            out += [StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16, level) for level in sharding]
     return out
 
 
@@ -191,16 +284,20 @@ class StockResult:
     iteration_s: Optional[float]
     """Simulated iteration time; None when not simulated (it does not fit, see :func:`best_stock`)."""
     peak_activation_bytes: Tuple[float, ...]
-    """Per pipeline rank: the peak of activation bytes (transient recomputation included)."""
+    """Per pipeline rank: the peak of what the activation budget (:data:`Budget`) must hold: activation bytes
+    (transient recomputation included); with ZeRO-2/3 the peak of activations plus gather and gradient
+    buffers, less the static bytes the level saves against the distributed optimizer."""
     static_bytes: Tuple[float, ...]
-    """Per pipeline rank: weights, gradients and optimizer state."""
+    """Per pipeline rank: weights, gradients and optimizer state (at the setting's sharding level)."""
+    fsdp_model: Optional[str] = None
+    """ZeRO-2/3 (Megatron-FSDP): which prediction (:data:`FSDP_MODELS`) gave the time and peaks."""
 
     def fits(self, budget: Budget) -> bool:
         return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, _per_rank(budget, len(self.peak_activation_bytes))))
 
     def to_dict(self) -> dict:
         return {**self.setting.to_dict(), "iteration_s": self.iteration_s,
-                "peak_activation_bytes": list(self.peak_activation_bytes)}
+                "peak_activation_bytes": list(self.peak_activation_bytes), "fsdp_model": self.fsdp_model}
 
 
 def _per_rank(budget: Budget, pp: int) -> List[float]:
@@ -263,33 +360,82 @@ def _costs(model: ModelSpec, cluster: ClusterSpec, setting: StockSetting, levels
     return analytic_costs(_model_for(model, setting), cluster, setting.config(), levels=tuple(levels))
 
 
-def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> StockResult:
-    """Simulate one stock setting: iteration time and per-rank peaks."""
-    level = setting.recompute.level
+def sharding_model(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> Optional[MegatronFsdpSharding]:
+    """The sharding model of a ZeRO-2/3 setting (None for the distributed optimizer or no level)."""
+    if setting.sharding in (None, "optim"):
+        return None
+    return MegatronFsdpSharding(_model_for(model, setting), cluster, ShardingSpec((setting.sharding,) * setting.vpp))
+
+
+def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: Optional[MegatronFsdpSharding],
+            schedule: Optional[LoweredSchedule] = None) -> StockResult:
+    """Simulate ``setting`` (its uniform recomputation, and its sharding when given)."""
+    result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding)
+    if sharding is None:
+        return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
+                           tuple(costs.static_bytes))
+    resident = tuple(split.state.resident for split in sharding.splits(config))
+    # In the budget's terms: the whole peak less the distributed optimizer's static bytes.
+    return StockResult(setting, result.iteration_s,
+                       tuple(r.peak_memory_bytes - static for r, static in zip(result.ranks, costs.static_bytes)), resident,
+                       FSDP_MODELS[0])
+
+
+def _microbatch_bound(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: MegatronFsdpSharding,
+                      peaks: Sequence[float]) -> StockResult:
+    """Megatron-FSDP's per-micro-batch pattern (:class:`MegatronFsdpSharding`): a lower bound of the time and
+    the peak with one unit's buffers, from the program-order activation ``peaks``."""
+    resident = tuple(split.state.resident for split in sharding.splits(config))
+    busy = max(sharding.microbatch_channel_s(config, costs))
+    time = max(_compute_bound(config, costs, setting.recompute.level), busy)
+    buffers = sharding.unit_buffers()
+    return StockResult(setting, time, tuple(p + r + buffers - static for p, r, static in zip(peaks, resident, costs.static_bytes)),
+                       resident, FSDP_MODELS[1])
+
+
+def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budget: Budget = float("inf")) -> StockResult:
+    """Simulate one stock setting: iteration time and per-rank peaks. ZeRO-2/3: the faster of the two
+    predictions of :class:`MegatronFsdpSharding` that fits ``budget`` (the span model if neither does)."""
     config = setting.config()
+    level = setting.recompute.level
     costs = _costs(model, cluster, setting, (level,))
-    result = simulate(config, costs, uniform_plan(config, level))
-    return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
-                       tuple(costs.static_bytes))
+    sharding = sharding_model(setting, model, cluster)
+    span = _result(setting, config, costs, sharding)
+    if sharding is None:
+        return span
+    bound = _microbatch_bound(setting, config, costs, sharding, order_peaks(config, costs, (level,))[level])
+    fitting = [r for r in (span, bound) if r.fits(budget)]
+    return min(fitting, key=lambda r: r.iteration_s) if fitting else span
 
 
 @dataclass
 class _Choice:
-    """One stock (schedule, V, g) with its cheapest fitting recomputation, before simulating it."""
+    """One stock (schedule, V, g, sharding level) with the recomputation options that may fit, before
+    simulating it."""
 
     setting: StockSetting
+    """The setting with the least recomputation time among ``options``."""
     config: ScheduleConfig
     costs: OpCosts
     schedule: LoweredSchedule
     lower_bound_s: float
     """No schedule finishes before its busiest rank's compute plus optimizer step (one stream per rank)."""
+    sharding: Optional[MegatronFsdpSharding] = None
+    """ZeRO-2/3: the sharding model (``schedule`` is lowered with its ops)."""
+    options: Tuple[Tuple[float, StockRecompute, Tuple[float, ...]], ...] = ()
+    """ZeRO-2/3: (compute bound, recomputation, activation peaks) of every option whose activation peak
+    alone fits, least recomputation first (:func:`_simulated` takes the first that fits, per prediction)."""
 
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-             grad_reduce_in_bf16: bool) -> List[_Choice]:
-    """For every stock (schedule kind, V, g) in :func:`schedule_options` order: the recomputation
-    option with the least recomputation time whose peak fits ``budget`` (schedules where nothing
-    fits are left out), with what simulating it needs and a lower bound of its time."""
+             grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,)) -> List[_Choice]:
+    """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
+    ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
+    (left out where nothing fits), with what simulating it needs and a lower bound of its time.
+
+    Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
+    activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
+    option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits."""
     out = []
     limits = _per_rank(budget, pp)
     for vpp, g in schedule_options(pp, model.num_layers, microbatches):
@@ -299,16 +445,22 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         config = probe.config()
         schedule = lower(config, lowering_for(costs))
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
-        fitting = []
-        for option in options:
-            peaks = peaks_of[option.level]
-            if all(p <= b for p, b in zip(peaks, limits)):
-                fitting.append((costs.recompute_s[option.level], option, peaks))
-        if not fitting:
-            continue
-        _, option, _ = min(fitting, key=lambda item: item[0])
-        setting = dataclasses.replace(probe, recompute=option)
-        out.append(_Choice(setting, config, costs, schedule, _compute_bound(config, costs, option.level)))
+        for level in sharding:
+            setting = dataclasses.replace(probe, sharding=level)
+            shard = sharding_model(setting, model, cluster)
+            room = list(limits)
+            if shard is not None:  # the static bytes this level saves against the distributed optimizer
+                room = [limit + static - split.state.resident
+                        for limit, static, split in zip(limits, costs.static_bytes, shard.splits(config))]
+            fitting = sorted(((costs.recompute_s[o.level], index, o) for index, o in enumerate(options)
+                              if all(p <= b for p, b in zip(peaks_of[o.level], room))), key=lambda item: item[:2])
+            if not fitting:
+                continue
+            option = fitting[0][2]
+            bounds = tuple((_compute_bound(config, costs, o.level), o, peaks_of[o.level]) for _, _, o in fitting)
+            out.append(_Choice(dataclasses.replace(setting, recompute=option), config, costs,
+                               schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
+                               bounds[0][0], shard, bounds if shard is not None else ()))
     return out
 
 
@@ -325,21 +477,36 @@ def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
     return bound
 
 
-def _simulated(choice: _Choice) -> StockResult:
-    result = simulate(choice.config, choice.costs, uniform_plan(choice.config, choice.setting.recompute.level),
-                      choice.schedule)
-    return StockResult(choice.setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
-                       tuple(choice.costs.static_bytes))
+def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) -> Optional[StockResult]:
+    """Simulate ``choice``: its setting; with ZeRO-2/3, per prediction of :class:`MegatronFsdpSharding`, the
+    first option (least recomputation first) that fits ``budget`` -- options whose compute bound exceeds
+    ``best_s`` are not tried -- and the faster of the two (None: nothing fits or can beat ``best_s``)."""
+    if choice.sharding is None:
+        return _result(choice.setting, choice.config, choice.costs, None, choice.schedule)
+    found: List[StockResult] = []
+    for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
+                    lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
+        for bound, option, peaks in choice.options:
+            if bound * (1 - BOUND_SLACK) > best_s:
+                break
+            result = predict(dataclasses.replace(choice.setting, recompute=option), peaks)
+            if result.fits(budget):
+                found.append(result)
+                break
+    return min(found, key=lambda r: r.iteration_s) if found else None
 
 
 def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-                      grad_reduce_in_bf16: bool = False) -> Dict[Tuple[str, int, Optional[int]], StockResult]:
-    """For every stock (schedule kind, V, g): its fastest recomputation setting that fits ``budget``
-    (activation bytes per rank), simulated. Schedules where nothing fits are left out."""
-    out: Dict[Tuple[str, int, Optional[int]], StockResult] = {}
-    for choice in _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16):
-        setting = choice.setting
-        out[(setting.schedule, setting.vpp, setting.effective_group_size)] = _simulated(choice)
+                      grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)
+                      ) -> Dict[Tuple[str, int, Optional[int], Optional[str]], StockResult]:
+    """For every stock (schedule kind, V, g, sharding level): its fastest recomputation setting that fits
+    ``budget`` (see :data:`Budget`), simulated. Schedules where nothing fits are left out."""
+    out: Dict[Tuple[str, int, Optional[int], Optional[str]], StockResult] = {}
+    for choice in _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding):
+        result = _simulated(choice, budget)
+        if result is not None:
+            setting = result.setting
+            out[(setting.schedule, setting.vpp, setting.effective_group_size, setting.sharding)] = result
     return out
 
 
@@ -348,19 +515,21 @@ BOUND_SLACK = 1e-9
 
 
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-               grad_reduce_in_bf16: bool = False) -> Optional[StockResult]:
-    """The fastest stock setting whose per-rank activation peak fits ``budget``; None if none fits.
+               grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)) -> Optional[StockResult]:
+    """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
+    uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
 
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
-    :func:`schedule_options` order), without simulating the schedules whose compute bound
-    already exceeds the fastest time found: they are simulated in order of that bound."""
-    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16)
+    :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
+    compute bound already exceeds the fastest time found: they are simulated in order of that bound
+    (sharding changes static memory and communication, never compute, so the bound holds at every level)."""
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
         if best is not None and choice.lower_bound_s * (1 - BOUND_SLACK) > best[0]:
             break
-        result = _simulated(choice)
-        if best is None or (result.iteration_s, index) < best[:2]:
+        result = _simulated(choice, budget, best[0] if best else float("inf"))
+        if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
             best = (result.iteration_s, index, result)
     return best[2] if best else None
 

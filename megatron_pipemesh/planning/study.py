@@ -23,6 +23,30 @@ Per row:
   link keeps its cost), best over V;
 * ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh.
 
+Sharding (``pipemesh study --sharding``, off by default: it multiplies PipeMesh's search by the level
+tuples tried). Without it both sides run the distributed optimizer (``optim``, ZeRO-1) everywhere.
+With it:
+
+* ``best_stock`` also tries the uniform levels Megatron offers beyond the distributed optimizer:
+  Megatron-FSDP's ZeRO-2 / ZeRO-3 on every chunk (``--use-megatron-fsdp --data-parallel-sharding-strategy
+  optim_grads|optim_grads_params --ckpt-format fsdp_dtensor``, :func:`.stock.sharding_flags`). Megatron-FSDP
+  gathers every layer's parameters before each micro-batch's forward and backward and reduce-scatters after
+  every backward, ``no_sync`` notwithstanding (file:line in :class:`.stock.MegatronFsdpSharding`). Stock gets
+  the faster of two predictions, each at least as favourable as Megatron runs it: PipeMesh's span model
+  (one gather per merged group span, one reduction per backward group: fewer collectives; the whole chunk
+  held during a span), or Megatron-FSDP's per-micro-batch pattern with one FSDP unit's buffers (a layer)
+  and a lower bound as time (compute and the data-parallel channel perfectly overlapped). Nothing in
+  megatron-core 0.19.2 rejects it with pipeline or virtual pipeline parallelism (only ``--use-torch-fsdp2``
+  is, ``training/arguments.py:997-1001``); it is CUDA-only (``mcore_fsdp_adapter.py:156``).
+* ``pipemesh_auto`` chooses a level per chunk jointly with groups, recomputation and activation
+  placement (:func:`pipemesh_sharded`: the level tuples of :func:`.sharding.candidate_levels`, scope
+  data-parallel), after the unsharded plan, which is the incumbent: a tuple is planned only where a
+  candidate's time without any memory lever beats it (:func:`.planner.plan_schedule`'s pruning).
+* ``best_stock_unsharded`` / ``pipemesh_unsharded`` and ``ratio_without_sharding`` keep the ZeRO-1 view;
+  ``limit`` also gets ZeRO-3 everywhere for free (communication is free in the limit).
+
+Both ``best_stock`` and ``pipemesh_auto`` carry ``sharding``: the level (stock) or one level per chunk.
+
 Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 with
 ``grad_reduce_in_bf16``), distributed optimizer, dropout 0.1, seq 2048, micro-batch 1, the local
 layer spec unless the row says 'te', 8 devices per node with a NIC of 8x the per-device rate
@@ -38,7 +62,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig
 from .costs import GB, ClusterSpec, ModelSpec, analytic_costs
 from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
-from .stock import best_stock
+from .sharding import ShardingModel, ShardingSpec, candidate_levels
+from .stock import STOCK_SHARDING, best_stock
 
 MEMORY_MARGIN = 0.10
 """Fraction of device memory kept free (fragmentation, communication buffers, workspace)."""
@@ -178,67 +203,127 @@ def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches:
     return best
 
 
+def pipemesh_sharded(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
+                     incumbent_s: float = float("inf"), placement: str = "auto", scope: str = "data-parallel"):
+    """PipeMesh's best plan with mixed sharding: for every V (larger first) and every level tuple of
+    :func:`.sharding.candidate_levels` but ZeRO-1 everywhere (the unsharded plan, whose time is
+    ``incumbent_s``), groups, recomputation and placement planned with the tuple's collectives and
+    memory; a tuple whose candidates are all slower than the incumbent without any memory lever is
+    skipped after those bare simulations. None if nothing beats ``incumbent_s``."""
+    best = None
+    for vpp in sorted(virtual_sizes(model, pp), reverse=True):
+        for levels in candidate_levels(vpp):
+            if set(levels) == {"optim"}:
+                continue
+            sharding = ShardingModel(model, cluster, ShardingSpec(levels, scope))
+            bound = best.result.iteration_s if best else incumbent_s
+            try:
+                plan, _ = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget,
+                                        _planner_options(pp, microbatches, placement), incumbent_s=bound,
+                                        sharding=sharding)
+            except NoFeasiblePlan:
+                continue
+            if plan.result.iteration_s < bound:
+                best = plan
+    return best
+
+
+FREE_GBPS = 1e9
+"""A data-parallel link so fast that the limit's sharding collectives cost nothing (Gbit/s)."""
+
+
 def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
-                             budget: float) -> Optional[float]:
-    """Depth-first with free communication and the planner's recomputation, best over V."""
+                             budget: float, sharding: bool = False) -> Optional[float]:
+    """Depth-first with free communication and the planner's recomputation, best over V; with
+    ``sharding`` also ZeRO-3 everywhere (free in the limit: it only frees memory)."""
     times = []
+    free_cluster = dataclasses.replace(cluster, dp_gbps=FREE_GBPS, nic_gbps=None)
     for vpp in virtual_sizes(model, pp):
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
         free = dataclasses.replace(analytic_costs(model, cluster, config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
                                    latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0)
-        plan = fit_with_recompute(config, free, budget, _planner_options(pp, microbatches, "auto"))
-        if plan.fits:
-            times.append(plan.result.iteration_s)
+        shardings = [None]
+        if sharding:
+            shardings.append(ShardingModel(model, free_cluster, ShardingSpec(("optim_grads_params",) * vpp)))
+        for shard in shardings:
+            plan = fit_with_recompute(config, free, budget, _planner_options(pp, microbatches, "auto"), shard)
+            if plan.fits:
+                times.append(plan.result.iteration_s)
     return min(times) if times else None
 
 
-def run_row(row: StudyRow) -> dict:
+def run_row(row: StudyRow, sharding: bool = False) -> dict:
+    """One row of the study; ``sharding``: stock's uniform levels and PipeMesh's mixed levels too."""
     model, cluster = _specs(row)
     budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
     m = row.microbatches
     static = analytic_costs(model, cluster, ScheduleConfig.depth_first(row.pp, 1, m)).static_bytes
-    stock = best_stock(model, cluster, row.pp, m, tuple(budget - s for s in static), row.grad_reduce_in_bf16)
+    activation_budget = tuple(budget - s for s in static)
+    stock = best_stock(model, cluster, row.pp, m, activation_budget, row.grad_reduce_in_bf16, ("optim",))
     alone = pipemesh_auto(model, cluster, row.pp, m, budget)
     # Placement adds levers to recomputation: the recompute-only plan is one of its plans, so only
     # candidates that may beat it are searched again.
     placed = pipemesh_auto(model, cluster, row.pp, m, budget, alone.result.iteration_s if alone else float("inf"), "auto")
     plan = placed if placed is not None and (alone is None or placed.result.iteration_s < alone.result.iteration_s) else alone
-    limit = communication_free_limit(model, cluster, row.pp, m, budget)
     out = {"regime": row.regime, "setting": row.describe(), "model": row.model, "tp": row.tp,
            "sequence_parallel": row.sequence_parallel, "pp": row.pp, "dp": row.dp, "microbatches": m,
            "global_batch": row.global_batch, "memory_gb": row.memory_gb, "gbps": row.gbps,
            "grad_reduce_in_bf16": row.grad_reduce_in_bf16}
-    out["best_stock"] = None if stock is None else {
-        "schedule": stock.setting.schedule, "vpp": stock.setting.vpp, "group_size": stock.setting.effective_group_size,
-        "recompute": stock.setting.recompute.describe(), "flags": stock.setting.flags(), "iteration_s": stock.iteration_s}
     out["host_link_gbps"], out["host_memory_gb"] = cluster.host_link_gbps, HOST_MEMORY_GB
-    out["pipemesh_auto"] = _plan_row(plan)
     out["pipemesh_recompute_only"] = _plan_row(alone)
     out["placement_speedup"] = alone.result.iteration_s / plan.result.iteration_s if (plan and alone) else None
+    if sharding:
+        # Stock's uniform levels beyond ZeRO-1, and PipeMesh's mixed levels against the unsharded plan.
+        out["best_stock_unsharded"] = _stock_row(stock)
+        out["pipemesh_unsharded"] = _plan_row(plan)
+        out["ratio_without_sharding"] = _ratio(stock, plan)
+        stock = best_stock(model, cluster, row.pp, m, activation_budget, row.grad_reduce_in_bf16, STOCK_SHARDING)
+        mixed = pipemesh_sharded(model, cluster, row.pp, m, budget, plan.result.iteration_s if plan else float("inf"))
+        plan = mixed or plan
+    limit = communication_free_limit(model, cluster, row.pp, m, budget, sharding)
+    out["best_stock"] = _stock_row(stock)
+    out["pipemesh_auto"] = _plan_row(plan)
     out["limit_iteration_s"] = limit
     pm = plan.result.iteration_s if plan else None
-    out["ratio_to_best_stock"] = stock.iteration_s / pm if (pm and stock) else None
+    out["ratio_to_best_stock"] = _ratio(stock, plan)
     out["fraction_of_limit"] = limit / pm if (pm and limit) else None
     return out
 
 
+def _ratio(stock, plan) -> Optional[float]:
+    return stock.iteration_s / plan.result.iteration_s if (stock and plan) else None
+
+
+def _stock_row(stock) -> Optional[dict]:
+    """The study's view of a stock result: schedule, V, g, recomputation, sharding level (and, for ZeRO-2/3,
+    which prediction of :class:`.stock.MegatronFsdpSharding` gave it), flags, time."""
+    if stock is None:
+        return None
+    setting = stock.setting
+    return {"schedule": setting.schedule, "vpp": setting.vpp, "group_size": setting.effective_group_size,
+            "recompute": setting.recompute.describe(), "sharding": setting.sharding, "fsdp_model": stock.fsdp_model,
+            "flags": setting.flags(), "iteration_s": stock.iteration_s}
+
+
 def _plan_row(plan) -> Optional[dict]:
-    """The study's view of a plan: V, groups, recomputation and host placement, time."""
+    """The study's view of a plan: V, groups, recomputation and host placement, sharding levels, time."""
     if plan is None:
         return None
     d = plan.to_dict()
     return {"vpp": plan.config.vpp, "forward_groups": d["forward_groups"], "backward_groups": d["backward_groups"],
             "recompute_share": plan.recompute_share, "recompute_counts": d["recompute_counts"],
             "host_counts": [c["host"] for c in d["placement_counts"]], "peak_host_gb": d["peak_host_gb"],
-            "exposed_host_s": plan.result.exposed_host_s, "iteration_s": plan.result.iteration_s}
+            "exposed_host_s": plan.result.exposed_host_s,
+            "sharding": d.get("sharding", ["optim"] * plan.config.vpp), "iteration_s": plan.result.iteration_s}
 
 
-def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE) -> List[dict]:
-    return [run_row(row) for row in rows]
+def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool = False) -> List[dict]:
+    return [run_row(row, sharding) for row in rows]
 
 
 def summary(rows: Sequence[dict]) -> Dict[str, float]:
-    """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit."""
+    """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit
+    (with ``--sharding`` over the sharded comparison), plus the ZeRO-1 ratio and the rows sharding changed."""
     commodity = [r for r in rows if r["regime"] == "commodity" and r["ratio_to_best_stock"]]
     ratios = sorted(r["ratio_to_best_stock"] for r in commodity)
     fractions = sorted(r["fraction_of_limit"] for r in commodity if r["fraction_of_limit"])
@@ -252,7 +337,21 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
             "min_ratio_all_rows": min(every) if every else math.nan,
             "median_ratio_commodity": median(ratios),
             "max_ratio_commodity": max(ratios) if ratios else math.nan,
-            "median_fraction_of_limit_commodity": median(fractions)}
+            "median_fraction_of_limit_commodity": median(fractions),
+            **_sharding_summary(commodity, median)}
+
+
+def _sharding_summary(commodity: Sequence[dict], median) -> Dict[str, float]:
+    """With ``--sharding``: the commodity rows' ratio without sharding, and how many rows sharding changed
+    (a stock level above ZeRO-1, or a PipeMesh plan with a chunk above ZeRO-1)."""
+    sharded = [r for r in commodity if "ratio_without_sharding" in r]
+    if not sharded:
+        return {}
+    without = sorted(r["ratio_without_sharding"] for r in sharded if r["ratio_without_sharding"])
+    stock = sum((r["best_stock"] or {}).get("sharding") not in (None, "optim") for r in sharded)
+    pipemesh = sum(any(level != "optim" for level in (r["pipemesh_auto"] or {}).get("sharding", ())) for r in sharded)
+    return {"median_ratio_without_sharding_commodity": median(without),
+            "rows_stock_sharded": stock, "rows_pipemesh_sharded": pipemesh}
 
 
 def _plan_cell(pm: Optional[dict], placement: bool) -> str:
@@ -267,22 +366,42 @@ def _plan_cell(pm: Optional[dict], placement: bool) -> str:
     return cell
 
 
+def levels_cell(levels) -> str:
+    """Sharding levels, runs of one level written once with a count: 'optim, optim_grads x3'."""
+    if not levels:
+        return "n/a"
+    if isinstance(levels, str):
+        return levels
+    runs: List[List] = []
+    for level in levels:
+        if runs and runs[-1][0] == level:
+            runs[-1][1] += 1
+        else:
+            runs.append([level, 1])
+    return ", ".join(level if count == 1 else f"{level} x{count}" for level, count in runs)
+
+
 def markdown(rows: Sequence[dict]) -> str:
+    sharded = any("ratio_without_sharding" in r for r in rows)
+    extra = " ratio without sharding |" if sharded else ""
+    auto = "PipeMesh with placement and mixed sharding" if sharded else "PipeMesh with placement"
     lines = ["| regime | setting | m | best stock | s | PipeMesh recompute-only (V; groups; recompute) | s | "
-             "PipeMesh with placement (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
-             "ratio to best stock | limit s | fraction of limit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{auto} (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
+             "sharding: stock / PipeMesh | ratio to best stock |" + extra + " limit s | fraction of limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sharded else "")]
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
         st, pm, alone = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only")
         stock_cell = "OOM" if st is None else (
             f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}")
-        fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+        shard_cell = f"{levels_cell(st and st.get('sharding'))} / {levels_cell(pm and pm.get('sharding'))}"
+        without = f" {fmt(r.get('ratio_without_sharding'), '.3f')} |" if sharded else ""
         lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {stock_cell} | "
                      f"{fmt(st and st['iteration_s'], '.3f')} | {_plan_cell(alone, False)} | "
                      f"{fmt(alone and alone['iteration_s'], '.3f')} | {_plan_cell(pm, True)} | "
                      f"{fmt(pm and pm['iteration_s'], '.3f')} | {fmt(r.get('placement_speedup'), '.3f')} | "
-                     f"{fmt(r['ratio_to_best_stock'], '.3f')} | {fmt(r['limit_iteration_s'], '.3f')} | "
-                     f"{fmt(r['fraction_of_limit'], '.3f')} |")
+                     f"{shard_cell} | {fmt(r['ratio_to_best_stock'], '.3f')} |{without} "
+                     f"{fmt(r['limit_iteration_s'], '.3f')} | {fmt(r['fraction_of_limit'], '.3f')} |")
     return "\n".join(lines)
 
 
@@ -297,7 +416,7 @@ def cmd_study(args) -> int:
         rows = tuple(r for r in rows if args.only in r.describe())
     if args.limit:
         rows = rows[:args.limit]
-    results = run_study(rows)
+    results = run_study(rows, args.sharding)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -316,6 +435,10 @@ def add_study_parser(sub) -> None:
     study.add_argument("--limit", type=int, default=0, help="run only the first N rows (0 = all)")
     study.add_argument("--only", metavar="TEXT", default="",
                        help="run only the rows whose setting contains TEXT (e.g. 'GPT-13B TP2 ' or '40GB')")
+    study.add_argument("--sharding", action="store_true",
+                       help="also sharding: stock with Megatron's uniform levels (distributed optimizer, Megatron-FSDP "
+                            "ZeRO-2/3), PipeMesh with a level per chunk chosen with its plan (default off: ZeRO-1 on "
+                            "both sides; several times slower)")
     study.set_defaults(func=cmd_study)
 
 

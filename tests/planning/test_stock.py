@@ -2,9 +2,9 @@
 import pytest
 
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec
-from megatron_pipemesh.planning.stock import (StockRecompute, StockSetting, activation_budget, best_per_schedule,
-                                              best_stock, evaluate, group_sizes, order_peaks, recompute_options,
-                                              schedule_options, stock_settings, uniform_plan)
+from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, StockSetting, activation_budget,
+                                              best_per_schedule, best_stock, evaluate, group_sizes, order_peaks,
+                                              recompute_options, schedule_options, stock_settings, uniform_plan)
 from megatron_pipemesh.planning.costs import analytic_costs
 from megatron_pipemesh.planning.simulator import simulate
 
@@ -77,9 +77,9 @@ def test_best_stock_is_the_fastest_fitting_setting_of_the_whole_space():
     assert best.fits(budget) and best.setting.recompute.granularity != "none"
     assert best.iteration_s == pytest.approx(min(r.iteration_s for r in fitting))
     per = best_per_schedule(MODEL, CLUSTER, pp, m, budget)
-    for (kind, vpp, g), result in per.items():
+    for (kind, vpp, g, level), result in per.items():
         same = [r for r in fitting if (r.setting.schedule, r.setting.vpp, r.setting.effective_group_size) == (kind, vpp, g)]
-        assert result.iteration_s == pytest.approx(min(r.iteration_s for r in same)), (kind, vpp, g)
+        assert level is None and result.iteration_s == pytest.approx(min(r.iteration_s for r in same)), (kind, vpp, g)
     assert best_stock(MODEL, CLUSTER, pp, m, 1.0) is None
 
 
@@ -113,4 +113,25 @@ def test_best_stock_prunes_by_compute_bound_without_changing_the_answer(monkeypa
     assert 0 < len(calls) < len(per)
     for choice in stock._choices(MODEL, fast, pp, m, budget, False):
         assert choice.lower_bound_s <= per[(choice.setting.schedule, choice.setting.vpp,
-                                            choice.setting.effective_group_size)].iteration_s
+                                            choice.setting.effective_group_size, None)].iteration_s
+
+
+def test_uniform_zero_levels_fit_where_the_distributed_optimizer_does_not():
+    """Stock's Megatron-FSDP levels: missing from the search, wrongly pruned (brute force disagrees), or
+    emitted without the real Megatron-FSDP flags, on a row where `optim` cannot fit even recomputing all."""
+    pp, m = 2, 4
+    optim = [evaluate(s, MODEL, CLUSTER) for s in stock_settings(pp, MODEL.num_layers, m, sharding=("optim",))]
+    budget = min(max(r.peak_activation_bytes) for r in optim) - 1e6  # 1 MB short of the least `optim` peak
+    assert best_stock(MODEL, CLUSTER, pp, m, budget, sharding=("optim",)) is None
+    best = best_stock(MODEL, CLUSTER, pp, m, budget, sharding=STOCK_SHARDING)
+    assert best is not None and best.setting.sharding in ("optim_grads", "optim_grads_params") and best.fsdp_model
+    flags = best.setting.flags()
+    assert flags[flags.index("--data-parallel-sharding-strategy") + 1] == best.setting.sharding
+    assert {"--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"} <= set(flags)
+    assert best.to_dict()["sharding"] == best.setting.sharding
+    assert sum(best.static_bytes) < sum(optim[0].static_bytes)
+    every = [evaluate(s, MODEL, CLUSTER, budget) for s in stock_settings(pp, MODEL.num_layers, m, sharding=STOCK_SHARDING)]
+    assert best.iteration_s == pytest.approx(min(r.iteration_s for r in every if r.fits(budget)))
+    assert StockSetting(pp, 1, m, sharding="optim").flags()[-1] == "--use-distributed-optimizer"
+    with pytest.raises(ValueError, match="data-parallel-sharding-strategy"):
+        StockSetting(pp, 1, m, sharding="zero3")

@@ -76,3 +76,51 @@ def test_cli_study_json(tiny, monkeypatch, capsys):
     assert isinstance(rows, list) and len(rows) == 1
     assert {"regime", "best_stock", "pipemesh_auto", "ratio_to_best_stock", "fraction_of_limit",
             "pipemesh_recompute_only", "placement_speedup"} <= set(rows[0])
+
+
+def test_sharded_row_is_never_slower_than_the_best_uniform_plan(tiny):
+    """--sharding: PipeMesh's mixed levels lose to some uniform level of its own planner (search or incumbent
+    broken), or the row lacks the levels of both sides / the ZeRO-1 view; memory binds, so sharding pays."""
+    from megatron_pipemesh.planning.costs import GB, analytic_costs
+    from megatron_pipemesh.planning.planner import NoFeasiblePlan, plan_schedule
+    from megatron_pipemesh.planning.sharding import LEVELS, ShardingModel, ShardingSpec
+    from megatron_pipemesh.planning.stock import STOCK_SHARDING
+
+    row = StudyRow("commodity", tiny, 1, 2, 2, 8, 1.6, 100.0)
+    out = run_row(row, sharding=True)
+    model, cluster = study._specs(row)
+    budget = row.memory_gb * GB * (1 - study.MEMORY_MARGIN)
+    uniform = []
+    for vpp in study.virtual_sizes(model, row.pp):
+        for level in LEVELS:
+            try:
+                plan, _ = plan_schedule(row.pp, vpp, row.microbatches, lambda cfg: analytic_costs(model, cluster, cfg),
+                                        budget, study._planner_options(row.pp, row.microbatches, "auto"),
+                                        sharding=ShardingModel(model, cluster, ShardingSpec((level,) * vpp)))
+            except NoFeasiblePlan:
+                continue
+            uniform.append(plan.result.iteration_s)
+    mixed = out["pipemesh_auto"]
+    assert mixed["iteration_s"] <= min(uniform) * (1 + 1e-9)
+    assert mixed["iteration_s"] < out["pipemesh_unsharded"]["iteration_s"] and set(mixed["sharding"]) != {"optim"}
+    assert len(mixed["sharding"]) == mixed["vpp"] and out["best_stock"]["sharding"] in STOCK_SHARDING
+    assert out["ratio_without_sharding"] == pytest.approx(
+        out["best_stock_unsharded"]["iteration_s"] / out["pipemesh_unsharded"]["iteration_s"])
+    assert "ratio without sharding" in markdown([out]) and summary([out])["rows_pipemesh_sharded"] == 1
+
+
+def test_unsharded_row_names_zero1_on_both_sides(tiny):
+    """Without --sharding both sides are ZeRO-1 and say so (stock's flags carry --use-distributed-optimizer)."""
+    row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 8, 40, 10.0))
+    assert row["best_stock"]["sharding"] == "optim" and "--use-distributed-optimizer" in row["best_stock"]["flags"]
+    assert row["pipemesh_auto"]["sharding"] == ["optim"] * row["pipemesh_auto"]["vpp"]
+    assert "ratio_without_sharding" not in row and "sharding: stock / PipeMesh" in markdown([row])
+
+
+def test_cli_study_sharding_flag(tiny, monkeypatch, capsys):
+    """`pipemesh study --sharding --json` runs the sharded rows (the flag not reaching run_row)."""
+    monkeypatch.setattr(study, "COMMODITY", (StudyRow("commodity", tiny, 1, 2, 2, 8, 40, 10.0),))
+    monkeypatch.setattr(study, "DATACENTRE", ())
+    assert cli.main(["study", "--json", "--sharding"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert {"best_stock_unsharded", "pipemesh_unsharded", "ratio_without_sharding"} <= set(row)
