@@ -12,10 +12,12 @@ Per setting (model, TP, DP, PP, global batch, device memory, network rate, GPUs 
 The space is the cross product the performance issue names for the commodity regime: device memory
 24/32/40 GB, TP 1 / 2 / 2 with sequence parallelism, 6.25/10/25/50 Gbit/s, DP 2/4/8, GPT
 1.3B/2.7B/6.7B/13B, global batch 64/256 (``--batches`` for others), the pipeline size of 2/4/8 where
-the best stock setting is fastest (the layout a Megatron user would pick), and two node shapes: 8-GPU servers whose data-parallel rings stay inside the node
-when TP x DP <= 8 (PCIe, :data:`INTRA_NODE_GBPS`) and one GPU (one TP group) per VM, where every ring
-and pipeline link crosses the network. Settings where no stock schedule fits at any pipeline size are counted and left out. Costs are the study's (:func:`.study._specs` assumptions: bf16, distributed
-optimizer, seq 2048, micro-batch 1, local layer spec, 10% memory margin).
+the best stock setting is fastest (the layout a Megatron user would pick), and two node shapes:
+8-GPU servers, whose data-parallel rings stay inside the node when TP x DP <= 8 (PCIe,
+:data:`.study.INTRA_NODE_GBPS`), and one GPU (one TP group) per VM, where every ring and pipeline link
+crosses the network. Settings where no stock schedule fits at any pipeline size are counted and left
+out. Costs are the study's (:func:`.study._specs`: bf16, distributed optimizer, seq 2048,
+micro-batch 1, local layer spec, 10% memory margin).
 
 Pure: no torch.
 """
@@ -32,10 +34,6 @@ from ..schedule.config import ScheduleConfig
 from .bounds import iteration_lower_bound
 from .costs import GB, ClusterSpec, analytic_costs
 from .stock import best_stock
-
-INTRA_NODE_GBPS = 100.0
-"""Per-GPU bandwidth of a collective inside one commodity 8-GPU server (PCIe 4.0 through its switches,
-no NVLink: NCCL reaches roughly 10-15 GB/s of bus bandwidth), Gbit/s."""
 
 TARGET = 1.15
 """The issue's target ratio to best stock."""
@@ -71,26 +69,27 @@ def commodity_space(batches: Sequence[int] = (64, 256)) -> List[Setting]:
     return out
 
 
-def cluster_for(setting: Setting) -> ClusterSpec:
-    """The study's cluster for ``setting``: its NIC carries ``gbps`` per GPU; rings inside a node run at
-    :data:`INTRA_NODE_GBPS`."""
-    from .study import DEVICE_TFLOPS, HOST_LINK_GBPS
+def study_row(setting: Setting, pp: int):
+    """``setting`` at pipeline size ``pp`` as a :class:`.study.StudyRow` (the study's model and cluster)."""
+    from .study import StudyRow
 
-    node = max(setting.gpus_per_node, setting.tp)
-    return ClusterSpec(tp=setting.tp, dp=setting.dp, device_tflops=DEVICE_TFLOPS[setting.memory_gb],
-                       device_memory_gb=setting.memory_gb, dp_gbps=setting.gbps, p2p_gbps=setting.gbps,
-                       sequence_parallel=setting.sequence_parallel, distributed_optimizer=True,
-                       devices_per_node=node, nic_gbps=node * setting.gbps, intra_node_gbps=INTRA_NODE_GBPS,
-                       host_link_gbps=HOST_LINK_GBPS[setting.memory_gb])
+    return StudyRow("commodity", setting.model, setting.tp, pp, setting.dp, setting.global_batch, setting.memory_gb,
+                    setting.gbps, setting.sequence_parallel, gpus_per_node=setting.gpus_per_node)
+
+
+def cluster_for(setting: Setting) -> ClusterSpec:
+    """The study's cluster for ``setting`` (:func:`.study._specs`; it does not depend on the pipeline size)."""
+    from .study import _specs
+
+    return _specs(study_row(setting, 2))[1]
 
 
 def evaluate(setting: Setting) -> Optional[dict]:
     """best stock, bound and headroom at the pipeline size (2, 4 or 8) where stock is fastest, the layout a
     Megatron user would pick (None: stock fits at none)."""
-    from .study import GPT, MEMORY_MARGIN
+    from .study import MEMORY_MARGIN, _specs
 
-    model = GPT[setting.model]
-    cluster = cluster_for(setting)
+    model, cluster = _specs(study_row(setting, 2))
     m = setting.global_batch // setting.dp
     budget = setting.memory_gb * GB * (1 - MEMORY_MARGIN)
     best = None

@@ -49,8 +49,13 @@ Both ``best_stock`` and ``pipemesh_auto`` carry ``sharding``: the level (stock) 
 
 Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 with
 ``grad_reduce_in_bf16``), distributed optimizer, dropout 0.1, seq 2048, micro-batch 1, the local
-layer spec unless the row says 'te', 8 devices per node with a NIC of 8x the per-device rate
-(shared by the data-parallel rings and pipeline links that leave the node), 10% memory margin.
+layer spec unless the row says 'te', the row's GPUs per node (8 or 1) with a NIC of that many times the
+per-device rate (shared by the data-parallel rings and pipeline links that leave the node; rings and links
+inside a node at :data:`INTRA_NODE_GBPS`), 10% memory margin.
+
+``bound`` / ``headroom``: the least iteration any schedule could reach with the same costs
+(:func:`.bounds.iteration_lower_bound`) and best stock over it, an upper bound on every schedule's
+ratio to best stock in the row.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
+from .bounds import iteration_lower_bound
 from .costs import GB, ClusterSpec, ModelSpec, analytic_costs
 from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from .sharding import ShardingModel, ShardingSpec, candidate_levels
@@ -87,6 +93,11 @@ pinned memory moves ~25 GB/s (:data:`~.costs.DEFAULT_HOST_LINK_GBPS`), PCIe 3.0 
 ~12 GB/s; commodity 8-GPU servers put two GPUs behind each x16 switch uplink, and data-parallel replicas
 run the same schedule, so both copy at once: half each (100 and 48 Gbit/s)."""
 
+INTRA_NODE_GBPS = {"commodity": 100.0, "datacentre": 2400.0}
+"""Per-GPU bandwidth of a data-parallel ring or pipeline link that stays inside one node, by regime (Gbit/s):
+a commodity 8-GPU server's PCIe 4.0 switches without NVLink (NCCL reaches roughly 10-15 GB/s of bus
+bandwidth), an A100 server's NVLink (300 GB/s per direction)."""
+
 HOST_MEMORY_GB = 48.0
 """Host memory per device for offloaded activations (GiB): an 8-GPU commodity server with 768 GiB of RAM
 (e.g. AWS g5.48xlarge) has 96 GiB per GPU; half of it is left to the data loader, the OS and the rest."""
@@ -113,6 +124,10 @@ class StudyRow:
     grad_reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16 on both sides."""
     layer_spec: str = "local"
+    gpus_per_node: int = 8
+    """GPUs behind one NIC: 8 (a server: data-parallel rings of TP x DP <= 8 GPUs and pipeline links
+    between its stages stay inside it, at :data:`INTRA_NODE_GBPS`) or 1 (one GPU, or one TP group, per VM:
+    every ring and pipeline link crosses the network and shares the VM's NIC)."""
 
     @property
     def microbatches(self) -> int:
@@ -122,7 +137,7 @@ class StudyRow:
         sp = "+SP" if self.sequence_parallel else ""
         return (f"{self.model} TP{self.tp}{sp} PP{self.pp} DP{self.dp} GB{self.global_batch} "
                 f"{self.memory_gb:g}GB {self.gbps:g}Gb/s{' bf16-grad' if self.grad_reduce_in_bf16 else ''}"
-                f"{' te' if self.layer_spec == 'te' else ''}")
+                f"{' te' if self.layer_spec == 'te' else ''} {self.gpus_per_node}/node")
 
 
 def _commodity() -> Tuple[StudyRow, ...]:
@@ -132,24 +147,32 @@ def _commodity() -> Tuple[StudyRow, ...]:
                ("GPT-2.7B", 1, False, 4, 4, 64, 24), ("GPT-2.7B", 2, False, 4, 2, 64, 24),
                ("GPT-6.7B", 1, False, 4, 2, 64, 40), ("GPT-6.7B", 2, True, 4, 4, 64, 24),
                ("GPT-13B", 2, False, 4, 2, 64, 40), ("GPT-13B", 2, True, 4, 8, 128, 32)]
+    # One GPU (one TP group) per VM: data parallelism crosses the Ethernet, PipeMesh's setting.
     for model, tp, sp, pp, dp, batch, memory in layouts:
         for gbps in (6.25, 25.0):
-            rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, gbps, sp))
+            rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, gbps, sp, gpus_per_node=1))
     # Bandwidth ladder and a bf16 gradient reduction on one layout.
     for gbps in (10.0, 50.0):
-        rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, gbps))
-    rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, 6.25, grad_reduce_in_bf16=True))
+        rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, gbps, gpus_per_node=1))
+    rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, 6.25, grad_reduce_in_bf16=True, gpus_per_node=1))
     # Transformer Engine's flash attention keeps no s x s scores: selective recomputation frees little and
     # full recomputation is the lever, where activation placement (host memory) competes with it.
     for model, tp in (("GPT-6.7B", 1), ("GPT-13B", 2)):
-        rows.append(StudyRow("commodity", model, tp, 4, 2, 64, 24, 25.0, layer_spec="te"))
+        rows.append(StudyRow("commodity", model, tp, 4, 2, 64, 24, 25.0, layer_spec="te", gpus_per_node=1))
+    # 8-GPU servers: rings of TP x DP <= 8 GPUs reduce over PCIe inside the server; only GPT-13B TP2 DP8
+    # (16 GPUs per stage) reduces across servers.
+    for model, tp, sp, pp, dp, batch, memory in (layouts[2], layouts[4], layouts[7]):
+        rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, 6.25, sp, gpus_per_node=8))
+    rows.append(StudyRow("commodity", "GPT-6.7B", 1, 4, 2, 64, 24, 25.0, layer_spec="te", gpus_per_node=8))
     return tuple(rows)
 
 
 COMMODITY: Tuple[StudyRow, ...] = _commodity()
-"""The commodity subset: 8 layouts (every model, TP 1 / 2 / 2+SP, DP 2-8, 24/32/40 GB) x 6.25 and
-25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B layout, and GPT-6.7B TP1 /
-GPT-13B TP2 on 24 GB with Transformer Engine's layer spec at 25 Gbit/s."""
+"""The commodity subset. One GPU (or TP group) per VM: 8 layouts (every model, TP 1 / 2 / 2+SP, DP 2-8,
+24/32/40 GB) x 6.25 and 25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B
+layout, and GPT-6.7B TP1 / GPT-13B TP2 on 24 GB with Transformer Engine's layer spec at 25 Gbit/s. 8-GPU
+servers: three layouts at 6.25 Gbit/s and the GPT-6.7B Transformer Engine row. ``pipemesh headroom``
+sweeps the whole cross product for the bound on any schedule's gain."""
 
 DATACENTRE: Tuple[StudyRow, ...] = (
     StudyRow("datacentre", "GPT-7B", 2, 4, 2, 64, 40, 25.0, True),
@@ -162,10 +185,11 @@ DATACENTRE: Tuple[StudyRow, ...] = (
 def _specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
     model = dataclasses.replace(GPT[row.model], layer_spec=row.layer_spec,
                                 grad_bytes=2 if row.grad_reduce_in_bf16 else 4)
+    node = max(row.gpus_per_node, row.tp)  # a TP group never spans VMs
     cluster = ClusterSpec(tp=row.tp, dp=row.dp, device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0),
                           device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
                           sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                          devices_per_node=8, nic_gbps=8 * row.gbps,
+                          devices_per_node=node, nic_gbps=node * row.gbps, intra_node_gbps=INTRA_NODE_GBPS[row.regime],
                           host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0))
     return model, cluster
 
@@ -265,7 +289,7 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     # candidates that may beat it are searched again.
     placed = pipemesh_auto(model, cluster, row.pp, m, budget, alone.result.iteration_s if alone else float("inf"), "auto")
     plan = placed if placed is not None and (alone is None or placed.result.iteration_s < alone.result.iteration_s) else alone
-    out = {"regime": row.regime, "setting": row.describe(), "model": row.model, "tp": row.tp,
+    out = {"regime": row.regime, "setting": row.describe(), "gpus_per_node": row.gpus_per_node, "model": row.model, "tp": row.tp,
            "sequence_parallel": row.sequence_parallel, "pp": row.pp, "dp": row.dp, "microbatches": m,
            "global_batch": row.global_batch, "memory_gb": row.memory_gb, "gbps": row.gbps,
            "grad_reduce_in_bf16": row.grad_reduce_in_bf16}
@@ -281,6 +305,9 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
         mixed = pipemesh_sharded(model, cluster, row.pp, m, budget, plan.result.iteration_s if plan else float("inf"))
         plan = mixed or plan
     limit = communication_free_limit(model, cluster, row.pp, m, budget, sharding)
+    bound = iteration_lower_bound(model, cluster, row.pp, m)
+    out["bound"] = bound.to_dict()
+    out["headroom"] = stock.iteration_s / bound.seconds if stock else None
     out["best_stock"] = _stock_row(stock)
     out["pipemesh_auto"] = _plan_row(plan)
     out["limit_iteration_s"] = limit
@@ -317,8 +344,14 @@ def _plan_row(plan) -> Optional[dict]:
             "sharding": d.get("sharding", ["optim"] * plan.config.vpp), "iteration_s": plan.result.iteration_s}
 
 
-def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool = False) -> List[dict]:
-    return [run_row(row, sharding) for row in rows]
+def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool = False, jobs: int = 1) -> List[dict]:
+    """:func:`run_row` of every row, in order (``jobs`` worker processes; the rows are independent)."""
+    if jobs <= 1 or len(rows) <= 1:
+        return [run_row(row, sharding) for row in rows]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(jobs, len(rows))) as pool:
+        return list(pool.map(run_row, rows, [sharding] * len(rows)))
 
 
 def summary(rows: Sequence[dict]) -> Dict[str, float]:
@@ -338,6 +371,10 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
             "median_ratio_commodity": median(ratios),
             "max_ratio_commodity": max(ratios) if ratios else math.nan,
             "median_fraction_of_limit_commodity": median(fractions),
+            # No schedule can reach 1.15x best stock in a row whose headroom is below 1.15.
+            "share_headroom_at_least_1_15": (sum(r.get("headroom", 0) >= 1.15 for r in commodity) / len(commodity)
+                                             if commodity else math.nan),
+            "median_headroom_commodity": median(sorted(r["headroom"] for r in commodity if r.get("headroom"))),
             **_sharding_summary(commodity, median)}
 
 
@@ -387,8 +424,9 @@ def markdown(rows: Sequence[dict]) -> str:
     auto = "PipeMesh with placement and mixed sharding" if sharded else "PipeMesh with placement"
     lines = ["| regime | setting | m | best stock | s | PipeMesh recompute-only (V; groups; recompute) | s | "
              f"{auto} (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
-             "sharding: stock / PipeMesh | ratio to best stock |" + extra + " limit s | fraction of limit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sharded else "")]
+             "sharding: stock / PipeMesh | ratio to best stock |" + extra + " limit s | fraction of limit | "
+             "headroom (bound s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sharded else "")]
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
         st, pm, alone = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only")
@@ -401,7 +439,8 @@ def markdown(rows: Sequence[dict]) -> str:
                      f"{fmt(alone and alone['iteration_s'], '.3f')} | {_plan_cell(pm, True)} | "
                      f"{fmt(pm and pm['iteration_s'], '.3f')} | {fmt(r.get('placement_speedup'), '.3f')} | "
                      f"{shard_cell} | {fmt(r['ratio_to_best_stock'], '.3f')} |{without} "
-                     f"{fmt(r['limit_iteration_s'], '.3f')} | {fmt(r['fraction_of_limit'], '.3f')} |")
+                     f"{fmt(r['limit_iteration_s'], '.3f')} | {fmt(r['fraction_of_limit'], '.3f')} | "
+                     f"{fmt(r.get('headroom'), '.3f')} ({fmt((r.get('bound') or {}).get('seconds'), '.3f')}) |")
     return "\n".join(lines)
 
 
@@ -416,7 +455,9 @@ def cmd_study(args) -> int:
         rows = tuple(r for r in rows if args.only in r.describe())
     if args.limit:
         rows = rows[:args.limit]
-    results = run_study(rows, args.sharding)
+    import os
+
+    results = run_study(rows, args.sharding, args.jobs or os.cpu_count() or 1)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -439,6 +480,7 @@ def add_study_parser(sub) -> None:
                        help="also sharding: stock with Megatron's uniform levels (distributed optimizer, Megatron-FSDP "
                             "ZeRO-2/3), PipeMesh with a level per chunk chosen with its plan (default off: ZeRO-1 on "
                             "both sides; several times slower)")
+    study.add_argument("--jobs", type=int, default=0, help="rows simulated in parallel (default: one per core)")
     study.set_defaults(func=cmd_study)
 
 

@@ -1,9 +1,9 @@
 """planning/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
 from megatron_pipemesh.planning.bounds import iteration_lower_bound
 from megatron_pipemesh.planning.costs import link_gbps
-from megatron_pipemesh.planning.headroom import (INTRA_NODE_GBPS, Setting, cluster_for, commodity_space, evaluate,
+from megatron_pipemesh.planning.headroom import (Setting, cluster_for, commodity_space, evaluate,
                                                  summary)
-from megatron_pipemesh.planning.study import GPT
+from megatron_pipemesh.planning.study import GPT, INTRA_NODE_GBPS
 
 
 def test_space_is_the_issues_cross_product():
@@ -17,7 +17,7 @@ def test_node_shape_sets_the_data_parallel_rate():
     """DP4 x TP1 inside an 8-GPU server reduces over PCIe; one GPU per VM shares its NIC with the pipeline."""
     server = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 8))
     vm = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 1))
-    assert link_gbps(server, 4)[0] == INTRA_NODE_GBPS
+    assert link_gbps(server, 4)[0] == INTRA_NODE_GBPS["commodity"]
     assert link_gbps(vm, 4) == (6.25 / 2, 6.25 / 2)
 
 
