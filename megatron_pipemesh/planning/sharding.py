@@ -32,13 +32,16 @@ moments plus 4 for fp32 main parameters when w < 4; s = d with the data-parallel
 level               weights      gradients    optimizer  transient (while a group span runs)
 ==================  ===========  ===========  =========  ==========================================
 optim               w            g            o/s        --
-optim_grads         w            g/s          o/s        g(1-1/s) (rest of the gradient buffer)
-optim_grads_params  w/s          g/s          o/s        w(1-1/s) (rest of the weights) + g(1-1/s)
+optim_grads         w            g/s          o/s        g (the whole gradient buffer)
+optim_grads_params  w/s          g/s          o/s        w(1-1/s) (rest of the weights) + g
 ==================  ===========  ===========  =========  ==========================================
 
-The shard is a slice of the whole buffer (as in Megatron's buffers, where each rank's shard of a
+The weight shard is a slice of the whole buffer (as in Megatron's buffers, where each rank's shard of a
 bucket is a slice of the bucket), so a gathered chunk holds exactly its whole weights: at the peak of
-a span a ZeRO-3 chunk costs what a ZeRO-1 chunk costs all the time; the saving is everywhere else.
+a span a ZeRO-3 chunk's weights cost what a ZeRO-1 chunk's cost all the time; the saving is everywhere
+else. The gradient shard is an accumulator of its own that stays allocated while a backward group fills
+the whole buffer (the runtime adds each group's reduced shard to it), so a group costs g/s more than
+ZeRO-1's gradients while it runs.
 
 Megatron 0.19.2 findings (installed wheel, ``megatron/core``, ``megatron/training``), why the levels
 above ZeRO-1 are not wired to Megatron-FSDP here:
@@ -159,8 +162,8 @@ class StateBytes:
     gathered: float = 0.0
     """The rest of the whole weights (beyond the shard), held only while a gather span runs (ZeRO-3)."""
     grad_buffer: float = 0.0
-    """The rest of the whole gradient buffer, held only from a backward group's first backward to its
-    reduction (ZeRO-2/3)."""
+    """The whole gradient buffer, held only from a backward group's first backward to its reduction, next
+    to the resident shard accumulator (ZeRO-2/3)."""
 
     @property
     def resident(self) -> float:
@@ -194,8 +197,10 @@ def bytes_per_param(level: str, shard: int, dtype_bytes: int = 2, grad_bytes: in
     weights = dtype_bytes / shard if zero == 3 else dtype_bytes
     grads = grad_bytes / shard if zero >= 2 else grad_bytes
     rest = 1 - 1 / shard
+    # While a backward group runs, the runtime holds the whole gradient buffer next to its resident shard
+    # accumulator (runtime/sharding.py: ChunkSharding.grad_accum), so the transient is the whole buffer.
     return StateBytes(weights, grads, optimizer, dtype_bytes * rest if zero == 3 else 0.0,
-                      grad_bytes * rest if zero >= 2 else 0.0)
+                      grad_bytes if zero >= 2 else 0.0)
 
 
 @dataclass(frozen=True)

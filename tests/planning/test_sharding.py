@@ -10,15 +10,17 @@ ELASTIC = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
 
 
 def test_bytes_per_param_by_level():
-    """The table of the module docstring: 16-bit weights, fp32 grads, d = s = 4."""
+    """The table of the module docstring: 16-bit weights, fp32 grads, d = s = 4 (a wrong transient fails)."""
     z1 = bytes_per_param("optim", 4, 2, 4)
     assert (z1.weights, z1.grads, z1.optimizer, z1.gathered, z1.grad_buffer) == (2, 4, 3, 0, 0)
     assert z1.resident == 9  # Megatron's 6 + 12/d
     z2 = bytes_per_param("optim_grads", 4, 2, 4)
-    assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 3)
+    assert (z2.weights, z2.grads, z2.optimizer, z2.gathered, z2.grad_buffer) == (2, 1, 3, 0, 4)
     z3 = bytes_per_param("optim_grads_params", 4, 2, 4)
-    assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 1.5, 3)
-    assert z3.resident == 4.5 and z3.peak == z1.peak == 9  # the shard is a slice of the gathered buffer
+    assert (z3.weights, z3.grads, z3.optimizer, z3.gathered, z3.grad_buffer) == (0.5, 1, 3, 1.5, 4)
+    # The weight shard is a slice of the gathered buffer; the gradient shard is an accumulator of its own,
+    # held next to the whole buffer while a backward group runs (g/d more than ZeRO-1 at that moment).
+    assert z3.resident == 4.5 and z3.peak == z1.peak + 1 == 10
 
 
 def test_fp32_weights_have_no_main_copy():
@@ -135,12 +137,14 @@ def test_auto_shards_only_when_memory_demands_it():
     from megatron_pipemesh.planning.planner import NoFeasiblePlan, PlannerOptions, plan_schedule
     from megatron_pipemesh.planning.sharding import plan_with_sharding
     model = ModelSpec(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=1024)
-    cluster = ClusterSpec(dp=4, dp_gbps=100.0)
+    # d = 8: the gradient accumulator a ZeRO-2/3 group holds next to the whole buffer (g/d) is small enough
+    # that sharding lowers the peak (at d = 4 nothing fits below ZeRO-1's 69.5 MiB).
+    cluster = ClusterSpec(dp=8, dp_gbps=100.0)
     costs_for = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
     options = PlannerOptions()
     roomy, _ = plan_with_sharding(2, 2, 4, costs_for, 64 * 1024 ** 3, model, cluster, options=options)
     assert roomy.sharding.spec.levels == ("optim", "optim")
-    budget = 66 * 1024 ** 2  # ZeRO-1 everywhere needs 69.3 MiB even with full recomputation, ZeRO-3 everywhere 64.1
+    budget = 58 * 1024 ** 2  # ZeRO-1 everywhere needs 60 MiB even with full recomputation, a ZeRO-2/3 mix 58
     with pytest.raises(NoFeasiblePlan):
         plan_schedule(2, 2, 4, costs_for, budget, options)
     tight, by_levels = plan_with_sharding(2, 2, 4, costs_for, budget, model, cluster, options=options)
