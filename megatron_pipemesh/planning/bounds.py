@@ -35,7 +35,7 @@ Pure: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.ops import Op, OpKind
@@ -95,15 +95,17 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts) -> IterationBound:
     return IterationBound(max(compute, data_parallel, pipeline), config.vpp, compute, data_parallel, pipeline)
 
 
+def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
+    """V values stock and PipeMesh try: every divisor of the layers per rank (1 = no interleaving)."""
+    per_rank = model.num_layers // pp
+    return [v for v in range(1, per_rank + 1) if per_rank % v == 0]
+
+
 def iteration_lower_bound(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
                           vpps: Optional[Sequence[int]] = None) -> IterationBound:
-    """The least iteration time of any schedule over ``vpps`` (default: every V dividing the layers per
-    rank, as stock and PipeMesh try)."""
-    if vpps is None:
-        per_rank = model.num_layers // pp
-        vpps = [v for v in range(1, per_rank + 1) if per_rank % v == 0]
+    """The least iteration time of any schedule over ``vpps`` (default: :func:`virtual_sizes`)."""
     best = None
-    for vpp in vpps:
+    for vpp in virtual_sizes(model, pp) if vpps is None else vpps:
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
         bound = bound_for(config, ScheduleCosts(config, analytic_costs(model, cluster, config, levels=("none",))))
         if best is None or bound.seconds < best.seconds:

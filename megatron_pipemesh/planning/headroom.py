@@ -30,10 +30,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
-from ..schedule.config import ScheduleConfig
 from .bounds import iteration_lower_bound
-from .costs import GB, ClusterSpec, analytic_costs
-from .stock import best_stock
+from .costs import GB, ClusterSpec
+from .stock import activation_budget, best_stock
 
 TARGET = 1.15
 """The issue's target ratio to best stock."""
@@ -96,10 +95,10 @@ def evaluate(setting: Setting) -> Optional[dict]:
     for pp in (2, 4, 8):
         if model.num_layers % pp or m < pp:
             continue
-        static = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, 1, m)).static_bytes
-        if max(static) >= budget:
+        left = activation_budget(model, cluster, pp, budget)
+        if min(left) <= 0:
             continue
-        stock = best_stock(model, cluster, pp, m, tuple(budget - s for s in static))
+        stock = best_stock(model, cluster, pp, m, left)
         if stock is not None and (best is None or stock.iteration_s < best[1].iteration_s):
             best = (pp, stock)
     if best is None:

@@ -65,11 +65,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from .bounds import iteration_lower_bound
+from .bounds import iteration_lower_bound, virtual_sizes
 from .costs import GB, ClusterSpec, ModelSpec, analytic_costs
 from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from .sharding import ShardingModel, ShardingSpec, candidate_levels
-from .stock import STOCK_SHARDING, best_stock
+from .stock import STOCK_SHARDING, activation_budget, best_stock
 
 MEMORY_MARGIN = 0.10
 """Fraction of device memory kept free (fragmentation, communication buffers, workspace)."""
@@ -194,12 +194,6 @@ def _specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
     return model, cluster
 
 
-def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
-    """V values PipeMesh tries: every divisor of the layers per rank (1 = no interleaving), as stock."""
-    per_rank = model.num_layers // pp
-    return [v for v in range(1, per_rank + 1) if per_rank % v == 0]
-
-
 def _planner_options(pp: int, microbatches: int, placement: str = "recompute-only") -> PlannerOptions:
     """The structured group family (first forward group and last backward group at multiples of p
     and m, depth-first in between, plus every stock group size): the exhaustive search over all
@@ -281,9 +275,8 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     model, cluster = _specs(row)
     budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
     m = row.microbatches
-    static = analytic_costs(model, cluster, ScheduleConfig.depth_first(row.pp, 1, m)).static_bytes
-    activation_budget = tuple(budget - s for s in static)
-    stock = best_stock(model, cluster, row.pp, m, activation_budget, row.grad_reduce_in_bf16, ("optim",))
+    stock_budget = activation_budget(model, cluster, row.pp, budget)
+    stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, ("optim",))
     alone = pipemesh_auto(model, cluster, row.pp, m, budget)
     # Placement adds levers to recomputation: the recompute-only plan is one of its plans, so only
     # candidates that may beat it are searched again.
@@ -301,7 +294,7 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
         out["best_stock_unsharded"] = _stock_row(stock)
         out["pipemesh_unsharded"] = _plan_row(plan)
         out["ratio_without_sharding"] = _ratio(stock, plan)
-        stock = best_stock(model, cluster, row.pp, m, activation_budget, row.grad_reduce_in_bf16, STOCK_SHARDING)
+        stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, STOCK_SHARDING)
         mixed = pipemesh_sharded(model, cluster, row.pp, m, budget, plan.result.iteration_s if plan else float("inf"))
         plan = mixed or plan
     limit = communication_free_limit(model, cluster, row.pp, m, budget, sharding)

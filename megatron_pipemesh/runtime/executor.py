@@ -580,10 +580,9 @@ class _Run:
         chunk, microbatch = op.chunk, op.microbatch
         last = chunk == self.vpp - 1 and self.pp_rank == self.pp - 1
         hooks = self._host_step(step, op, self.offloader.hooks) if self._host_placed(op) else None
-        if self.meter is not None:
-            saved = self.meter.record((chunk, microbatch), inner=hooks)
-        elif hooks and self.host_meter is not None:
-            saved = self.host_meter.record((chunk, microbatch), inner=hooks)
+        meter = self.meter if self.meter is not None else (self.host_meter if hooks else None)
+        if meter is not None:
+            saved = meter.record((chunk, microbatch), inner=hooks)
         else:
             saved = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
         with self._recompute(op), saved:
