@@ -242,6 +242,20 @@ class OpCosts:
         return self.dp_reduce_s + self.dp_gather_s
 
 
+def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
+    """What the activation model (:mod:`.memory`) needs of ``model`` on ``cluster`` (CUDA: fp32 norm statistics)."""
+    return ActivationShape(seq_length=model.seq_length, micro_batch_size=model.micro_batch_size,
+                           hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+                           vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
+                           dtype_bytes=model.dtype_bytes, tp=cluster.tp, sequence_parallel=cluster.sequence_parallel,
+                           norm_stat_bytes=4, hidden_dropout=model.hidden_dropout,
+                           attention_dropout=model.attention_dropout, dropout_mask_bytes=model.dropout_mask_bytes,
+                           attention_mask=model.layer_spec == "local",
+                           position_embedding=model.position_embedding, layer_spec=model.layer_spec,
+                           num_query_groups=model.num_query_groups, swiglu=model.swiglu,
+                           bias_activation_fusion=model.bias_activation_fusion)
+
+
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
                    levels: Sequence[str] = RECOMPUTE_LEVELS) -> OpCosts:
     """Derive :class:`OpCosts` for ``config`` from the model and cluster, with activation bytes and
@@ -276,15 +290,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     # The embedding (and position table) lives in stage 0's bucket, the untied output layer in the last's.
     first_dp = sum(sync_s(model.embedding_params() / t))
     last_dp = sum(sync_s(model.vocab_size * h / t))
-    shape = ActivationShape(seq_length=s, micro_batch_size=b, hidden_size=h, num_attention_heads=a,
-                            vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
-                            dtype_bytes=model.dtype_bytes, tp=t, sequence_parallel=cluster.sequence_parallel,
-                            norm_stat_bytes=4, hidden_dropout=model.hidden_dropout,
-                            attention_dropout=model.attention_dropout, dropout_mask_bytes=model.dropout_mask_bytes,
-                            attention_mask=model.layer_spec == "local",
-                            position_embedding=model.position_embedding, layer_spec=model.layer_spec,
-                            num_query_groups=model.num_query_groups, swiglu=model.swiglu,
-                            bias_activation_fusion=model.bias_activation_fusion)
+    shape = activation_shape(model, cluster)
     levels = tuple(dict.fromkeys(("none",) + tuple(levels)))
     middle = {level: activation_bytes(shape, layers, level) for level in levels}
     first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}

@@ -224,6 +224,30 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
     return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn}
 
 
+OFFLOAD_MODULES = ("qkv_linear", "core_attn", "attn_proj")
+"""``--offload-modules`` that move a dense Transformer Engine layer's saved tensors to the host with
+Megatron's ``--fine-grained-activation-offloading`` (megatron-core 0.19.2, which requires Transformer Engine,
+``training/arguments.py:1854-1856``): ``attn_norm`` and ``mlp_norm`` act only where the norm is its own
+module, and Transformer Engine fuses both norms into the following linear (IdentityOp,
+``transformer_layer.py:1442-1449``); ``expert_fc1``/``moe_act``/``fused_group_mlp`` need MoE."""
+
+
+def offloadable_layer_bytes(shape: ActivationShape) -> float:
+    """Bytes of one layer's saved tensors, for one micro-batch, that fine-grained offloading of
+    :data:`OFFLOAD_MODULES` moves to the host: what the offload groups save (saved-tensor hooks around
+    each module, ``fine_grained_activation_offload.py``), tensors of at least 2**20 elements
+    (``min_offloaded_tensor_size``): ``linear_qkv`` (Transformer Engine's LayerNormLinear keeps the layer
+    input and the norm output), core attention (q, k, v) and ``linear_proj`` (the context). The MLP's
+    tensors (its input, fc1 and activation outputs) and the dropout masks stay on the device."""
+    if shape.layer_spec != "te":
+        raise ValueError("fine-grained activation offloading needs Transformer Engine's layer spec "
+                         "(megatron-core 0.19.2 asserts --transformer-impl transformer_engine)")
+    s, b, h, d, t = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.dtype_bytes, shape.tp
+    sp = t if shape.sequence_parallel else 1
+    sbh, kv = s * b * h, s * b * shape.kv_width
+    return 2 * sbh / sp * d + (sbh + 2 * kv) / t * d + sbh / t * d
+
+
 def layer_activation_bytes(shape: ActivationShape, level: str) -> float:
     """Bytes one transformer layer keeps for its backward, for one micro-batch, at ``level``
     ('none', a selective level, or 'full' = only the checkpointed layer input)."""

@@ -13,6 +13,10 @@ What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerate
   ``--recompute-granularity full --recompute-method uniform|block --recompute-num-layers k`` for
   every k from 1 to the layers of one model chunk (Megatron applies k per chunk; a larger k acts
   like k = layers);
+* activation offloading (on request, with a host memory limit, and only on Transformer Engine's layer
+  spec, which Megatron requires for it): ``--fine-grained-activation-offloading --offload-modules
+  qkv_linear core_attn attn_proj`` with ``--activation-offload-fraction`` 1/4 ... 1, alone or with
+  selective recomputation (:class:`StockOffload` says how it is modelled);
 * ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes);
 * sharding (on request, :data:`STOCK_SHARDING`): one level for every chunk, the uniform levels Megatron
   offers: ``optim`` = ``--use-distributed-optimizer`` (ZeRO-1, Megatron's DDP buffers), and through
@@ -39,8 +43,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
-from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
-from .memory import SELECTIVE_MODULES, selective_level
+from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
+from .memory import OFFLOAD_MODULES, SELECTIVE_MODULES, offloadable_layer_bytes, selective_level
 from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
 
@@ -178,6 +182,44 @@ class StockRecompute:
         return " ".join(self.flags()) or "no recomputation"
 
 
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+"""The ``--activation-offload-fraction`` values the search tries (least first: the least that fits)."""
+
+
+@dataclass(frozen=True)
+class StockOffload:
+    """Megatron's fine-grained activation offloading of :data:`.memory.OFFLOAD_MODULES` (megatron-core
+    0.19.2, ``pipeline_parallel/fine_grained_activation_offload.py``; CUDA and Transformer Engine only).
+
+    What it does: around each offloaded module's forward, saved-tensor hooks collect what the module saves;
+    after the module, a side stream copies the group to pinned host memory and the device copy is freed
+    (``bulk_offload_group``); in the backward, the group of the next layer is reloaded while the current one
+    computes (``bulk_reload``), and a chunk's last layer before the chunk's backward starts
+    (``pre_reload_last_layer``). It works in every stock schedule (``schedules.py`` resets it after each
+    forward-backward). ``--activation-offload-fraction`` offloads that share of the eligible groups.
+
+    How it is modelled, at least as favourably as Megatron runs it: a stored chunk-micro-batch holds
+    :func:`.memory.offloadable_layer_bytes` x layers x fraction fewer bytes; the chunk in its forward
+    or backward holds two layers' offloadable bytes more (the group in flight and the one being used);
+    the host holds the offloaded bytes of every stored chunk-micro-batch (within the host memory limit);
+    and the time is the schedule's own (copies overlap compute perfectly) or, if longer, the rank's host
+    link carrying every copy in one direction back to back (:func:`offload_busy_s`)."""
+
+    fraction: float = 1.0
+    """Share of the offload groups moved [--activation-offload-fraction]."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"--activation-offload-fraction {self.fraction}: use a value in (0, 1], e.g. 0.5")
+
+    def flags(self) -> List[str]:
+        out = ["--fine-grained-activation-offloading", "--offload-modules", *OFFLOAD_MODULES]
+        return out + ([] if self.fraction == 1 else ["--activation-offload-fraction", f"{self.fraction:g}"])
+
+    def describe(self) -> str:
+        return f"offload {', '.join(OFFLOAD_MODULES)}" + ("" if self.fraction == 1 else f" x{self.fraction:g}")
+
+
 @dataclass(frozen=True)
 class StockSetting:
     """One stock Megatron configuration of the pipeline schedule and recomputation."""
@@ -197,9 +239,14 @@ class StockSetting:
     sharding: Optional[str] = None
     """Uniform sharding level of every chunk (:data:`STOCK_SHARDING`, flags :func:`sharding_flags`); None:
     not part of the setting (the distributed optimizer is assumed, no flag is emitted)."""
+    offload: Optional[StockOffload] = None
+    """Fine-grained activation offloading (None: off)."""
 
     def __post_init__(self) -> None:
         sharding_flags(self.sharding)  # validates the level
+        if self.offload is not None and self.recompute.granularity == "full":
+            raise ValueError("--fine-grained-activation-offloading with --recompute-granularity full: a recomputed "
+                             "layer saves only its input; use selective recomputation or none with offloading")
 
     @property
     def schedule(self) -> str:
@@ -221,18 +268,22 @@ class StockSetting:
             out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp),
                     "--microbatch-group-size-per-virtual-pipeline-stage", str(self.effective_group_size)]
         out += self.recompute.flags()
+        if self.offload is not None:
+            out += self.offload.flags()
         if self.grad_reduce_in_bf16:
             out.append("--grad-reduce-in-bf16")
         return out + sharding_flags(self.sharding)
 
     def describe(self) -> str:
         sched = "1F1B" if self.vpp == 1 else f"interleaved V={self.vpp} g={self.effective_group_size}"
-        return (f"{sched}, {self.recompute.describe()}" + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
+        return (f"{sched}, {self.recompute.describe()}" + (f", {self.offload.describe()}" if self.offload else "")
+                + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
                 + (f", sharding {self.sharding}" if self.sharding else ""))
 
     def to_dict(self) -> dict:
         return {"schedule": self.schedule, "vpp": self.vpp, "group_size": self.effective_group_size,
                 "recompute": self.recompute.describe(), "grad_reduce_in_bf16": self.grad_reduce_in_bf16,
+                "offload_fraction": self.offload.fraction if self.offload else None,
                 "sharding": self.sharding, "flags": self.flags()}
 
 
@@ -291,13 +342,16 @@ class StockResult:
     """Per pipeline rank: weights, gradients and optimizer state (at the setting's sharding level)."""
     fsdp_model: Optional[str] = None
     """ZeRO-2/3 (Megatron-FSDP): which prediction (:data:`FSDP_MODELS`) gave the time and peaks."""
+    host_peak_bytes: Tuple[float, ...] = ()
+    """Per pipeline rank with offloading: the peak of offloaded activations in host memory (else empty)."""
 
     def fits(self, budget: Budget) -> bool:
         return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, _per_rank(budget, len(self.peak_activation_bytes))))
 
     def to_dict(self) -> dict:
         return {**self.setting.to_dict(), "iteration_s": self.iteration_s,
-                "peak_activation_bytes": list(self.peak_activation_bytes), "fsdp_model": self.fsdp_model}
+                "peak_activation_bytes": list(self.peak_activation_bytes), "fsdp_model": self.fsdp_model,
+                "host_peak_bytes": list(self.host_peak_bytes)}
 
 
 def _per_rank(budget: Budget, pp: int) -> List[float]:
@@ -321,6 +375,20 @@ def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
     The live set at each step is counted once per rank as (chunks, of which stage 0, of which the
     last stage); each level's peak is then a maximum over those counts."""
     schedule = schedule or lower(config, lowering_for(costs))
+    counts = live_states(config, schedule)
+    return {level: _peaks(counts, costs.activation_bytes[level], costs.first_stage_activation_bytes.get(level, 0.0),
+                          costs.last_stage_activation_bytes.get(level, 0.0), costs.transient_bytes.get(level, 0.0))
+            for level in levels}
+
+
+LiveStates = List[set]
+"""Per rank: every (live chunk-micro-batches, of which stage 0, of which the last stage, in a backward)
+its program order passes through (:func:`live_states`)."""
+
+
+def live_states(config: ScheduleConfig, schedule: LoweredSchedule) -> LiveStates:
+    """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
+    it ends (one compute stream per rank, so the order fixes every peak)."""
     last_stage = config.num_stages - 1
     counts = []
     for rank in range(config.pp):
@@ -340,15 +408,51 @@ def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
                 states.add((live, first, last, 1))
                 live, first, last = live - 1, first - is_first, last - is_last
         counts.append(states)
-    out = {}
-    for level in levels:
-        middle = costs.activation_bytes[level]
-        first = costs.first_stage_activation_bytes.get(level, 0.0)
-        last = costs.last_stage_activation_bytes.get(level, 0.0)
-        transient = costs.transient_bytes.get(level, 0.0)
-        out[level] = tuple(max(n * middle + f * first + e * last + b * transient for n, f, e, b in states)
-                           for states in counts)
-    return out
+    return counts
+
+
+def _peaks(counts: LiveStates, middle: float, first: float, last: float, transient: float,
+           in_flight: float = 0.0) -> Tuple[float, ...]:
+    """Per rank: the peak over its live states of ``middle`` per chunk-micro-batch, ``first``/``last`` more for
+    stage 0's and the last stage's, ``transient`` during a backward and ``in_flight`` always."""
+    return tuple(max(n * middle + f * first + e * last + b * transient + in_flight for n, f, e, b in states)
+                 for states in counts)
+
+
+@dataclass(frozen=True)
+class OffloadModel:
+    """Bytes and copy time of :class:`StockOffload` on one (model, cluster, p x V)."""
+
+    layer_bytes: float
+    """:func:`.memory.offloadable_layer_bytes` of one layer and micro-batch."""
+    layers: int
+    """Layers per model chunk."""
+    host_link_gbps: float
+    """Device-host copy bandwidth per direction (Gbit/s)."""
+
+    @classmethod
+    def of(cls, model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig) -> "OffloadModel":
+        return cls(offloadable_layer_bytes(activation_shape(model, cluster)), model.num_layers // config.num_stages,
+                   cluster.host_link_gbps)
+
+    def chunk_bytes(self, offload: StockOffload) -> float:
+        """Bytes one stored chunk-micro-batch keeps in host memory instead of on the device."""
+        return offload.fraction * self.layers * self.layer_bytes
+
+    def device_peaks(self, counts: LiveStates, costs: OpCosts, level: str, offload: StockOffload) -> Tuple[float, ...]:
+        """Per-rank activation peak with ``level`` everywhere and ``offload``: two layers' groups in flight."""
+        return _peaks(counts, costs.activation_bytes[level] - self.chunk_bytes(offload),
+                      costs.first_stage_activation_bytes.get(level, 0.0), costs.last_stage_activation_bytes.get(level, 0.0),
+                      costs.transient_bytes.get(level, 0.0), min(2, self.layers) * self.layer_bytes)
+
+    def host_peaks(self, counts: LiveStates, offload: StockOffload) -> Tuple[float, ...]:
+        """Per-rank peak of the offloaded bytes in host memory."""
+        return _peaks(counts, self.chunk_bytes(offload), 0.0, 0.0, 0.0)
+
+    def busy_s(self, config: ScheduleConfig, offload: StockOffload) -> float:
+        """Seconds a rank's host link needs per iteration and direction: every chunk-micro-batch's copy."""
+        total = config.microbatches * config.vpp * self.chunk_bytes(offload)
+        return total * 8 / (self.host_link_gbps * 1e9)
 
 
 def uniform_plan(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
@@ -368,8 +472,18 @@ def sharding_model(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec
 
 
 def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: Optional[MegatronFsdpSharding],
-            schedule: Optional[LoweredSchedule] = None) -> StockResult:
-    """Simulate ``setting`` (its uniform recomputation, and its sharding when given)."""
+            schedule: Optional[LoweredSchedule] = None, offload: Optional[OffloadModel] = None) -> StockResult:
+    """Simulate ``setting`` (its uniform recomputation, its sharding when given, and its offloading with the
+    ``offload`` model)."""
+    if setting.offload is not None:
+        if sharding is not None or offload is None:
+            raise ValueError("stock offloading is modelled with the distributed optimizer only and needs its OffloadModel")
+        schedule = schedule or lower(config, lowering_for(costs))
+        result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule)
+        counts = live_states(config, schedule)
+        return StockResult(setting, max(result.iteration_s, offload.busy_s(config, setting.offload)),
+                           offload.device_peaks(counts, costs, setting.recompute.level, setting.offload),
+                           tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, setting.offload))
     result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding)
     if sharding is None:
         return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
@@ -400,7 +514,8 @@ def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budg
     level = setting.recompute.level
     costs = _costs(model, cluster, setting, (level,))
     sharding = sharding_model(setting, model, cluster)
-    span = _result(setting, config, costs, sharding)
+    offload = OffloadModel.of(_model_for(model, setting), cluster, config) if setting.offload else None
+    span = _result(setting, config, costs, sharding, offload=offload)
     if sharding is None:
         return span
     bound = _microbatch_bound(setting, config, costs, sharding, order_peaks(config, costs, (level,))[level])
@@ -425,13 +540,24 @@ class _Choice:
     options: Tuple[Tuple[float, StockRecompute, Tuple[float, ...]], ...] = ()
     """ZeRO-2/3: (compute bound, recomputation, activation peaks) of every option whose activation peak
     alone fits, least recomputation first (:func:`_simulated` takes the first that fits, per prediction)."""
+    offload: Optional[OffloadModel] = None
+    """With offloading options: their model."""
+    without_offload: Optional[StockSetting] = None
+    """When ``setting`` offloads: the fitting setting with the least recomputation that does not (its host
+    link may make the offloading setting the slower one), or None if none fits."""
 
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-             grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,)) -> List[_Choice]:
+             grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
+             host_limit: Optional[float] = None) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
+
+    With ``host_limit`` (bytes of host memory per device) and Transformer Engine's layer spec, the options
+    also include :class:`StockOffload` at every fraction of :data:`OFFLOAD_FRACTIONS`, with no or selective
+    recomputation, where the offloaded bytes fit ``host_limit`` (distributed optimizer only): ties in
+    recomputation time go to the least offloading, and an offloading choice keeps the best one without.
 
     Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
     activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
@@ -445,6 +571,17 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         config = probe.config()
         schedule = lower(config, lowering_for(costs))
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
+        offload, offloads = None, []
+        if host_limit is not None and model.layer_spec == "te":
+            counts = live_states(config, schedule)
+            offload = OffloadModel.of(_model_for(model, probe), cluster, config)
+            for option in options:
+                if option.granularity == "full":
+                    continue
+                for fraction in OFFLOAD_FRACTIONS:
+                    moved = StockOffload(fraction)
+                    if all(host <= host_limit for host in offload.host_peaks(counts, moved)):
+                        offloads.append((option, moved, offload.device_peaks(counts, costs, option.level, moved)))
         for level in sharding:
             setting = dataclasses.replace(probe, sharding=level)
             shard = sharding_model(setting, model, cluster)
@@ -452,15 +589,21 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             if shard is not None:  # the static bytes this level saves against the distributed optimizer
                 room = [limit + static - split.state.resident
                         for limit, static, split in zip(limits, costs.static_bytes, shard.splits(config))]
-            fitting = sorted(((costs.recompute_s[o.level], index, o) for index, o in enumerate(options)
-                              if all(p <= b for p, b in zip(peaks_of[o.level], room))), key=lambda item: item[:2])
+            candidates = [(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level]) for index, o in enumerate(options)]
+            if shard is None:
+                candidates += [(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
+                               for index, (o, moved, peaks) in enumerate(offloads)]
+            fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c[5], room))), key=lambda c: c[:3])
             if not fitting:
                 continue
-            option = fitting[0][2]
-            bounds = tuple((_compute_bound(config, costs, o.level), o, peaks_of[o.level]) for _, _, o in fitting)
-            out.append(_Choice(dataclasses.replace(setting, recompute=option), config, costs,
+            option, moved = fitting[0][3], fitting[0][4]
+            plain = next((c[3] for c in fitting if c[4] is None), None)
+            without = dataclasses.replace(setting, recompute=plain) if (moved is not None and plain is not None) else None
+            bounds = tuple((_compute_bound(config, costs, c[3].level), c[3], c[5]) for c in fitting if c[4] is None)
+            out.append(_Choice(dataclasses.replace(setting, recompute=option, offload=moved), config, costs,
                                schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
-                               bounds[0][0], shard, bounds if shard is not None else ()))
+                               _compute_bound(config, costs, option.level), shard, bounds if shard is not None else (),
+                               offload if moved is not None else None, without))
     return out
 
 
@@ -482,7 +625,11 @@ def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) ->
     first option (least recomputation first) that fits ``budget`` -- options whose compute bound exceeds
     ``best_s`` are not tried -- and the faster of the two (None: nothing fits or can beat ``best_s``)."""
     if choice.sharding is None:
-        return _result(choice.setting, choice.config, choice.costs, None, choice.schedule)
+        result = _result(choice.setting, choice.config, choice.costs, None, choice.schedule, choice.offload)
+        if choice.without_offload is not None:
+            plain = _result(choice.without_offload, choice.config, choice.costs, None, choice.schedule)
+            result = plain if plain.iteration_s < result.iteration_s else result
+        return result
     found: List[StockResult] = []
     for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
                     lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
@@ -497,12 +644,13 @@ def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) ->
 
 
 def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-                      grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)
-                      ) -> Dict[Tuple[str, int, Optional[int], Optional[str]], StockResult]:
-    """For every stock (schedule kind, V, g, sharding level): its fastest recomputation setting that fits
-    ``budget`` (see :data:`Budget`), simulated. Schedules where nothing fits are left out."""
+                      grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
+                      host_limit: Optional[float] = None) -> Dict[Tuple[str, int, Optional[int], Optional[str]], StockResult]:
+    """For every stock (schedule kind, V, g, sharding level): its fastest recomputation setting (and
+    offloading, with ``host_limit``: see :func:`_choices`) that fits ``budget`` (see :data:`Budget`),
+    simulated. Schedules where nothing fits are left out."""
     out: Dict[Tuple[str, int, Optional[int], Optional[str]], StockResult] = {}
-    for choice in _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding):
+    for choice in _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit):
         result = _simulated(choice, budget)
         if result is not None:
             setting = result.setting
@@ -515,15 +663,18 @@ BOUND_SLACK = 1e-9
 
 
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
-               grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)) -> Optional[StockResult]:
+               grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
+               host_limit: Optional[float] = None) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
+    ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
+    tried only on Transformer Engine's layer spec, see :func:`_choices`).
 
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
     :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
     compute bound already exceeds the fastest time found: they are simulated in order of that bound
     (sharding changes static memory and communication, never compute, so the bound holds at every level)."""
-    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding)
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
         if best is not None and choice.lower_bound_s * (1 - BOUND_SLACK) > best[0]:

@@ -11,7 +11,9 @@ Two regimes:
 Per row:
 
 * ``best_stock``: the fastest stock setting that fits the device memory (:mod:`.stock`: 1F1B and
-  interleaved for every V and group size, every recomputation option Megatron offers);
+  interleaved for every V and group size, every recomputation option Megatron offers, and on Transformer
+  Engine rows Megatron's fine-grained activation offloading within :data:`HOST_MEMORY_GB`, modelled at least
+  as favourably as Megatron runs it: :class:`.stock.StockOffload`);
 * ``pipemesh_auto``: PipeMesh's planner with activation placement (groups + per chunk-micro-batch
   placement: on the device, in host memory (offloaded after the forward, reloaded before the
   backward over the row's host link, :data:`HOST_LINK_GBPS`, within :data:`HOST_MEMORY_GB`), or
@@ -140,6 +142,13 @@ class StudyRow:
                 f"{' te' if self.layer_spec == 'te' else ''} {self.gpus_per_node}/node")
 
 
+LAYER_SPECS = ("te", "local")
+"""The layer specs of the study's layouts: Transformer Engine (``te``, megatron-core's default
+``--transformer-impl transformer_engine``, ``transformer_config.py:1220``: flash attention, fused norms, and
+the only spec on which Megatron offers fine-grained activation offloading) and Megatron's ``local`` spec
+(unfused attention that keeps the s x s scores: selective recomputation frees a lot for little time)."""
+
+
 def _commodity() -> Tuple[StudyRow, ...]:
     rows = []
     # (model, TP, SP, PP, DP, global batch, memory): PP is the smallest that leaves room for activations.
@@ -147,10 +156,13 @@ def _commodity() -> Tuple[StudyRow, ...]:
                ("GPT-2.7B", 1, False, 4, 4, 64, 24), ("GPT-2.7B", 2, False, 4, 2, 64, 24),
                ("GPT-6.7B", 1, False, 4, 2, 64, 40), ("GPT-6.7B", 2, True, 4, 4, 64, 24),
                ("GPT-13B", 2, False, 4, 2, 64, 40), ("GPT-13B", 2, True, 4, 8, 128, 32)]
-    # One GPU (one TP group) per VM: data parallelism crosses the Ethernet, PipeMesh's setting.
+    # One GPU (one TP group) per VM: data parallelism crosses the Ethernet, PipeMesh's setting. Each with
+    # Megatron's default layer spec (Transformer Engine) and with the local spec.
     for model, tp, sp, pp, dp, batch, memory in layouts:
         for gbps in (6.25, 25.0):
-            rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, gbps, sp, gpus_per_node=1))
+            for spec in LAYER_SPECS:
+                rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, gbps, sp, layer_spec=spec,
+                                     gpus_per_node=1))
     # Bandwidth ladder and a bf16 gradient reduction on one layout.
     for gbps in (10.0, 50.0):
         rows.append(StudyRow("commodity", "GPT-2.7B", 1, 4, 4, 64, 24, gbps, gpus_per_node=1))
@@ -162,16 +174,18 @@ def _commodity() -> Tuple[StudyRow, ...]:
     # 8-GPU servers: rings of TP x DP <= 8 GPUs reduce over PCIe inside the server; only GPT-13B TP2 DP8
     # (16 GPUs per stage) reduces across servers.
     for model, tp, sp, pp, dp, batch, memory in (layouts[2], layouts[4], layouts[7]):
-        rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, 6.25, sp, gpus_per_node=8))
+        for spec in LAYER_SPECS:
+            rows.append(StudyRow("commodity", model, tp, pp, dp, batch, memory, 6.25, sp, layer_spec=spec, gpus_per_node=8))
     rows.append(StudyRow("commodity", "GPT-6.7B", 1, 4, 2, 64, 24, 25.0, layer_spec="te", gpus_per_node=8))
     return tuple(rows)
 
 
 COMMODITY: Tuple[StudyRow, ...] = _commodity()
 """The commodity subset. One GPU (or TP group) per VM: 8 layouts (every model, TP 1 / 2 / 2+SP, DP 2-8,
-24/32/40 GB) x 6.25 and 25 Gbit/s, plus 10 and 50 Gbit/s and a --grad-reduce-in-bf16 row on the GPT-2.7B
-layout, and GPT-6.7B TP1 / GPT-13B TP2 on 24 GB with Transformer Engine's layer spec at 25 Gbit/s. 8-GPU
-servers: three layouts at 6.25 Gbit/s and the GPT-6.7B Transformer Engine row. ``pipemesh headroom``
+24/32/40 GB) x 6.25 and 25 Gbit/s x both :data:`LAYER_SPECS`, plus (local spec) 10 and 50 Gbit/s and a
+--grad-reduce-in-bf16 row on the GPT-2.7B layout, and GPT-6.7B TP1 / GPT-13B TP2 on 24 GB with Transformer
+Engine at 25 Gbit/s. 8-GPU servers: three layouts at 6.25 Gbit/s with both specs and the GPT-6.7B
+Transformer Engine row on 24 GB. ``pipemesh headroom``
 sweeps the whole cross product for the bound on any schedule's gain."""
 
 DATACENTRE: Tuple[StudyRow, ...] = (
@@ -276,14 +290,15 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
     m = row.microbatches
     stock_budget = activation_budget(model, cluster, row.pp, budget)
-    stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, ("optim",))
+    host = HOST_MEMORY_GB * GB
+    stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, ("optim",), host)
     alone = pipemesh_auto(model, cluster, row.pp, m, budget)
     # Placement adds levers to recomputation: the recompute-only plan is one of its plans, so only
     # candidates that may beat it are searched again.
     placed = pipemesh_auto(model, cluster, row.pp, m, budget, alone.result.iteration_s if alone else float("inf"), "auto")
     plan = placed if placed is not None and (alone is None or placed.result.iteration_s < alone.result.iteration_s) else alone
     out = {"regime": row.regime, "setting": row.describe(), "gpus_per_node": row.gpus_per_node, "model": row.model, "tp": row.tp,
-           "sequence_parallel": row.sequence_parallel, "pp": row.pp, "dp": row.dp, "microbatches": m,
+           "sequence_parallel": row.sequence_parallel, "layer_spec": row.layer_spec, "pp": row.pp, "dp": row.dp, "microbatches": m,
            "global_batch": row.global_batch, "memory_gb": row.memory_gb, "gbps": row.gbps,
            "grad_reduce_in_bf16": row.grad_reduce_in_bf16}
     out["host_link_gbps"], out["host_memory_gb"] = cluster.host_link_gbps, HOST_MEMORY_GB
@@ -294,7 +309,7 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
         out["best_stock_unsharded"] = _stock_row(stock)
         out["pipemesh_unsharded"] = _plan_row(plan)
         out["ratio_without_sharding"] = _ratio(stock, plan)
-        stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, STOCK_SHARDING)
+        stock = best_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16, STOCK_SHARDING, host)
         mixed = pipemesh_sharded(model, cluster, row.pp, m, budget, plan.result.iteration_s if plan else float("inf"))
         plan = mixed or plan
     limit = communication_free_limit(model, cluster, row.pp, m, budget, sharding)
@@ -322,6 +337,7 @@ def _stock_row(stock) -> Optional[dict]:
     setting = stock.setting
     return {"schedule": setting.schedule, "vpp": setting.vpp, "group_size": setting.effective_group_size,
             "recompute": setting.recompute.describe(), "sharding": setting.sharding, "fsdp_model": stock.fsdp_model,
+            "offload_fraction": setting.offload.fraction if setting.offload else None,
             "flags": setting.flags(), "iteration_s": stock.iteration_s}
 
 
@@ -368,7 +384,23 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
             "share_headroom_at_least_1_15": (sum(r.get("headroom", 0) >= 1.15 for r in commodity) / len(commodity)
                                              if commodity else math.nan),
             "median_headroom_commodity": median(sorted(r["headroom"] for r in commodity if r.get("headroom"))),
-            **_sharding_summary(commodity, median)}
+            **_spec_summary(commodity, median), **_sharding_summary(commodity, median)}
+
+
+def _spec_summary(commodity: Sequence[dict], median) -> Dict[str, float]:
+    """Per layer spec (rows carry it since the study runs both): rows, share >= 1.15x, median ratio and
+    median fraction of the limit."""
+    out: Dict[str, float] = {}
+    for spec in LAYER_SPECS:
+        rows = [r for r in commodity if r.get("layer_spec", "local") == spec]
+        if not rows:
+            continue
+        ratios = sorted(r["ratio_to_best_stock"] for r in rows)
+        out[f"{spec}_rows"] = len(rows)
+        out[f"{spec}_share_at_least_1_15x"] = sum(x >= 1.15 for x in ratios) / len(ratios)
+        out[f"{spec}_median_ratio"] = median(ratios)
+        out[f"{spec}_median_fraction_of_limit"] = median(sorted(r["fraction_of_limit"] for r in rows if r["fraction_of_limit"]))
+    return out
 
 
 def _sharding_summary(commodity: Sequence[dict], median) -> Dict[str, float]:
@@ -424,7 +456,8 @@ def markdown(rows: Sequence[dict]) -> str:
     for r in rows:
         st, pm, alone = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only")
         stock_cell = "OOM" if st is None else (
-            f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}")
+            f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}"
+            + ("" if not st.get("offload_fraction") else f", offload x{st['offload_fraction']:g}"))
         shard_cell = f"{levels_cell(st and st.get('sharding'))} / {levels_cell(pm and pm.get('sharding'))}"
         without = f" {fmt(r.get('ratio_without_sharding'), '.3f')} |" if sharded else ""
         lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {stock_cell} | "

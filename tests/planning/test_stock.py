@@ -6,7 +6,9 @@ from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, St
                                               best_per_schedule, best_stock, evaluate, group_sizes, order_peaks,
                                               recompute_options, schedule_options, stock_settings, uniform_plan)
 from megatron_pipemesh.planning.costs import analytic_costs
-from megatron_pipemesh.planning.simulator import simulate
+from megatron_pipemesh.planning.simulator import lowering_for, simulate
+from megatron_pipemesh.planning.stock import live_states
+from megatron_pipemesh.schedule.lower import lower
 
 MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
 CLUSTER = ClusterSpec(dp=4, device_tflops=125, dp_gbps=10, p2p_gbps=10)
@@ -135,3 +137,69 @@ def test_uniform_zero_levels_fit_where_the_distributed_optimizer_does_not():
     assert StockSetting(pp, 1, m, sharding="optim").flags()[-1] == "--use-distributed-optimizer"
     with pytest.raises(ValueError, match="data-parallel-sharding-strategy"):
         StockSetting(pp, 1, m, sharding="zero3")
+
+
+TE = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, layer_spec="te")
+
+
+def test_offload_flags_and_refusals():
+    """Megatron's exact offloading flags; full recomputation and non-TE layer specs are refused by name."""
+    from megatron_pipemesh.planning.memory import offloadable_layer_bytes
+    from megatron_pipemesh.planning.costs import activation_shape
+    from megatron_pipemesh.planning.stock import StockOffload
+
+    setting = StockSetting(2, 2, 8, 4, StockRecompute("selective", ("mlp",)), offload=StockOffload(0.5))
+    assert setting.flags()[-6:] == ["--offload-modules", "qkv_linear", "core_attn", "attn_proj",
+                                    "--activation-offload-fraction", "0.5"]
+    assert StockOffload().flags() == ["--fine-grained-activation-offloading", "--offload-modules", "qkv_linear",
+                                      "core_attn", "attn_proj"]
+    with pytest.raises(ValueError, match="recompute-granularity full"):
+        StockSetting(2, 2, 8, 4, StockRecompute("full", method="block", num_layers=1), offload=StockOffload())
+    with pytest.raises(ValueError, match="activation-offload-fraction"):
+        StockOffload(0.0)
+    with pytest.raises(ValueError, match="transformer_engine"):
+        offloadable_layer_bytes(activation_shape(MODEL, CLUSTER))
+
+
+def test_offload_frees_the_attention_inputs_of_every_stored_chunk():
+    """An offloading setting keeps the same time where the host link keeps up, holds exactly the offloaded
+    bytes per stored chunk-micro-batch fewer (two layers' groups in flight) and puts them in host memory."""
+    from megatron_pipemesh.planning.costs import activation_shape
+    from megatron_pipemesh.planning.memory import offloadable_layer_bytes
+    from megatron_pipemesh.planning.stock import StockOffload
+
+    plain = evaluate(StockSetting(2, 2, 8, 8), TE, CLUSTER)
+    moved = evaluate(StockSetting(2, 2, 8, 8, offload=StockOffload()), TE, CLUSTER)
+    layer = offloadable_layer_bytes(activation_shape(TE, CLUSTER))
+    sbh = 1024 * 1024
+    assert layer == 6 * sbh * 2  # layer input, norm output, q, k, v, context in bf16
+    assert moved.iteration_s == pytest.approx(plain.iteration_s)
+    # Rank 0's peak stores the most chunk-micro-batches its program order ever holds (2 layers each).
+    config = StockSetting(2, 2, 8, 8).config()
+    costs = analytic_costs(TE, CLUSTER, config)
+    live = max(n for n, _, _, _ in live_states(config, lower(config, lowering_for(costs)))[0])
+    assert live == 11  # Megatron's warm-up bounds what g = m holds at once
+    assert moved.peak_activation_bytes[0] == pytest.approx(plain.peak_activation_bytes[0] - live * 2 * layer + 2 * layer)
+    assert moved.host_peak_bytes[0] == pytest.approx(live * 2 * layer)
+    slow = ClusterSpec(dp=4, device_tflops=125, dp_gbps=10, p2p_gbps=10, host_link_gbps=0.5)
+    assert evaluate(StockSetting(2, 2, 8, 8, offload=StockOffload()), TE, slow).iteration_s > plain.iteration_s
+
+
+def test_best_stock_offloads_only_with_a_host_limit_and_te():
+    """Between the offloaded and the whole peak of breadth-first, stock offloads instead of recomputing when it
+    may (host memory given, Transformer Engine); with too little host memory or the local spec it does not."""
+    from megatron_pipemesh.planning.stock import StockOffload
+
+    pp, m = 2, 8
+    plain = evaluate(StockSetting(pp, 2, m, m), TE, CLUSTER)
+    moved = evaluate(StockSetting(pp, 2, m, m, offload=StockOffload()), TE, CLUSTER)
+    budget = (plain.peak_activation_bytes[0] + moved.peak_activation_bytes[0]) / 2
+    without = best_stock(TE, CLUSTER, pp, m, budget)
+    with_host = best_stock(TE, CLUSTER, pp, m, budget, host_limit=64 * GB)
+    assert without.setting.offload is None
+    assert with_host.setting.offload is not None and with_host.iteration_s < without.iteration_s
+    assert "--fine-grained-activation-offloading" in with_host.setting.flags()
+    assert all(h <= 64 * GB for h in with_host.host_peak_bytes)
+    tiny = best_stock(TE, CLUSTER, pp, m, budget, host_limit=1.0)
+    assert tiny.setting.offload is None and tiny.iteration_s == pytest.approx(without.iteration_s)
+    assert best_stock(MODEL, CLUSTER, pp, m, budget, host_limit=64 * GB).setting.offload is None

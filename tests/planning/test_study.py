@@ -55,6 +55,11 @@ def test_summary_counts_the_targets():
     assert out["share_at_least_1_15x"] == pytest.approx(2 / 3)
     assert out["min_ratio_all_rows"] == 0.98
     assert out["median_fraction_of_limit_commodity"] == 0.9
+    # Rows without a layer spec predate it (local); per spec the same three targets.
+    rows[0]["layer_spec"] = rows[2]["layer_spec"] = "te"
+    out = summary(rows)
+    assert out["te_rows"] == 2 and out["te_share_at_least_1_15x"] == 1.0 and out["te_median_ratio"] == pytest.approx(1.18)
+    assert out["local_rows"] == 1 and out["local_share_at_least_1_15x"] == 0.0 and out["local_median_fraction_of_limit"] == 0.8
 
 
 def test_study_rows_cover_the_commodity_sweep():
@@ -64,6 +69,12 @@ def test_study_rows_cover_the_commodity_sweep():
     assert {r.dp for r in COMMODITY} == {2, 4, 8}
     assert {r.model for r in COMMODITY} == {"GPT-1.3B", "GPT-2.7B", "GPT-6.7B", "GPT-13B"}
     assert {r.gbps for r in COMMODITY} == {6.25, 10.0, 25.0, 50.0}
+    # Every layout and rate with Megatron's default layer spec (Transformer Engine) and with the local one.
+    settings = lambda spec: {(r.model, r.tp, r.sequence_parallel, r.dp, r.memory_gb, r.gbps, r.gpus_per_node)  # noqa: E731
+                             for r in COMMODITY if r.layer_spec == spec}
+    assert settings("local") <= settings("te") | {(r.model, r.tp, r.sequence_parallel, r.dp, r.memory_gb, r.gbps, r.gpus_per_node)
+                                                  for r in COMMODITY if r.gbps in (10.0, 50.0) or r.grad_reduce_in_bf16}
+    assert len(settings("te")) >= 19
     assert all(r.regime == "datacentre" for r in DATACENTRE)
 
 
