@@ -120,8 +120,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     pm.add_argument("--mfu", type=float, default=0.45, help="planner and predictions: fraction of peak (default 0.45)")
     pm.add_argument("--activation-placement", choices=("auto", "recompute-only"), default="auto",
                     help="PipeMesh rows' memory levers: 'auto' (default) places chunk-micro-batches in host memory or "
-                         "recomputes them, as the planner chooses; 'recompute-only' only recomputes (stock Megatron "
-                         "cannot offload with pipeline parallelism, so stock rows only recompute)")
+                         "recomputes them, as the planner chooses; 'recompute-only' only recomputes (stock rows only "
+                         "recompute here: Megatron's --fine-grained-activation-offloading needs CUDA and Transformer "
+                         "Engine, and --cpu-offloading refuses pipeline parallelism)")
     pm.add_argument("--link-share", type=float, default=None,
                     help="fraction of the shaped rate one link gets (all ranks share one token bucket), for the "
                          "predictions, the plans and the calibration (default 1; --quick: 0.5)")

@@ -89,8 +89,10 @@ class AutoPlanSettings:
     mfu: float = 0.45
     activation_placement: str = "auto"
     """PipeMesh rows' memory levers (``--activation-placement``): 'auto' places chunk-micro-batches in host
-    memory or recomputes them, 'recompute-only' only recomputes. Stock Megatron 0.19 has no offloading with
-    pipeline parallelism, so stock rows only recompute."""
+    memory or recomputes them, 'recompute-only' only recomputes. Stock rows only recompute on CPU: Megatron's
+    ``--fine-grained-activation-offloading`` works in every pipeline schedule but needs CUDA and Transformer
+    Engine (``training/arguments.py:1854-1856``), and ``--cpu-offloading`` refuses pipeline parallelism
+    (``transformer_config.py:1714-1717``). The study models the former for stock (:class:`..planning.stock.StockOffload`)."""
 
 
 def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

@@ -48,8 +48,9 @@ UNSUPPORTED = (
     Unsupported("fine_grained_activation_offloading", "--fine-grained-activation-offloading", _truthy,
                 "the stock schedule resets the offloading manager after each iteration and its offload/reload "
                 "points follow the stock order of micro-batches",
-                "drop --fine-grained-activation-offloading (PipeMesh's planner trades memory by recomputation "
-                "instead: --forward-groups auto) or use --pipeline-schedule default"),
+                "drop --fine-grained-activation-offloading (PipeMesh's planner trades memory by recomputation and "
+                "host placement instead: --forward-groups auto --pipemesh-activation-placement auto) or use "
+                "--pipeline-schedule default"),
     Unsupported("moe_paged_stash", "--moe-paged-stash", _truthy,
                 "the stock schedule resets the paged stash at the start of every call (paged_stash_reset)",
                 "drop --moe-paged-stash or use --pipeline-schedule default"),
