@@ -203,7 +203,7 @@ class StockOffload:
     or backward holds two layers' offloadable bytes more (the group in flight and the one being used);
     the host holds the offloaded bytes of every stored chunk-micro-batch (within the host memory limit);
     and the time is the schedule's own (copies overlap compute perfectly) or, if longer, the rank's host
-    link carrying every copy in one direction back to back (:func:`offload_busy_s`)."""
+    link carrying every copy in one direction back to back (:meth:`OffloadModel.busy_s`)."""
 
     fraction: float = 1.0
     """Share of the offload groups moved [--activation-offload-fraction]."""
