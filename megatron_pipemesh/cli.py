@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 
 from .cli_common import UsageError, check_number, positive_int, require_matplotlib, run_command
 from .config import add_cli_arguments
-from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
@@ -88,7 +88,7 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
                        static_bytes=tuple(0.0 for _ in range(config.pp)), host_link_gbps=_host_link_gbps(args))
     model, cluster = model_cluster_from_args(args)
     try:
-        return analytic_costs(model, cluster, config)
+        return analytic_costs(model, cluster, config, planning_levels(model.layer_spec))
     except ValueError as error:
         raise UsageError(str(error)) from error
 

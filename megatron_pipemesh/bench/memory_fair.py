@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
-from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs
+from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, rank_splits
 from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
                               schedule_options)
@@ -153,7 +153,8 @@ def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleC
                      gbps: float, distributed_optimizer: bool = False) -> OpCosts:
     """Analytic costs with no static memory: what the planner sees under an activation budget (with
     ``--sharding`` the simulator adds each level's model state itself)."""
-    costs = analytic_costs(_model_spec(model, config.pp), cluster_spec(config, auto, gbps, distributed_optimizer), sched)
+    spec = _model_spec(model, config.pp)
+    costs = analytic_costs(spec, cluster_spec(config, auto, gbps, distributed_optimizer), sched, planning_levels(spec.layer_spec))
     return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
 

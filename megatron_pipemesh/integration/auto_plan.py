@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs
+from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import HOST_LEVEL
@@ -187,7 +187,7 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     budget, tflops = _budget_and_tflops(args, "--forward-groups auto")
     options, link, host_local = planner_options(args)
     model, cluster = model_and_cluster(args, tflops, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model.layer_spec))  # noqa: E731
     profile = getattr(args, "pipemesh_profile", None)
     source, costs_for = "analytic costs", analytic
     if profile and os.path.exists(profile):
@@ -238,7 +238,7 @@ def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
     budget, tflops = _budget_and_tflops(args, what)
     options, link, host_local = planner_options(args)
     model, cluster = model_and_cluster(args, tflops, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg)  # noqa: E731
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model.layer_spec))  # noqa: E731
     plan = fit_with_recompute(config, analytic(config), budget * GB, options)
     if not plan.fits:
         peak = max(r.peak_memory_bytes for r in plan.result.ranks)

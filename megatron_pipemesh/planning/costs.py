@@ -31,7 +31,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import HOST_LEVEL
 from ..schedule.ops import Op, OpKind
-from .memory import ActivationShape, activation_bytes, parse_level, transient_bytes
+from .memory import ActivationShape, activation_bytes, parse_level, selective_levels, transient_bytes
 
 GB = 1024 ** 3
 
@@ -195,6 +195,12 @@ def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 
 
+def planning_levels(layer_spec: str = "local") -> Tuple[str, ...]:
+    """The levels PipeMesh's planner chooses from per chunk-micro-batch (its runtime applies each): none, every
+    selective module set that acts on ``layer_spec`` (:func:`.memory.selective_levels`) and full."""
+    return ("none",) + selective_levels(layer_spec) + ("full",)
+
+
 @dataclass
 class OpCosts:
     """Per-op durations (seconds) and bytes used by the simulator; also works as a direct input."""
@@ -265,7 +271,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         raise ValueError(f"--num-layers {model.num_layers} does not split evenly over p*V = {stages} stages; "
                          f"use a multiple of {stages}")
     layers = model.num_layers // stages
-    s, b, h, a, t = model.seq_length, model.micro_batch_size, model.hidden_size, model.num_attention_heads, cluster.tp
+    s, b, h, t = model.seq_length, model.micro_batch_size, model.hidden_size, cluster.tp
     flops_per_s = cluster.device_tflops * 1e12 * cluster.mfu
     forward = layers * model.layer_forward_flops() / t / flops_per_s
     attention_core_fwd = 4 * b * s * s * h / t / flops_per_s

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 from ..schedule.lower import HOST_LEVEL
@@ -94,6 +95,19 @@ def selective_level(modules: Iterable[str]) -> str:
     if chosen == {"core_attn"}:
         return "selective"
     return "selective:" + "+".join(m for m in SELECTIVE_MODULES if m in chosen)
+
+
+def selective_module_sets(layer_spec: str = "local") -> Tuple[Tuple[str, ...], ...]:
+    """Every ``--recompute-modules`` set that acts on a dense layer of ``layer_spec``: the non-empty subsets of
+    :data:`SELECTIVE_MODULES`, without ``layernorm`` on Transformer Engine's spec (its norms are fused into
+    the following linear: nothing to recompute), in :data:`SELECTIVE_MODULES` order."""
+    modules = [m for m in SELECTIVE_MODULES if not (layer_spec == "te" and m == "layernorm")]
+    return tuple(chosen for size in range(1, len(modules) + 1) for chosen in combinations(modules, size))
+
+
+def selective_levels(layer_spec: str = "local") -> Tuple[str, ...]:
+    """The level names (:func:`selective_level`) of :func:`selective_module_sets`; 'selective' (core_attn) first."""
+    return tuple(selective_level(chosen) for chosen in selective_module_sets(layer_spec))
 
 
 def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:

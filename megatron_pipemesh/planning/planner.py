@@ -34,7 +34,7 @@ from ..schedule.ops import OpKind
 from .costs import GB, RECOMPUTE_LEVELS, OpCosts, ScheduleCosts
 from ..schedule.lower import HOST_LEVEL, lower
 from ..schedule.ops import Op
-from .memory import parse_level
+from .memory import parse_level, selective_levels
 from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
@@ -133,9 +133,10 @@ class PlannerOptions:
     """f_1 values to try; default: multiples of p up to m, and m."""
     last_backward_candidates: Optional[Tuple[int, ...]] = None
     """b_last values to try; default: multiples of p up to m, and m."""
-    allow_recompute: Tuple[str, ...] = ("selective", "full")
-    """Recompute levels the planner may use (:func:`.memory.parse_level` names; PipeMesh's runtime
-    applies 'selective' (core_attn) and 'full' per chunk-micro-batch)."""
+    allow_recompute: Tuple[str, ...] = selective_levels("local") + ("full",)
+    """Recompute levels the planner may use (:func:`.memory.parse_level` names; PipeMesh's runtime applies
+    each per chunk-micro-batch): every selective module set and full. Only those the costs price are used
+    (:func:`.costs.planning_levels` prices the ones that act on the model's layer spec)."""
     max_recompute_rounds: int = 64
     """Re-simulations per candidate while adding recomputation."""
     exhaustive_limit: int = 400

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import combinations
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
-from .memory import OFFLOAD_MODULES, SELECTIVE_MODULES, offloadable_layer_bytes, selective_level
+from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_level, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
 
@@ -289,11 +288,9 @@ class StockSetting:
 
 def recompute_options(layers_per_chunk: int, layer_spec: str = "local") -> List[StockRecompute]:
     """Every stock recomputation setting for chunks of ``layers_per_chunk`` layers."""
-    modules = [m for m in SELECTIVE_MODULES if not (layer_spec == "te" and m == "layernorm")]
     out = [StockRecompute()]
-    for size in range(1, len(modules) + 1):
-        for chosen in combinations(modules, size):
-            out.append(StockRecompute("selective", () if chosen == ("core_attn",) else chosen))
+    for chosen in selective_module_sets(layer_spec):
+        out.append(StockRecompute("selective", () if chosen == ("core_attn",) else chosen))
     for method in ("block", "uniform"):
         for k in range(1, layers_per_chunk + 1):
             out.append(StockRecompute("full", method=method, num_layers=k))

@@ -68,7 +68,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
 from .bounds import iteration_lower_bound, virtual_sizes
-from .costs import GB, ClusterSpec, ModelSpec, analytic_costs
+from .costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
 from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from .sharding import ShardingModel, ShardingSpec, candidate_levels
 from .stock import STOCK_SHARDING, activation_budget, best_stock
@@ -218,6 +218,11 @@ def _planner_options(pp: int, microbatches: int, placement: str = "recompute-onl
                           activation_placement=placement, host_budget_bytes=host)
 
 
+def _costs_for(model: ModelSpec, cluster: ClusterSpec):
+    """PipeMesh's analytic costs of a schedule, with every level its planner may choose."""
+    return lambda config: analytic_costs(model, cluster, config, planning_levels(model.layer_spec))
+
+
 def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
                   incumbent_s: float = float("inf"), placement: str = "recompute-only"):
     """PipeMesh's best plan over V with the ``placement`` mode (None if nothing fits or nothing beats
@@ -226,7 +231,7 @@ def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches:
     for vpp in sorted(virtual_sizes(model, pp), reverse=True):  # larger V first: usually faster, prunes more
         bound = best.result.iteration_s if best else incumbent_s
         try:
-            plan, _ = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget,
+            plan, _ = plan_schedule(pp, vpp, microbatches, _costs_for(model, cluster), budget,
                                     _planner_options(pp, microbatches, placement), incumbent_s=bound)
         except NoFeasiblePlan:
             continue
@@ -250,7 +255,7 @@ def pipemesh_sharded(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
             sharding = ShardingModel(model, cluster, ShardingSpec(levels, scope))
             bound = best.result.iteration_s if best else incumbent_s
             try:
-                plan, _ = plan_schedule(pp, vpp, microbatches, lambda cfg: analytic_costs(model, cluster, cfg), budget,
+                plan, _ = plan_schedule(pp, vpp, microbatches, _costs_for(model, cluster), budget,
                                         _planner_options(pp, microbatches, placement), incumbent_s=bound,
                                         sharding=sharding)
             except NoFeasiblePlan:
@@ -272,7 +277,7 @@ def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, mi
     free_cluster = dataclasses.replace(cluster, dp_gbps=FREE_GBPS, nic_gbps=None)
     for vpp in virtual_sizes(model, pp):
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
-        free = dataclasses.replace(analytic_costs(model, cluster, config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
+        free = dataclasses.replace(_costs_for(model, cluster)(config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
                                    latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0)
         shardings = [None]
         if sharding:

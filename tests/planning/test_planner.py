@@ -118,3 +118,34 @@ def test_plan_command_nothing_fits_exits_2(capsys):
     assert main(PLAN + ["--memory-budget-gb", "1"]) == 2
     err = capsys.readouterr().err
     assert "no schedule fits" in err and "What would fit" in err and "Traceback" not in err
+
+
+def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
+    """With a module set that frees most of a chunk for a fraction of full recomputation's time, the planner
+    fits the budget with it and is faster than with core_attn / full only; the analytic costs price every
+    module set that acts on the layer spec (no layernorm with Transformer Engine)."""
+    import dataclasses
+
+    from megatron_pipemesh.planning.costs import planning_levels
+    from megatron_pipemesh.planning.planner import PlannerOptions
+
+    pp, vpp, m = 4, 2, 12
+    mb = 1024 ** 2
+    base = _direct_costs(pp)
+    # core_attn frees 5 MB per 0.2 ms, mlp 70 MB per 0.4 ms, full 95 MB per 1 ms: mlp first.
+    costs = dataclasses.replace(base, activation_bytes={**base.activation_bytes, "selective": 0.95 * 100 * mb,
+                                                        "selective:mlp": 0.3 * 100 * mb},
+                                recompute_s={**base.recompute_s, "selective:mlp": 0.4e-3})
+    config = ScheduleConfig.breadth_first(pp, vpp, m)
+    both = fit_with_recompute(config, costs, 2.0 * GB)
+    old = fit_with_recompute(config, costs, 2.0 * GB, PlannerOptions(allow_recompute=("selective", "full")))
+    assert both.fits and old.fits and "selective:mlp" in set(both.recompute.values())
+    assert both.result.iteration_s < old.result.iteration_s
+    assert "selective:mlp" in both.to_dict()["recompute_counts"]
+    assert planning_levels("local") == ("none", "selective", "selective:layernorm", "selective:mlp",
+                                        "selective:core_attn+layernorm", "selective:core_attn+mlp",
+                                        "selective:layernorm+mlp", "selective:core_attn+layernorm+mlp", "full")
+    assert planning_levels("te") == ("none", "selective", "selective:mlp", "selective:core_attn+mlp", "full")
+    model = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512)
+    analytic = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), planning_levels("local"))
+    assert set(planning_levels("local")) <= set(analytic.activation_bytes) <= set(analytic.recompute_s)
