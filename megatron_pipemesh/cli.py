@@ -88,7 +88,7 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
                        static_bytes=tuple(0.0 for _ in range(config.pp)), host_link_gbps=_host_link_gbps(args))
     model, cluster = model_cluster_from_args(args)
     try:
-        return analytic_costs(model, cluster, config, planning_levels(model.layer_spec))
+        return analytic_costs(model, cluster, config, planning_levels(model))
     except ValueError as error:
         raise UsageError(str(error)) from error
 

@@ -154,7 +154,7 @@ def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleC
     """Analytic costs with no static memory: what the planner sees under an activation budget (with
     ``--sharding`` the simulator adds each level's model state itself)."""
     spec = _model_spec(model, config.pp)
-    costs = analytic_costs(spec, cluster_spec(config, auto, gbps, distributed_optimizer), sched, planning_levels(spec.layer_spec))
+    costs = analytic_costs(spec, cluster_spec(config, auto, gbps, distributed_optimizer), sched, planning_levels(spec))
     return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
 

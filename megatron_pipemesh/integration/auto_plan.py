@@ -68,7 +68,7 @@ def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
 
 def layer_spec_fields(args) -> dict:
     """ModelSpec's layer-spec fields from Megatron's args (issue 12 point 5): Transformer Engine
-    (flash attention), GQA, SwiGLU, RoPE, bf16 gradient reduction, dropout."""
+    (flash attention), GQA, SwiGLU, RoPE, bf16 gradient reduction, dropout, linear biases."""
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     return {"layer_spec": "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local",
             "num_query_groups": groups, "swiglu": bool(getattr(args, "swiglu", False)),
@@ -78,7 +78,8 @@ def layer_spec_fields(args) -> dict:
             else "learned_absolute",
             "grad_bytes": 2 if getattr(args, "grad_reduce_in_bf16", False) else 4,
             "hidden_dropout": float(getattr(args, "hidden_dropout", 0.1)),
-            "attention_dropout": float(getattr(args, "attention_dropout", 0.1))}
+            "attention_dropout": float(getattr(args, "attention_dropout", 0.1)),
+            "linear_bias": bool(getattr(args, "add_bias_linear", True))}
 
 
 def _on_cuda() -> bool:
@@ -187,7 +188,7 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
     budget, tflops = _budget_and_tflops(args, "--forward-groups auto")
     options, link, host_local = planner_options(args)
     model, cluster = model_and_cluster(args, tflops, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model.layer_spec))  # noqa: E731
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
     profile = getattr(args, "pipemesh_profile", None)
     source, costs_for = "analytic costs", analytic
     if profile and os.path.exists(profile):
@@ -238,7 +239,7 @@ def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
     budget, tflops = _budget_and_tflops(args, what)
     options, link, host_local = planner_options(args)
     model, cluster = model_and_cluster(args, tflops, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model.layer_spec))  # noqa: E731
+    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
     plan = fit_with_recompute(config, analytic(config), budget * GB, options)
     if not plan.fits:
         peak = max(r.peak_memory_bytes for r in plan.result.ranks)

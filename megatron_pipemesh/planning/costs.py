@@ -83,6 +83,9 @@ class ModelSpec:
     spec's SwiGLU (the unfused product saves silu(gate) too)."""
     position_embedding: str = "learned_absolute"
     """[--position-embedding-type] 'learned_absolute' (an s x h table, int64 position ids) or 'rope'."""
+    linear_bias: bool = True
+    """Linear layers with biases (Megatron's default; False with --disable-bias-linear). Bias parameters are
+    counted either way (they are small); with biases the MLP cannot be recomputed per module."""
 
     @property
     def ffn(self) -> int:
@@ -195,10 +198,22 @@ def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 
 
-def planning_levels(layer_spec: str = "local") -> Tuple[str, ...]:
-    """The levels PipeMesh's planner chooses from per chunk-micro-batch (its runtime applies each): none, every
-    selective module set that acts on ``layer_spec`` (:func:`.memory.selective_levels`) and full."""
-    return ("none",) + selective_levels(layer_spec) + ("full",)
+PLANNED_MODULES = ("core_attn", "mlp")
+"""``--recompute-modules`` PipeMesh's planner combines per chunk-micro-batch. ``layernorm`` is left out: it acts
+only where the norms are separate modules (the local spec) and megatron-core 0.19.2 then needs Transformer Engine
+installed for it (``runtime/recompute.py``: ``CheckpointWithoutOutput``), and it frees two norm outputs of a
+layer's ~16 sbh."""
+
+
+def planning_levels(model: ModelSpec) -> Tuple[str, ...]:
+    """The levels PipeMesh's planner chooses from per chunk-micro-batch, each one its runtime applies to
+    ``model``: none, the selective module sets of :data:`PLANNED_MODULES` that act on its layer spec
+    (:func:`.memory.selective_levels`; ``mlp`` only without linear biases: megatron-core 0.19.2 cannot
+    recompute an MLP that returns its bias parameter, ``runtime/recompute.py``) and full."""
+    allowed = {"core_attn"} | ({"mlp"} if not model.linear_bias else set())
+    chosen = tuple(level for level in selective_levels(model.layer_spec)
+                   if parse_level(level)[1] <= allowed)
+    return ("none",) + chosen + ("full",)
 
 
 @dataclass

@@ -220,7 +220,7 @@ def _planner_options(pp: int, microbatches: int, placement: str = "recompute-onl
 
 def _costs_for(model: ModelSpec, cluster: ClusterSpec):
     """PipeMesh's analytic costs of a schedule, with every level its planner may choose."""
-    return lambda config: analytic_costs(model, cluster, config, planning_levels(model.layer_spec))
+    return lambda config: analytic_costs(model, cluster, config, planning_levels(model))
 
 
 def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,

@@ -123,7 +123,7 @@ def test_plan_command_nothing_fits_exits_2(capsys):
 def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
     """With a module set that frees most of a chunk for a fraction of full recomputation's time, the planner
     fits the budget with it and is faster than with core_attn / full only; the analytic costs price every
-    module set that acts on the layer spec (no layernorm with Transformer Engine)."""
+    level the runtime can apply to the model."""
     import dataclasses
 
     from megatron_pipemesh.planning.costs import planning_levels
@@ -142,10 +142,11 @@ def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
     assert both.fits and old.fits and "selective:mlp" in set(both.recompute.values())
     assert both.result.iteration_s < old.result.iteration_s
     assert "selective:mlp" in both.to_dict()["recompute_counts"]
-    assert planning_levels("local") == ("none", "selective", "selective:layernorm", "selective:mlp",
-                                        "selective:core_attn+layernorm", "selective:core_attn+mlp",
-                                        "selective:layernorm+mlp", "selective:core_attn+layernorm+mlp", "full")
-    assert planning_levels("te") == ("none", "selective", "selective:mlp", "selective:core_attn+mlp", "full")
-    model = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512)
-    analytic = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), planning_levels("local"))
-    assert set(planning_levels("local")) <= set(analytic.activation_bytes) <= set(analytic.recompute_s)
+    # The levels the runtime applies: mlp sets only without linear biases, layernorm never (needs TE installed).
+    biased, bias_free = ModelSpec(num_layers=8, hidden_size=512), ModelSpec(num_layers=8, hidden_size=512, linear_bias=False)
+    assert planning_levels(biased) == ("none", "selective", "full")
+    assert planning_levels(bias_free) == ("none", "selective", "selective:mlp", "selective:core_attn+mlp", "full")
+    assert planning_levels(dataclasses.replace(bias_free, layer_spec="te")) == planning_levels(bias_free)
+    model = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512, linear_bias=False)
+    analytic = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), planning_levels(model))
+    assert set(planning_levels(model)) <= set(analytic.activation_bytes) <= set(analytic.recompute_s)
