@@ -210,7 +210,7 @@ def planning_levels(model: ModelSpec) -> Tuple[str, ...]:
     ``model``: none, the selective module sets of :data:`PLANNED_MODULES` that act on its layer spec
     (:func:`.memory.selective_levels`; ``mlp`` only without linear biases: megatron-core 0.19.2 cannot
     recompute an MLP that returns its bias parameter, ``runtime/recompute.py``) and full."""
-    allowed = {"core_attn"} | ({"mlp"} if not model.linear_bias else set())
+    allowed = set(PLANNED_MODULES) - ({"mlp"} if model.linear_bias else set())
     chosen = tuple(level for level in selective_levels(model.layer_spec)
                    if parse_level(level)[1] <= allowed)
     return ("none",) + chosen + ("full",)
