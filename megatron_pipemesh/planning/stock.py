@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
@@ -544,6 +544,19 @@ class _Choice:
     link may make the offloading setting the slower one), or None if none fits."""
 
 
+class _Candidate(NamedTuple):
+    """One recomputation (and offloading) option of a stock schedule in :func:`_choices`, ordered by its first
+    three fields: least recomputation time, then least offloading, then enumeration order."""
+
+    recompute_s: float
+    fraction: float
+    """Offloaded share (0: no offloading)."""
+    index: int
+    recompute: StockRecompute
+    offload: Optional[StockOffload]
+    peaks: Tuple[float, ...]
+    """Per-rank activation peak."""
+
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
              host_limit: Optional[float] = None) -> List[_Choice]:
@@ -586,22 +599,27 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             if shard is not None:  # the static bytes this level saves against the distributed optimizer
                 room = [limit + static - split.state.resident
                         for limit, static, split in zip(limits, costs.static_bytes, shard.splits(config))]
-            candidates = [(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level]) for index, o in enumerate(options)]
+            candidates = [_Candidate(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level])
+                          for index, o in enumerate(options)]
             if shard is None:
-                candidates += [(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
+                candidates += [_Candidate(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
                                for index, (o, moved, peaks) in enumerate(offloads)]
-            fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c[5], room))), key=lambda c: c[:3])
+            fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c.peaks, room))), key=lambda c: c[:3])
             if not fitting:
                 continue
-            option, moved = fitting[0][3], fitting[0][4]
-            plain = next((c[3] for c in fitting if c[4] is None), None)
-            without = dataclasses.replace(setting, recompute=plain) if (moved is not None and plain is not None) else None
-            bounds = tuple((_compute_bound(config, costs, c[3].level), c[3], c[5]) for c in fitting if c[4] is None)
-            out.append(_Choice(dataclasses.replace(setting, recompute=option, offload=moved), config, costs,
-                               schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
-                               _compute_bound(config, costs, option.level), shard, bounds if shard is not None else (),
-                               offload if moved is not None else None, without))
+            first = fitting[0]
+            plain = next((c.recompute for c in fitting if c.offload is None), None)
+            without = (dataclasses.replace(setting, recompute=plain)
+                       if (first.offload is not None and plain is not None) else None)
+            # ZeRO-2/3 settings keep every fitting option for _simulated (no offloading with them).
+            bounds = (tuple((_compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
+                      if shard is not None else ())
+            out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
+                               costs, schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
+                               bounds[0][0] if bounds else _compute_bound(config, costs, first.recompute.level), shard,
+                               bounds, offload if first.offload is not None else None, without))
     return out
+
 
 
 def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
