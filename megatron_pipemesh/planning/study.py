@@ -63,12 +63,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
 from .bounds import iteration_lower_bound, virtual_sizes
 from .costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
+from .headroom import TARGET
 from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from .sharding import ShardingModel, ShardingSpec, candidate_levels
 from .stock import STOCK_SHARDING, activation_budget, best_stock
@@ -368,56 +370,65 @@ def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool 
         return list(pool.map(run_row, rows, [sharding] * len(rows)))
 
 
+def _median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else math.nan
+
+
+def _targets(rows: Sequence[dict]) -> Tuple[float, float, float]:
+    """(share >= :data:`.headroom.TARGET`, median ratio to best stock, median fraction of the limit) of ``rows``
+    (each with a ratio)."""
+    ratios = [r["ratio_to_best_stock"] for r in rows]
+    share = sum(x >= TARGET for x in ratios) / len(ratios) if ratios else math.nan
+    return share, _median(ratios), _median(r["fraction_of_limit"] for r in rows if r["fraction_of_limit"])
+
+
 def summary(rows: Sequence[dict]) -> Dict[str, float]:
     """The issue's targets over the commodity rows: share >= 1.15x, minimum ratio, median fraction of limit
     (with ``--sharding`` over the sharded comparison), plus the ZeRO-1 ratio and the rows sharding changed."""
     commodity = [r for r in rows if r["regime"] == "commodity" and r["ratio_to_best_stock"]]
-    ratios = sorted(r["ratio_to_best_stock"] for r in commodity)
-    fractions = sorted(r["fraction_of_limit"] for r in commodity if r["fraction_of_limit"])
+    ratios = [r["ratio_to_best_stock"] for r in commodity]
     every = [r["ratio_to_best_stock"] for r in rows if r["ratio_to_best_stock"]]
-    median = lambda xs: (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan  # noqa: E731
-    speedups = sorted(r["placement_speedup"] for r in rows if r["regime"] == "commodity" and r.get("placement_speedup"))
+    speedups = [r["placement_speedup"] for r in rows if r["regime"] == "commodity" and r.get("placement_speedup")]
+    share, median_ratio, median_fraction = _targets(commodity)
     return {"commodity_rows": len(commodity),
-            "median_placement_speedup_commodity": median(speedups),
+            "median_placement_speedup_commodity": _median(speedups),
             "max_placement_speedup_commodity": max(speedups) if speedups else math.nan,
-            "share_at_least_1_15x": sum(x >= 1.15 for x in ratios) / len(ratios) if ratios else math.nan,
+            "share_at_least_1_15x": share,
             "min_ratio_all_rows": min(every) if every else math.nan,
-            "median_ratio_commodity": median(ratios),
+            "median_ratio_commodity": median_ratio,
             "max_ratio_commodity": max(ratios) if ratios else math.nan,
-            "median_fraction_of_limit_commodity": median(fractions),
+            "median_fraction_of_limit_commodity": median_fraction,
             # No schedule can reach 1.15x best stock in a row whose headroom is below 1.15.
-            "share_headroom_at_least_1_15": (sum(r.get("headroom", 0) >= 1.15 for r in commodity) / len(commodity)
+            "share_headroom_at_least_1_15": (sum(r.get("headroom", 0) >= TARGET for r in commodity) / len(commodity)
                                              if commodity else math.nan),
-            "median_headroom_commodity": median(sorted(r["headroom"] for r in commodity if r.get("headroom"))),
-            **_spec_summary(commodity, median), **_sharding_summary(commodity, median)}
+            "median_headroom_commodity": _median(r["headroom"] for r in commodity if r.get("headroom")),
+            **_spec_summary(commodity), **_sharding_summary(commodity)}
 
 
-def _spec_summary(commodity: Sequence[dict], median) -> Dict[str, float]:
-    """Per layer spec (rows carry it since the study runs both): rows, share >= 1.15x, median ratio and
-    median fraction of the limit."""
+def _spec_summary(commodity: Sequence[dict]) -> Dict[str, float]:
+    """Per layer spec (rows carry it since the study runs both): rows and :func:`_targets`."""
     out: Dict[str, float] = {}
     for spec in LAYER_SPECS:
         rows = [r for r in commodity if r.get("layer_spec", "local") == spec]
         if not rows:
             continue
-        ratios = sorted(r["ratio_to_best_stock"] for r in rows)
         out[f"{spec}_rows"] = len(rows)
-        out[f"{spec}_share_at_least_1_15x"] = sum(x >= 1.15 for x in ratios) / len(ratios)
-        out[f"{spec}_median_ratio"] = median(ratios)
-        out[f"{spec}_median_fraction_of_limit"] = median(sorted(r["fraction_of_limit"] for r in rows if r["fraction_of_limit"]))
+        (out[f"{spec}_share_at_least_1_15x"], out[f"{spec}_median_ratio"],
+         out[f"{spec}_median_fraction_of_limit"]) = _targets(rows)
     return out
 
 
-def _sharding_summary(commodity: Sequence[dict], median) -> Dict[str, float]:
+def _sharding_summary(commodity: Sequence[dict]) -> Dict[str, float]:
     """With ``--sharding``: the commodity rows' ratio without sharding, and how many rows sharding changed
     (a stock level above ZeRO-1, or a PipeMesh plan with a chunk above ZeRO-1)."""
     sharded = [r for r in commodity if "ratio_without_sharding" in r]
     if not sharded:
         return {}
-    without = sorted(r["ratio_without_sharding"] for r in sharded if r["ratio_without_sharding"])
     stock = sum((r["best_stock"] or {}).get("sharding") not in (None, "optim") for r in sharded)
     pipemesh = sum(any(level != "optim" for level in (r["pipemesh_auto"] or {}).get("sharding", ())) for r in sharded)
-    return {"median_ratio_without_sharding_commodity": median(without),
+    return {"median_ratio_without_sharding_commodity": _median(r["ratio_without_sharding"] for r in sharded
+                                                               if r["ratio_without_sharding"]),
             "rows_stock_sharded": stock, "rows_pipemesh_sharded": pipemesh}
 
 
