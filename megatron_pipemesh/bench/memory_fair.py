@@ -205,8 +205,10 @@ def _row_name(setting: StockSetting) -> str:
 CPU_BROKEN_MODULES = frozenset({"layernorm", "mlp"})
 """``--recompute-modules`` values that do not run on this CPU stack (megatron-core 0.19.2 without Transformer
 Engine): ``layernorm`` fails (``CheckpointWithoutOutput`` needs Transformer Engine's FP8GlobalStateManager),
-``mlp`` never finishes its first training step (nested reentrant checkpoint backwards). Stock rows leave them
-out here; PipeMesh's runtime has no module sets either (none / selective core_attn / full)."""
+``mlp`` never finishes its first training step (nested reentrant checkpoint backwards: the GPT MLP returns its
+bias parameter). Stock rows leave them out here; PipeMesh's rows are planned with the module sets its runtime
+applies to the model (:func:`megatron_pipemesh.planning.costs.planning_levels`: the same two defects leave
+none / selective core_attn / full for the bench's GPT, which has linear biases)."""
 
 
 def runnable_options(layers_per_chunk: int, layer_spec: str = "local",

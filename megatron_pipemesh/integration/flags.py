@@ -279,9 +279,9 @@ def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
     ``args.pipemesh_ranks_per_node`` (the runtime re-checks the real groups at start-up)."""
     from ..planning.sharding import ShardingError, shard_size
 
-    per_node, source = detect_ranks_per_node(getattr(args, "pipemesh_ranks_per_node", None),
-                                             os.environ if environ is None else environ)
-    rank = int((os.environ if environ is None else environ).get("RANK", getattr(args, "rank", 0) or 0))
+    environ = os.environ if environ is None else environ
+    per_node, source = detect_ranks_per_node(getattr(args, "pipemesh_ranks_per_node", None), environ)
+    rank = int(environ.get("RANK", getattr(args, "rank", 0) or 0))
     where = f"rank {rank}: {source}={per_node}"
     tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1) or 1
     dp = args.data_parallel_size * cp
