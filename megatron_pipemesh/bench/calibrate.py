@@ -11,21 +11,25 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
   measured iteration time minus the forward-backward time of the unshaped run, added as is;
 * pipeline transfer: activation bytes (s x b x h x 4, fp32 on CPU) / shaped bandwidth, plus the
   netem delay, plus a fixed per-transfer overhead fitted on the unshaped run of one stock schedule
-  (:func:`fit_transfer_overhead`: gloo on a loopback shared with the compute is not free); the shaped loopback is one token bucket shared by every link and direction, so
-  ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent links;
+  (:func:`fit_transfer_overhead`: gloo on a loopback shared with the compute is not free);
+  ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent flows;
 * data parallel: ring all-reduce of the chunk's fp32 gradients (Megatron's default optimizer: no
   parameter gather), plus the tied-embedding all-reduce between the first and last pipeline rank at
-  the end of the iteration (both shaped). The shaped network is **one token bucket for every rank**
-  (the loopback of the bench's namespace), not a link per rank: the d ranks of a ring each send
-  2(d-1)/d x bytes at the same time, so 2(d-1) x bytes pass the bucket per ring all-reduce
-  (:func:`shared_bucket_allreduce_s`; ``link_share`` still divides the rate among the rings of
-  different pipeline stages reducing at once), and the dp embedding groups of 2 ranks reduce at
-  the same time. The per-rank formula of a switched network, 2(d-1)/d x bytes / rate, under-predicted
-  the measured PP=2 x DP=2 ``--quick`` rows by 10-20% (see ``tests/bench/test_calibrate.py``).
+  the end of the iteration (both shaped), by :func:`allreduce_s` for the bench's topology
+  (:mod:`.netns`):
+
+  - **a NIC per rank** (``per_rank``, the default): each rank of a ring sends 2(d-1)/d x bytes through
+    its own NIC, and rings of other stages use other NICs;
+  - **one token bucket for every rank** (``--network shared``: the loopback of one namespace): the d ranks
+    of a ring send at the same time, so 2(d-1) x bytes pass the bucket per ring all-reduce
+    (:func:`shared_bucket_allreduce_s`; ``link_share`` divides the rate among the rings of different
+    pipeline stages reducing at once), and the dp embedding groups of 2 ranks reduce at the same time.
+    The per-rank formula under-predicted the measured shared PP=2 x DP=2 ``--quick`` rows by 10-20%
+    (see ``tests/bench/test_calibrate.py``).
 * ``--sharding`` (Megatron's distributed optimizer): the all-reduce becomes a reduce-scatter of the
   gradients and an all-gather of the parameters, (d-1) x bytes each through the bucket, and the
   simulation runs with the row's levels (:class:`megatron_pipemesh.planning.sharding.ShardingModel`:
-  ZeRO-2/3 reductions per backward group, ZeRO-3 gathers per group span) on the same shared bucket.
+  ZeRO-2/3 reductions per backward group, ZeRO-3 gathers per group span) on the same network.
 """
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ class MeasuredCompute:
 
 def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
                    bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0,
-                   distributed_optimizer: bool = False) -> OpCosts:
+                   distributed_optimizer: bool = False, per_rank: bool = True) -> OpCosts:
     """:class:`OpCosts` from measured compute and the shaped network (``bytes_per_s`` None: free network)."""
     pp, vpp, m = sched.pp, sched.vpp, sched.microbatches
     ops = m * vpp
@@ -85,7 +89,7 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
     if bytes_per_s:
         rate = bytes_per_s * link_share
         p2p = act_bytes / rate
-        reduce = shared_bucket_allreduce_s(chunk_grad_bytes, d, rate)
+        reduce = allreduce_s(chunk_grad_bytes, d, rate, per_rank=per_rank)
         if distributed_optimizer:  # half of the all-reduce's volume each way (fp32: weights and gradients alike)
             reduce = gather = reduce / 2
     else:
@@ -104,22 +108,31 @@ def shared_bucket_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, gro
     return 2 * (ranks - 1) * nbytes * groups / bytes_per_s
 
 
-def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: int = 1) -> float:
+def allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, groups: int = 1, per_rank: bool = True) -> float:
+    """Seconds of ``groups`` concurrent ring all-reduces of ``nbytes`` over ``ranks`` ranks each: with a NIC per
+    rank, 2(ranks-1)/ranks x nbytes per NIC (groups on other NICs); else through one shared bucket."""
+    if not per_rank:
+        return shared_bucket_allreduce_s(nbytes, ranks, bytes_per_s, groups)
+    return 2 * (ranks - 1) / ranks * nbytes / bytes_per_s if ranks > 1 else 0.0
+
+
+def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: int = 1, per_rank: bool = True) -> float:
     """Tied word-embedding gradient all-reduce between the first and last pipeline rank (2 ranks), the
-    ``dp`` replicas' groups at once through the shared bucket."""
+    ``dp`` replicas' groups at once."""
     if not bytes_per_s:
         return 0.0
-    return shared_bucket_allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp)
+    return allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp, per_rank=per_rank)
 
 
 def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[str], bytes_per_s: Optional[float],
-                   link_share: float = 1.0):
-    """The levels' :class:`~megatron_pipemesh.planning.sharding.ShardingModel` on the shared bucket: each ring
-    collective of a chunk moves (d-1) x its payload through the bucket, i.e. a link of rate / d per rank."""
+                   link_share: float = 1.0, per_rank: bool = True):
+    """The levels' :class:`~megatron_pipemesh.planning.sharding.ShardingModel` on the bench's network: a NIC of
+    the rate per rank, or on the shared bucket, where each ring collective of a chunk moves (d-1) x its payload
+    through the bucket, i.e. a link of rate / d per rank."""
     from ..planning.costs import ClusterSpec
     from ..planning.sharding import ShardingModel, ShardingSpec
 
-    gbps = bytes_per_s * link_share * 8 / 1e9 / config.dp if bytes_per_s else UNSHAPED_GBPS
+    gbps = bytes_per_s * link_share * 8 / 1e9 / (1 if per_rank else config.dp) if bytes_per_s else UNSHAPED_GBPS
     cluster = ClusterSpec(dp=config.dp, dp_gbps=gbps, p2p_gbps=gbps, distributed_optimizer=True)
     return ShardingModel(model_spec(model, config.pp), cluster, ShardingSpec(tuple(levels)))
 
@@ -130,13 +143,15 @@ UNSHAPED_GBPS = 1e6
 
 def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
                          bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0,
-                         sharding: Optional[Sequence[str]] = None) -> Dict[str, float]:
+                         sharding: Optional[Sequence[str]] = None, per_rank: bool = True) -> Dict[str, float]:
     """Simulated forward-backward and iteration time (ms) with measured costs; ``sharding``: the row's levels
-    (``--sharding``: the distributed optimizer's collectives and the levels' gathers and reductions)."""
-    costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None)
-    shards = sharding_model(model, config, sharding, bytes_per_s, link_share) if sharding else None
+    (``--sharding``: the distributed optimizer's collectives and the levels' gathers and reductions);
+    ``per_rank``: the network's topology (a NIC per rank, else one shared bucket)."""
+    costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None,
+                           per_rank)
+    shards = sharding_model(model, config, sharding, bytes_per_s, link_share, per_rank) if sharding else None
     result = simulate(sched, costs, sharding=shards)
-    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s, config.dp)
+    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s, config.dp, per_rank)
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
             "simulated_idle_fraction": result.idle_fraction,
             "simulated_exposed_comm_ms": result.exposed_comm_s * 1e3,

@@ -21,14 +21,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..cli_common import UsageError, check_number, require_matplotlib, run_command
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
 
-QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="400mbit", link_share=0.5,
+QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
              activation_budget_mb="auto:0.2", pin_cores=True, no_limit=True,
              hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, microbatches=4, vpp=4,
              layers_per_chunk=1)
-"""``--quick``: PP=2 x DP=2 (gradient reduction over the shaped network), V = 4, m = 4, 400 Mbit/s shared by
-the two data-parallel rings (link share 0.5), an activation budget 20% of the way from the depth-first to the
-breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured iterations, no
-unshaped runs. Every value can be overridden by its flag."""
+"""``--quick``: PP=2 x DP=2 (gradient reduction over the shaped network), V = 4, m = 4, a 250 Mbit/s NIC per rank
+(``--network per-rank``: depth-first at V = 4 then waits on communication for about 29% of its iteration, inside
+the 25-40% where the schedules differ; measured: docs/benchmarks.md), an activation budget 20% of the way from
+the depth-first to the breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured
+iterations, no unshaped runs. Every value can be overridden by its flag."""
 QUICK_SHARDING = dict(hidden_size=256, num_attention_heads=4, seq_length=128, memory_budget_mb="auto:0.2")
 """``--quick --sharding``: the --quick configuration with a model whose state is a real share of memory: about
 38 MiB of weights + gradients + ZeRO-1 optimizer state per rank (fp32, DP = 2) next to 16-34 MiB of activations
@@ -37,6 +38,7 @@ total. Every value can be overridden by its flag."""
 MODEL_DEFAULTS = dict(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=2, microbatches=8, vpp=2,
                       layers_per_chunk=1, link_share=1.0)
 DEFAULT_RATE = "200mbit"
+NETWORKS = ("per-rank", "shared")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,7 +57,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="PP=2 x DP=2, V=4, m=4, 400 Mbit/s shared, 1 repeat of 1 warm-up + 2 measured iterations "
+                   help="PP=2 x DP=2, V=4, m=4, 250 Mbit/s per rank, 1 repeat of 1 warm-up + 2 measured iterations "
                         "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
                         "budget)")
     run = p.add_argument_group("what to run")
@@ -93,8 +95,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed (default 600)")
     run.add_argument("--no-limit", action="store_true", help="skip the unshaped runs (no fraction of the limit)")
     net = p.add_argument_group("emulated network")
-    net.add_argument("--rate", default=None, help=f"loopback bandwidth shared by all ranks, e.g. 200mbit, 1gbit "
-                                                  f"(default {DEFAULT_RATE})")
+    net.add_argument("--network", choices=NETWORKS, default=None,
+                     help="'per-rank' (default): every rank in its own namespace behind its own NIC, shaped at --rate "
+                          "each way, like one VM per rank on a switched network; 'shared': all ranks on one loopback "
+                          "shaped as one token bucket of --rate for every link and direction")
+    net.add_argument("--rate", default=None, help=f"bandwidth of each rank's NIC each way (--network per-rank) or of the "
+                                                  f"one shared loopback (--network shared), e.g. 200mbit, 1gbit "
+                                                  f"(default {DEFAULT_RATE}; --quick: {QUICK['rate']})")
     net.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay per packet (default 0)")
     net.add_argument("--burst", type=int, default=None, help="tbf burst in bytes (default and minimum 4 x 65536)")
     net.add_argument("--queue-ms", type=float, default=200.0, help="tbf latency (queue limit) in ms (default 200)")
@@ -124,8 +131,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                          "recompute here: Megatron's --fine-grained-activation-offloading needs CUDA and Transformer "
                          "Engine, and --cpu-offloading refuses pipeline parallelism)")
     pm.add_argument("--link-share", type=float, default=None,
-                    help="fraction of the shaped rate one link gets (all ranks share one token bucket), for the "
-                         "predictions, the plans and the calibration (default 1; --quick: 0.5)")
+                    help="fraction of the shaped rate one link gets, for the predictions, the plans and the "
+                         "calibration (default 1; e.g. 0.5 with --network shared, where the two data-parallel rings "
+                         "of PP=2 x DP=2 share one token bucket)")
     out = p.add_argument_group("output")
     out.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                      help="write the results as JSON to FILE (and print the table), or without FILE print JSON "
@@ -239,9 +247,9 @@ def resolve(args: argparse.Namespace) -> dict:
     rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
     shaping = None
     if args.unshaped:
-        if args.rate or args.delay_ms:
-            raise UsageError(f"--unshaped with --rate/--delay-ms is contradictory: --unshaped runs over the plain loopback. "
-                         f"Drop one of them. Example: --rate {rate_text}")
+        if args.rate or args.delay_ms or args.network:
+            raise UsageError(f"--unshaped with --rate/--delay-ms/--network is contradictory: --unshaped runs over the "
+                             f"plain loopback. Drop one of them. Example: --rate {rate_text}")
     else:
         from .netns import MIN_BURST_BYTES, Shaping, parse_rate_mbit
 
@@ -253,7 +261,7 @@ def resolve(args: argparse.Namespace) -> dict:
         if burst < MIN_BURST_BYTES:
             raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
-        shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms)
+        shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms, per_rank=(args.network or "per-rank") == "per-rank")
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                        args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
     budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding
@@ -298,7 +306,8 @@ def resolve(args: argparse.Namespace) -> dict:
             groups[(config.name, "pipemesh")] = (forward, backward)
     return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
             "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu,
-                                     activation_placement=args.activation_placement), "families": families,
+                                     activation_placement=args.activation_placement,
+                                     per_rank_network=shaping is None or shaping.per_rank), "families": families,
             "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
             "link_share": args.link_share, "sharding": bool(args.sharding)}
 
@@ -366,7 +375,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     os.makedirs(out_dir, exist_ok=True)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     variants = ([True] if shaping else []) + ([] if (shaping and args.no_limit) else [False])
-    bandwidth_gbps = shaping.rate_mbit / 1e3 if shaping else 25.0
+    bandwidth_gbps = shaping.payload_bytes_per_s * 8 / 1e9 if shaping else 25.0
     specs, budgets = {}, {}
     for config in configs:
         budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"),
@@ -390,7 +399,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from error
     results: List[RunResult] = []
     started = time.monotonic()
-    namespace = ShapedNamespace(shaping) if shaping else None
+    namespace = ShapedNamespace(shaping, ranks=max(c.world for c in configs)) if shaping else None
     _terminate_as_interrupt()
     try:
         if namespace:
@@ -403,7 +412,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             run_dir = os.path.join(out_dir, "runs")
             train = training_args(model, config, spec, data_flags, run_dir)
             prefix = namespace.prefix() if (shaped and namespace) else []
-            cmd = launch_command(config.world, train, prefix)
+            cmd = launch_command(config.world, train, prefix,
+                                 rank_namespaces=namespace.rank_namespaces if (shaped and namespace) else None,
+                                 master_port=29500 + index % 1000)  # a fresh port per run: no wait on TIME_WAIT
             name = f"{config.name}-{spec.name}-{'shaped' if shaped else 'unshaped'}-r{repeat}"
             cores = stage_cores(config.pp, config.dp, machine["cores"]) if args.pin_cores else None
             code, wall, rss, text = _run_one(cmd, run_env(threads, cores=cores),
@@ -427,8 +438,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if namespace:
             namespace.close()
     summary = summarize(results, model, configs, specs, budgets,
-                        shaping.bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
-                        args.link_share, setup["sharding"])
+                        shaping.payload_bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
+                        args.link_share, setup["sharding"], shaping is None or shaping.per_rank)
     for entry in summary:
         threads, over = threads_per_rank(entry["world"], machine["cores"])
         entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"],
@@ -437,6 +448,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     document = {
         "machine": machine, "network": {"shaped": bool(shaping), "rate_mbit": shaping.rate_mbit if shaping else None,
                                         "delay_ms": shaping.delay_ms if shaping else 0.0,
+                                        "topology": (("per-rank" if shaping.per_rank else "shared") if shaping
+                                                     else None),
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
         "model": {**model.__dict__, "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
         "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}

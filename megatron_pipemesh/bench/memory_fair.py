@@ -141,10 +141,12 @@ STOCK_SHARDING_NOTE = (
 def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
                  distributed_optimizer: bool = False) -> ClusterSpec:
     """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; pipeline links at the shaped rate
-    (``gbps``, the link share applied); data parallel at ``gbps`` / d: the d ranks of a ring all send
-    through the one shaped token bucket at once (:func:`.calibrate.shared_bucket_allreduce_s`); with the
-    distributed optimizer (``--sharding``) the all-reduce becomes a reduce-scatter plus an all-gather."""
-    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=gbps / config.dp, p2p_gbps=gbps,
+    (``gbps``, the link share applied); data parallel at ``gbps`` per rank with a NIC per rank
+    (``auto.per_rank_network``), else at ``gbps`` / d: the d ranks of a ring all send through the one shaped
+    token bucket at once (:func:`.calibrate.allreduce_s`); with the distributed optimizer (``--sharding``) the
+    all-reduce becomes a reduce-scatter plus an all-gather."""
+    dp_gbps = gbps if auto.per_rank_network else gbps / config.dp
+    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=dp_gbps, p2p_gbps=gbps,
                        distributed_optimizer=distributed_optimizer, memory_gbs=CPU_MEMORY_GBS,
                        host_link_gbps=CPU_HOST_LINK_GBPS)
 

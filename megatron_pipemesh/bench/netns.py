@@ -1,9 +1,17 @@
-"""A network namespace whose loopback is shaped with ``tc``: an emulated commodity network on one machine.
+"""Network namespaces shaped with ``tc``: an emulated commodity network on one machine.
 
-All ranks of a run are started with ``ip netns exec NAME ...``; they talk over the namespace's own
-``lo``, which carries a token-bucket filter (``tbf``) of the given rate and, when a delay is asked for,
-a ``netem`` delay in front of it. The filter shapes the *aggregate* traffic of all ranks (one
-loopback device), not each link separately.
+Two topologies (:attr:`Shaping.per_rank`):
+
+* **per rank** (default): one VM per rank. Every rank runs in its own namespace ``NAME-r<rank>`` whose only
+  interface ``eth0`` is one end of a veth pair; the other ends hang on a bridge in the hub namespace ``NAME``
+  (which holds the launcher and its rendezvous store at :data:`HUB_ADDRESS`). Each rank's NIC is shaped in both
+  directions at the rate: a token-bucket filter (``tbf``, behind a ``netem`` delay when one is asked for) on
+  ``eth0`` (its uplink) and a ``tbf`` on its bridge port (its downlink). Ranks do not share a bucket, as VMs on
+  a switched network do not; a rank's data-parallel ring and pipeline links do share its NIC.
+* **shared**: all ranks in one namespace talk over its ``lo``, which carries one ``tbf`` (behind the optional
+  ``netem``): one token bucket for the *aggregate* traffic of every rank, link and direction.
+
+A worker enters its rank's namespace through :mod:`.rank_netns` (torchrun starts it in the hub namespace).
 
 The commands are built as argument lists by pure functions (tested without running them);
 :class:`ShapedNamespace` runs them and always deletes the namespace (``finally``; also on Ctrl-C).
@@ -22,6 +30,11 @@ LOOPBACK_MTU = 65536
 """Linux loopback MTU: a tbf burst below it drops every full-size packet."""
 
 MIN_BURST_BYTES = 4 * LOOPBACK_MTU
+
+VETH_PAYLOAD_FRACTION = 1448 / 1514
+"""Share of the shaped rate that carries data on a rank's NIC: tbf counts whole Ethernet frames (1500-byte MTU +
+14-byte header) and a full TCP segment holds 1448 bytes (20 IP + 20 TCP + 12 timestamp-option bytes). On the
+shared loopback (64 KiB MTU) the headers are negligible."""
 
 
 class NamespaceError(RuntimeError):
@@ -58,6 +71,9 @@ class Shaping:
     """Token-bucket size; must be >= 4 x loopback MTU."""
     queue_ms: float = 200.0
     """tbf ``latency``: how long a packet may wait in the queue before being dropped."""
+    per_rank: bool = True
+    """True: every rank has its own NIC shaped at the rate each way (one namespace per rank, see the module
+    docstring); False: every rank shares the loopback of one namespace, one token bucket for all traffic."""
 
     def __post_init__(self):
         if not self.rate_mbit > 0:
@@ -74,8 +90,14 @@ class Shaping:
     def bytes_per_s(self) -> float:
         return self.rate_mbit * 1e6 / 8
 
+    @property
+    def payload_bytes_per_s(self) -> float:
+        """Data bytes per second one link carries at the rate (frame headers taken off): what plans and
+        predictions see."""
+        return self.bytes_per_s * (VETH_PAYLOAD_FRACTION if self.per_rank else 1.0)
+
     def describe(self) -> str:
-        text = f"{self.rate_mbit:g} Mbit/s"
+        text = f"{self.rate_mbit:g} Mbit/s " + ("per rank each way" if self.per_rank else "shared by all ranks")
         if self.delay_ms:
             text += f", +{self.delay_ms:g} ms delay"
         return text
@@ -90,24 +112,65 @@ def _rate_arg(mbit: float) -> str:
     return f"{mbit * 1000:.0f}kbit"
 
 
-def setup_commands(name: str, shaping: Optional[Shaping]) -> List[List[str]]:
-    """The commands that create namespace ``name`` with loopback up and (when given) shaped."""
-    cmds = [["ip", "netns", "add", name], ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]
-    if shaping is None:
-        return cmds
-    tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo"]
+SUBNET = "10.213.0"
+"""The per-rank topology's /24: rank r is ``SUBNET.(r+1)``, the hub :data:`HUB_ADDRESS` (private to the namespaces)."""
+HUB_ADDRESS = f"{SUBNET}.254"
+"""The hub namespace's bridge address: torchrun's rendezvous store (``--master-addr``) in the per-rank topology."""
+RANK_INTERFACE = "eth0"
+"""A rank namespace's one interface (its NIC): what gloo binds to there (``GLOO_SOCKET_IFNAME``)."""
+BRIDGE = "pmbr0"
+MAX_RANKS = 250
+"""Ranks the per-rank topology's /24 holds (1..250; .254 is the hub)."""
+
+
+def rank_namespace(name: str, rank: int) -> str:
+    """The namespace of ``rank`` in the per-rank topology whose hub is ``name``."""
+    return f"{name}-r{rank}"
+
+
+def _qdisc(namespace: str, dev: str, shaping: Shaping, delay: bool) -> List[List[str]]:
+    """tbf at the rate on ``dev`` of ``namespace``, behind a netem delay when ``delay`` and one is asked for."""
+    tc = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", dev]
     tbf = ["tbf", "rate", _rate_arg(shaping.rate_mbit), "burst", str(shaping.burst_bytes),
            "latency", f"{shaping.queue_ms:g}ms"]
-    if shaping.delay_ms > 0:
-        cmds.append(tc + ["root", "handle", "1:", "netem", "delay", f"{shaping.delay_ms:g}ms"])
-        cmds.append(tc + ["parent", "1:1", "handle", "10:"] + tbf)
-    else:
-        cmds.append(tc + ["root"] + tbf)
+    if delay and shaping.delay_ms > 0:
+        return [tc + ["root", "handle", "1:", "netem", "delay", f"{shaping.delay_ms:g}ms"],
+                tc + ["parent", "1:1", "handle", "10:"] + tbf]
+    return [tc + ["root"] + tbf]
+
+
+def _ip(namespace: str, *args: str) -> List[str]:
+    return ["ip", "netns", "exec", namespace, "ip", *args]
+
+
+def setup_commands(name: str, shaping: Optional[Shaping], ranks: int = 0) -> List[List[str]]:
+    """The commands that create namespace ``name`` with loopback up and (when given) shaped; with a per-rank
+    ``shaping``, also the bridge and the ``ranks`` rank namespaces with their shaped NICs."""
+    cmds = [["ip", "netns", "add", name], _ip(name, "link", "set", "lo", "up")]
+    if shaping is None:
+        return cmds
+    if not shaping.per_rank:
+        return cmds + _qdisc(name, "lo", shaping, delay=True)
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"the per-rank network holds 1..{MAX_RANKS} ranks, not {ranks}")
+    cmds += [_ip(name, "link", "add", BRIDGE, "type", "bridge"),
+             _ip(name, "addr", "add", f"{HUB_ADDRESS}/24", "dev", BRIDGE), _ip(name, "link", "set", BRIDGE, "up")]
+    for rank in range(ranks):
+        own, port = rank_namespace(name, rank), f"v{rank}"
+        cmds += [["ip", "netns", "add", own], _ip(own, "link", "set", "lo", "up"),
+                 # created in the hub, its peer moved into the rank's namespace at once
+                 _ip(name, "link", "add", port, "type", "veth", "peer", "name", RANK_INTERFACE, "netns", own),
+                 _ip(name, "link", "set", port, "master", BRIDGE), _ip(name, "link", "set", port, "up"),
+                 _ip(own, "addr", "add", f"{SUBNET}.{rank + 1}/24", "dev", RANK_INTERFACE),
+                 _ip(own, "link", "set", RANK_INTERFACE, "up")]
+        # uplink (with the one-way delay) and downlink, each at the rate
+        cmds += _qdisc(own, RANK_INTERFACE, shaping, delay=True) + _qdisc(name, port, shaping, delay=False)
     return cmds
 
 
-def teardown_commands(name: str) -> List[List[str]]:
-    return [["ip", "netns", "delete", name]]
+def teardown_commands(name: str, ranks: int = 0) -> List[List[str]]:
+    """Delete the rank namespaces (their veth pairs go with them), then the hub."""
+    return [["ip", "netns", "delete", rank_namespace(name, r)] for r in range(ranks)] + [["ip", "netns", "delete", name]]
 
 
 def exec_prefix(name: str) -> List[str]:
@@ -136,8 +199,10 @@ def _run(cmd: Sequence[str]) -> None:
 class ShapedNamespace:
     """Context manager: create + shape on enter, delete on exit (also after errors and Ctrl-C)."""
 
-    def __init__(self, shaping: Optional[Shaping], name: Optional[str] = None, runner=_run):
+    def __init__(self, shaping: Optional[Shaping], name: Optional[str] = None, runner=_run, ranks: int = 0):
         self.shaping, self.name, self._run = shaping, name or new_namespace_name(), runner
+        self.ranks = ranks if (shaping is not None and shaping.per_rank) else 0
+        """Rank namespaces (per-rank topology; 0 for the shared one)."""
         self.created = False
 
     def __enter__(self) -> "ShapedNamespace":
@@ -146,7 +211,7 @@ class ShapedNamespace:
             raise NamespaceError(f"cannot emulate the slow network: {problem}. Run as root, or pass --unshaped "
                                  "to benchmark over the plain loopback (no shaping)")
         try:
-            for i, cmd in enumerate(setup_commands(self.name, self.shaping)):
+            for i, cmd in enumerate(setup_commands(self.name, self.shaping, self.ranks)):
                 self._run(cmd)
                 if i == 0:
                     self.created = True
@@ -156,12 +221,18 @@ class ShapedNamespace:
         return self
 
     def prefix(self) -> List[str]:
+        """Runs a command in the (hub) namespace: the launcher, or every rank in the shared topology."""
         return exec_prefix(self.name)
+
+    @property
+    def rank_namespaces(self) -> Optional[str]:
+        """The name whose ``-r<rank>`` namespaces the workers enter (:mod:`.rank_netns`); None: shared topology."""
+        return self.name if self.ranks else None
 
     def close(self) -> None:
         if self.created:
             self.created = False
-            for cmd in teardown_commands(self.name):
+            for cmd in teardown_commands(self.name, self.ranks):  # each one tried: a rank's may not exist yet
                 try:
                     self._run(cmd)
                 except NamespaceError:

@@ -69,10 +69,11 @@ def variant_metrics(runs: Sequence[RunResult], model: ModelSetup, config: Parall
 
 def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence[ParallelConfig],
               specs: Dict[str, Sequence[RunSpec]], budgets: Dict[str, Optional[float]], bytes_per_s: Optional[float],
-              latency_s: float, link_share: float = 1.0, sharding: bool = False) -> List[dict]:
+              latency_s: float, link_share: float = 1.0, sharding: bool = False, per_rank: bool = True) -> List[dict]:
     """Per configuration: one row per run spec (shaped/unshaped metrics, measured peak activation bytes per
-    rank, ``fits`` the budget), the best stock row that fits, PipeMesh's ratios to it, calibration. With
-    ``sharding`` the budget is per-rank memory (model state + activations) and rows carry their levels."""
+    rank, ``fits`` the budget), the best stock row that fits, PipeMesh's ratios to it, calibration (on the
+    network's topology: ``per_rank`` NICs or one shared bucket). With ``sharding`` the budget is per-rank
+    memory (model state + activations) and rows carry their levels."""
     out = []
     for config in configs:
         budget = budgets.get(config.name)
@@ -96,7 +97,7 @@ def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence
             if base is not None and None not in base["forward_compute_ms"] and None not in base["backward_compute_ms"]:
                 row["calibration"] = calibration_row(model, config, spec, base, shaped if ok(shaped) else None,
                                                      unshaped if ok(unshaped) else None, bytes_per_s, latency_s,
-                                                     link_share, overhead or 0.0)
+                                                     link_share, overhead or 0.0, per_rank)
         _ratios(entry)
         out.append(entry)
     return out
@@ -177,7 +178,7 @@ def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: 
 
 
 def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_per_s, latency_s, link_share,
-                    overhead_s: float = 0.0) -> dict:
+                    overhead_s: float = 0.0, per_rank: bool = True) -> dict:
     try:
         sched = spec.schedule_config(config.pp, model.vpp, model.microbatches)
     except ValueError as error:
@@ -188,7 +189,7 @@ def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_
         if measured is None or (name == "shaped" and not bytes_per_s):
             continue
         pred = predict_iteration_ms(model, config, sched, compute, bw, (latency_s if bw else 0.0) + overhead_s, link_share,
-                                    spec.sharding)
+                                    spec.sharding, per_rank)
         meas = measured["iteration_ms_median"]
         row[name] = {**pred, "measured_iteration_ms": meas,
                      "error": (pred["iteration_ms"] - meas) / meas}

@@ -93,6 +93,9 @@ class AutoPlanSettings:
     ``--fine-grained-activation-offloading`` works in every pipeline schedule but needs CUDA and Transformer
     Engine (``training/arguments.py:1854-1856``), and ``--cpu-offloading`` refuses pipeline parallelism
     (``transformer_config.py:1714-1717``). The study models the former for stock (:class:`..planning.stock.StockOffload`)."""
+    per_rank_network: bool = True
+    """The shaped network the plans and predictions see: True, a NIC per rank (a data-parallel ring runs at the rate
+    per rank); False, one token bucket for all ranks (a ring of d ranks at the rate / d). See :mod:`.netns`."""
 
 
 def default_groups(pp: int, m: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -147,10 +150,25 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
     return args + list(sharding)
 
 
+TRAIN_MODULE = ("-m", "megatron_pipemesh.training.pretrain_gpt")
+
+
 def launch_command(nproc: int, train_args: Sequence[str], prefix: Sequence[str] = (),
-                   python: str = sys.executable) -> List[str]:
-    return list(prefix) + [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                           "-m", "megatron_pipemesh.training.pretrain_gpt", *train_args]
+                   python: str = sys.executable, rank_namespaces: Optional[str] = None,
+                   master_port: int = 29500, target: Sequence[str] = TRAIN_MODULE) -> List[str]:
+    """torchrun of ``target`` (the bench's GPT; or a script) on ``nproc`` ranks, after ``prefix`` (e.g.
+    ``ip netns exec NAME``). With ``rank_namespaces`` (the per-rank network's hub name) every worker enters its
+    own namespace (:mod:`.rank_netns`) and meets the others at the hub's rendezvous store
+    (``HUB_ADDRESS:master_port``)."""
+    train = [*target, *train_args]
+    if rank_namespaces is None:
+        return list(prefix) + [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                               *train]
+    from .netns import HUB_ADDRESS
+
+    return list(prefix) + [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                           "--master-addr", HUB_ADDRESS, "--master-port", str(master_port),
+                           "-m", "megatron_pipemesh.bench.rank_netns", rank_namespaces, *train]
 
 
 def threads_per_rank(world: int, cores: Optional[int] = None) -> Tuple[int, bool]:

@@ -37,6 +37,7 @@ def _args(*argv):
     (["--hidden-size", "250", "--num-attention-heads", "4"], "divisible"),
     (["--mfu", "2"], "fractions"),
     (["--unshaped", "--rate", "100mbit"], "contradictory"),
+    (["--unshaped", "--network", "shared"], "contradictory"),
     (["--configs", "pp4", "--microbatches", "2"], "at least the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "1", "7"], "smaller than the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "4", "4", "--backward-groups", "3"], "--backward-groups"),
@@ -55,15 +56,18 @@ def test_main_prints_one_paragraph_and_exits_2(capsys):
 
 
 def test_quick_defaults():
-    """--quick: PP=2 x DP=2 with V=4, m=4, 400 Mbit/s shared by two rings, budget auto:0.2, pinned, no unshaped runs;
+    """--quick: PP=2 x DP=2 with V=4, m=4, a 250 Mbit/s NIC per rank, budget auto:0.2, pinned, no unshaped runs;
     a flag the user gives wins over the --quick value."""
     args = _args("--quick")
     setup = bench_cli.resolve(args)
     assert [c.name for c in setup["configs"]] == ["pp2xdp2"]
     assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
     assert (setup["model"].hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
-    assert setup["shaping"].rate_mbit == 400 and setup["shaping"].burst_bytes >= 4 * 65536
-    assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 0.5 and args.pin_cores and args.no_limit
+    assert setup["shaping"].rate_mbit == 250 and setup["shaping"].burst_bytes >= 4 * 65536
+    assert setup["shaping"].per_rank and setup["auto"].per_rank_network
+    assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 1.0 and args.pin_cores and args.no_limit
+    shared = bench_cli.resolve(_args("--quick", "--network", "shared", "--link-share", "0.5"))
+    assert not shared["shaping"].per_rank and not shared["auto"].per_rank_network and shared["link_share"] == 0.5
     assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
     assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].hidden_size == 128
     plain = bench_cli.resolve(_args())
@@ -138,6 +142,11 @@ def test_training_args_per_row():
     cmd = launch_command(2, ["--x"], ["ip", "netns", "exec", "ns"], python="py")
     assert cmd == ["ip", "netns", "exec", "ns", "py", "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "2", "-m", "megatron_pipemesh.training.pretrain_gpt", "--x"]
+    # per-rank network: torchrun in the hub, its store on the hub's bridge address, each worker in its namespace
+    cmd = launch_command(4, ["--x"], ["ip", "netns", "exec", "h"], python="py", rank_namespaces="h", master_port=29507)
+    assert cmd == ["ip", "netns", "exec", "h", "py", "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc-per-node", "4", "--master-addr", "10.213.0.254", "--master-port", "29507",
+                   "-m", "megatron_pipemesh.bench.rank_netns", "h", "-m", "megatron_pipemesh.training.pretrain_gpt", "--x"]
 
 
 def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):

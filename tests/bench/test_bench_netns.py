@@ -1,5 +1,6 @@
 """Namespace and tc command construction (nothing is run), plus a real namespace when root + ip netns work."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -25,8 +26,9 @@ def test_parse_rate_rejects(text):
 
 
 def test_setup_commands_tbf_only():
-    """Without delay the namespace gets lo up and one tbf qdisc with the rate, the minimum burst and 200 ms latency."""
-    cmds = setup_commands("pmbench-x", Shaping(200.0))
+    """Shared: without delay the namespace gets lo up and one tbf qdisc with the rate, the minimum burst and 200 ms
+    latency."""
+    cmds = setup_commands("pmbench-x", Shaping(200.0, per_rank=False))
     assert cmds == [
         ["ip", "netns", "add", "pmbench-x"],
         ["ip", "netns", "exec", "pmbench-x", "ip", "link", "set", "lo", "up"],
@@ -36,12 +38,57 @@ def test_setup_commands_tbf_only():
 
 
 def test_setup_commands_with_delay():
-    """With a delay, netem is the root qdisc and tbf its child with the given burst and queue latency."""
-    cmds = setup_commands("n1", Shaping(50.0, delay_ms=2.5, burst_bytes=10 ** 6, queue_ms=100))
+    """Shared, with a delay: netem is the root qdisc and tbf its child with the given burst and queue latency."""
+    cmds = setup_commands("n1", Shaping(50.0, delay_ms=2.5, burst_bytes=10 ** 6, queue_ms=100, per_rank=False))
     assert cmds[2] == ["ip", "netns", "exec", "n1", "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
                        "netem", "delay", "2.5ms"]
     assert cmds[3] == ["ip", "netns", "exec", "n1", "tc", "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:",
                        "tbf", "rate", "50000kbit", "burst", "1000000", "latency", "100ms"]
+
+
+def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
+    """Per rank: a bridge in the hub, a namespace per rank whose eth0 (its address SUBNET.r+1) is a veth to a bridge
+    port; tbf at the rate on both ends (uplink behind the netem delay, downlink without it); teardown removes
+    every rank namespace, then the hub."""
+    shaping = Shaping(100.0, delay_ms=1.0)
+    cmds = setup_commands("h", shaping, ranks=2)
+    text = [" ".join(c) for c in cmds]
+    assert "ip netns exec h ip link add pmbr0 type bridge" in text
+    assert f"ip netns exec h ip addr add {netns.HUB_ADDRESS}/24 dev pmbr0" in text
+    for rank in range(2):
+        own = f"h-r{rank}"
+        assert f"ip netns add {own}" in text
+        assert f"ip netns exec h ip link add v{rank} type veth peer name eth0 netns {own}" in text
+        assert f"ip netns exec h ip link set v{rank} master pmbr0" in text
+        assert f"ip netns exec {own} ip addr add 10.213.0.{rank + 1}/24 dev eth0" in text
+        assert f"ip netns exec {own} tc qdisc add dev eth0 root handle 1: netem delay 1ms" in text
+        assert (f"ip netns exec {own} tc qdisc add dev eth0 parent 1:1 handle 10: tbf rate 100000kbit burst 262144 "
+                "latency 200ms") in text
+        assert f"ip netns exec h tc qdisc add dev v{rank} root tbf rate 100000kbit burst 262144 latency 200ms" in text
+    # a rank's namespace exists before its veth end is moved into it
+    assert text.index("ip netns add h-r1") < text.index("ip netns exec h ip link add v1 type veth peer name eth0 netns h-r1")
+    assert not any("dev lo root" in t and "tbf" in t for t in text)  # the loopbacks stay unshaped
+    assert teardown_commands("h", 2) == [["ip", "netns", "delete", "h-r0"], ["ip", "netns", "delete", "h-r1"],
+                                         ["ip", "netns", "delete", "h"]]
+    with pytest.raises(ValueError, match="1..250 ranks"):
+        setup_commands("h", shaping, ranks=0)
+
+
+def test_rank_worker_enters_its_namespace():
+    """The worker wrapper runs the rest of its arguments with python inside NAME-r<LOCAL_RANK>."""
+    from megatron_pipemesh.bench.rank_netns import worker_command
+
+    assert worker_command("h", 3, ["-m", "mod", "--x"], python="py") == ["ip", "netns", "exec", "h-r3", "py", "-m",
+                                                                         "mod", "--x"]
+
+
+def test_rank_worker_refuses_to_run_outside_torchrun(monkeypatch):
+    """Without torchrun's LOCAL_RANK the wrapper stops with a usage message instead of guessing a rank."""
+    from megatron_pipemesh.bench import rank_netns
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit, match="LOCAL_RANK"):
+        rank_netns.main(["h", "-m", "mod"])
 
 
 def test_unshaped_namespace_and_teardown():
@@ -61,6 +108,9 @@ def test_shaping_validation():
     with pytest.raises(ValueError):
         Shaping(100.0, delay_ms=-1)
     assert Shaping(8.0).bytes_per_s == 1e6
+    # a NIC's frames carry 1448 data bytes per 1514 on the wire; the shared loopback's 64 KiB frames ~ nothing
+    assert Shaping(8.0).payload_bytes_per_s == pytest.approx(1e6 * 1448 / 1514)
+    assert Shaping(8.0, per_rank=False).payload_bytes_per_s == 1e6
     assert MIN_BURST_BYTES == 4 * 65536
 
 
@@ -85,7 +135,7 @@ def test_namespace_deleted_after_error_in_body(monkeypatch):
     """The namespace is deleted exactly once when the body raises (even KeyboardInterrupt)."""
     calls, runner = _fake(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        with ShapedNamespace(Shaping(100.0), name="nsA", runner=runner):
+        with ShapedNamespace(Shaping(100.0, per_rank=False), name="nsA", runner=runner):
             raise KeyboardInterrupt
     assert calls[-1] == ["ip", "netns", "delete", "nsA"]
     assert sum(c[:3] == ["ip", "netns", "delete"] for c in calls) == 1
@@ -95,8 +145,16 @@ def test_namespace_deleted_when_shaping_fails(monkeypatch):
     """A failing tc command still deletes the namespace and raises NamespaceError."""
     calls, runner = _fake(monkeypatch, fail_on="tc")
     with pytest.raises(NamespaceError):
-        ShapedNamespace(Shaping(100.0), name="nsB", runner=runner).__enter__()
+        ShapedNamespace(Shaping(100.0, per_rank=False), name="nsB", runner=runner).__enter__()
     assert calls[-1] == ["ip", "netns", "delete", "nsB"]
+
+
+def test_per_rank_namespaces_all_deleted_when_setup_fails_midway(monkeypatch):
+    """A failure while shaping the per-rank network deletes every rank namespace and the hub (each tried)."""
+    calls, runner = _fake(monkeypatch, fail_on="tc")
+    with pytest.raises(NamespaceError):
+        ShapedNamespace(Shaping(100.0), name="nsP", runner=runner, ranks=3).__enter__()
+    assert calls[-4:] == [["ip", "netns", "delete", f"nsP-r{r}"] for r in range(3)] + [["ip", "netns", "delete", "nsP"]]
 
 
 def test_no_permission_message(monkeypatch):
@@ -119,7 +177,7 @@ def _netns_works() -> bool:
 @pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
 def test_real_shaped_namespace_is_created_and_removed():
     """With root, a real namespace has lo up and a 200 Mbit tbf qdisc, and is gone afterwards."""
-    with ShapedNamespace(Shaping(200.0)) as ns:
+    with ShapedNamespace(Shaping(200.0, per_rank=False)) as ns:
         shown = subprocess.run(ns.prefix() + ["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
         assert "tbf" in shown and "rate 200Mbit" in shown
         up = subprocess.run(ns.prefix() + ["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
@@ -127,3 +185,46 @@ def test_real_shaped_namespace_is_created_and_removed():
         name = ns.name
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert name not in listed
+
+
+PAIR_SCRIPT = """
+import os, subprocess, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+where = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True).stdout.strip()
+payload = torch.ones(NBYTES // 4)
+dist.barrier()
+start = time.monotonic()
+if rank % 2 == 0:
+    dist.send(payload, rank + 1)
+else:
+    dist.recv(payload, rank - 1)
+    print(f"pair {rank - 1}->{rank}: {time.monotonic() - start:.3f} s", flush=True)
+print(f"rank {rank} in {where} via {os.environ['GLOO_SOCKET_IFNAME']}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
+def test_real_per_rank_network_gives_every_rank_its_own_nic(tmp_path):
+    """Four gloo ranks launched as the bench launches them: each one runs in its own namespace through its eth0,
+    and two pairs sending at once each get the whole rate (one token bucket for all ranks would halve it)."""
+    from megatron_pipemesh.bench.runner import launch_command, run_once
+
+    rate_mbit, nbytes = 80.0, 4_000_000  # 0.4 s per pair at the full rate, 0.8 s through one shared bucket
+    script = tmp_path / "pairs.py"
+    script.write_text(PAIR_SCRIPT.replace("NBYTES", str(nbytes)))
+    with ShapedNamespace(Shaping(rate_mbit), ranks=4) as ns:
+        cmd = launch_command(4, [], ns.prefix(), rank_namespaces=ns.rank_namespaces, target=(str(script),))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}  # the wrapper must override it
+        code, _, _, text = run_once(cmd, env, str(tmp_path / "log.txt"), 120, sample_memory=False)
+        name = ns.name
+    assert code == 0, text[-3000:]
+    for rank in range(4):
+        assert f"rank {rank} in {name}-r{rank} via eth0" in text
+    seconds = [float(x) for x in re.findall(r"pair \d->\d: ([0-9.]+) s", text)]
+    ideal = nbytes * 8 / (rate_mbit * 1e6)
+    assert len(seconds) == 2 and all(0.6 * ideal <= t <= 1.45 * ideal for t in seconds), (seconds, ideal)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed and f"{name}-r0" not in listed

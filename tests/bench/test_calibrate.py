@@ -1,9 +1,10 @@
 """bench/calibrate.py on recorded numbers: the shared token bucket's data-parallel accounting keeps the
-simulator within 15% of the measured PP=2 x DP=2 ``--quick`` rows."""
+simulator within 15% of the measured PP=2 x DP=2 ``--quick`` rows of ``--network shared``; the per-rank
+network's accounting."""
 import pytest
 
-from megatron_pipemesh.bench.calibrate import (MeasuredCompute, embedding_allreduce_s, predict_iteration_ms,
-                                               shared_bucket_allreduce_s)
+from megatron_pipemesh.bench.calibrate import (MeasuredCompute, allreduce_s, embedding_allreduce_s,
+                                               predict_iteration_ms, shared_bucket_allreduce_s)
 from megatron_pipemesh.bench.runner import ModelSetup, ParallelConfig
 from megatron_pipemesh.schedule.config import ScheduleConfig
 
@@ -28,7 +29,8 @@ def _predict(sched, compute, idle, iteration_ms, backward_share, link_share):
     forward_backward = max(c + i for c, i in zip(compute, idle))
     measured = MeasuredCompute([s / (1 + backward_share) for s in stage],
                                [s * backward_share / (1 + backward_share) for s in stage], iteration_ms - forward_backward)
-    return predict_iteration_ms(QUICK_MODEL, ParallelConfig(2, 2), sched, measured, RATE, 0.0, link_share)
+    return predict_iteration_ms(QUICK_MODEL, ParallelConfig(2, 2), sched, measured, RATE, 0.0, link_share,
+                                per_rank=False)
 
 
 def test_shared_bucket_allreduce():
@@ -36,8 +38,18 @@ def test_shared_bucket_allreduce():
     assert shared_bucket_allreduce_s(1e6, 2, 1e6) == pytest.approx(2.0)
     assert shared_bucket_allreduce_s(1e6, 4, 1e6, groups=2) == pytest.approx(12.0)
     assert shared_bucket_allreduce_s(1e6, 1, 1e6) == 0.0
-    assert embedding_allreduce_s(QUICK_MODEL, RATE, dp=2) == pytest.approx(2 * 384 * 384 * 4 * 2 / RATE)
+    assert embedding_allreduce_s(QUICK_MODEL, RATE, dp=2, per_rank=False) == pytest.approx(2 * 384 * 384 * 4 * 2 / RATE)
     assert embedding_allreduce_s(QUICK_MODEL, None, dp=2) == 0.0
+
+
+def test_per_rank_allreduce():
+    """With a NIC per rank each rank of a ring sends 2(d-1)/d x bytes through its own NIC; rings of other stages
+    (groups) use other NICs, so they add nothing."""
+    assert allreduce_s(1e6, 2, 1e6) == pytest.approx(1.0)
+    assert allreduce_s(1e6, 4, 1e6, groups=2) == pytest.approx(1.5)
+    assert allreduce_s(1e6, 1, 1e6) == 0.0
+    assert allreduce_s(1e6, 4, 1e6, groups=2, per_rank=False) == shared_bucket_allreduce_s(1e6, 4, 1e6, groups=2)
+    assert embedding_allreduce_s(QUICK_MODEL, RATE, dp=2) == pytest.approx(384 * 384 * 4 / RATE)
 
 
 @pytest.mark.parametrize("name,sched,compute,idle,iteration_ms,backward_share", RECORDED)

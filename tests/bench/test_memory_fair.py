@@ -85,12 +85,17 @@ def test_runnable_options_leave_out_modules_broken_on_cpu():
     assert sum(o.granularity == "full" for o in options) == 4  # block and uniform, k = 1, 2
 
 
-def test_planner_sees_the_shared_bucket_for_data_parallel():
-    """Plans priced with a link per rank: the d ranks of a ring share the one shaped bucket (rate / d)."""
+def test_planner_sees_the_bench_network_for_data_parallel():
+    """Plans see the bench's topology: with a NIC per rank a ring runs at the rate per rank; on the shared
+    loopback the d ranks of a ring share the one shaped bucket (rate / d)."""
+    from dataclasses import replace
+
     from megatron_pipemesh.bench.memory_fair import cluster_spec
 
     cluster = cluster_spec(CONFIG, AUTO, GBPS)
-    assert cluster.p2p_gbps == GBPS and cluster.dp_gbps == pytest.approx(GBPS / CONFIG.dp)
+    assert cluster.p2p_gbps == GBPS and cluster.dp_gbps == GBPS
+    shared = cluster_spec(CONFIG, replace(AUTO, per_rank_network=False), GBPS)
+    assert shared.p2p_gbps == GBPS and shared.dp_gbps == pytest.approx(GBPS / CONFIG.dp)
 
 
 def test_placement_mode_reaches_the_pipemesh_plans(tmp_path):
