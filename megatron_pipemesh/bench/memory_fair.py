@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
+from ..planning.memory import recomputable_modules
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, rank_splits
 from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
                               schedule_options)
@@ -204,20 +205,15 @@ def _row_name(setting: StockSetting) -> str:
     return "1f1b" if setting.vpp == 1 else f"interleaved-V{setting.vpp}-g{setting.effective_group_size}"
 
 
-CPU_BROKEN_MODULES = frozenset({"layernorm", "mlp"})
-"""``--recompute-modules`` values that do not run on this CPU stack (megatron-core 0.19.2 without Transformer
-Engine): ``layernorm`` fails (``CheckpointWithoutOutput`` needs Transformer Engine's FP8GlobalStateManager),
-``mlp`` never finishes its first training step (nested reentrant checkpoint backwards: the GPT MLP returns its
-bias parameter). Stock rows leave them out here; PipeMesh's rows are planned with the module sets its runtime
-applies to the model (:func:`megatron_pipemesh.planning.costs.planning_levels`: the same two defects leave
-none / selective core_attn / full for the bench's GPT, which has linear biases)."""
-
-
-def runnable_options(layers_per_chunk: int, layer_spec: str = "local",
-                     broken: frozenset = CPU_BROKEN_MODULES) -> List[StockRecompute]:
+def runnable_options(layers_per_chunk: int, model: ModelSpec) -> List[StockRecompute]:
     """Stock recomputation settings that run here: every option of :func:`recompute_options` whose
-    ``--recompute-modules`` avoid ``broken``."""
-    return [o for o in recompute_options(layers_per_chunk, layer_spec) if not (set(o.modules) & broken)]
+    ``--recompute-modules`` megatron-core 0.19.2 can recompute for ``model`` without Transformer Engine
+    (:func:`megatron_pipemesh.planning.memory.recomputable_modules`, which PipeMesh's planner uses too). For the
+    bench's GPT (linear biases, local spec) that leaves out ``layernorm`` (``CheckpointWithoutOutput`` needs
+    Transformer Engine) and ``mlp`` (its first training step never finishes: the MLP returns its bias
+    parameter)."""
+    runnable = recomputable_modules(model.layer_spec, model.linear_bias, transformer_engine=False)
+    return [o for o in recompute_options(layers_per_chunk, model.layer_spec) if set(o.modules) <= runnable]
 
 
 def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
@@ -226,7 +222,7 @@ def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: in
     least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
     none fits, the one with the smallest peak (largest rank). ``static``: model state per pipeline rank that
     shares the budget with the activations (``--sharding``; none otherwise)."""
-    options = runnable_options(spec.num_layers // (pp * vpp), spec.layer_spec)
+    options = runnable_options(spec.num_layers // (pp * vpp), spec)
     probe = StockSetting(pp, vpp, m, g)
     costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
     peaks = order_peaks(probe.config(), costs, [o.level for o in options])

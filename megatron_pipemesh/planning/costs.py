@@ -31,7 +31,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import HOST_LEVEL
 from ..schedule.ops import Op, OpKind
-from .memory import ActivationShape, activation_bytes, parse_level, selective_levels, transient_bytes
+from .memory import ActivationShape, activation_bytes, parse_level, recomputable_modules, selective_levels, transient_bytes
 
 GB = 1024 ** 3
 
@@ -208,9 +208,9 @@ layer's ~16 sbh."""
 def planning_levels(model: ModelSpec) -> Tuple[str, ...]:
     """The levels PipeMesh's planner chooses from per chunk-micro-batch, each one its runtime applies to
     ``model``: none, the selective module sets of :data:`PLANNED_MODULES` that act on its layer spec
-    (:func:`.memory.selective_levels`; ``mlp`` only without linear biases: megatron-core 0.19.2 cannot
-    recompute an MLP that returns its bias parameter, ``runtime/recompute.py``) and full."""
-    allowed = set(PLANNED_MODULES) - ({"mlp"} if model.linear_bias else set())
+    (:func:`.memory.selective_levels`) and that megatron-core 0.19.2 can recompute for it
+    (:func:`.memory.recomputable_modules`: ``mlp`` only without linear biases), and full."""
+    allowed = set(PLANNED_MODULES) & recomputable_modules(model.layer_spec, model.linear_bias)
     chosen = tuple(level for level in selective_levels(model.layer_spec)
                    if parse_level(level)[1] <= allowed)
     return ("none",) + chosen + ("full",)

@@ -105,6 +105,22 @@ def selective_module_sets(layer_spec: str = "local") -> Tuple[Tuple[str, ...], .
     return tuple(chosen for size in range(1, len(modules) + 1) for chosen in combinations(modules, size))
 
 
+def recomputable_modules(layer_spec: str, linear_bias: bool, transformer_engine: bool = False) -> FrozenSet[str]:
+    """The :data:`SELECTIVE_MODULES` megatron-core 0.19.2 can recompute in a dense layer of this model and install.
+    ``mlp`` only without linear biases: an MLP that returns its bias Parameter makes Megatron's CheckpointFunction
+    re-enter its own backward without end (``runtime/recompute.py`` names the lines). ``layernorm`` only on the
+    local spec (Transformer Engine's fuses the norms: nothing to recompute) and only with Transformer Engine
+    installed (``CheckpointWithoutOutput`` needs its FP8GlobalStateManager). PipeMesh's planner
+    (:func:`.costs.planning_levels`) and the bench's stock rows (``bench/memory_fair.runnable_options``) both
+    choose from these."""
+    out = set(SELECTIVE_MODULES)
+    if linear_bias:
+        out.discard("mlp")
+    if layer_spec == "te" or not transformer_engine:
+        out.discard("layernorm")
+    return frozenset(out)
+
+
 def selective_levels(layer_spec: str = "local") -> Tuple[str, ...]:
     """The level names (:func:`selective_level`) of :func:`selective_module_sets`; 'selective' (core_attn) first."""
     return tuple(selective_level(chosen) for chosen in selective_module_sets(layer_spec))

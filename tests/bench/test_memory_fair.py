@@ -4,6 +4,7 @@ import json
 import pytest
 
 from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, fits, pipemesh_spec, stock_specs)
+from megatron_pipemesh.bench.calibrate import model_spec
 from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig
 from megatron_pipemesh.integration.auto_plan import load_plan
 from megatron_pipemesh.planning.stock import group_sizes
@@ -76,13 +77,19 @@ def test_pipemesh_rows_are_planned_for_the_budget(tmp_path, family):
 
 
 def test_runnable_options_leave_out_modules_broken_on_cpu():
-    """Stock keeps none, selective core_attn and every full uniform/block k; no layernorm or mlp module sets."""
+    """Stock keeps none, selective core_attn and every full uniform/block k; no layernorm or mlp module sets for
+    the bench's GPT (biases, no Transformer Engine); without biases the mlp sets run and are offered."""
+    from dataclasses import replace
+
     from megatron_pipemesh.bench.memory_fair import runnable_options
 
-    options = runnable_options(2)
+    spec = model_spec(MODEL, CONFIG.pp)
+    options = runnable_options(2, spec)
     assert [o.describe() for o in options][:2] == ["no recomputation", "--recompute-granularity selective"]
     assert all(not ({"layernorm", "mlp"} & set(o.modules)) for o in options)
     assert sum(o.granularity == "full" for o in options) == 4  # block and uniform, k = 1, 2
+    bias_free = runnable_options(2, replace(spec, linear_bias=False))
+    assert {o.modules for o in bias_free if o.granularity == "selective"} == {(), ("mlp",), ("core_attn", "mlp")}
 
 
 def test_planner_sees_the_bench_network_for_data_parallel():

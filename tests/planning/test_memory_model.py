@@ -110,3 +110,17 @@ def test_chunk_bytes_stage_terms_and_errors():
         chunk_bytes(shape, 5, 2, 2, 0, 0, "none")
     with pytest.raises(ValueError, match="unknown recompute level"):
         layer_activation_bytes(shape, "partial")
+
+
+@pytest.mark.parametrize("layer_spec,bias,te,expected", [
+    ("local", True, False, {"core_attn"}),  # the bench's GPT here: mlp loops, layernorm needs TE
+    ("local", False, False, {"core_attn", "mlp"}),
+    ("local", False, True, {"core_attn", "layernorm", "mlp"}),
+    ("te", False, True, {"core_attn", "mlp"}),  # TE fuses the norms: nothing for layernorm to recompute
+    ("te", True, True, {"core_attn"}),
+])
+def test_recomputable_modules_follow_the_megatron_core_defects(layer_spec, bias, te, expected):
+    """mlp only without linear biases, layernorm only on the local spec with Transformer Engine installed."""
+    from megatron_pipemesh.planning.memory import recomputable_modules
+
+    assert recomputable_modules(layer_spec, bias, te) == frozenset(expected)
