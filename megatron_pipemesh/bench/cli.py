@@ -26,10 +26,10 @@ QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", 
              hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, microbatches=4, vpp=4,
              layers_per_chunk=1)
 """``--quick``: PP=2 x DP=2 (gradient reduction over the shaped network), V = 4, m = 4, a 250 Mbit/s NIC per rank
-(``--network per-rank``: depth-first at V = 4 then waits on communication for about 29% of its iteration, inside
-the 25-40% where the schedules differ; measured: docs/benchmarks.md), an activation budget 20% of the way from
-the depth-first to the breadth-first peak, ranks pinned per pipeline stage, one repeat of 1 warm-up + 2 measured
-iterations, no unshaped runs. Every value can be overridden by its flag."""
+(``--network per-rank``: depth-first at V = 4 then loses 35-36% of its throughput to communication, 1 - shaped /
+unshaped tokens/s, inside the 25-40% where the schedules differ; measured: docs/benchmarks.md), an activation
+budget 20% of the way from the depth-first to the breadth-first peak, ranks pinned per pipeline stage, one repeat
+of 1 warm-up + 2 measured iterations, no unshaped runs. Every value can be overridden by its flag."""
 QUICK_SHARDING = dict(hidden_size=256, num_attention_heads=4, seq_length=128, memory_budget_mb="auto:0.2")
 """``--quick --sharding``: the --quick configuration with a model whose state is a real share of memory: about
 38 MiB of weights + gradients + ZeRO-1 optimizer state per rank (fp32, DP = 2) next to 16-34 MiB of activations
