@@ -262,6 +262,12 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms, per_rank=(args.network or "per-rank") == "per-rank")
+        from .netns import MAX_RANKS
+
+        too_big = [c.name for c in configs if c.world > MAX_RANKS]
+        if shaping.per_rank and too_big:
+            raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
+                             f"{MAX_RANKS} ranks. Example: --network shared")
     model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                        args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
     budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding

@@ -38,6 +38,7 @@ def _args(*argv):
     (["--mfu", "2"], "fractions"),
     (["--unshaped", "--rate", "100mbit"], "contradictory"),
     (["--unshaped", "--network", "shared"], "contradictory"),
+    (["--configs", "pp2xdp200"], "holds 250 ranks"),
     (["--configs", "pp4", "--microbatches", "2"], "at least the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "1", "7"], "smaller than the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "4", "4", "--backward-groups", "3"], "--backward-groups"),
