@@ -128,6 +128,10 @@ class PipeMeshSchedule:
         connection) or posted NCCL receives (NCCL cannot cancel them). The next call fails naming them."""
         self.abandoned_receives = 0
         """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
+        self.abandoned_sends: List[tuple] = []
+        """Sends a failed call left in flight (work, tensor, ...), kept until they complete: a gloo send whose work
+        is dropped before its receiver posts is cancelled, so the peer would wait out its timeout for data this
+        rank had sent; on NCCL the buffer must outlive the transfer. Completed ones are let go at the next call."""
         self.last_stats: Optional[RuntimeStats] = None
         from .sharding import ShardingRuntime
         self.sharding = ShardingRuntime(options.sharding) if options.sharding else None
@@ -145,7 +149,7 @@ class PipeMeshSchedule:
         """Take over ``previous``'s call counter (transfer tags) and failure state, when this schedule
         replaces it mid-run (re-planning), so stale receives of its failed calls still cannot match."""
         self._calls, self._broken_links = previous._calls, previous._broken_links
-        self.abandoned_receives = previous.abandoned_receives
+        self.abandoned_receives, self.abandoned_sends = previous.abandoned_receives, previous.abandoned_sends
         return self
 
     # Planning ------------------------------------------------------------------------------
@@ -202,6 +206,7 @@ class PipeMeshSchedule:
         config = get_model_config(model[0])
         from ..integration.unsupported import check_model_config
         check_model_config(config)  # features the stock interleaved schedule handles and this one does not
+        self.abandoned_sends = [send for send in self.abandoned_sends if not send[0].is_completed()]
         if self._broken_links:
             raise PipeMeshRuntimeError(
                 f"rank {dist.get_rank()}: an earlier call of the PipeMesh schedule failed and left the pipeline links "
@@ -392,7 +397,8 @@ class _Run:
 
     def _abandon(self, error: BaseException) -> None:
         """Leave Megatron as the call found it after ``error``: DDP's ``no_sync`` exited, the
-        ``forward-backward`` timer stopped, and posted receives accounted for (see the module docstring)."""
+        ``forward-backward`` timer stopped, posted receives accounted for (see the module docstring), and sends in
+        flight kept alive until they complete (:attr:`PipeMeshSchedule.abandoned_sends`)."""
         if self.sharding is not None:
             with contextlib.suppress(Exception):
                 self.sharding.end()
@@ -415,6 +421,7 @@ class _Run:
             self.owner.abandoned_receives += len(self.recvs)
             if not self.timed:
                 self.owner._broken_links.extend(link for _, _, link in self.recvs.values())
+        self.owner.abandoned_sends.extend(self.pending_sends)  # dropping a gloo send's work would cancel it
         self.recvs, self.pending_sends = {}, []
         if self.offloader is not None:
             self.offloader.clear()

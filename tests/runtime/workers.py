@@ -167,22 +167,33 @@ def placement_runs(runs: List[str], budget_fraction: float, failing_host_copy: b
 
 
 def _failing_host_copy(model, spec, pp, vp, microbatches, forward_groups, backward_groups) -> str:
-    """Every rank's first OFFLOAD fails (the host buffer pool raises): return the runtime's error."""
+    """Every rank's first OFFLOAD fails (the host buffer pool raises): return the runtime's error. Every pipeline
+    rank but the first starts 2 s late, so the first rank has sent its first output and failed before the
+    receiver posts: the failed call's send must still arrive (a dropped gloo send work is cancelled)."""
+    import time
+
+    import torch.distributed
     from megatron_pipemesh.runtime import PipeMeshRuntimeError
     from megatron_pipemesh.runtime.offload import HostBufferPool
+    from megatron.core import parallel_state as ps
 
     def broken(self, nbytes):
         raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
 
     original, HostBufferPool.acquire = HostBufferPool.acquire, broken
     try:
+        # no cross-rank plan check: its all-gather would let the late rank catch up before the first send
         schedule = make_pipemesh(forward_groups, backward_groups, recompute=recompute_plan("host", pp, vp, microbatches),
-                                 p2p_timeout_s=5.0)
+                                 p2p_timeout_s=5.0, check_plan_across_ranks=False)
+        if ps.get_pipeline_model_parallel_rank() > 0:
+            time.sleep(2.0)
         h.run_schedule(schedule, model, spec, microbatches)
     except PipeMeshRuntimeError as error:
         return str(error)
     finally:
         HostBufferPool.acquire = original
+        # the next runs re-create the process groups: wait until every rank is done with this one
+        torch.distributed.barrier()
     return "no error"
 
 
