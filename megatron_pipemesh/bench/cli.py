@@ -251,7 +251,7 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--unshaped with --rate/--delay-ms/--network is contradictory: --unshaped runs over the "
                              f"plain loopback. Drop one of them. Example: --rate {rate_text}")
     else:
-        from .netns import MIN_BURST_BYTES, Shaping, parse_rate_mbit
+        from .netns import MAX_RANKS, MIN_BURST_BYTES, Shaping, parse_rate_mbit
 
         try:
             rate = parse_rate_mbit(rate_text)
@@ -262,8 +262,6 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
         shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms, per_rank=(args.network or "per-rank") == "per-rank")
-        from .netns import MAX_RANKS
-
         too_big = [c.name for c in configs if c.world > MAX_RANKS]
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
@@ -445,7 +443,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             namespace.close()
     summary = summarize(results, model, configs, specs, budgets,
                         shaping.payload_bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
-                        args.link_share, setup["sharding"], shaping is None or shaping.per_rank)
+                        args.link_share, setup["sharding"], setup["auto"].per_rank_network)
     for entry in summary:
         threads, over = threads_per_rank(entry["world"], machine["cores"])
         entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"],

@@ -557,6 +557,7 @@ class _Candidate(NamedTuple):
     peaks: Tuple[float, ...]
     """Per-rank activation peak."""
 
+
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
              host_limit: Optional[float] = None) -> List[_Choice]:
@@ -619,7 +620,6 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
                                bounds[0][0] if bounds else _compute_bound(config, costs, first.recompute.level), shard,
                                bounds, offload if first.offload is not None else None, without))
     return out
-
 
 
 def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
