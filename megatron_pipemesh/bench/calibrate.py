@@ -10,8 +10,9 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
 * everything outside ``forward-backward`` (optimizer step, data loading between iterations) is the
   measured iteration time minus the forward-backward time of the unshaped run, added as is;
 * pipeline transfer: activation bytes (s x b x h x 4, fp32 on CPU) / shaped bandwidth, plus the
-  netem delay, plus a fixed per-transfer overhead fitted on the unshaped run of one stock schedule
-  (:func:`fit_transfer_overhead`: gloo on a loopback shared with the compute is not free);
+  netem delay, plus a fixed per-transfer overhead fitted on the unshaped run of one stock schedule, or on its
+  shaped run when there is no unshaped one (:func:`fit_transfer_overhead`: gloo on cores shared with the compute
+  is not free);
   ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent flows;
 * data parallel: ring all-reduce of the chunk's fp32 gradients (Megatron's default optimizer: no
   parameter gather), plus the tied-embedding all-reduce between the first and last pipeline rank at
@@ -27,7 +28,9 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
     The per-rank formula under-predicted the measured shared PP=2 x DP=2 ``--quick`` rows by 10-20%
     (see ``tests/bench/test_calibrate.py``).
 * ``--sharding`` (Megatron's distributed optimizer): the all-reduce becomes a reduce-scatter of the
-  gradients and an all-gather of the parameters, (d-1) x bytes each through the bucket, and the
+  gradients and an all-gather of the parameters. gloo's reduce-scatter is an all-reduce of the whole buffer
+  (:data:`~megatron_pipemesh.planning.costs.REDUCE_SCATTER_STEPS`), so it costs what the all-reduce did; the
+  gather moves half of that, and the
   simulation runs with the row's levels (:class:`megatron_pipemesh.planning.sharding.ShardingModel`:
   ZeRO-2/3 reductions per backward group, ZeRO-3 gathers per group span) on the same network.
 """
@@ -36,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.costs import ModelSpec, OpCosts
+from ..planning.costs import REDUCE_SCATTER_STEPS, ModelSpec, OpCosts
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
 from .runner import ModelSetup, ParallelConfig
@@ -90,8 +93,8 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
         rate = bytes_per_s * link_share
         p2p = act_bytes / rate
         reduce = allreduce_s(chunk_grad_bytes, d, rate, per_rank=per_rank)
-        if distributed_optimizer:  # half of the all-reduce's volume each way (fp32: weights and gradients alike)
-            reduce = gather = reduce / 2
+        if distributed_optimizer:  # gloo reduce-scatters with a whole all-reduce; the gather is half of one (fp32)
+            gather = reduce / REDUCE_SCATTER_STEPS["gloo"]
     else:
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
@@ -133,7 +136,7 @@ def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[s
     from ..planning.sharding import ShardingModel, ShardingSpec
 
     gbps = bytes_per_s * link_share * 8 / 1e9 / (1 if per_rank else config.dp) if bytes_per_s else UNSHAPED_GBPS
-    cluster = ClusterSpec(dp=config.dp, dp_gbps=gbps, p2p_gbps=gbps, distributed_optimizer=True)
+    cluster = ClusterSpec(dp=config.dp, dp_gbps=gbps, p2p_gbps=gbps, distributed_optimizer=True, collectives="gloo")
     return ShardingModel(model_spec(model, config.pp), cluster, ShardingSpec(tuple(levels)))
 
 
@@ -160,15 +163,18 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
 
 
 def fit_transfer_overhead(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
-                          measured_forward_backward_ms: float, upper_s: float = 0.05) -> float:
-    """The fixed cost per pipeline transfer (s) that makes the simulated unshaped forward-backward time of
-    ``sched`` equal the measured one: gloo over TCP loopback with ranks sharing the CPU cores is not free even
-    unshaped (thread hand-offs, copies). Fitted once per configuration on one stock schedule, then used for
-    every prediction of that configuration. 0 when the simulation is already as slow as the measurement."""
-    def fb(latency: float) -> float:
-        costs = measured_costs(model, config, sched, compute, None)
-        costs.latency_s = latency
-        return simulate(sched, costs).iteration_s * 1e3
+                          measured_forward_backward_ms: float, upper_s: float = 0.05, bytes_per_s: Optional[float] = None,
+                          latency_s: float = 0.0, link_share: float = 1.0, sharding: Optional[Sequence[str]] = None,
+                          per_rank: bool = True) -> float:
+    """The fixed cost per pipeline transfer (s) that makes the simulated forward-backward time of ``sched`` equal
+    the measured one: gloo over TCP with ranks sharing the CPU cores is not free even unshaped (thread hand-offs,
+    copies). Fitted once per configuration on one stock schedule, then used for every prediction of that
+    configuration: on its unshaped run (``bytes_per_s`` None), or, when the bench ran none (``--no-limit``,
+    ``--quick``), on its shaped run with the network modelled, so the overhead also takes up what the network model
+    misses for that row. 0 when the simulation is already as slow as the measurement."""
+    def fb(overhead: float) -> float:
+        return predict_iteration_ms(model, config, sched, compute, bytes_per_s, latency_s + overhead, link_share,
+                                    sharding, per_rank)["forward_backward_ms"]
     if fb(0.0) >= measured_forward_backward_ms:
         return 0.0
     lo, hi = 0.0, upper_s

@@ -145,11 +145,11 @@ def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
     (``gbps``, the link share applied); data parallel at ``gbps`` per rank with a NIC per rank
     (``auto.per_rank_network``), else at ``gbps`` / d: the d ranks of a ring all send through the one shaped
     token bucket at once (:func:`.calibrate.allreduce_s`); with the distributed optimizer (``--sharding``) the
-    all-reduce becomes a reduce-scatter plus an all-gather."""
+    all-reduce becomes a reduce-scatter (on gloo as dear as the all-reduce) plus an all-gather."""
     dp_gbps = gbps if auto.per_rank_network else gbps / config.dp
     return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=dp_gbps, p2p_gbps=gbps,
                        distributed_optimizer=distributed_optimizer, memory_gbs=CPU_MEMORY_GBS,
-                       host_link_gbps=CPU_HOST_LINK_GBPS)
+                       host_link_gbps=CPU_HOST_LINK_GBPS, collectives="gloo")
 
 
 def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,

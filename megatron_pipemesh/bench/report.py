@@ -88,7 +88,7 @@ def summarize(results: Sequence[RunResult], model: ModelSetup, configs: Sequence
             unshaped = variant_metrics([r for r in runs if not r.shaped], model, config) \
                 if any(not r.shaped for r in runs) else None
             entry["schedules"].append(_row(spec, shaped, unshaped, budget, config))
-        overhead = fit_overhead(entry, model, config, specs[config.name])
+        overhead = fit_overhead(entry, model, config, specs[config.name], bytes_per_s, latency_s, link_share, per_rank)
         entry["fitted_transfer_overhead_ms"] = None if overhead is None else overhead * 1e3
         ok = lambda v: v is not None and v.get("runs")  # noqa: E731
         for spec, row in zip(specs[config.name], entry["schedules"]):
@@ -162,18 +162,28 @@ def pipeline_rank(rank: int, config: ParallelConfig) -> int:
     return rank // config.dp
 
 
-def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: Sequence[RunSpec]) -> Optional[float]:
-    """Per-transfer overhead (s) fitted on the unshaped run of one stock row without recomputation
-    (depth-first preferred, then 1F1B, then any other group size)."""
+def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: Sequence[RunSpec],
+                 bytes_per_s: Optional[float] = None, latency_s: float = 0.0, link_share: float = 1.0,
+                 per_rank: bool = True) -> Optional[float]:
+    """Per-transfer overhead (s) fitted on one stock row without recomputation (depth-first preferred, then 1F1B,
+    then any other group size): on its unshaped run, or on its shaped run (``bytes_per_s``, the network modelled)
+    when no row has an unshaped one. Records the row and the variant in ``entry``."""
     order = sorted((i for i, spec in enumerate(specs) if spec.stock and spec.setting.recompute.granularity == "none"),
                    key=lambda i: (specs[i].group_size != config.pp, specs[i].family != "1f1b"))
-    for i in order:
-        u = entry["schedules"][i].get("unshaped")
-        if u and u.get("runs") and None not in u["forward_compute_ms"] + u["backward_compute_ms"] + u["forward_backward_ms"]:
-            sched = specs[i].schedule_config(config.pp, model.vpp, model.microbatches)
-            compute = _measured_compute(u, config)
-            entry["overhead_fitted_on"] = specs[i].name
-            return fit_transfer_overhead(model, config, sched, compute, max(u["forward_backward_ms"]))
+    complete = lambda v: (v and v.get("runs") and None not in  # noqa: E731
+                          v["forward_compute_ms"] + v["backward_compute_ms"] + v["forward_backward_ms"])
+    for variant, rate in (("unshaped", None), ("shaped", bytes_per_s)):
+        if variant == "shaped" and not rate:
+            break
+        for i in order:
+            measured = entry["schedules"][i].get(variant)
+            if complete(measured):
+                sched = specs[i].schedule_config(config.pp, model.vpp, model.microbatches)
+                entry["overhead_fitted_on"], entry["overhead_fitted_variant"] = specs[i].name, variant
+                return fit_transfer_overhead(model, config, sched, _measured_compute(measured, config),
+                                             max(measured["forward_backward_ms"]), bytes_per_s=rate,
+                                             latency_s=latency_s if rate else 0.0, link_share=link_share,
+                                             sharding=specs[i].sharding, per_rank=per_rank)
     return None
 
 
@@ -287,8 +297,9 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
         if any(c for _, c in cal):
             fitted = entry.get("fitted_transfer_overhead_ms")
             lines.append("simulator calibration (measured costs -> simulate): predicted vs measured iteration ms"
-                         + (f"; per-transfer overhead {fitted:.2f} ms fitted on the unshaped {entry.get('overhead_fitted_on')} "
-                            "run" if fitted is not None else ""))
+                         + (f"; per-transfer overhead {fitted:.2f} ms fitted on the "
+                            f"{entry.get('overhead_fitted_variant', 'unshaped')} {entry.get('overhead_fitted_on')} run"
+                            if fitted is not None else ""))
             for name, c in cal:
                 parts = []
                 for variant in ("shaped", "unshaped"):

@@ -159,7 +159,8 @@ def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) ->
                           mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                          host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS)
+                          host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
+                          collectives="nccl" if _on_cuda() else "gloo")
     if getattr(args, "pipemesh_ranks_per_node", None):  # the node scope's nodes (resolved by check_sharding_args)
         cluster = dataclasses.replace(cluster, devices_per_node=args.pipemesh_ranks_per_node)
     return model, cluster

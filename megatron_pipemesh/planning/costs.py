@@ -158,6 +158,25 @@ class ClusterSpec:
     intra_node_gbps: Optional[float] = None
     """Per-device bandwidth of a data-parallel ring or pipeline link that stays inside one node
     (PCIe or NVLink, Gbit/s); None = the same as ``dp_gbps`` / ``p2p_gbps`` (one rate everywhere)."""
+    collectives: str = "nccl"
+    """Library of the data-parallel collectives, which decides what a reduce-scatter costs
+    (:func:`reduce_scatter_steps`): ``nccl`` (GPUs) or ``gloo`` (CPU ranks)."""
+
+    def __post_init__(self):
+        if self.collectives not in REDUCE_SCATTER_STEPS:
+            raise ValueError(f"collectives {self.collectives!r} is not one of {', '.join(REDUCE_SCATTER_STEPS)}")
+
+
+REDUCE_SCATTER_STEPS = {"nccl": 1, "gloo": 2}
+"""Ring passes of a reduce-scatter over n ranks, each moving (n-1)/n of the payload per rank. NCCL's ring
+reduce-scatter is one pass. torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor``
+all-reduces the whole buffer and keeps this rank's shard (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``),
+so it costs an all-reduce, two passes (measured: 8 MB over 2 ranks at 80 Mbit/s each, 0.84 s for both)."""
+
+
+def reduce_scatter_steps(cluster: "ClusterSpec") -> int:
+    """Ring passes of one reduce-scatter on ``cluster``'s collectives (:data:`REDUCE_SCATTER_STEPS`)."""
+    return REDUCE_SCATTER_STEPS[cluster.collectives]
 
 
 def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
@@ -304,7 +323,8 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
             return 0.0, 0.0
         grads = params * model.grad_bytes * 8 / (dp_gbps * 1e9)
         if cluster.distributed_optimizer:
-            return (d - 1) / d * grads, (d - 1) / d * params * model.dtype_bytes * 8 / (dp_gbps * 1e9)
+            return (reduce_scatter_steps(cluster) * (d - 1) / d * grads,
+                    (d - 1) / d * params * model.dtype_bytes * 8 / (dp_gbps * 1e9))
         return 2 * (d - 1) / d * grads, 0.0
 
     reduce, gather = sync_s(chunk_params)

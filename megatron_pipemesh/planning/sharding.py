@@ -83,7 +83,7 @@ from ..schedule.lower import LoweringOptions
 from ..schedule.ops import OpKind
 from ..schedule.order import compute_program
 from ..schedule.spans import SHARD_LEVELS, gather_spans, group_index, group_spans
-from .costs import ScheduleCosts, link_gbps
+from .costs import ScheduleCosts, link_gbps, reduce_scatter_steps
 
 LEVELS = SHARD_LEVELS
 """Megatron's sharding level names, ZeRO-1..3."""
@@ -345,7 +345,7 @@ class ShardedCosts(ScheduleCosts):
     """Costs adapter that charges the collectives of mixed sharding on the data-parallel channel:
     with the data-parallel scope ZeRO-1 chunks keep the given costs; a ZeRO-3 GATHER all-gathers the
     chunk's weights and a REDUCE / the GRAD_SYNC of a ZeRO-2/3 chunk reduce-scatters its gradients over
-    the shard group (ring: (n-1)/n of the payload). With the node scope every level's gathers
+    the shard group (ring: (n-1)/n of the payload; twice that on gloo, :func:`~.costs.reduce_scatter_steps`). With the node scope every level's gathers
     (PARAM_SYNC too) and reductions run over the node's ranks at the intra-node bandwidth, and every
     GRAD_SYNC adds the all-reduce of the node shard across the nodes (2(n-1)/n) at the data-parallel one."""
 
@@ -357,6 +357,7 @@ class ShardedCosts(ScheduleCosts):
         self.shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
         self.dp_gbps = link_gbps(cluster, config.pp)[0]
         self.shard_gbps = (spec.intra_node_gbps or self.dp_gbps) if spec.scope == "node" else self.dp_gbps
+        self.reduce_steps = reduce_scatter_steps(cluster)
 
     def _ring(self, payload: float, group: int, gbps: float, steps: int = 1) -> float:
         return steps * (group - 1) / group * payload * 8 / (gbps * 1e9) + self.costs.latency_s if group > 1 else 0.0
@@ -369,7 +370,7 @@ class ShardedCosts(ScheduleCosts):
         params = self.params[rank][op.chunk]
         if op.kind in (OpKind.GATHER, OpKind.PARAM_SYNC):
             return self._ring(params * self.model.dtype_bytes, self.shard, self.shard_gbps)
-        seconds = self._ring(params * self.model.grad_bytes, self.shard, self.shard_gbps)
+        seconds = self._ring(params * self.model.grad_bytes, self.shard, self.shard_gbps, self.reduce_steps)
         if op.kind is OpKind.GRAD_SYNC and node:
             seconds += self._ring(params * self.model.grad_bytes / self.shard, self.dp // self.shard, self.dp_gbps, 2)
         return seconds

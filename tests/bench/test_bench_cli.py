@@ -231,6 +231,23 @@ def test_summary_table_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_overhead_is_fitted_on_the_shaped_run_without_unshaped_runs():
+    """--quick / --no-limit run no unshaped variant: the per-transfer overhead is fitted on the shaped run of the
+    depth-first stock row with the network modelled, reproduces that row, and the table says which run it was."""
+    model = ModelSetup(warmup_iters=1, measured_iters=4)
+    shaped_only = [r for r in _results() if r.shaped]
+    (entry,) = summarize(shaped_only, model, [ParallelConfig(2)], {"pp2": SPECS}, {"pp2": 1500}, 200e6 / 8, 0.0)
+    rows = {r["name"]: r for r in entry["schedules"]}
+    assert (entry["overhead_fitted_on"], entry["overhead_fitted_variant"]) == ("interleaved-V2-g2", "shaped")
+    assert entry["fitted_transfer_overhead_ms"] > 0
+    assert rows["interleaved-V2-g2"]["calibration"]["shaped"]["iteration_ms"] == pytest.approx(805, rel=0.02)
+    assert "unshaped" not in rows["interleaved-V2-g2"]["calibration"]
+    assert "fitted on the shaped interleaved-V2-g2 run" in format_table([entry], "200 Mbit/s")
+    (plain,) = summarize(_results(), model, [ParallelConfig(2)], {"pp2": SPECS}, {"pp2": 1500}, 200e6 / 8, 0.0)
+    assert plain["overhead_fitted_variant"] == "unshaped"
+    assert plain["fitted_transfer_overhead_ms"] < entry["fitted_transfer_overhead_ms"]
+
+
 def test_calibration_costs_and_fit():
     """Timers become simulator costs, shaping slows predictions, the fitted overhead reproduces a target time."""
     model, config = ModelSetup(), ParallelConfig(2)

@@ -228,3 +228,41 @@ def test_real_per_rank_network_gives_every_rank_its_own_nic(tmp_path):
     assert len(seconds) == 2 and all(0.6 * ideal <= t <= 1.45 * ideal for t in seconds), (seconds, ideal)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert name not in listed and f"{name}-r0" not in listed
+
+
+COLLECTIVES_SCRIPT = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+grads = torch.ones(NBYTES // 4)
+shard = torch.empty(grads.numel() // world)
+for name, call in (("all_reduce", lambda: dist.all_reduce(grads)),
+                   ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, grads))):
+    dist.barrier()
+    start = time.monotonic()
+    call()
+    if rank == 0:
+        print(f"{name}: {time.monotonic() - start:.3f} s", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
+def test_real_gloo_reduce_scatter_costs_an_all_reduce(tmp_path):
+    """The price the planner and the calibration give gloo's reduce-scatter (``REDUCE_SCATTER_STEPS['gloo']``):
+    on the bench's network it takes as long as an all-reduce of the same buffer, twice a ring reduce-scatter."""
+    from megatron_pipemesh.bench.runner import launch_command, run_once
+    from megatron_pipemesh.planning.costs import REDUCE_SCATTER_STEPS
+
+    rate_mbit, nbytes = 80.0, 4_000_000
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_SCRIPT.replace("NBYTES", str(nbytes)))
+    with ShapedNamespace(Shaping(rate_mbit), ranks=2) as ns:
+        cmd = launch_command(2, [], ns.prefix(), rank_namespaces=ns.rank_namespaces, target=(str(script),))
+        code, _, _, text = run_once(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, str(tmp_path / "log.txt"), 120,
+                                    sample_memory=False)
+    assert code == 0, text[-3000:]
+    seconds = {name: float(t) for name, t in re.findall(r"(all_reduce|reduce_scatter): ([0-9.]+) s", text)}
+    ring_pass = nbytes / 2 * 8 / (rate_mbit * 1e6 * netns.VETH_PAYLOAD_FRACTION)  # (n-1)/n of the buffer, n = 2
+    assert seconds["reduce_scatter"] >= 0.8 * seconds["all_reduce"], seconds
+    assert seconds["reduce_scatter"] == pytest.approx(REDUCE_SCATTER_STEPS["gloo"] * ring_pass, rel=0.3), seconds

@@ -140,3 +140,17 @@ def test_host_level_keeps_none_bytes_and_copies_them_over_the_host_link():
         assert adapter.activation(rank, forward) == whole > costs.activation_bytes["none"]
         assert adapter.host_copy(rank, Op(OpKind.OFFLOAD, chunk, 0)) == pytest.approx(whole * 8 / 100e9)
         assert adapter.compute(rank, backward) == ScheduleCosts(config, costs).compute(rank, backward)
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce():
+    """With the distributed optimizer on gloo the gradients' reduce-scatter is priced as an all-reduce (gloo
+    all-reduces the whole buffer and keeps a shard); the parameter gather is the same as on NCCL."""
+    model, config = ModelSpec(8, 1024, 16, 1024, 1), ScheduleConfig.depth_first(2, 2, 4)
+    nccl = analytic_costs(model, ClusterSpec(dp=4), config)
+    gloo = analytic_costs(model, ClusterSpec(dp=4, collectives="gloo"), config)
+    allreduce = analytic_costs(model, ClusterSpec(dp=4, distributed_optimizer=False), config)
+    assert gloo.dp_reduce_s == pytest.approx(2 * nccl.dp_reduce_s) == pytest.approx(allreduce.dp_reduce_s)
+    assert gloo.dp_gather_s == pytest.approx(nccl.dp_gather_s) and gloo.dp_gather_s > 0
+    assert gloo.first_stage_dp_s > nccl.first_stage_dp_s
+    with pytest.raises(ValueError, match="collectives 'mpi' is not one of nccl, gloo"):
+        ClusterSpec(collectives="mpi")

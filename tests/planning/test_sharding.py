@@ -177,3 +177,21 @@ def test_node_scope_costs_and_memory_follow_megatrons_instances():
     split = sharding.splits(ELASTIC)[0]
     assert split.chunks[0].optimizer == pytest.approx(params[0] * 12 / 2)
     assert sharding.optimizer_seconds([1.0, 3.0]) == [2.0, 6.0]
+
+
+def test_gloo_reduce_scatter_of_a_zero2_chunk_costs_an_all_reduce():
+    """A ZeRO-2 chunk's REDUCE on gloo moves 2(n-1)/n of its gradients (an all-reduce), on NCCL (n-1)/n."""
+    from megatron_pipemesh.planning.sharding import ShardingModel
+    from megatron_pipemesh.schedule.ops import Op, OpKind
+
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=512)
+    config = ScheduleConfig.depth_first(2, 2, 4)
+    spec = ShardingSpec(("optim", "optim_grads"))
+    seconds = {}
+    for library in ("nccl", "gloo"):
+        cluster = ClusterSpec(dp=4, dp_gbps=1.0, collectives=library)
+        adapter = ShardingModel(model, cluster, spec).adapter(config, analytic_costs(model, cluster, config), {})
+        seconds[library] = adapter.data_parallel(0, Op(OpKind.REDUCE, 1, 0)) - adapter.costs.latency_s
+    params = 2 * model.layer_params()  # rank 0's chunk 1 = stage 2: two layers
+    assert seconds["nccl"] == pytest.approx(0.75 * params * model.grad_bytes * 8 / 1e9)
+    assert seconds["gloo"] == pytest.approx(2 * seconds["nccl"])
