@@ -80,8 +80,7 @@ def test_ranks_agree_on_the_slowest_host_link(monkeypatch):
     made = []
 
     def make_schedule(plan):
-        config, recompute = plan.config, plan.recompute
-        made.append(dict(recompute))
+        made.append(dict(plan.recompute))
         return StandInSchedule()
 
     replanner = MeasuredReplanner(StandInSchedule(), make_schedule, **resolved.replan)
