@@ -1,9 +1,9 @@
 """``pipemesh bench``: measured side-by-side comparison of PipeMesh and stock Megatron schedules.
 
 Runs the same small GPT pretraining (``megatron_pipemesh.training.pretrain_gpt`` under
-``torch.distributed.run``, CPU + gloo) once per schedule and repeat, round-robin, with all ranks in a
-network namespace whose loopback is shaped by ``tc`` (an emulated slow cloud network), plus the same
-runs unshaped (the limit). Parses Megatron's own log (iteration time, per-rank timers), reports a
+``torch.distributed.run``, CPU + gloo) once per schedule and repeat, round-robin, on a network shaped by
+``tc`` (an emulated slow cloud network: by default every rank in its own namespace behind its own NIC, or all
+ranks on one shaped loopback), plus the same runs unshaped (the limit). Parses Megatron's own log (iteration time, per-rank timers), reports a
 table / JSON / PNG and calibrates the simulator against the measurements.
 
 Modules: :mod:`.netns` (namespace and ``tc`` commands), :mod:`.logparse` (Megatron log text),

@@ -47,9 +47,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "bench", help="measure stock Megatron schedules against PipeMesh on an emulated slow network",
         description="Run the same tiny GPT pretraining (CPU, gloo) under stock 1F1B, stock interleaved "
                     "(depth-first), stock interleaved with group size m (breadth-first), PipeMesh with given groups "
-                    "and PipeMesh auto, round-robin over repeats, with all ranks in a network namespace whose "
-                    "loopback is shaped by tc, and the same runs unshaped (the limit). Needs root for the namespace "
-                    "unless --unshaped.")
+                    "and PipeMesh auto, round-robin over repeats, on an emulated network shaped by tc (by default "
+                    "every rank in its own network namespace behind its own NIC; --network), and the same runs "
+                    "unshaped (the limit). Needs root for the namespaces unless --unshaped.")
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
     return p

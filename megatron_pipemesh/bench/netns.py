@@ -61,10 +61,11 @@ def parse_rate_mbit(text: str) -> float:
 
 @dataclass(frozen=True)
 class Shaping:
-    """How the namespace's loopback is shaped."""
+    """How the emulated network is shaped."""
 
     rate_mbit: float
-    """Token-bucket rate (Mbit/s), shared by all traffic on the loopback."""
+    """Token-bucket rate (Mbit/s): of each rank's NIC in each direction (``per_rank``), else of the one loopback
+    that all traffic shares."""
     delay_ms: float = 0.0
     """One-way delay added by netem to every packet (0: no netem)."""
     burst_bytes: int = MIN_BURST_BYTES
