@@ -93,8 +93,9 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
         rate = bytes_per_s * link_share
         p2p = act_bytes / rate
         reduce = allreduce_s(chunk_grad_bytes, d, rate, per_rank=per_rank)
-        if distributed_optimizer:  # gloo reduce-scatters with a whole all-reduce; the gather is half of one (fp32)
-            gather = reduce / REDUCE_SCATTER_STEPS["gloo"]
+        if distributed_optimizer:  # an all-gather is one ring pass (fp32 weights); gloo's reduce-scatter an all-reduce
+            ring_pass = reduce / 2
+            gather, reduce = ring_pass, REDUCE_SCATTER_STEPS["gloo"] * ring_pass
     else:
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,

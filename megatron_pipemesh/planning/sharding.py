@@ -345,9 +345,10 @@ class ShardedCosts(ScheduleCosts):
     """Costs adapter that charges the collectives of mixed sharding on the data-parallel channel:
     with the data-parallel scope ZeRO-1 chunks keep the given costs; a ZeRO-3 GATHER all-gathers the
     chunk's weights and a REDUCE / the GRAD_SYNC of a ZeRO-2/3 chunk reduce-scatters its gradients over
-    the shard group (ring: (n-1)/n of the payload; twice that on gloo, :func:`~.costs.reduce_scatter_steps`). With the node scope every level's gathers
-    (PARAM_SYNC too) and reductions run over the node's ranks at the intra-node bandwidth, and every
-    GRAD_SYNC adds the all-reduce of the node shard across the nodes (2(n-1)/n) at the data-parallel one."""
+    the shard group (ring: (n-1)/n of the payload; twice that on gloo, :func:`~.costs.reduce_scatter_steps`).
+    With the node scope every level's gathers (PARAM_SYNC too) and reductions run over the node's ranks at
+    the intra-node bandwidth, and every GRAD_SYNC adds the all-reduce of the node shard across the nodes
+    (2(n-1)/n) at the data-parallel one."""
 
     def __init__(self, config: ScheduleConfig, costs, recompute, model, cluster, spec: ShardingSpec):
         super().__init__(config, costs, recompute)
