@@ -90,6 +90,13 @@ def _on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def collectives(args) -> str:
+    """The library of the data-parallel collectives (:attr:`ClusterSpec.collectives`): Megatron's
+    ``--distributed-backend`` (``gloo`` on CPU, where our CPU layer sets it), else NCCL with CUDA and gloo without."""
+    backend = getattr(args, "distributed_backend", None) or ("nccl" if _on_cuda() else "gloo")
+    return "gloo" if backend == "gloo" else "nccl"
+
+
 def placement_mode(args) -> str:
     return getattr(args, "pipemesh_activation_placement", None) or "recompute-only"
 
@@ -160,7 +167,7 @@ def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) ->
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                           host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
-                          collectives="nccl" if _on_cuda() else "gloo")
+                          collectives=collectives(args))
     if getattr(args, "pipemesh_ranks_per_node", None):  # the node scope's nodes (resolved by check_sharding_args)
         cluster = dataclasses.replace(cluster, devices_per_node=args.pipemesh_ranks_per_node)
     return model, cluster

@@ -100,9 +100,13 @@ def test_no_plan_for_the_minimum_names_the_rank(monkeypatch):
 
 
 def test_plan_prices_the_collectives_of_the_backend_megatron_uses(monkeypatch):
-    """On CPU Megatron's process groups are gloo, whose reduce-scatter is an all-reduce; with CUDA, NCCL."""
+    """Megatron's --distributed-backend decides (gloo's reduce-scatter is an all-reduce); without it, NCCL with
+    CUDA and gloo without."""
     args = _args(data_parallel_size=2, use_distributed_optimizer=True)
     monkeypatch.setattr(auto, "_on_cuda", lambda: False)
     assert auto.model_and_cluster(args, 1.0)[1].collectives == "gloo"
     monkeypatch.setattr(auto, "_on_cuda", lambda: True)
     assert auto.model_and_cluster(args, 1.0)[1].collectives == "nccl"
+    assert auto.model_and_cluster(_args(distributed_backend="gloo"), 1.0)[1].collectives == "gloo"
+    monkeypatch.setattr(auto, "_on_cuda", lambda: False)
+    assert auto.model_and_cluster(_args(distributed_backend="nccl"), 1.0)[1].collectives == "nccl"
