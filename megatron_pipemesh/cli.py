@@ -15,7 +15,8 @@ from typing import List, Optional, Sequence
 
 from .cli_common import UsageError, check_number, positive_int, require_matplotlib, run_command
 from .config import add_cli_arguments
-from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
+from .planning.costs import (DEFAULT_HOST_LINK_GBPS, GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts,
+                             analytic_costs, planning_levels)
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
@@ -63,6 +64,9 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--sequence-parallel", action="store_true")
     cluster.add_argument("--no-distributed-optimizer", action="store_true",
                          help="all-reduce gradients instead of reduce-scatter + parameter all-gather")
+    cluster.add_argument("--collectives", choices=tuple(REDUCE_SCATTER_STEPS), default=d_cluster.collectives,
+                         help="library of the data-parallel collectives (default nccl); gloo (CPU ranks) prices a "
+                              "reduce-scatter as the all-reduce it runs")
     direct = parser.add_argument_group("direct costs (override the analytic model when --forward-ms is given)")
     direct.add_argument("--forward-ms", type=float, default=None, help="forward of one chunk on one micro-batch")
     direct.add_argument("--backward-ms", type=float, default=None, help="backward of one chunk-micro-batch (default 2x forward)")
@@ -99,7 +103,7 @@ def model_cluster_from_args(args: argparse.Namespace):
                       args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
     cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
                           args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer,
-                          host_link_gbps=_host_link_gbps(args))
+                          host_link_gbps=_host_link_gbps(args), collectives=args.collectives)
     return model, cluster
 
 

@@ -124,6 +124,20 @@ def test_simulate_json():
     assert data["breadth-first"]["exposed_comm_s"] < data["depth-first"]["exposed_comm_s"]
 
 
+def test_simulate_collectives_gloo_prices_the_reduce_scatter_as_an_all_reduce():
+    """`--collectives gloo`: a slow data-parallel link makes every schedule slower than with NCCL's ring
+    reduce-scatter; an unknown library is refused by name."""
+    argv = ["simulate", "--pp", "2", "--vpp", "2", "-m", "4", "--dp", "4", "--dp-gbps", "1", "--json"]
+    seconds = {}
+    for library in ("nccl", "gloo"):
+        code, out, _ = run(argv + ["--collectives", library])
+        assert code == 0
+        seconds[library] = json.loads(out)["breadth-first"]["iteration_s"]
+    assert seconds["gloo"] > 1.3 * seconds["nccl"]
+    code, _, err = run(argv + ["--collectives", "mpi"])
+    assert code == 2 and "invalid choice: 'mpi'" in err
+
+
 def test_simulate_trace_and_plot(tmp_path):
     """--trace and --plot write a JSON trace and a PNG, and say so."""
     trace, plot = tmp_path / "t.json", tmp_path / "p.png"
