@@ -39,11 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.costs import REDUCE_SCATTER_STEPS, ModelSpec, OpCosts
+from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
 from .runner import ModelSetup, ParallelConfig
 
+COLLECTIVES = "gloo"
+"""The bench's ranks run on CPU, so their collectives are gloo's (:data:`REDUCE_SCATTER_STEPS`)."""
 PADDED_VOCAB = 384
 """NullTokenizer vocabulary 257 padded to a multiple of 128 (Megatron's default divisor)."""
 FP32 = 4
@@ -95,7 +97,7 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
         reduce = allreduce_s(chunk_grad_bytes, d, rate, per_rank=per_rank)
         if distributed_optimizer:  # an all-gather is one ring pass (fp32 weights); gloo's reduce-scatter an all-reduce
             ring_pass = reduce / 2
-            gather, reduce = ring_pass, REDUCE_SCATTER_STEPS["gloo"] * ring_pass
+            gather, reduce = ring_pass, REDUCE_SCATTER_STEPS[COLLECTIVES] * ring_pass
     else:
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
@@ -128,16 +130,22 @@ def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: i
     return allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp, per_rank=per_rank)
 
 
+def network_cluster(dp: int, gbps: float, per_rank: bool, **fields) -> ClusterSpec:
+    """The bench's network as a :class:`ClusterSpec` (``fields``: the rest of it): pipeline links at ``gbps``;
+    a data-parallel ring at ``gbps`` per rank with a NIC per rank, else at ``gbps`` / d (each ring collective
+    moves (d-1) x its payload through the one shared bucket, :func:`allreduce_s`); gloo's collectives."""
+    return ClusterSpec(dp=dp, dp_gbps=gbps if per_rank else gbps / dp, p2p_gbps=gbps, collectives=COLLECTIVES,
+                       **fields)
+
+
 def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[str], bytes_per_s: Optional[float],
                    link_share: float = 1.0, per_rank: bool = True):
-    """The levels' :class:`~megatron_pipemesh.planning.sharding.ShardingModel` on the bench's network: a NIC of
-    the rate per rank, or on the shared bucket, where each ring collective of a chunk moves (d-1) x its payload
-    through the bucket, i.e. a link of rate / d per rank."""
-    from ..planning.costs import ClusterSpec
+    """The levels' :class:`~megatron_pipemesh.planning.sharding.ShardingModel` on the bench's network
+    (:func:`network_cluster`; the unshaped loopback is free either way)."""
     from ..planning.sharding import ShardingModel, ShardingSpec
 
-    gbps = bytes_per_s * link_share * 8 / 1e9 / (1 if per_rank else config.dp) if bytes_per_s else UNSHAPED_GBPS
-    cluster = ClusterSpec(dp=config.dp, dp_gbps=gbps, p2p_gbps=gbps, distributed_optimizer=True, collectives="gloo")
+    gbps = bytes_per_s * link_share * 8 / 1e9 if bytes_per_s else UNSHAPED_GBPS
+    cluster = network_cluster(config.dp, gbps, per_rank or not bytes_per_s, distributed_optimizer=True)
     return ShardingModel(model_spec(model, config.pp), cluster, ShardingSpec(tuple(levels)))
 
 

@@ -41,7 +41,7 @@ from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, r
 from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
                               schedule_options)
 from ..schedule.config import ScheduleConfig
-from .calibrate import model_spec as _model_spec
+from .calibrate import model_spec as _model_spec, network_cluster
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
 
 MB = 2 ** 20
@@ -144,12 +144,11 @@ def cluster_spec(config: ParallelConfig, auto: AutoPlanSettings, gbps: float,
     """One CPU core per rank at ``auto.device_tflops`` x ``auto.mfu``; pipeline links at the shaped rate
     (``gbps``, the link share applied); data parallel at ``gbps`` per rank with a NIC per rank
     (``auto.per_rank_network``), else at ``gbps`` / d: the d ranks of a ring all send through the one shaped
-    token bucket at once (:func:`.calibrate.allreduce_s`); with the distributed optimizer (``--sharding``) the
+    token bucket at once (:func:`.calibrate.network_cluster`); with the distributed optimizer (``--sharding``) the
     all-reduce becomes a reduce-scatter (on gloo as dear as the all-reduce) plus an all-gather."""
-    dp_gbps = gbps if auto.per_rank_network else gbps / config.dp
-    return ClusterSpec(dp=config.dp, device_tflops=auto.device_tflops, mfu=auto.mfu, dp_gbps=dp_gbps, p2p_gbps=gbps,
-                       distributed_optimizer=distributed_optimizer, memory_gbs=CPU_MEMORY_GBS,
-                       host_link_gbps=CPU_HOST_LINK_GBPS, collectives="gloo")
+    return network_cluster(config.dp, gbps, auto.per_rank_network, device_tflops=auto.device_tflops, mfu=auto.mfu,
+                           distributed_optimizer=distributed_optimizer, memory_gbs=CPU_MEMORY_GBS,
+                           host_link_gbps=CPU_HOST_LINK_GBPS)
 
 
 def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, auto: AutoPlanSettings,

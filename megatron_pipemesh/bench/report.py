@@ -172,9 +172,7 @@ def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: 
                    key=lambda i: (specs[i].group_size != config.pp, specs[i].family != "1f1b"))
     complete = lambda v: (v and v.get("runs") and None not in  # noqa: E731
                           v["forward_compute_ms"] + v["backward_compute_ms"] + v["forward_backward_ms"])
-    for variant, rate in (("unshaped", None), ("shaped", bytes_per_s)):
-        if variant == "shaped" and not rate:
-            break
+    for variant, rate in [("unshaped", None)] + ([("shaped", bytes_per_s)] if bytes_per_s else []):
         for i in order:
             measured = entry["schedules"][i].get(variant)
             if complete(measured):
