@@ -271,6 +271,8 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     from megatron_pipemesh.integration.parallel_state import pipeline_links
     from megatron_pipemesh.runtime import executor
     from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
+    from megatron_pipemesh.schedule import ScheduleConfig
+    from megatron_pipemesh.schedule.plan import RunPlan
 
     stages = pp * vpp
     batches = make_batches(microbatches, mbs, seq, vocab, device)
@@ -310,8 +312,9 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
             for chunk in chunks:
                 chunk.zero_grad()
             schedule = PipeMeshSchedule(
-                PipeMeshOptions(tuple(forward_groups), tuple(backward_groups), p2p_timeout_s=60.0,
-                                check_plan_across_ranks=False, recompute=placement),
+                RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)),
+                        placement or {}),
+                PipeMeshOptions(p2p_timeout_s=60.0, check_plan_across_ranks=False),
                 p2p_groups=lambda: {k: g for k, g in links.items() if rank in g.ranks})
             out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
                            num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs,

@@ -33,6 +33,7 @@ from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_g
 from ..schedule.ops import OpKind
 from .costs import GB, RECOMPUTE_LEVELS, OpCosts, ScheduleCosts
 from ..schedule.lower import HOST_LEVEL, lower
+from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from .memory import parse_level, selective_levels
 from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
@@ -96,6 +97,16 @@ class Plan:
             line += (f", host placement per rank {placed} chunk-micro-batches holding {host} GiB at peak, "
                      f"exposed host copies {self.result.exposed_host_s * 1e3:.1f} ms")
         return line
+
+    def run_plan(self, recv_lookahead: int = 1, sharding: Tuple[str, ...] = (),
+                 shard_scope: str = "data-parallel") -> RunPlan:
+        """What the runtime runs for this plan, with its prediction (``pipemesh plan --output`` saves it). The
+        plan's own sharding levels, if it was made with mixed sharding, win over ``sharding``/``shard_scope``."""
+        if self.sharding is not None:
+            sharding, shard_scope = self.sharding.spec.levels, self.sharding.spec.scope
+        data = self.to_dict()
+        return RunPlan(self.config, self.recompute, tuple(sharding), shard_scope, recv_lookahead, self.reload_lookahead,
+                       predicted={key: data[key] for key in PREDICTION_KEYS})
 
     def to_dict(self) -> dict:
         counts = {level: 0 for level in RECOMPUTE_LEVELS if level != "none"}

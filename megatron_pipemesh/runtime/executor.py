@@ -24,10 +24,11 @@ which comes from the validated plan:
   receives cannot be cancelled, the next call fails naming the links instead of mismatching data);
 * every op runs inside ``torch.profiler.record_function("PipeMesh <op>")`` so profiler traces show
   the plan; on CUDA, compute ops are also timed with CUDA events (GPU time, read lazily);
-* ``PipeMeshOptions.recompute`` chooses per (pipeline rank, chunk, micro-batch) whether a training
-  forward keeps its activations, recomputes the attention core or recomputes the whole chunk
-  (:mod:`.recompute`); ``measure_memory`` measures what each forward keeps alive (:mod:`.memory`);
-* the same plan's level ``'host'`` keeps a chunk-micro-batch's activations whole but in host memory
+* the plan's ``placement`` chooses per (pipeline rank, chunk, micro-batch) whether a training
+  forward keeps its activations, recomputes a module set or recomputes the whole chunk
+  (:mod:`.recompute`); ``PipeMeshOptions.measure_memory`` measures what each forward keeps alive
+  (:mod:`.memory`);
+* the placement's lever ``host`` keeps a chunk-micro-batch's activations whole but in host memory
   between its forward and its backward: the lowering adds ``OFFLOAD c.j`` after the forward and
   ``RELOAD c.j`` before the backward, which launch the copies (:mod:`.offload`, asynchronous on CUDA
   side streams); the backward waits for its reload.
@@ -44,13 +45,15 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
-from ..schedule.lower import HOST_LEVEL, LoweredSchedule, LoweringOptions, host_placement_of, lower
+from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig
+from ..schedule.levers import DEVICE
+from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
+from ..schedule.plan import RunPlan
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
 from .memory import ambient_meter, make_memory_meter, model_tensors
 from .offload import ActivationOffloader
-from .recompute import check_plan, recompute_scope
+from .recompute import recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
 
 
@@ -60,30 +63,16 @@ class PipeMeshRuntimeError(RuntimeError):
 
 @dataclass(frozen=True)
 class PipeMeshOptions:
-    """How the runtime builds and runs plans."""
+    """How the runtime runs plans (what it runs is the :class:`~..schedule.plan.RunPlan`)."""
 
-    forward_groups: Optional[Tuple[int, ...]] = None
-    """Forward group sizes; None uses Megatron's ``microbatch_group_size_per_vp_stage`` (depth-first by default)."""
-    backward_groups: Optional[Tuple[int, ...]] = None
-    """Backward group sizes; None uses the forward groups."""
-    recv_lookahead: int = 1
-    """Post each receive this many compute ops before its consumer."""
     p2p_timeout_s: Optional[float] = None
     """Timeout of every wait on a gloo pipeline transfer (NCCL waits use the link group's timeout); None uses
     30 minutes."""
     check_plan_across_ranks: bool = True
     """Compare the plan digest across all ranks on first use (one all-gather) and fail on mismatch."""
-    recompute: Optional[Mapping[Tuple[int, int, int], str]] = None
-    """Placement of each (pipeline rank, chunk, micro-batch)'s activations: recompute level 'none',
-    'selective', 'full', or 'host' (kept whole, in host memory between forward and backward); missing keys
-    are 'none'. None leaves Megatron's own --recompute-* settings alone. Ignored by forward-only passes."""
     measure_memory: bool = False
     """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
-    sharding: Optional[Tuple[str, ...]] = None
-    """ZeRO level per chunk (--pipemesh-sharding; :mod:`.sharding`); None: Megatron's own data parallelism."""
-    reload_lookahead: int = LoweringOptions.reload_lookahead
-    """Compute ops between a RELOAD and its backward: the plan's (the planner sizes it from the copy time)."""
 
 
 TAG_LIMIT = 1 << 30
@@ -113,10 +102,9 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 class PipeMeshSchedule:
     """Callable with the keyword signature of megatron-core's schedule functions."""
 
-    def __init__(self, options: PipeMeshOptions = PipeMeshOptions(),
+    def __init__(self, plan: RunPlan = RunPlan(), options: PipeMeshOptions = PipeMeshOptions(),
                  p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
-        check_plan(options.recompute)
-        self.options = options
+        self.plan, self.options = plan, options
         if p2p_groups is None:  # the per-link groups of integration.parallel_state (created on first use)
             from ..integration.parallel_state import get_pipemesh_p2p_groups as p2p_groups
         self._p2p_groups = p2p_groups
@@ -134,7 +122,7 @@ class PipeMeshSchedule:
         rank had sent; on NCCL the buffer must outlive the transfer. Completed ones are let go at the next call."""
         self.last_stats: Optional[RuntimeStats] = None
         from .sharding import ShardingRuntime
-        self.sharding = ShardingRuntime(options.sharding) if options.sharding else None
+        self.sharding = ShardingRuntime(plan.sharding) if plan.sharding else None
         self.training_calls = 0
         self._offloader: Optional[ActivationOffloader] = None
         """Host placement's copy engine (pool of host buffers, side streams), kept across calls."""
@@ -153,22 +141,7 @@ class PipeMeshSchedule:
         return self
 
     # Planning ------------------------------------------------------------------------------
-    def schedule_config(self, pp: int, vpp: int, microbatches: int, group_size: Optional[int] = None,
-                        forward_only: bool = False) -> ScheduleConfig:
-        forward, backward = self.options.forward_groups, self.options.backward_groups
-        if forward is not None and sum(forward) != microbatches:
-            if not forward_only:
-                raise ScheduleConfigError(FORWARD_FLAG, list(forward),
-                                          f"this iteration has {microbatches} micro-batches but the groups sum to {sum(forward)} "
-                                          "(batch-size ramp-up or a changed global batch size?)",
-                                          f"{FORWARD_FLAG} {microbatches} {BACKWARD_FLAG} {microbatches}")
-            forward = backward = None  # evaluation with another batch: order does not change results
-        if forward is None:
-            size = group_size if group_size and pp <= group_size <= microbatches else pp
-            forward = tuple(uniform_groups(microbatches, size))
-        return ScheduleConfig(pp, vpp, microbatches, tuple(forward), tuple(backward or forward))
-
-    def plan(self, config: ScheduleConfig, lowering: LoweringOptions) -> LoweredSchedule:
+    def lowered(self, config: ScheduleConfig, lowering: LoweringOptions) -> LoweredSchedule:
         key = (config, lowering)
         if key not in self._plans:
             schedule = lower(config, lowering)
@@ -273,16 +246,12 @@ class _Run:
         self.no_sync_func = no_sync or contextlib.nullcontext
         self.no_sync_context = None
 
-        schedule_config = owner.schedule_config(self.pp, self.vpp, num_microbatches,
-                                                getattr(config, "microbatch_group_size_per_vp_stage", None), forward_only)
-        lowering = LoweringOptions(recv_lookahead=owner.options.recv_lookahead,
-                                   param_sync=self.param_sync_func is not None,
-                                   grad_sync=self.grad_sync_func is not None,
-                                   forward_only=forward_only,
-                                   sharding=() if forward_only else tuple(owner.options.sharding or ()),
-                                   host_placement=() if forward_only else host_placement_of(owner.options.recompute),
-                                   reload_lookahead=owner.options.reload_lookahead)
-        self.schedule = owner.plan(schedule_config, lowering)
+        plan = owner.plan
+        schedule_config = plan.config_for(self.pp, self.vpp, num_microbatches,
+                                          getattr(config, "microbatch_group_size_per_vp_stage", None), forward_only)
+        lowering = plan.lowering(param_sync=self.param_sync_func is not None, grad_sync=self.grad_sync_func is not None,
+                                 forward_only=forward_only)
+        self.schedule = owner.lowered(schedule_config, lowering)
         self.program = self.schedule.programs[self.pp_rank]
         self.sent = {op.compute for op in self.program if op.kind is OpKind.SEND_FORWARD}
         self.last_backward = {}
@@ -290,7 +259,7 @@ class _Run:
             if op.kind is OpKind.BACKWARD:
                 self.last_backward[op.chunk] = op
         self.p2p_groups = owner._p2p_groups() if any(op.kind.is_p2p for op in self.program) else {}
-        self.recompute = None if forward_only else owner.options.recompute
+        self.placement = {} if forward_only else plan.placement
         self.sharding = None if forward_only or owner.sharding is None else owner.sharding.program(model)
         self.meter = None
         if owner.options.measure_memory and not forward_only:
@@ -555,10 +524,12 @@ class _Run:
         return forward_data_store
 
     def _recompute(self, op: Op):
-        if self.recompute is None:
+        """The recompute switches of ``op``'s chunk-micro-batch; a plan without placement leaves Megatron's own
+        ``--recompute-*`` settings alone, a plan with one sets every op's (host-placed ones recompute nothing)."""
+        if not self.placement:
             return contextlib.nullcontext()
-        level = self.recompute.get((self.pp_rank, op.chunk, op.microbatch), "none")
-        return recompute_scope(self.model[op.chunk], "none" if level == HOST_LEVEL else level)
+        lever = self.placement.get((self.pp_rank, op.chunk, op.microbatch), DEVICE)
+        return recompute_scope(self.model[op.chunk], lever if lever.recomputes else DEVICE)
 
     def _host_placed(self, op: Op) -> bool:
         """Whether ``op``'s chunk-micro-batch keeps its activations in host memory (this call's plan)."""

@@ -109,9 +109,10 @@ def test_a_replacing_schedule_continues_the_transfer_tags():
     """A schedule that replaces another mid-run (re-planning) continues its call counter and failure
     state, so a stale receive of an earlier failed call keeps a tag no later call uses."""
     from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
+    from megatron_pipemesh.schedule.plan import RunPlan
 
-    old = PipeMeshSchedule(PipeMeshOptions(), p2p_groups=dict)
+    old = PipeMeshSchedule(RunPlan(), PipeMeshOptions(), p2p_groups=dict)
     next(old._calls), next(old._calls)
     old._broken_links.append("F 0->1")
-    new = PipeMeshSchedule(PipeMeshOptions(), p2p_groups=dict).continue_from(old)
+    new = PipeMeshSchedule(RunPlan(), PipeMeshOptions(), p2p_groups=dict).continue_from(old)
     assert next(new._calls) == 2 and new._broken_links == ["F 0->1"]
