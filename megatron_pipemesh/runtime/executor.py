@@ -104,6 +104,9 @@ class PipeMeshSchedule:
 
     def __init__(self, plan: RunPlan = RunPlan(), options: PipeMeshOptions = PipeMeshOptions(),
                  p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
+        if not isinstance(plan, RunPlan) or not isinstance(options, PipeMeshOptions):
+            raise TypeError(f"PipeMeshSchedule(plan: RunPlan, options: PipeMeshOptions), got "
+                            f"({type(plan).__name__}, {type(options).__name__})")
         self.plan, self.options = plan, options
         if p2p_groups is None:  # the per-link groups of integration.parallel_state (created on first use)
             from ..integration.parallel_state import get_pipemesh_p2p_groups as p2p_groups
