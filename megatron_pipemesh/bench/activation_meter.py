@@ -114,28 +114,19 @@ _SAMPLER: Dict[str, Callable[[], None]] = {}
 """The running call's ``sample`` (set while a training call runs under a state-and-activation meter)."""
 
 
-def _sampled(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def sampled(self, *args, **kwargs):
-        result = method(self, *args, **kwargs)
-        sample = _SAMPLER.get("current")
-        if sample is not None:
-            sample()
-        return result
-
-    sampled._pipemesh_bench_sampled = True
-    return sampled
+def _sample_running_meter() -> None:
+    sample = _SAMPLER.get("current")
+    if sample is not None:
+        sample()
 
 
 def install_state_sampling() -> None:
     """Sample the running meter after each step of :class:`megatron_pipemesh.runtime.sharding.ProgramSharding`
-    (where ZeRO-2/3 buffers are freed and brought back), so the joint peak sees them whatever the activations do."""
-    from ..runtime.sharding import ProgramSharding
+    (where ZeRO-2/3 buffers are freed and brought back), so the joint peak sees them whatever the activations do:
+    the runtime's step observer (:func:`~megatron_pipemesh.runtime.sharding.add_step_observer`; idempotent)."""
+    from ..runtime.sharding import add_step_observer
 
-    for name in ("begin", "before", "run"):
-        method = getattr(ProgramSharding, name)
-        if not getattr(method, "_pipemesh_bench_sampled", False):
-            setattr(ProgramSharding, name, _sampled(method))
+    add_step_observer(_sample_running_meter)
 
 
 def measure_forward_backward(func: Callable, report: Callable[[str], None] = print) -> Callable:
