@@ -10,5 +10,6 @@ Modules: :mod:`.netns` (namespace and ``tc`` commands), :mod:`.logparse` (Megatr
 :mod:`.runner` (command lines, processes, memory sampling), :mod:`.rank` (each rank's entry: core pinning
 (:mod:`.affinity`) and the activation meter (:mod:`.activation_meter`) around the training entry point),
 :mod:`.report` (aggregation, table, JSON, chart), :mod:`.calibrate` (measured costs -> simulator), :mod:`.cli`
-(the ``bench`` subcommand).
+(the ``bench`` subcommand); :mod:`.demo_summary` (``scripts/demo.sh``'s PipeMesh-against-stock summary of two
+training logs).
 """
