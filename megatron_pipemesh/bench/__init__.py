@@ -2,8 +2,8 @@
 
 Runs the same small GPT pretraining (``megatron_pipemesh.training.pretrain_gpt`` through the bench's rank
 entry under ``torch.distributed.run``, CPU + gloo) once per schedule and repeat, round-robin, on a network
-shaped by ``tc`` (an emulated slow cloud network: by default every rank in its own namespace behind its own NIC, or all
-ranks on one shaped loopback), plus the same runs unshaped (the limit). Parses Megatron's own log (iteration
+shaped by ``tc`` (an emulated slow cloud network: by default every rank in its own namespace behind its own NIC,
+or all ranks on one shaped loopback), plus the same runs unshaped (the limit). Parses Megatron's own log (iteration
 time, per-rank timers), reports a table / JSON / PNG and calibrates the simulator against the measurements.
 
 Modules: :mod:`.netns` (namespace and ``tc`` commands), :mod:`.logparse` (Megatron log text),

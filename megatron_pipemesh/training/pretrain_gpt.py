@@ -388,8 +388,8 @@ def main(argv: Optional[Sequence[str]] = None, on_prepared: Optional[Callable[[]
     """Console entry ``pipemesh-pretrain-gpt``: prepare the process, then train.
 
     ``on_prepared``: called once the process is prepared (Megatron importable, PipeMesh installed), before
-    Megatron parses the command line: where a launcher adds its own instrumentation (the bench's activation
-    meter, :mod:`megatron_pipemesh.bench.rank`) without this module knowing it."""
+    Megatron parses the command line: where a launcher adds its own instrumentation (the bench's rank entry
+    installs its activation meter here), so that this module imports no launcher."""
     argv = list(sys.argv[1:] if argv is None else argv)
     script, argv = _pop_flag(argv, OWN_FLAG)
     cpu = _prepare_process()
