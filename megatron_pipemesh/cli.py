@@ -354,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
-    from .planning.study import add_study_parser
+    from .study.study import add_study_parser
     add_study_parser(sub)
-    from .planning.headroom import add_headroom_parser
+    from .study.headroom import add_headroom_parser
     add_headroom_parser(sub)
     return parser
 

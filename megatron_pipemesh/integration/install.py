@@ -56,7 +56,7 @@ def reported_schedule():
 def _metered_stock(function):
     """Megatron's schedule wrapped by the activation meter (``--pipemesh-measure-memory`` under the stock
     schedule); one wrapper per function, so its statistics survive across iterations."""
-    from ..runtime.stock_meter import MeteredStockSchedule
+    from ..runtime.call_meter import MeteredStockSchedule
 
     stock = _STATE.get("stock")
     if stock is None or stock.function is not function:
