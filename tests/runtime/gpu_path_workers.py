@@ -73,6 +73,7 @@ def failing_iteration(fail_at=((0, 2), (0, 1))):
     import torch
     import torch.distributed as dist
 
+    from megatron_pipemesh.integration.parallel_state import get_pipemesh_p2p_groups
     from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
 
     timeouts, warmed = _install_links_with_timeout(minutes=3)
@@ -90,7 +91,8 @@ def failing_iteration(fail_at=((0, 2), (0, 1))):
         finally:
             depth["now"] -= 1
     config.timers, config.no_sync_func, config.barrier_with_L1_time = timers, no_sync, False
-    schedule = PipeMeshSchedule(PipeMeshOptions((6, 2), (4, 4), p2p_timeout_s=30))  # no wait here is meant to time out: room for a loaded CI machine
+    schedule = PipeMeshSchedule(PipeMeshOptions((6, 2), (4, 4), p2p_timeout_s=30),  # no wait here is meant to time out: room for a loaded CI machine
+                                p2p_groups=get_pipemesh_p2p_groups)
     first = h.run_schedule(schedule, model, spec, 8)
 
     calls = {}
