@@ -182,7 +182,8 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
 
     from megatron.core.pipeline_parallel import schedules as mcore
     from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
-    from megatron_pipemesh.runtime.loopback import LoopbackWorld, run_ranks, serialised_rng_forks
+    from megatron_pipemesh.integration.cpu_compat import CudaToCpuMode, cpu_compat_active
+    from megatron_pipemesh.runtime.loopback import LoopbackWorld, megatron_in_threads, run_ranks
 
     stages = pp * vpp
     batches = make_batches(microbatches, mbs, seq, vocab, device)
@@ -215,11 +216,12 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
         schedule = PipeMeshSchedule(
             PipeMeshOptions(tuple(forward_groups), tuple(backward_groups), p2p_timeout_s=60.0, recompute=placement),
             transport=transport)
-        out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                       num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs, pg_collection=collection)
+        with CudaToCpuMode() if cpu_compat_active() else contextlib.nullcontext():  # torch modes are per thread
+            out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+                           num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs, pg_collection=collection)
         return [[float(x) for x in d["lm loss"].view(-1)] for d in out], schedule.last_stats, schedule._offloader
 
-    with serialised_rng_forks():
+    with megatron_in_threads():
         results, failures = run_ranks(world, rank_main)
     errors = {rank: f"{type(error).__name__}: {error}" for rank, error in failures.items()}
     if device.type == "cuda":

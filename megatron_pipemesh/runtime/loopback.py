@@ -181,14 +181,31 @@ def run_ranks(world: LoopbackWorld, target: Callable[[LoopbackTransport], Any],
 
 
 @contextlib.contextmanager
-def serialised_rng_forks():
-    """Serialise ``fork()`` of Megatron's RNG tracker while rank threads run Megatron models.
+def megatron_in_threads():
+    """Make Megatron's process-wide state safe for rank threads running Megatron models.
 
-    The threads share the one tracker, whose ``fork()`` keeps the current state's name in the tracker: two
-    threads inside ``fork()`` at once make it raise ("current state name ... is not the same"). Processes each
-    have their own tracker; here the forks take turns (no transfer runs inside one).
+    Processes each have their own; threads share it: the RNG tracker, whose ``fork()`` keeps the current
+    state's name in the tracker (two threads inside ``fork()`` at once make it raise "current state name ... is
+    not the same"), so the forks take turns (no transfer runs inside one); and the global memory buffer that
+    attention computes its scores in (``dot_product_attention.py``), so each thread gets its own buffers
+    (shared, one rank's scores could be overwritten by another's before its softmax read them). On CPU each
+    thread must still enter the CPU compatibility layer's ``CudaToCpuMode`` itself (torch function modes are
+    per thread).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class PerThreadBuffers(GlobalMemoryBuffer):
+        """Megatron's buffer, its ``buffer`` dict one per thread."""
+
+        def __init__(self):
+            self._local = threading.local()
+
+        @property
+        def buffer(self):
+            if not hasattr(self._local, "buffer"):
+                self._local.buffer = {}
+            return self._local.buffer
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     lock, shared_fork = threading.RLock(), tracker.fork
@@ -199,7 +216,9 @@ def serialised_rng_forks():
             yield
 
     tracker.fork = serial_fork
+    shared_buffer, parallel_state._GLOBAL_MEMORY_BUFFER = parallel_state._GLOBAL_MEMORY_BUFFER, PerThreadBuffers()
     try:
         yield
     finally:
         del tracker.fork  # back to the class's method
+        parallel_state._GLOBAL_MEMORY_BUFFER = shared_buffer
