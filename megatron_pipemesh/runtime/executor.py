@@ -49,9 +49,9 @@ from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, Sched
 from ..schedule.lower import HOST_LEVEL, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import F, Op, OpKind
 from ..schedule.validate import validate
+from .errors import PipeMeshRuntimeError
 from .memory import ambient_meter, make_memory_meter, model_tensors
 from .offload import ActivationOffloader
-from .errors import PipeMeshRuntimeError
 from .recompute import check_plan, recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
 from .transport import DistTransport, LinkGroups, LinkKey, PipelineTransport

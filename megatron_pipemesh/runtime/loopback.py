@@ -132,9 +132,6 @@ class LoopbackTransport(PipelineTransport):
     def rank(self) -> int:
         return self._rank
 
-    def world_size(self) -> int:
-        return self.world.size
-
     def group_ranks(self, group: LoopbackGroup) -> List[int]:
         return list(group.ranks)
 

@@ -87,7 +87,7 @@ def policy_for(backend: str, device: torch.device) -> TransferPolicy:
     return GLOO_POLICY if timed_waits(backend, device) else NCCL_POLICY
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     """One posted transfer."""
 
@@ -135,9 +135,6 @@ class PipelineTransport:
     # Processes: what an implementation provides -----------------------------------------------
     def rank(self) -> int:
         """This rank's global rank."""
-        raise NotImplementedError
-
-    def world_size(self) -> int:
         raise NotImplementedError
 
     def group_ranks(self, group) -> List[int]:
@@ -285,9 +282,6 @@ class DistTransport(PipelineTransport):
 
     def rank(self) -> int:
         return dist.get_rank()
-
-    def world_size(self) -> int:
-        return dist.get_world_size()
 
     def group_ranks(self, group) -> List[int]:
         return dist.get_process_group_ranks(group)

@@ -211,3 +211,23 @@ def test_the_torch_transport_takes_its_policy_from_the_pipeline_groups_backend(m
                              locate=lambda step, op: "", retire=lambda op, tensor: None, uses_links=uses_links)
         assert transport.policy is policy
     assert asked == [True]
+
+
+def test_a_schedule_takes_a_transport_or_the_link_groups_of_the_default_one(monkeypatch):
+    """PipeMeshSchedule(transport=...) uses that transport; without one it builds the torch.distributed one on the
+    given link groups, and without those either its first transfer fails saying what to pass."""
+    from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
+    from megatron_pipemesh.runtime import transport as module
+
+    loopback = LoopbackWorld(2).transport(0)
+    assert PipeMeshSchedule(PipeMeshOptions(), transport=loopback).transport is loopback
+    with pytest.raises(ValueError, match="either a transport or the p2p_groups"):
+        PipeMeshSchedule(PipeMeshOptions(), p2p_groups=dict, transport=loopback)
+    default = PipeMeshSchedule(PipeMeshOptions()).transport
+    assert isinstance(default, DistTransport) and default.link_groups is None
+    monkeypatch.setattr(module.dist, "get_backend", lambda group: "gloo")
+    default.start_call(pp_group="pipeline", device=torch.device("cpu"), timeout=timedelta(seconds=1),
+                       locate=lambda step, op: f"step {step} ({op})", retire=lambda op, tensor: None, uses_links=True)
+    with pytest.raises(PipeMeshRuntimeError, match=r"pipeline link F 0->1 .*install\(\).* given no provider of link "
+                                                   r"groups: pass p2p_groups="):
+        default.post_receive(Op(OpKind.RECV_FORWARD, 0, 0, peer=0), torch.zeros(1), LINK, 0)
