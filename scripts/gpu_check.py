@@ -7,9 +7,9 @@ Checks (each reports pass/fail/skip with its numbers; the JSON summary goes to `
   role (first stage, middle stages, last stage with the loss; p=4, V=2, elastic groups) in one
   process. NCCL cannot put two ranks on one GPU, so the ranks run as threads and each gives the
   executor the runtime's in-process loopback transport (``runtime/loopback.py``: it copies device
-  tensors and hands CUDA events to the waiting stream). Losses and every gradient must equal the whole model run
-  by Megatron's no-pipelining schedule; under the "nccl" backend every wait must be untimed (a timed
-  NCCL wait blocks the host), under "gloo" every wait timed.
+  tensors and hands CUDA events to the waiting stream). Losses and every gradient must equal the
+  whole model run by Megatron's no-pipelining schedule; under the "nccl" backend every wait must be
+  untimed (a timed NCCL wait blocks the host), under "gloo" every wait timed.
 * ``meter``: the activation bytes one chunk's forward keeps, measured by the runtime's meter (the
   CUDA caching allocator on GPU, saved-tensor hooks on CPU) against the activation model of
   ``planning/memory.py`` at each recompute level, within 10%.
@@ -181,8 +181,8 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     import torch
 
     from megatron.core.pipeline_parallel import schedules as mcore
-    from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
     from megatron_pipemesh.integration.cpu_compat import CudaToCpuMode, cpu_compat_active
+    from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
     from megatron_pipemesh.runtime.loopback import LoopbackWorld, megatron_in_threads, run_ranks
 
     stages = pp * vpp
