@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..config import PipeMeshConfig, add_megatron_arguments
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
+from ..runtime.unsupported import unsupported_message
 from ..schedule.plan import RunPlan
 
 if TYPE_CHECKING:
@@ -104,8 +105,9 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
             f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
             f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
-    from .unsupported import check_unsupported_args
-    check_unsupported_args(args)
+    unsupported = unsupported_message(args)
+    if unsupported:
+        raise PipeMeshArgumentError(unsupported)
     plan_file = settings.plan
     auto = "auto" in (forward, backward)
     measure_iters = settings.measure_iters or 0

@@ -297,7 +297,7 @@ def install() -> None:
     try:
         from megatron.training import training
         training.get_forward_backward_func = getter
-        patch_training_log(training)
+        patch_training_log(training, reported_schedule)
         training.get_megatron_optimizer = _registering(training.get_megatron_optimizer)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass

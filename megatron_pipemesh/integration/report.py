@@ -17,7 +17,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..planning.costs import ScheduleCosts, analytic_costs
 from ..planning.planner import baseline_plans
@@ -335,14 +335,13 @@ def after_training_log(iteration: int, args, schedule) -> None:
     write_scalars(iteration, figures, get_tensorboard_writer(), get_wandb_writer())
 
 
-def patch_training_log(training) -> None:
-    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration)."""
+def patch_training_log(training, reported_schedule: Callable[[], object]) -> None:
+    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration) to report the
+    statistics of ``reported_schedule()`` after it."""
     original = training.training_log
     if getattr(original, "_pipemesh", False):
         return
     import functools
-
-    from .install import reported_schedule
 
     @functools.wraps(original)
     def training_log(*args, **kwargs):

@@ -58,6 +58,7 @@ from .offload import ActivationOffloader
 from .recompute import recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
 from .transport import DistTransport, LinkGroups, LinkKey, PipelineTransport
+from .unsupported import check_model_config
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,6 @@ class PipeMeshSchedule:
         if adjust_tensor_shapes_fn is not None:
             raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
         config = get_model_config(model[0])
-        from ..integration.unsupported import check_model_config
         check_model_config(config)  # features the stock interleaved schedule handles and this one does not
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
