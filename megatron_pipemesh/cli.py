@@ -17,15 +17,12 @@ from .cli_common import UsageError, check_number, positive_int, require_matplotl
 from .config import add_cli_arguments
 from .planning.costs import (DEFAULT_HOST_LINK_GBPS, GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts,
                              analytic_costs, planning_levels)
+from .planning.memory import MEMORY_MARGIN
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
 from .schedule.lower import lower
 from .schedule.validate import validate
-
-
-DEFAULT_MEMORY_MARGIN = 0.10
-"""Fraction of device memory kept free by default (allocator fragmentation, buffers, workspace)."""
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> None:
@@ -77,12 +74,15 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
+    planning = ClusterSpec()
     for flag, example, positive in (("forward_ms", "10", True), ("backward_ms", "20", True), ("p2p_ms", "1", False),
                                     ("dp_reduce_ms", "5", False), ("dp_gather_ms", "5", False), ("activation_mb", "64", False),
-                                    ("device_tflops", "312", True), ("dp_gbps", "25", True), ("p2p_gbps", "25", True),
-                                    ("latency_us", "30", False), ("device_memory_gb", "80", True)):
+                                    ("device_tflops", f"{planning.device_tflops:g}", True),
+                                    ("dp_gbps", f"{planning.dp_gbps:g}", True), ("p2p_gbps", f"{planning.p2p_gbps:g}", True),
+                                    ("latency_us", f"{planning.latency_us:g}", False),
+                                    ("device_memory_gb", f"{planning.device_memory_gb:g}", True)):
         check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
-    check_number("--mfu", args.mfu, "0.45", positive=True, at_most=1.0)
+    check_number("--mfu", args.mfu, f"{planning.mfu:g}", positive=True, at_most=1.0)
     if args.forward_ms is not None:
         backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
         act = args.activation_mb * 1024 ** 2
@@ -266,7 +266,7 @@ def _budget_bytes(args: argparse.Namespace) -> float:
     if args.forward_ms is not None:
         raise UsageError("--memory-budget-gb is required with direct costs (--forward-ms ...): there is no device "
                          "description to derive it from. Example: --memory-budget-gb 20")
-    return args.device_memory_gb * GB * (1 - DEFAULT_MEMORY_MARGIN)
+    return args.device_memory_gb * GB * (1 - MEMORY_MARGIN)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

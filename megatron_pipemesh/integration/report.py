@@ -156,9 +156,9 @@ def plan_line(args, settings) -> str:
     plan: RunPlan = settings.plan
     config = training_config(args, plan)
     digest = lower(config, plan.lowering(**megatron_syncs(args))).digest()
-    flags = settings.flags
-    origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
-              else "given groups" if flags.forward_groups else "Megatron's group size")
+    given = settings.flags.schedule
+    origin = (f"plan file {given.plan}" if given.plan else "planned by auto" if given.forward_groups == "auto"
+              else "given groups" if given.forward_groups else "Megatron's group size")
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
              recompute_summary(plan.placement, config)]
     if plan.sharding:
@@ -198,7 +198,7 @@ def announce_plan(args, settings) -> None:
     if not settings.enabled or os.environ.get("RANK", "0") != "0":
         return
     print(plan_line(args, settings), flush=True)
-    if settings.flags.print_schedule:
+    if settings.flags.measurement.print_schedule:
         print(schedule_picture(training_config(args, settings.plan)), flush=True)
 
 

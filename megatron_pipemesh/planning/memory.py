@@ -72,9 +72,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
 from ..schedule.lower import HOST_LEVEL
+
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory a plan leaves free by default (allocator fragmentation, communication buffers,
+workspace): the budget is the free (training) or total (planning) memory minus this share."""
 
 LEVELS = ("none", "selective", "full")
 """The per-chunk-micro-batch levels PipeMesh's runtime applies (``runtime/recompute.py``)."""
@@ -357,28 +361,3 @@ def chunk_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, rank
     if keep_outputs:
         total += output_bytes(shape, last_stage=last)
     return total
-
-
-def peak_live_bytes(program: Iterable, bytes_of: Mapping[Tuple[int, int], float]) -> float:
-    """Peak of the bytes held by one rank's program: each forward ``F c.j`` adds ``bytes_of[(c, j)]``
-    until its backward ``B c.j`` (ops with ``kind``, ``chunk`` and ``microbatch``; others ignored)."""
-    from ..schedule.ops import OpKind
-
-    live = peak = 0.0
-    for op in program:
-        if op.kind is OpKind.FORWARD:
-            live += bytes_of[(op.chunk, op.microbatch)]
-            peak = max(peak, live)
-        elif op.kind is OpKind.BACKWARD:
-            live -= bytes_of[(op.chunk, op.microbatch)]
-    return peak
-
-
-def rank_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, microbatches: int, rank: int,
-               recompute: Optional[Mapping[Tuple[int, int, int], str]] = None,
-               keep_outputs: bool = False) -> Dict[Tuple[int, int], float]:
-    """``chunk_bytes`` of every (chunk, micro-batch) on ``rank`` under a recompute plan keyed
-    (pipeline rank, chunk, micro-batch) -> level (missing = 'none')."""
-    plan = recompute or {}
-    return {(c, j): chunk_bytes(shape, num_layers, pp, vpp, rank, c, plan.get((rank, c, j), "none"), keep_outputs)
-            for c in range(vpp) for j in range(microbatches)}

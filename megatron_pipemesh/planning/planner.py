@@ -36,7 +36,8 @@ from ..schedule.lower import HOST_LEVEL, lower
 from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from .memory import parse_level, selective_levels
-from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
+from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
+from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
 """``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""

@@ -39,6 +39,10 @@ from .order import compute_programs, first_last_positions
 from .spans import SHARD_LEVELS, gather_spans, group_spans
 
 
+DEFAULT_RELOAD_LOOKAHEAD = 2
+"""Compute ops between a RELOAD and its backward when nothing sizes it (the planner sizes it from the copy time)."""
+
+
 @dataclass(frozen=True)
 class LoweringOptions:
     """How communication and data-parallel points are placed in the programs."""
@@ -58,7 +62,7 @@ class LoweringOptions:
     host_placement: Tuple[Tuple[int, int, int], ...] = ()
     """(pipeline rank, chunk, micro-batch) whose saved activations go to host memory after the
     forward (OFFLOAD) and come back before the backward (RELOAD); ignored by evaluation programs."""
-    reload_lookahead: int = 2
+    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
     """Launch a RELOAD this many compute ops before its backward (>= 1)."""
     sharding: Tuple[str, ...] = ()
     """Mixed sharding: a level per chunk ('optim', 'optim_grads', 'optim_grads_params'); empty: every chunk

@@ -16,14 +16,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
 from .levers import Lever, LeverError
-from .lower import LoweredSchedule, LoweringOptions, lower
+from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, lower
 from .spans import SHARD_LEVELS
 
 Key = Tuple[int, int, int]
 """(pipeline rank, chunk, micro-batch)."""
-
-DEFAULT_RELOAD_LOOKAHEAD = LoweringOptions.reload_lookahead
-"""Compute ops between a RELOAD and its backward when a plan does not size it."""
 
 SHARD_SCOPES = ("data-parallel", "node")
 """Ranks a ZeRO-2/3 shard spans (``--pipemesh-shard-scope``)."""
