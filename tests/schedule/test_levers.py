@@ -1,0 +1,142 @@
+"""Memory levers: names, parsing, fields, the cost model's memory and time, the runtime's switches."""
+import copy
+import json
+import pickle
+
+import pytest
+
+from megatron_pipemesh.schedule.levers import (BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, SELECTIVE, Lever,
+                                               LeverError, LeverKind, RecomputeSwitches, runtime_lever)
+
+CANONICAL = ["none", "host", "selective", "selective:layernorm", "selective:mlp", "selective:core_attn+layernorm",
+             "selective:core_attn+mlp", "selective:layernorm+mlp", "selective:core_attn+layernorm+mlp", "full",
+             "uniform:1", "uniform:3", "block:1", "block:2"]
+
+
+@pytest.mark.parametrize("name", CANONICAL)
+def test_canonical_names_round_trip(name):
+    """A canonical name parses to the lever that prints as it, is interned, and survives pickle/copy/JSON."""
+    lever = Lever.parse(name)
+    assert lever == name and str(lever) == name and repr(lever) == repr(name) and f"{lever}" == name
+    assert Lever.parse(lever) is lever and Lever.parse(str(lever)) is lever and Lever(name) is lever
+    assert pickle.loads(pickle.dumps(lever)) is lever and copy.deepcopy(lever) is lever
+    assert json.dumps({lever: [lever]}) == json.dumps({name: [name]})
+    assert hash(lever) == hash(name) and {name: 1}[lever] == 1 and {lever: 1}[name] == 1
+
+
+@pytest.mark.parametrize("text,name", [
+    ("selective:core_attn", "selective"), ("selective:mlp+core_attn", "selective:core_attn+mlp"),
+    ("selective:mlp+layernorm+core_attn", "selective:core_attn+layernorm+mlp"), ("selective:mlp+mlp", "selective:mlp"),
+    ("uniform:02", "uniform:2"),
+])
+def test_other_spellings_parse_to_the_canonical_lever(text, name):
+    assert Lever.parse(text) is Lever.parse(name)
+
+
+def test_selective_names_module_sets_in_megatron_order():
+    assert Lever.selective(["core_attn"]) is SELECTIVE
+    assert Lever.selective(("mlp", "core_attn")) == "selective:core_attn+mlp"
+    assert Lever.selective({"layernorm"}).modules == frozenset({"layernorm"})
+    for bad in ((), ("attn",), ("core_attn", "moe")):
+        with pytest.raises(LeverError, match="--recompute-modules .*use a non-empty subset of core_attn layernorm mlp "
+                                             "for a dense GPT layer"):
+            Lever.selective(bad)
+
+
+def test_fields():
+    """kind, modules, layers and the predicates of every kind."""
+    rows = {  # name: kind, modules, layers, is_device, is_host, is_selective, recomputes, checkpoints, per_chunk
+        "none": (LeverKind.DEVICE, set(), 0, True, False, False, False, False, False),
+        "host": (LeverKind.HOST, set(), 0, False, True, False, False, False, False),
+        "selective": (LeverKind.SELECTIVE, {"core_attn"}, 0, False, False, True, True, False, False),
+        "selective:core_attn+mlp": (LeverKind.SELECTIVE, {"core_attn", "mlp"}, 0, False, False, True, True, False, False),
+        "full": (LeverKind.FULL, set(), 1, False, False, False, True, True, False),
+        "uniform:3": (LeverKind.UNIFORM, set(), 3, False, False, False, True, True, True),
+        "block:2": (LeverKind.BLOCK, set(), 2, False, False, False, True, True, True),
+    }
+    for name, row in rows.items():
+        lever = Lever.parse(name)
+        assert (lever.kind, set(lever.modules), lever.layers, lever.is_device, lever.is_host, lever.is_selective,
+                lever.recomputes, lever.checkpoints_layers, lever.per_chunk) == row, name
+        assert lever.runtime_applicable is not lever.per_chunk
+        assert lever.kept is (DEVICE if lever.is_host else lever)
+        assert lever.category in CATEGORIES
+    assert [Lever.parse(n).category for n in ("none", "host", "selective:mlp", "full", "block:2")] == list(CATEGORIES) + ["full"]
+    assert (DEVICE, HOST, SELECTIVE, FULL) == ("none", "host", "selective", "full") and BASIC_LEVERS == ("none", "selective", "full")
+    with pytest.raises(AttributeError, match="read-only"):
+        FULL.layers = 2
+
+
+# The messages PipeMesh printed before levers had a module of their own (tests elsewhere match parts of them).
+PARSE_MESSAGE = ("unknown recompute level {!r}; use one of none, selective, full, 'host', 'selective:<modules joined "
+                 "by +>' (modules from core_attn, layernorm, mlp), 'uniform:<k>' or 'block:<k>'")
+RUNTIME_MESSAGE = ("unknown recompute level {!r}; use one of none, selective, full or 'selective:<modules joined by +>' "
+                   "with modules from core_attn, layernorm, mlp (e.g. 'selective:core_attn+mlp')")
+
+
+@pytest.mark.parametrize("text", ["partial", "", "none:1", "host:1", "full:2", "selective:", "selective:attn",
+                                  "selective:core_attn+", "uniform", "uniform:0", "block:-1", "block:x", "uniform:²",
+                                  None, 3, ["full"]])
+def test_parse_errors(text):
+    with pytest.raises(LeverError) as error:
+        Lever.parse(text)
+    assert str(error.value) == PARSE_MESSAGE.format(text)
+    assert isinstance(error.value, ValueError)
+    assert runtime_lever(text) is None
+
+
+@pytest.mark.parametrize("text", ["partial", "uniform:2", "block:1", None])
+def test_runtime_refuses_what_it_does_not_apply(text):
+    with pytest.raises(LeverError) as error:
+        Lever.parse_runtime(text)
+    assert str(error.value) == RUNTIME_MESSAGE.format(text)
+    assert runtime_lever(text) is None
+
+
+def test_runtime_applies_device_host_selective_and_full():
+    for name in ("none", "host", "selective", "selective:layernorm+mlp", "full"):
+        assert Lever.parse_runtime(name) is Lever.parse(name) is runtime_lever(name)
+
+
+def test_runtime_switches():
+    """What the runtime sets in Megatron: every switch off for none and host, the modules for selective levers,
+    full granularity with one layer per checkpoint (module switches off) for full."""
+    assert DEVICE.switches == HOST.switches == RecomputeSwitches(None, None, None, frozenset())
+    assert SELECTIVE.switches == RecomputeSwitches("selective", None, None, frozenset({"core_attn"}))
+    assert Lever.parse("selective:core_attn+mlp").switches.modules == frozenset({"core_attn", "mlp"})
+    assert FULL.switches == RecomputeSwitches("full", "uniform", 1, frozenset())
+    assert FULL.switches.whole_layers and not SELECTIVE.switches.whole_layers
+    with pytest.raises(LeverError, match="unknown recompute level 'block:2'"):
+        Lever.parse("block:2").switches
+
+
+TERMS = {"kept": 10.0, "layernorm": 1.0, "mlp": 4.0, "core_attn": 7.0}
+"""One layer's saved bytes by the module whose recomputation frees them; 22 in all."""
+CHECKPOINT = 2.0
+
+
+@pytest.mark.parametrize("name,layer,chunk,transient", [
+    ("none", 22, 66, 0), ("host", 22, 66, 0), ("selective", 15, 45, 7), ("selective:core_attn+mlp", 11, 33, 11),
+    ("selective:layernorm", 21, 63, 1), ("full", 2, 6, 20),
+    ("uniform:2", None, 4, 40), ("uniform:5", None, 2, 60), ("block:1", None, 46, 20), ("block:4", None, 6, 20),
+])
+def test_memory_methods(name, layer, chunk, transient):
+    """Bytes per layer, per chunk of 3 layers, and re-created by the backward's recomputation (TERMS, CHECKPOINT)."""
+    lever = Lever.parse(name)
+    if layer is None:
+        with pytest.raises(LeverError, match="per-chunk"):
+            lever.layer_bytes(TERMS, CHECKPOINT)
+    else:
+        assert lever.layer_bytes(TERMS, CHECKPOINT) == layer
+    assert lever.chunk_bytes(3, TERMS, CHECKPOINT) == chunk
+    assert lever.transient_bytes(3, TERMS, CHECKPOINT) == transient
+    assert lever.transient_bytes(0, TERMS, CHECKPOINT) == 0
+
+
+@pytest.mark.parametrize("name,seconds", [
+    ("none", 0.0), ("host", 0.0), ("selective", 3 * 0.5), ("selective:core_attn+mlp", 3 * 0.75),
+    ("full", 6.0), ("uniform:2", 6.0), ("block:1", 2.0), ("block:5", 6.0),
+])
+def test_recompute_seconds(name, seconds):
+    """Extra backward seconds of a 3-layer chunk whose forward takes 6 s (core_attn 0.5 s, mlp 0.25 s a layer)."""
+    assert Lever.parse(name).recompute_seconds(3, 6.0, {"core_attn": 0.5, "mlp": 0.25, "layernorm": 0.125}) == seconds
