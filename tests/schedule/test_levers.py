@@ -140,3 +140,55 @@ def test_memory_methods(name, layer, chunk, transient):
 def test_recompute_seconds(name, seconds):
     """Extra backward seconds of a 3-layer chunk whose forward takes 6 s (core_attn 0.5 s, mlp 0.25 s a layer)."""
     assert Lever.parse(name).recompute_seconds(3, 6.0, {"core_attn": 0.5, "mlp": 0.25, "layernorm": 0.125}) == seconds
+
+
+# What the cost model computed before levers had a module of their own (megatron_pipemesh at 1510226): per shape and
+# lever, activation_bytes of a 3-layer chunk (middle, first, last stage) and transient_bytes; analytic_costs' recompute_s.
+PREVIOUS = {
+    "local": {
+        "none": [516997120.0, 519127040.0, 783370240.0, 0.0], "host": [516997120.0, 519127040.0, 783370240.0, 0.0],
+        "selective": [114343936.0, 116473856.0, 380717056.0, 134217728.0],
+        "selective:mlp": [466665472.0, 468795392.0, 733038592.0, 16777216.0],
+        "selective:core_attn+mlp": [64012288.0, 66142208.0, 330385408.0, 150994944.0],
+        "selective:layernorm": [504365056.0, 506494976.0, 770738176.0, 4210688.0],
+        "full": [7340032.0, 9469952.0, 273713152.0, 169885696.0],
+        "uniform:2": [5242880.0, 7372800.0, 271616000.0, 339771392.0],
+        "block:1": [347111424.0, 349241344.0, 613484544.0, 169885696.0]},
+    "te_gqa_rope_sp": {
+        "none": [127647744.0, 127664128.0, 337922048.0, 0.0], "host": [127647744.0, 127664128.0, 337922048.0, 0.0],
+        "selective": [127451136.0, 127467520.0, 337725440.0, 65536.0],
+        "selective:mlp": [52150272.0, 52166656.0, 262424576.0, 25165824.0],
+        "selective:core_attn+mlp": [51953664.0, 51970048.0, 262227968.0, 25231360.0],
+        "selective:layernorm": [127647744.0, 127664128.0, 337922048.0, 0.0],
+        "full": [6815744.0, 6832128.0, 217090048.0, 40452096.0],
+        "uniform:2": [4718592.0, 4734976.0, 214992896.0, 80904192.0],
+        "block:1": [87719936.0, 87736320.0, 297994240.0, 40452096.0]},
+    "recompute_s": {
+        "none": 0.0, "selective": 0.00036709122188034184, "selective:mlp": 0.0007341824437606837,
+        "selective:core_attn+mlp": 0.0011012736656410256, "selective:layernorm": 3.3554432e-05,
+        "full": 0.0014683648875213676, "uniform:2": 0.0014683648875213676, "block:1": 0.0004894549625071226},
+}
+
+
+def test_cost_model_numbers_unchanged():
+    """The memory model and the analytic costs, now computed by the levers' methods, give the same numbers."""
+    from megatron_pipemesh.planning.costs import ClusterSpec, ModelSpec, analytic_costs
+    from megatron_pipemesh.planning.memory import ActivationShape, activation_bytes, transient_bytes
+    from megatron_pipemesh.schedule.config import ScheduleConfig
+
+    shapes = {
+        "local": ActivationShape(seq_length=1024, micro_batch_size=2, hidden_size=512, num_attention_heads=8,
+                                 vocab_size=32000, attention_dropout=0.1, hidden_dropout=0.1),
+        "te_gqa_rope_sp": ActivationShape(seq_length=2048, micro_batch_size=1, hidden_size=1024, num_attention_heads=16,
+                                          vocab_size=50304, tp=2, sequence_parallel=True, norm_stat_bytes=4,
+                                          layer_spec="te", num_query_groups=4, swiglu=True, position_embedding="rope"),
+    }
+    for name, shape in shapes.items():
+        for level, expected in PREVIOUS[name].items():
+            got = [activation_bytes(shape, 3, level), activation_bytes(shape, 3, level, first_stage=True),
+                   activation_bytes(shape, 3, level, last_stage=True), transient_bytes(shape, 3, level)]
+            assert got == expected, (name, level)
+    model = ModelSpec(num_layers=12, hidden_size=1024, num_attention_heads=16, seq_length=2048, linear_bias=False)
+    costs = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), list(PREVIOUS["recompute_s"]))
+    assert costs.recompute_s == PREVIOUS["recompute_s"]
+    assert all(type(level) is Lever for level in costs.recompute_s)
