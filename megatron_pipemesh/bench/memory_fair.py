@@ -288,7 +288,7 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     and ``budget`` covers model state + activations."""
     from ..planning.planner import PlannerOptions, fit_with_recompute, plan_schedule
     from ..planning.sharding import plan_with_sharding
-    from ..schedule.lower import HOST_LEVEL
+    from ..schedule.levers import Lever
 
     pp, vpp, m = config.pp, model.vpp, model.microbatches
     costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps, sharding)  # noqa: E731
@@ -311,8 +311,8 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1, default=str)
-    recomputed = sum(1 for level in plan.recompute.values() if level not in ("none", HOST_LEVEL))
-    host_placed = sum(1 for level in plan.recompute.values() if level == HOST_LEVEL)
+    recomputed = sum(1 for level in plan.recompute.values() if Lever.parse(level).recomputes)
+    host_placed = sum(1 for level in plan.recompute.values() if Lever.parse(level).is_host)
     levels = peak_memory = None
     fits_predicted = plan.fits
     if sharding:

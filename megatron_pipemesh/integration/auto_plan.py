@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import HOST_LEVEL
+from ..schedule.levers import BASIC_LEVERS, HOST, Lever, runtime_lever
 from ..planning.simulator import DEFAULT_RELOAD_LOOKAHEAD
 
 DEFAULT_MARGIN = 0.10
@@ -281,12 +281,10 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
                          "re-run `pipemesh plan` with this run's sizes")
     config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
     recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
-    from ..runtime.recompute import PLAN_LEVELS, is_plan_level
-
-    bad = [level for level in recompute.values() if not is_plan_level(level)]
+    bad = [level for level in recompute.values() if runtime_lever(level) is None]
     if bad:
         raise ValueError(f"--pipemesh-plan {path}: unknown placement level(s) {sorted(set(bad))}; use "
-                         f"{', '.join(PLAN_LEVELS)} or 'selective:<modules joined by +>' (e.g. selective:core_attn+mlp)")
+                         f"{', '.join(BASIC_LEVERS + (HOST,))} or 'selective:<modules joined by +>' (e.g. selective:core_attn+mlp)")
     outside = sorted(key for key in recompute if not (0 <= key[0] < pp and 0 <= key[1] < vpp and 0 <= key[2] < microbatches))
     if outside:
         raise ValueError(f"--pipemesh-plan {path}: entries {outside[:3]} (rank, chunk, micro-batch) are outside p, V, m = "
@@ -302,8 +300,8 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
             sharding = parse_levels(data["sharding"], vpp, allow_auto=False)
         except ShardingError as error:
             raise ValueError(f"--pipemesh-plan {path}: {error}") from error
-    recomputed = sum(1 for level in recompute.values() if level not in ("none", HOST_LEVEL))
-    hosted = sum(1 for level in recompute.values() if level == HOST_LEVEL)
+    recomputed = sum(1 for level in recompute.values() if Lever.parse(level).recomputes)
+    hosted = sum(1 for level in recompute.values() if Lever.parse(level).is_host)
     return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
                                            f"{recomputed} recomputed and {hosted} host-placed chunk-micro-batches"
                                            + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding,

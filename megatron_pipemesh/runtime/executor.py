@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
-from ..schedule.lower import HOST_LEVEL, LoweredSchedule, LoweringOptions, host_placement_of, lower
+from ..schedule.levers import DEVICE
+from ..schedule.lower import LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
 from .memory import ambient_meter, make_memory_meter, model_tensors
@@ -557,8 +558,8 @@ class _Run:
     def _recompute(self, op: Op):
         if self.recompute is None:
             return contextlib.nullcontext()
-        level = self.recompute.get((self.pp_rank, op.chunk, op.microbatch), "none")
-        return recompute_scope(self.model[op.chunk], "none" if level == HOST_LEVEL else level)
+        # A host-placed chunk-micro-batch runs with every switch off: the offloader moves its activations.
+        return recompute_scope(self.model[op.chunk], self.recompute.get((self.pp_rank, op.chunk, op.microbatch), DEVICE))
 
     def _host_placed(self, op: Op) -> bool:
         """Whether ``op``'s chunk-micro-batch keeps its activations in host memory (this call's plan)."""
