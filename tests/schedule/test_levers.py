@@ -1,7 +1,10 @@
-"""Memory levers: names, parsing, fields, the cost model's memory and time, the runtime's switches."""
+"""Memory levers: names, parsing, fields, the cost model's memory and time, the runtime's switches, and that
+no other module compares lever names."""
+import ast
 import copy
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +195,75 @@ def test_cost_model_numbers_unchanged():
     costs = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), list(PREVIOUS["recompute_s"]))
     assert costs.recompute_s == PREVIOUS["recompute_s"]
     assert all(type(level) is Lever for level in costs.recompute_s)
+
+
+# Lever names compared outside schedule/levers.py ---------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = {kind.value for kind in LeverKind}
+LEVER_CONSTANTS = {"DEVICE", "HOST", "SELECTIVE", "FULL"}
+
+ALLOWED = [  # (file, text on the flagged line): comparisons of other vocabularies that share a word with the levers
+    ("megatron_pipemesh/planning/stock.py", "granularity"),  # Megatron's --recompute-granularity / --recompute-method
+    ("megatron_pipemesh/bench/report.py", "recompute.granularity =="),  # the same flag of a stock row
+    ("megatron_pipemesh/runtime/recompute.py", '"cuda_graph_impl", "none") != "none"'),  # Megatron's --cuda-graph-impl
+    ("megatron_pipemesh/integration/unsupported.py", 'v not in (None, "none")'),  # the same flag
+    ("megatron_pipemesh/planning/simulator.py", 'waited_on == "host"'),  # the timeline's wait cause (schedule/timeline.py)
+    ("megatron_pipemesh/planning/planner.py", 'waited_on == "host"'),  # the same
+]
+
+
+def _is_name(node) -> bool:
+    """A lever name ('full', 'selective:mlp', ...) or one of the lever constants (DEVICE, HOST, ...)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.partition(":")[0] in NAMES
+    return isinstance(node, ast.Name) and node.id in LEVER_CONSTANTS
+
+
+def _names_in(node) -> bool:
+    return _is_name(node) or (isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(_is_name, node.elts)))
+
+
+def lever_comparisons(root: Path = ROOT):
+    """(file, line number, line) of every comparison with a lever name (==, !=, in, not in, is) and every
+    startswith / endswith / partition / split with one, in megatron_pipemesh/ and scripts/ but levers.py."""
+    found = []
+    for path in sorted([*root.joinpath("megatron_pipemesh").rglob("*.py"), *root.joinpath("scripts").rglob("*.py")]):
+        relative = path.relative_to(root).as_posix()
+        if relative == "megatron_pipemesh/schedule/levers.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Compare):
+                hit = any(map(_names_in, [node.left, *node.comparators]))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                hit = node.func.attr in ("startswith", "endswith", "partition", "split") and any(map(_names_in, node.args))
+            else:
+                continue
+            if hit:
+                found.append((relative, node.lineno, lines[node.lineno - 1].strip()))
+    return found
+
+
+def test_no_lever_name_comparisons_outside_levers():
+    """Every other module asks a Lever (is_host, recomputes, kept, ...) instead of comparing names; the allow-list
+    holds only other vocabularies that use the same words, and each entry is still needed."""
+    found = lever_comparisons()
+    allowed = lambda file, line: any(file == f and text in line for f, text in ALLOWED)  # noqa: E731
+    assert [hit for hit in found if not allowed(hit[0], hit[2])] == []
+    assert [entry for entry in ALLOWED if not any(f == entry[0] and entry[1] in line for f, _, line in found)] == []
+
+
+def test_the_scan_finds_comparisons(tmp_path):
+    """The scan flags the forms it looks for (and not docstrings or dict keys)."""
+    package = tmp_path / "megatron_pipemesh"
+    package.mkdir()
+    package.joinpath("bad.py").write_text(
+        '"""level == "full" in a docstring."""\n'
+        'a = level == "full"\n'
+        'b = level in ("none", "host")\n'
+        'c = level.startswith("selective")\n'
+        'd = "selective:mlp" != level\n'
+        'e = level == HOST\n'
+        'f = {"none": 0.0}\n')
+    assert [line for _, line, _ in lever_comparisons(tmp_path)] == [2, 3, 4, 5, 6]
