@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
+from typing import FrozenSet, Iterable, Mapping, Optional, Tuple
 
 SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")
 """``--recompute-modules`` values that act on a dense GPT layer in megatron-core 0.19.2
@@ -92,8 +92,17 @@ CATEGORIES = ("device", "host", "selective", "full")
 
 _CATEGORY_OF = {LeverKind.DEVICE: "device", LeverKind.HOST: "host", LeverKind.SELECTIVE: "selective"}
 
-_INTERNED: Dict[str, "Lever"] = {}
-"""Every lever parsed so far, by each text it was parsed from (and its canonical name)."""
+
+class _Interned(dict):
+    """Every lever parsed so far, by each text it was parsed from (and its canonical name); looking up a
+    text not seen yet parses it."""
+
+    def __missing__(self, text) -> "Lever":
+        lever = self[text] = Lever._build(*_read(text))
+        return lever
+
+
+_INTERNED = _Interned()
 
 
 class Lever(str):
@@ -133,19 +142,13 @@ class Lever(str):
     """``modules`` in :data:`SELECTIVE_MODULES` order: sums of per-module seconds in a fixed order (a set's
     order follows the process's string hashes)."""
 
+    parse = staticmethod(_INTERNED.__getitem__)
+    """``Lever.parse(text)``: the lever named ``text`` (a :class:`Lever` or a name, any module order);
+    :class:`LeverError` if it names none (TypeError if it is not hashable). One dict lookup once ``text``
+    was parsed: the simulator asks it per op."""
+
     def __new__(cls, text) -> "Lever":
         return cls.parse(text)
-
-    @classmethod
-    def parse(cls, text) -> "Lever":
-        """The lever named ``text`` (a :class:`Lever` or a name, any module order); :class:`LeverError`
-        if it names none."""
-        try:
-            return _INTERNED[text]
-        except (KeyError, TypeError):  # not parsed yet, or not even hashable
-            pass
-        lever = _INTERNED[text] = cls._build(*_read(text))
-        return lever
 
     @classmethod
     def selective(cls, modules: Iterable[str]) -> "Lever":
@@ -261,7 +264,7 @@ def runtime_lever(text) -> Optional[Lever]:
     """The lever named ``text`` if PipeMesh's runtime applies it per chunk-micro-batch, else None."""
     try:
         lever = Lever.parse(text)
-    except LeverError:
+    except (LeverError, TypeError):
         return None
     return lever if lever.runtime_applicable else None
 

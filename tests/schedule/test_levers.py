@@ -79,7 +79,7 @@ RUNTIME_MESSAGE = ("unknown recompute level {!r}; use one of none, selective, fu
 
 @pytest.mark.parametrize("text", ["partial", "", "none:1", "host:1", "full:2", "selective:", "selective:attn",
                                   "selective:core_attn+", "uniform", "uniform:0", "block:-1", "block:x", "uniform:²",
-                                  None, 3, ["full"]])
+                                  None, 3])
 def test_parse_errors(text):
     with pytest.raises(LeverError) as error:
         Lever.parse(text)
@@ -88,7 +88,13 @@ def test_parse_errors(text):
     assert runtime_lever(text) is None
 
 
-@pytest.mark.parametrize("text", ["partial", "uniform:2", "block:1", None])
+def test_unhashable_names_no_lever():
+    with pytest.raises(TypeError):
+        Lever.parse(["full"])
+    assert runtime_lever(["full"]) is None
+
+
+@pytest.mark.parametrize("text", ["partial", "uniform:2", "block:1", None, ["full"]])
 def test_runtime_refuses_what_it_does_not_apply(text):
     with pytest.raises(LeverError) as error:
         Lever.parse_runtime(text)
