@@ -359,6 +359,10 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     )
 
 
+_KEPT: Dict[str, Lever] = {}
+"""Plan value (a lever or its name) -> its :attr:`.levers.Lever.kept`: one lookup where the simulator asks per op."""
+
+
 class ScheduleCosts:
     """Adapter from :class:`OpCosts` to the timeline engine's ``Costs`` protocol."""
 
@@ -367,7 +371,12 @@ class ScheduleCosts:
 
     def kept_level(self, rank: int, op: Op) -> Lever:
         """The lever whose bytes and backward time apply (:attr:`.levers.Lever.kept`: 'host' keeps activations whole)."""
-        return Lever.parse(self.recompute.get((rank, op.chunk, op.microbatch), DEVICE)).kept
+        level = self.recompute.get((rank, op.chunk, op.microbatch), DEVICE)
+        try:
+            return _KEPT[level]
+        except KeyError:
+            kept = _KEPT[level] = Lever.parse(level).kept
+            return kept
 
     def recompute_time(self, rank: int, op: Op) -> float:
         """Extra backward time of the chunk-micro-batch of ``op`` for its recomputation."""
