@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, Lever
+from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 
@@ -359,10 +359,6 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     )
 
 
-_KEPT: Dict[str, Lever] = {}
-"""Plan value (a lever or its name) -> its :attr:`.levers.Lever.kept`: one lookup where the simulator asks per op."""
-
-
 class ScheduleCosts:
     """Adapter from :class:`OpCosts` to the timeline engine's ``Costs`` protocol."""
 
@@ -371,12 +367,7 @@ class ScheduleCosts:
 
     def kept_level(self, rank: int, op: Op) -> Lever:
         """The lever whose bytes and backward time apply (:attr:`.levers.Lever.kept`: 'host' keeps activations whole)."""
-        level = self.recompute.get((rank, op.chunk, op.microbatch), DEVICE)
-        try:
-            return _KEPT[level]
-        except KeyError:
-            kept = _KEPT[level] = Lever.parse(level).kept
-            return kept
+        return KEPT[self.recompute.get((rank, op.chunk, op.microbatch), DEVICE)]
 
     def recompute_time(self, rank: int, op: Op) -> float:
         """Extra backward time of the chunk-micro-batch of ``op`` for its recomputation."""

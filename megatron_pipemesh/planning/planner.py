@@ -32,7 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
 from .costs import GB, OpCosts, ScheduleCosts
-from ..schedule.levers import BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, Lever
+from ..schedule.levers import BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, KEPT, Lever
 from ..schedule.lower import lower
 from ..schedule.ops import Op
 from .memory import selective_levels
@@ -381,7 +381,7 @@ class _RankModel:
         deltas = []
         transient = self.adapter.costs.transient_bytes
         for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
-            kept = Lever.parse(plan.get((self.rank,) + key, DEVICE)).kept
+            kept = KEPT[plan.get((self.rank,) + key, DEVICE)]
             size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
             deltas += [(f_start, size), (b_start, extra), (b_end, -size - extra)]
             if key in windows:
@@ -401,14 +401,15 @@ def _peak(deltas: List[Tuple[float, float]]) -> Tuple[float, float]:
 
 
 def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, budget: float,
-                allowed: Sequence[str], options: PlannerOptions) -> bool:
+                allowed: Sequence[Lever], options: PlannerOptions) -> bool:
     """Moves for a rank over budget, chosen on :class:`_RankModel` (no re-simulation): at the estimated
     peak, a knapsack step (:func:`_place_at`), then the peak is estimated again (offloads move it), until
-    the estimate fits or nothing is left to move."""
+    the estimate fits or nothing is left to move. ``plan`` is :func:`fit_with_placement`'s own: its values
+    are levers (of ``allowed``, or HOST), asked without parsing in these loops."""
     model = _RankModel(result, adapter, rank, options.reload_lookahead)
     changed = False
     for _ in range(4 * len(model.keys)):
-        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and Lever.parse(level).is_host})
+        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and level.is_host})
         peak_time, peak = model.device_peak(plan, windows)
         if peak <= budget or not _place_at(model, plan, peak_time, peak - budget, allowed, options):
             break
@@ -416,7 +417,7 @@ def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: Recomput
     return changed
 
 
-def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[str],
+def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[Lever],
               options: PlannerOptions) -> bool:
     """One knapsack step at ``peak_time``: among the chunk-micro-batches on the device then, take the moves
     (to host memory, to a recompute level) with the most bytes freed per second of added time until
@@ -426,7 +427,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
     and its reload starts after it, and only within the host budget."""
     rank, adapter = model.rank, model.adapter
     costs = adapter.costs
-    host = {(c, j) for (r, c, j), level in plan.items() if r == rank and Lever.parse(level).is_host}
+    host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level.is_host}
     windows, exposed = model.windows(host)
     host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
 
@@ -448,7 +449,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
     for key, (f_start, _, _, _, _, _, b_end, _, _) in model.keys.items():
         if not f_start <= peak_time < b_end:
             continue
-        level = Lever.parse(plan.get((rank,) + key, DEVICE))
+        level = plan.get((rank,) + key, DEVICE)
         if level.is_host:
             if windows[key][1] <= peak_time < windows[key][2]:
                 continue  # already off the device at the peak
@@ -485,7 +486,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
             neg_freed = -move[1]
             host.add(key)
             windows, exposed = model.windows(host)
-        elif Lever.parse(plan.get((rank,) + key, DEVICE)).is_host:
+        elif plan.get((rank,) + key, DEVICE).is_host:
             host.discard(key)
             windows, exposed = model.windows(host)
         plan[(rank,) + key] = new
@@ -496,7 +497,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
 
 
 def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, excess: float,
-                  allowed: Sequence[str]) -> bool:
+                  allowed: Sequence[Lever]) -> bool:
     """A rank over its host budget (the estimate of :func:`_place_rank` missed): recompute, at the allowed
     level keeping the fewest bytes, the offloaded chunk-micro-batches held on the host at its host peak,
     longest held first, until ``excess`` bytes are off the host."""

@@ -142,13 +142,18 @@ class Lever(str):
     """``modules`` in :data:`SELECTIVE_MODULES` order: sums of per-module seconds in a fixed order (a set's
     order follows the process's string hashes)."""
 
-    parse = staticmethod(_INTERNED.__getitem__)
-    """``Lever.parse(text)``: the lever named ``text`` (a :class:`Lever` or a name, any module order);
-    :class:`LeverError` if it names none (TypeError if it is not hashable). One dict lookup once ``text``
-    was parsed: the simulator asks it per op."""
-
     def __new__(cls, text) -> "Lever":
         return cls.parse(text)
+
+    @classmethod
+    def parse(cls, text) -> "Lever":
+        """The lever named ``text`` (a :class:`Lever` or a name, any module order); :class:`LeverError` if it
+        names none. One dict lookup once ``text`` was parsed (the planner parses plan values in its loops)."""
+        try:
+            return _INTERNED[text]
+        except TypeError:  # not hashable, so not a name either
+            pass
+        raise LeverError(_unknown(text))
 
     @classmethod
     def selective(cls, modules: Iterable[str]) -> "Lever":
@@ -264,7 +269,7 @@ def runtime_lever(text) -> Optional[Lever]:
     """The lever named ``text`` if PipeMesh's runtime applies it per chunk-micro-batch, else None."""
     try:
         lever = Lever.parse(text)
-    except (LeverError, TypeError):
+    except LeverError:
         return None
     return lever if lever.runtime_applicable else None
 
@@ -287,7 +292,11 @@ def _read(text) -> Tuple[LeverKind, FrozenSet[str], int]:
                 return kind, modules, 0
         if kind in (LeverKind.UNIFORM, LeverKind.BLOCK) and arg.isascii() and arg.isdigit() and int(arg) >= 1:
             return kind, frozenset(), int(arg)
-    raise LeverError(f"unknown recompute level {text!r}; {_PARSE_HELP}")
+    raise LeverError(_unknown(text))
+
+
+def _unknown(text) -> str:
+    return f"unknown recompute level {text!r}; {_PARSE_HELP}"
 
 
 DEVICE = Lever.parse("none")
@@ -298,6 +307,19 @@ SELECTIVE = Lever.parse("selective")
 """Core attention recomputed (Megatron's default ``--recompute-modules``)."""
 FULL = Lever.parse("full")
 """Every layer recomputed from its input."""
+
+class _Kept(dict):
+    """Plan value (a lever or its name) -> the lever's :attr:`Lever.kept`, filled on first use."""
+
+    def __missing__(self, level) -> Lever:
+        kept = self[level] = Lever.parse(level).kept
+        return kept
+
+
+KEPT = _Kept()
+"""``KEPT[level]`` is ``Lever.parse(level).kept`` in one dict lookup, for loops that ask it per op or per
+chunk-micro-batch (a lever's attributes take the generic attribute path: a str subclass keeps its
+``__dict__`` at a negative offset)."""
 
 BASIC_LEVERS = (DEVICE, SELECTIVE, FULL)
 """The basic recompute levers: what the cost model prices when not told otherwise."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pipemesh.schedule.levers import (BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, SELECTIVE, Lever,
+from megatron_pipemesh.schedule.levers import (BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, KEPT, SELECTIVE, Lever,
                                                LeverError, LeverKind, RecomputeSwitches, runtime_lever)
 
 CANONICAL = ["none", "host", "selective", "selective:layernorm", "selective:mlp", "selective:core_attn+layernorm",
@@ -70,6 +70,14 @@ def test_fields():
         FULL.layers = 2
 
 
+def test_kept_table():
+    """KEPT[level] is Lever.parse(level).kept, for levers and names."""
+    assert KEPT["host"] is KEPT[HOST] is DEVICE and KEPT["none"] is DEVICE
+    assert KEPT[FULL] is FULL and KEPT["selective:core_attn"] is SELECTIVE
+    with pytest.raises(LeverError, match="unknown recompute level 'partial'"):
+        KEPT["partial"]
+
+
 # The messages PipeMesh printed before levers had a module of their own (tests elsewhere match parts of them).
 PARSE_MESSAGE = ("unknown recompute level {!r}; use one of none, selective, full, 'host', 'selective:<modules joined "
                  "by +>' (modules from core_attn, layernorm, mlp), 'uniform:<k>' or 'block:<k>'")
@@ -79,19 +87,13 @@ RUNTIME_MESSAGE = ("unknown recompute level {!r}; use one of none, selective, fu
 
 @pytest.mark.parametrize("text", ["partial", "", "none:1", "host:1", "full:2", "selective:", "selective:attn",
                                   "selective:core_attn+", "uniform", "uniform:0", "block:-1", "block:x", "uniform:²",
-                                  None, 3])
+                                  None, 3, ["full"]])
 def test_parse_errors(text):
     with pytest.raises(LeverError) as error:
         Lever.parse(text)
     assert str(error.value) == PARSE_MESSAGE.format(text)
     assert isinstance(error.value, ValueError)
     assert runtime_lever(text) is None
-
-
-def test_unhashable_names_no_lever():
-    with pytest.raises(TypeError):
-        Lever.parse(["full"])
-    assert runtime_lever(["full"]) is None
 
 
 @pytest.mark.parametrize("text", ["partial", "uniform:2", "block:1", None, ["full"]])
