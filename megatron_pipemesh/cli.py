@@ -293,7 +293,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget, options, sharding=best.sharding)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
-            json.dump({"pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches, **best.to_dict()}, handle, indent=1)
+            handle.write(best.run_plan().to_json())
     if args.json:
         print(json.dumps({**best.to_dict(), "candidates_evaluated": len(evaluated),
                           "baselines": {name: plan.to_dict() for name, plan in baselines.items()}}, indent=1))
@@ -355,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
-    from .planning.study import add_study_parser
+    from .study.study import add_study_parser
     add_study_parser(sub)
-    from .planning.headroom import add_headroom_parser
+    from .study.headroom import add_headroom_parser
     add_headroom_parser(sub)
     return parser
 

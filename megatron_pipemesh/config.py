@@ -5,7 +5,6 @@ Every surface is derived from the dataclass below, so a setting is declared once
 * the Megatron flags that :func:`megatron_pipemesh.install` adds (:func:`add_megatron_arguments`);
 * the flags of the ``pipemesh`` command that share a setting (:func:`add_cli_arguments`; the planner's
   cluster description drops the ``--pipemesh-`` prefix there, e.g. ``--dp-gbps``);
-* the runtime's options (:meth:`PipeMeshConfig.executor_options`);
 * the keys of the launch scripts' config files (``configs/*.env``), generated into
   ``scripts/lib/pipemesh_keys.sh`` by ``python -m megatron_pipemesh.config --bash`` (a test checks the
   committed file is current);
@@ -218,19 +217,6 @@ class PipeMeshConfig:
             else:
                 out += [flag, str(value)]
         return out
-
-    def executor_options(self, forward_groups=None, backward_groups=None, recompute=None, timeout_s=None,
-                         sharding=None, reload_lookahead=None):
-        """The runtime's :class:`~megatron_pipemesh.runtime.PipeMeshOptions` for these settings, with the
-        validated groups, recomputation, sharding levels and the plan's reload lookahead (imports the runtime,
-        hence torch)."""
-        from .runtime import PipeMeshOptions
-
-        return PipeMeshOptions(forward_groups=forward_groups, backward_groups=backward_groups,
-                               recv_lookahead=self.recv_lookahead, p2p_timeout_s=timeout_s,
-                               recompute=recompute or None, measure_memory=self.measure_memory,
-                               sharding=sharding,
-                               **({} if reload_lookahead is None else {"reload_lookahead": reload_lookahead}))
 
 
 def dest(name: str) -> str:

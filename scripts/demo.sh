@@ -67,5 +67,5 @@ $PY -m megatron_pipemesh.cli show --picture --pp "$PP" --vpp 2 -m "$M" \
 $PY -m megatron_pipemesh.cli simulate --pp "$PP" --vpp 2 -m "$M" --forward-groups "${fwd[@]}" --backward-groups "${bwd[@]}" \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size "$MBS" \
   --vocab-size 257 --dp "$DP" --trace "$RUN_DIR/trace.json" >/dev/null
-$PY -m megatron_pipemesh.training.demo_summary --pipemesh "$RUN_DIR/pipemesh.log" --stock "$RUN_DIR/stock.log" \
+$PY -m megatron_pipemesh.bench.demo_summary --pipemesh "$RUN_DIR/pipemesh.log" --stock "$RUN_DIR/stock.log" \
   --picture "$RUN_DIR/schedule.txt" --trace "$RUN_DIR/trace.json"

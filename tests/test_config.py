@@ -66,11 +66,19 @@ def test_launch_script_keys_are_generated_from_the_config():
     assert env_keys()["FORWARD_GROUPS"] == "--forward-groups" and env_keys()["SCHEDULE"] == "--pipeline-schedule"
 
 
-def test_executor_options_carry_the_settings():
-    """The runtime's options are derived from the config (lookahead, memory meter, groups, recompute)."""
-    options = PipeMeshConfig(recv_lookahead=3, measure_memory=True).executor_options((4, 4), (8,), {(0, 0, 0): "full"}, 60.0)
-    assert (options.recv_lookahead, options.measure_memory, options.forward_groups, options.backward_groups,
-            options.p2p_timeout_s, options.recompute) == (3, True, (4, 4), (8,), 60.0, {(0, 0, 0): "full"})
+def test_run_plan_and_runtime_options_carry_the_settings(monkeypatch):
+    """The runtime's plan and options are derived from the flags (lookahead, memory meter, groups, recompute)."""
+    from megatron_pipemesh.integration import flags, install
+    from tests.integration.test_flags import _args
+
+    made = []
+    monkeypatch.setattr("megatron_pipemesh.runtime.PipeMeshSchedule",
+                        lambda plan, options, **_: made.append((plan, options)))
+    args = _args(forward_groups=[4, 8], backward_groups=[4, 4, 4], pipemesh_recv_lookahead=3, pipemesh_measure_memory=True)
+    install.activate(flags.check_pipemesh_args(args))
+    (plan, options), = made
+    assert (plan.recv_lookahead, options.measure_memory, plan.schedule.forward_groups, plan.schedule.backward_groups,
+            options.p2p_timeout_s, plan.placement) == (3, True, (4, 8), (4, 4, 4), 600.0, {})
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -1,9 +1,11 @@
 """Peak activation memory of every rank of a benchmark run, stock schedules included.
 
-The training entry point (``megatron_pipemesh.training.pretrain_gpt``) calls :func:`install_from_env`;
-with ``PIPEMESH_BENCH_ACTIVATION_METER=1`` in the environment, the forward-backward function Megatron's
-``train()`` obtains (stock 1F1B, stock interleaved or PipeMesh alike) is wrapped so that each training
-call runs under one meter of :mod:`megatron_pipemesh.runtime.memory`:
+The bench's rank entry (:mod:`.rank`) calls :func:`install_from_env` once the training entry point prepared
+the process; with ``PIPEMESH_BENCH_ACTIVATION_METER=1`` in the environment, the forward-backward function
+Megatron's ``train()`` obtains (stock 1F1B, stock interleaved or PipeMesh alike) is wrapped so that each
+training call runs under one meter of :mod:`megatron_pipemesh.runtime.memory`, by the runtime's own call
+metering (:func:`megatron_pipemesh.runtime.call_meter.metering`, which also serves the product's
+``--pipemesh-measure-memory`` under the stock schedule):
 
 * CPU: :class:`~megatron_pipemesh.runtime.memory.SavedTensorMeter` around the *whole* call (forwards
   and backwards, so that a recomputation's re-saved tensors count while its backward holds them).
@@ -114,28 +116,19 @@ _SAMPLER: Dict[str, Callable[[], None]] = {}
 """The running call's ``sample`` (set while a training call runs under a state-and-activation meter)."""
 
 
-def _sampled(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def sampled(self, *args, **kwargs):
-        result = method(self, *args, **kwargs)
-        sample = _SAMPLER.get("current")
-        if sample is not None:
-            sample()
-        return result
-
-    sampled._pipemesh_bench_sampled = True
-    return sampled
+def _sample_running_meter() -> None:
+    sample = _SAMPLER.get("current")
+    if sample is not None:
+        sample()
 
 
 def install_state_sampling() -> None:
     """Sample the running meter after each step of :class:`megatron_pipemesh.runtime.sharding.ProgramSharding`
-    (where ZeRO-2/3 buffers are freed and brought back), so the joint peak sees them whatever the activations do."""
-    from ..runtime.sharding import ProgramSharding
+    (where ZeRO-2/3 buffers are freed and brought back), so the joint peak sees them whatever the activations do:
+    the runtime's step observer (:func:`~megatron_pipemesh.runtime.sharding.add_step_observer`; idempotent)."""
+    from ..runtime.sharding import add_step_observer
 
-    for name in ("begin", "before", "run"):
-        method = getattr(ProgramSharding, name)
-        if not getattr(method, "_pipemesh_bench_sampled", False):
-            setattr(ProgramSharding, name, _sampled(method))
+    add_step_observer(_sample_running_meter)
 
 
 def measure_forward_backward(func: Callable, report: Callable[[str], None] = print) -> Callable:
@@ -151,32 +144,28 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
         import torch
         import torch.distributed as dist
 
-        from ..runtime.memory import make_memory_meter, measuring
+        from ..runtime.call_meter import chunks_device, metering, model_chunks
+        from ..runtime.memory import make_memory_meter, model_tensors
 
-        model = kwargs.get("model")
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        chunks = [chunk for chunk in chunks if isinstance(chunk, torch.nn.Module)]
-        device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
-        # Module.buffers explicitly: Megatron's DDP wrapper shadows ``buffers`` with its gradient buffers.
-        excluded = [t for chunk in chunks for t in (*torch.nn.Module.parameters(chunk), *torch.nn.Module.buffers(chunk))]
+        chunks = model_chunks(kwargs.get("model"))
+        device = chunks_device(chunks)
+        device = torch.device("cpu") if device is None else device
+        excluded = list(model_tensors(chunks))
         probe = model_state_probe(chunks)
         before = probe() if probe is not None else None  # whole buffers + optimizer state: what the step holds
         if probe is not None and device.type == "cpu":
             meter = state_and_activation_meter(excluded, probe)
         else:
             meter = make_memory_meter(device, excluded)
-        meter.begin()
-        if meter.kind == "saved-tensors":
-            if hasattr(meter, "sample"):
-                _SAMPLER["current"] = meter.sample
-            try:
-                with meter.record("iteration"), measuring(meter):
-                    result = func(*args, **kwargs)
-            finally:
-                _SAMPLER.pop("current", None)
-        else:
-            result = func(*args, **kwargs)
-            meter.release("iteration")  # updates the allocator peak
+        if hasattr(meter, "sample"):
+            _SAMPLER["current"] = meter.sample
+        try:
+            # The ambient meter only on CPU: the saved-tensor meter needs host-placed saves handed to it, the
+            # allocator sees them anyway.
+            with metering(meter, ambient=meter.kind == "saved-tensors"):
+                result = func(*args, **kwargs)
+        finally:
+            _SAMPLER.pop("current", None)
         state["iteration"] += 1
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         memory = ""

@@ -6,8 +6,8 @@ cluster does. Pinning every rank of pipeline stage s to core ``s % cores`` keeps
 the ranks sharing a core are the data-parallel replicas of one stage, which run the same program in
 step (each one a device at 1/d of the core's speed).
 
-The bench sets ``PIPEMESH_BENCH_CORES`` to the core of each global rank, comma-separated; the training
-entry point calls :func:`pin_from_env` before anything starts threads.
+The bench sets ``PIPEMESH_BENCH_CORES`` to the core of each global rank, comma-separated; each rank's entry
+(:mod:`.rank`) calls :func:`pin_from_env` before anything starts threads.
 """
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ is decided by the *measured* peak of every rank (:mod:`.activation_meter`), neve
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
@@ -288,7 +287,6 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     and ``budget`` covers model state + activations."""
     from ..planning.planner import PlannerOptions, fit_with_recompute, plan_schedule
     from ..planning.sharding import plan_with_sharding
-    from ..schedule.levers import Lever
 
     pp, vpp, m = config.pp, model.vpp, model.microbatches
     costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps, sharding)  # noqa: E731
@@ -308,11 +306,10 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
             plan = fit_with_recompute(sched, costs_for(sched), limit, options)
     os.makedirs(plan_dir, exist_ok=True)
     path = os.path.join(plan_dir, f"{config.name}-{family}.json")
-    data = {"pp": pp, "vpp": vpp, "microbatches": m, **plan.to_dict()}
+    run_plan = plan.run_plan()
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1, default=str)
-    recomputed = sum(1 for level in plan.recompute.values() if Lever.parse(level).recomputes)
-    host_placed = sum(1 for level in plan.recompute.values() if Lever.parse(level).is_host)
+        handle.write(run_plan.to_json())
+    recomputed, host_placed = len(run_plan.recomputed), len(run_plan.host_placement)
     levels = peak_memory = None
     fits_predicted = plan.fits
     if sharding:

@@ -150,15 +150,16 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
     return args + list(sharding)
 
 
-TRAIN_MODULE = ("-m", "megatron_pipemesh.training.pretrain_gpt")
+TRAIN_MODULE = ("-m", "megatron_pipemesh.bench.rank")
+"""The bench's rank entry (:mod:`.rank`): core pinning and the activation meter around the training entry point."""
 
 
 def launch_command(nproc: int, train_args: Sequence[str], prefix: Sequence[str] = (),
                    python: str = sys.executable, rank_namespaces: Optional[str] = None,
                    master_port: int = 29500, target: Sequence[str] = TRAIN_MODULE) -> List[str]:
-    """torchrun of ``target`` (the bench's GPT; or a script) on ``nproc`` ranks, after ``prefix`` (e.g.
-    ``ip netns exec NAME``). With ``rank_namespaces`` (the per-rank network's hub name) every worker enters its
-    own namespace (:mod:`.rank_netns`) and meets the others at the hub's rendezvous store
+    """torchrun of ``target`` (the bench's GPT through its rank entry; or a script) on ``nproc`` ranks, after
+    ``prefix`` (e.g. ``ip netns exec NAME``). With ``rank_namespaces`` (the per-rank network's hub name) every
+    worker enters its own namespace (:mod:`.rank_netns`) and meets the others at the hub's rendezvous store
     (``HUB_ADDRESS:master_port``)."""
     train = [*target, *train_args]
     if rank_namespaces is None:

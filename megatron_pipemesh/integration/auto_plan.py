@@ -17,16 +17,14 @@ of ``--pipemesh-host-memory-gb``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
-from ..schedule.levers import BASIC_LEVERS, HOST, Lever, runtime_lever
-from ..planning.simulator import DEFAULT_RELOAD_LOOKAHEAD
+from ..schedule.plan import RunPlan, RunPlanError
+from .measured import Replanning
 
 DEFAULT_MARGIN = 0.10
 """Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
@@ -34,21 +32,6 @@ DEFAULT_MARGIN = 0.10
 # Dense 16-bit peak TFLOP/s by device-name substring, used when --pipemesh-device-tflops is not given.
 _PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
                 ("A10", 125.0), ("L4", 121.0), ("V100", 125.0), ("A6000", 155.0), ("4090", 165.0))
-
-
-@dataclass(frozen=True)
-class ResolvedPlan:
-    config: ScheduleConfig
-    recompute: Dict[Tuple[int, int, int], str]
-    summary: str
-    replan: Optional[dict] = None
-    """Inputs of :class:`~.measured.MeasuredReplanner` (re-planning from measured costs with
-    --pipemesh-measure-iters > 0, and from the minimum free memory over ranks when the budget was read
-    from the device); None when neither applies."""
-    sharding: Optional[Tuple[str, ...]] = None
-    """ZeRO level per chunk saved in a plan made with ``pipemesh plan --sharding``; None: not in the plan."""
-    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
-    """Compute ops between a RELOAD and its backward, as planned (the lowering must use the plan's value)."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -186,13 +169,9 @@ def _budget_and_tflops(args, what: str) -> Tuple[float, float]:
     return budget, tflops
 
 
-def _host_replan(options: PlannerOptions, link: Optional[float], rank_local: bool) -> dict:
-    """The host-placement inputs of :class:`~.measured.MeasuredReplanner`."""
-    return {"planner_options": options, "host_link_gbps": link, "agree_on_host": rank_local}
-
-
-def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
-    """Run the planner for this run; raises ValueError with a user-facing message."""
+def auto_plan(args, pp: int, vpp: int, microbatches: int) -> Tuple[RunPlan, str, Optional[Replanning]]:
+    """Run the planner for this run: (the plan, its summary line, its re-planning inputs); raises ValueError
+    with a user-facing message."""
     budget, tflops = _budget_and_tflops(args, "--forward-groups auto")
     options, link, host_local = planner_options(args)
     model, cluster = model_and_cluster(args, tflops, link)
@@ -214,23 +193,21 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
             best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB, options)
     except NoFeasiblePlan as error:
         raise ValueError(f"--forward-groups auto: {error}") from error
+    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB"
+               f"{_placement_note(options, link)}): {best.summary()}")
+    if sharding_auto:
+        return best.run_plan(), f"{summary}; sharding {' '.join(best.sharding.spec.levels)}", None
     measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
     # A budget read from this rank's free memory differs between ranks; the schedule's first call (a point
     # every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ.
     agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
     if measure_iters or agree_on_budget or host_local:
-        replan = {"analytic_costs_for": analytic, "costs_for": costs_for, "budget_bytes": budget * GB,
-                  "agree_on_budget": agree_on_budget, "pp": pp, "vpp": vpp, "microbatches": microbatches,
-                  "measure_iters": measure_iters, "profile_path": profile, "grad_bytes": model.grad_bytes,
-                  "distributed_optimizer": cluster.distributed_optimizer, **_host_replan(options, link, host_local)}
-    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB"
-               f"{_placement_note(options, link)}): {best.summary()}")
-    if sharding_auto:
-        levels = best.sharding.spec.levels
-        return ResolvedPlan(best.config, dict(best.recompute), f"{summary}; sharding {' '.join(levels)}", None, levels,
-                            best.reload_lookahead)
-    return ResolvedPlan(best.config, dict(best.recompute), summary, replan, reload_lookahead=best.reload_lookahead)
+        replan = Replanning(analytic, budget * GB, pp, vpp, microbatches, model.grad_bytes, cluster.distributed_optimizer,
+                            costs_for=costs_for, measure_iters=measure_iters, profile_path=profile,
+                            agree_on_budget=agree_on_budget, planner_options=options, host_link_gbps=link,
+                            agree_on_host=host_local)
+    return best.run_plan(), summary, replan
 
 
 def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
@@ -240,7 +217,7 @@ def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
     return f", activation placement auto, host link {link:g} Gbit/s, host memory {host} per rank"
 
 
-def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
+def place_given_groups(args, config: ScheduleConfig) -> Tuple[RunPlan, str, Optional[Replanning]]:
     """``--pipemesh-activation-placement auto`` with given groups: host placement and recomputation for
     ``config`` under the memory budget (``--pipemesh-memory-budget-gb`` or the device's free memory)."""
     what = "--pipemesh-activation-placement auto with given groups"
@@ -257,52 +234,28 @@ def place_given_groups(args, config: ScheduleConfig) -> ResolvedPlan:
     agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
     if agree_on_budget or host_local:
-        replan = {"analytic_costs_for": analytic, "budget_bytes": budget * GB, "agree_on_budget": agree_on_budget,
-                  "pp": config.pp, "vpp": config.vpp, "microbatches": config.microbatches, "measure_iters": 0,
-                  "profile_path": None, "grad_bytes": model.grad_bytes,
-                  "distributed_optimizer": cluster.distributed_optimizer, "fixed_config": config,
-                  **_host_replan(options, link, host_local)}
+        replan = Replanning(analytic, budget * GB, config.pp, config.vpp, config.microbatches, model.grad_bytes,
+                            cluster.distributed_optimizer, agree_on_budget=agree_on_budget, planner_options=options,
+                            host_link_gbps=link, agree_on_host=host_local, fixed_config=config)
     summary = (f"PipeMesh plan (given groups, budget {budget:.2f} GiB{_placement_note(options, link)}): "
                f"{plan.summary()}")
-    return ResolvedPlan(config, dict(plan.recompute), summary, replan, reload_lookahead=plan.reload_lookahead)
+    return plan.run_plan(), summary, replan
 
 
-def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> ResolvedPlan:
+def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> RunPlan:
     """A plan saved by ``pipemesh plan --output``; raises ValueError naming the mismatch."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as error:
+            text = handle.read()
+    except OSError as error:
         raise ValueError(f"--pipemesh-plan {path}: cannot read the plan ({error}). Create one with "
                          "`pipemesh plan ... --output plan.json`") from error
-    found = (data.get("pp"), data.get("vpp"), data.get("microbatches"))
+    try:
+        plan = RunPlan.from_json(text)
+    except RunPlanError as error:
+        raise ValueError(f"--pipemesh-plan {path}: {error}") from error
+    found = (plan.schedule.pp, plan.schedule.vpp, plan.schedule.microbatches)
     if found != (pp, vpp, microbatches):
         raise ValueError(f"--pipemesh-plan {path} was made for p, V, m = {found} but this run has {(pp, vpp, microbatches)}; "
                          "re-run `pipemesh plan` with this run's sizes")
-    config = ScheduleConfig(pp, vpp, microbatches, tuple(data["forward_groups"]), tuple(data["backward_groups"]))
-    recompute = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"] for e in data.get("recompute", [])}
-    bad = [level for level in recompute.values() if runtime_lever(level) is None]
-    if bad:
-        raise ValueError(f"--pipemesh-plan {path}: unknown placement level(s) {sorted(set(bad))}; use "
-                         f"{', '.join(BASIC_LEVERS + (HOST,))} or 'selective:<modules joined by +>' (e.g. selective:core_attn+mlp)")
-    outside = sorted(key for key in recompute if not (0 <= key[0] < pp and 0 <= key[1] < vpp and 0 <= key[2] < microbatches))
-    if outside:
-        raise ValueError(f"--pipemesh-plan {path}: entries {outside[:3]} (rank, chunk, micro-batch) are outside p, V, m = "
-                         f"{(pp, vpp, microbatches)}")
-    lookahead = data.get("reload_lookahead", DEFAULT_RELOAD_LOOKAHEAD)
-    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 1:
-        raise ValueError(f"--pipemesh-plan {path}: reload_lookahead {lookahead!r} must be an integer >= 1 (compute ops "
-                         "between a RELOAD and its backward); re-run `pipemesh plan --output`")
-    sharding = None
-    if data.get("sharding") is not None:
-        from ..planning.sharding import ShardingError, parse_levels
-        try:
-            sharding = parse_levels(data["sharding"], vpp, allow_auto=False)
-        except ShardingError as error:
-            raise ValueError(f"--pipemesh-plan {path}: {error}") from error
-    recomputed = sum(1 for level in recompute.values() if Lever.parse(level).recomputes)
-    hosted = sum(1 for level in recompute.values() if Lever.parse(level).is_host)
-    return ResolvedPlan(config, recompute, f"PipeMesh plan from {path}: {config.describe()}, "
-                                           f"{recomputed} recomputed and {hosted} host-placed chunk-micro-batches"
-                                           + (f", sharding {' '.join(sharding)}" if sharding else ""), sharding=sharding,
-                        reload_lookahead=lookahead)
+    return plan

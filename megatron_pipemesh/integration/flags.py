@@ -13,10 +13,15 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..config import PipeMeshConfig, add_megatron_arguments
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
+from ..runtime.unsupported import unsupported_message
+from ..schedule.plan import RunPlan
+
+if TYPE_CHECKING:
+    from .measured import Replanning
 
 SCHEDULE_FLAG = "--pipeline-schedule"
 
@@ -33,28 +38,16 @@ class PipeMeshArgs:
 
     enabled: bool
     """True with --pipeline-schedule pipemesh."""
-    forward_groups: Optional[Tuple[int, ...]]
-    """Validated forward groups; None: Megatron's group size decides at run time."""
-    backward_groups: Optional[Tuple[int, ...]]
-    """Validated backward groups; None: the forward groups."""
-    recv_lookahead: int
-    """Compute ops between posting a receive and its consumer."""
+    plan: Optional[RunPlan]
+    """What the runtime runs (None when PipeMesh is off)."""
     timeout_s: float
     """Timeout of every wait on a pipeline transfer (--distributed-timeout-minutes)."""
-    config: Optional[ScheduleConfig]
-    """The schedule of a training iteration (None when PipeMesh is off)."""
-    recompute: Optional[dict] = None
-    """(pipeline rank, chunk, micro-batch) -> 'selective' | 'full' from a plan; None keeps all activations."""
-    summary: str = ""
-    """One line describing where the plan came from (printed by rank 0)."""
-    replan: Optional[dict] = None
-    """Inputs of the measured re-planning (``--pipemesh-measure-iters``), None when off."""
     flags: PipeMeshConfig = PipeMeshConfig()
     """The flags as given (the source of the runtime's options and of the start-up report)."""
-    sharding: Optional[Tuple[str, ...]] = None
-    """Validated ZeRO level per virtual chunk (--pipemesh-sharding); None: not given."""
-    reload_lookahead: int = 2
-    """Compute ops between a RELOAD and its backward: the plan's (2, the lowering's default, without a plan)."""
+    summary: str = ""
+    """One line describing where the plan came from (printed by rank 0)."""
+    replan: Optional[Replanning] = None
+    """Inputs of the measured re-planning (``--pipemesh-measure-iters``, rank-local planning inputs), None when off."""
     ranks_per_node: Optional[int] = None
     """Ranks per node of the node scope (``--pipemesh-shard-scope node``), checked at start-up; None: other scope."""
 
@@ -73,29 +66,32 @@ def microbatches_per_iteration(args) -> int:
 
 def check_pipemesh_args(args) -> PipeMeshArgs:
     """Validate PipeMesh's flags against Megatron's validated ``args``; raise PipeMeshArgumentError."""
-    settings = _check_pipemesh_args(args)
-    if settings.sharding is not None and settings.flags.shard_scope == "node":
-        settings = dataclasses.replace(settings, ranks_per_node=args.pipemesh_ranks_per_node)
-    return settings
-
-
-def _check_pipemesh_args(args) -> PipeMeshArgs:
     try:
         settings = PipeMeshConfig.from_args(args)
     except ValueError as error:
         raise PipeMeshArgumentError(str(error)) from error
-    forward, backward = settings.forward_groups, settings.backward_groups
-    enabled = settings.enabled
     sharding = check_sharding_args(args, settings)
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
-    lookahead = settings.recv_lookahead
-    if not enabled:
-        given = [flag for flag, value in ((FORWARD_FLAG, forward), (BACKWARD_FLAG, backward)) if value is not None]
+    node_scope = settings.shard_scope == "node"
+    if not settings.enabled:
+        given = [flag for flag, value in ((FORWARD_FLAG, settings.forward_groups), (BACKWARD_FLAG, settings.backward_groups))
+                 if value is not None]
         if given:
             raise PipeMeshArgumentError(
                 f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
-        return PipeMeshArgs(False, None, None, lookahead, timeout_s, None, flags=settings, sharding=sharding)
+        per_node = args.pipemesh_ranks_per_node if sharding is not None and node_scope else None
+        return PipeMeshArgs(False, None, timeout_s, settings, ranks_per_node=per_node)
+    plan, summary, replan = _plan(args, settings, sharding)
+    per_node = args.pipemesh_ranks_per_node if plan.sharding and node_scope else None
+    return PipeMeshArgs(True, plan, timeout_s, settings, summary, replan, per_node)
+
+
+def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optional[Replanning]]:
+    """The run's plan, where it came from, and its re-planning inputs: given groups, Megatron's group size, a
+    plan file, or the planner (``auto``, or placement for given groups)."""
+    forward, backward = settings.forward_groups, settings.backward_groups
+    lookahead = settings.recv_lookahead
     if lookahead < 0:
         raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
@@ -109,8 +105,9 @@ def _check_pipemesh_args(args) -> PipeMeshArgs:
             f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
             f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
-    from .unsupported import check_unsupported_args
-    check_unsupported_args(args)
+    unsupported = unsupported_message(args)
+    if unsupported:
+        raise PipeMeshArgumentError(unsupported)
     plan_file = settings.plan
     auto = "auto" in (forward, backward)
     measure_iters = settings.measure_iters or 0
@@ -131,47 +128,50 @@ def _check_pipemesh_args(args) -> PipeMeshArgs:
             f"and plans are made for one number of micro-batches per iteration, which batch-size ramp-up changes. Drop "
             f"--rampup-batch-size or the group flags")
     m = microbatches_per_iteration(args)
+    scope = settings.shard_scope
     if auto or plan_file:
         from .auto_plan import auto_plan, load_plan
         try:
-            resolved = load_plan(plan_file, pp, vpp, m) if plan_file else auto_plan(args, pp, vpp, m)
+            if plan_file:
+                plan, summary, replan = load_plan(plan_file, pp, vpp, m), None, None
+                summary = f"PipeMesh plan from {plan_file}: {plan.describe()}"
+            else:
+                plan, summary, replan = auto_plan(args, pp, vpp, m)
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
-        planned = getattr(resolved, "sharding", None)
-        if sharding == "auto":
-            sharding = None  # the planner's levels follow
-        if planned is not None:
-            if sharding is not None and tuple(sharding) != tuple(planned):
+        if plan.sharding:  # levels saved in the plan file, or chosen by the planner (--pipemesh-sharding auto)
+            if sharding not in (None, "auto") and tuple(sharding) != plan.sharding:
                 raise PipeMeshArgumentError(
                     f"--pipemesh-sharding {' '.join(sharding)} and --pipemesh-plan {plan_file} (sharding "
-                    f"{' '.join(planned)}) disagree; the plan file holds the levels. Drop one of them")
-            sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=tuple(planned)))
-        return PipeMeshArgs(True, resolved.config.forward_groups, resolved.config.backward_groups, lookahead, timeout_s,
-                            resolved.config, resolved.recompute, resolved.summary, resolved.replan, flags=settings,
-                            sharding=sharding, reload_lookahead=resolved.reload_lookahead)
+                    f"{' '.join(plan.sharding)}) disagree; the plan file holds the levels. Drop one of them")
+            sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=plan.sharding))
+        elif sharding == "auto":
+            sharding = None
+        return dataclasses.replace(plan, recv_lookahead=lookahead, sharding=tuple(sharding or ()), shard_scope=scope), \
+            summary, replan
     group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     try:
         if forward is None and backward is None:
             config = ScheduleConfig.uniform(pp, vpp, m, group_size)
-        else:
-            config = ScheduleConfig(pp, vpp, m, forward or (), backward or ())
+        else:  # a missing forward list: Megatron's group size, as the runtime would choose it
+            config = ScheduleConfig(pp, vpp, m, forward or RunPlan().config_for(pp, vpp, m, group_size).forward_groups,
+                                    backward or ())
     except ScheduleConfigError as error:
         raise PipeMeshArgumentError(
             f"{error} (micro-batches per iteration m = --global-batch-size {args.global_batch_size} / "
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
-    forward_groups, backward_groups = config.forward_groups if forward else None, config.backward_groups if backward else None
+    base = RunPlan(config if forward or backward else None, sharding=tuple(sharding or ()), shard_scope=scope,
+                   recv_lookahead=lookahead)
     if settings.activation_placement == "auto":  # given groups: place / recompute under the budget
         from .auto_plan import place_given_groups
         try:
-            resolved = place_given_groups(args, config)
+            plan, summary, replan = place_given_groups(args, config)
         except (ValueError, ScheduleConfigError) as error:
             raise PipeMeshArgumentError(str(error)) from error
-        return PipeMeshArgs(True, config.forward_groups, config.backward_groups, lookahead, timeout_s, config,
-                            resolved.recompute, resolved.summary, resolved.replan, flags=settings, sharding=sharding,
-                            reload_lookahead=resolved.reload_lookahead)
-    return PipeMeshArgs(True, forward_groups, backward_groups, lookahead, timeout_s, config, flags=settings,
-                        sharding=sharding)
+        return dataclasses.replace(plan, recv_lookahead=lookahead, sharding=base.sharding, shard_scope=scope), \
+            summary, replan
+    return base, "", None
 
 
 def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:

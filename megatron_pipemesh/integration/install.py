@@ -56,7 +56,7 @@ def reported_schedule():
 def _metered_stock(function):
     """Megatron's schedule wrapped by the activation meter (``--pipemesh-measure-memory`` under the stock
     schedule); one wrapper per function, so its statistics survive across iterations."""
-    from ..runtime.stock_meter import MeteredStockSchedule
+    from ..runtime.call_meter import MeteredStockSchedule
 
     stock = _STATE.get("stock")
     if stock is None or stock.function is not function:
@@ -66,7 +66,7 @@ def _metered_stock(function):
 
 def activate(settings) -> None:
     """Activate (or deactivate) PipeMesh from validated :class:`~.flags.PipeMeshArgs`."""
-    from ..runtime import PipeMeshSchedule
+    from ..runtime import PipeMeshOptions, PipeMeshSchedule
     from .parallel_state import get_pipemesh_p2p_groups
 
     _STATE["args"] = settings
@@ -77,20 +77,15 @@ def activate(settings) -> None:
         _STATE["schedule"] = None
         return
 
-    def make_schedule(forward_groups, backward_groups, recompute, reload_lookahead=None):
-        options = settings.flags.executor_options(forward_groups, backward_groups, recompute, settings.timeout_s,
-                                                  settings.sharding, reload_lookahead)
-        return PipeMeshSchedule(options, p2p_groups=get_pipemesh_p2p_groups)
+    options = PipeMeshOptions(p2p_timeout_s=settings.timeout_s, measure_memory=settings.flags.measure_memory)
 
-    schedule = make_schedule(settings.forward_groups, settings.backward_groups, settings.recompute,
-                             settings.reload_lookahead)
-    if settings.replan:
+    def make_schedule(plan):
+        return PipeMeshSchedule(plan, options, p2p_groups=get_pipemesh_p2p_groups)
+
+    schedule = make_schedule(settings.plan)
+    if settings.replan is not None:
         from .measured import MeasuredReplanner
-        replan = dict(settings.replan)
-        schedule = MeasuredReplanner(
-            schedule, lambda plan: make_schedule(plan.config.forward_groups, plan.config.backward_groups,
-                                                 dict(plan.recompute), plan.reload_lookahead),
-            **replan)
+        schedule = MeasuredReplanner(schedule, make_schedule, settings.plan, settings.replan)
     _STATE["schedule"] = schedule
     if settings.summary and os.environ.get("RANK", "0") == "0":
         print(settings.summary, flush=True)
@@ -302,7 +297,7 @@ def install() -> None:
     try:
         from megatron.training import training
         training.get_forward_backward_func = getter
-        patch_training_log(training)
+        patch_training_log(training, reported_schedule)
         training.get_megatron_optimizer = _registering(training.get_megatron_optimizer)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass

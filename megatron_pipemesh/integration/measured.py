@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 from ..planning.costs import OpCosts
-from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
+from ..planning.planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
+from ..schedule.config import ScheduleConfig
+from ..schedule.plan import RunPlan
 
 TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s", "dp_gather_s")
 
@@ -40,6 +43,42 @@ def load_profile(path: str) -> Dict[str, float]:
     return {key: float(data[key]) for key in TIME_FIELDS}
 
 
+@dataclass(frozen=True)
+class Replanning:
+    """What the measured re-planner needs to plan again inside training (see :class:`MeasuredReplanner`)."""
+
+    analytic_costs_for: Callable[[ScheduleConfig], OpCosts]
+    """The analytic costs of a schedule (their memory terms are kept with measured times)."""
+    budget_bytes: float
+    """Device memory the plan may use, as this rank found it."""
+    pp: int
+    """Pipeline size p."""
+    vpp: int
+    """Virtual chunks per rank V."""
+    microbatches: int
+    """Micro-batches per iteration m."""
+    grad_bytes: int
+    """Bytes per gradient element (the measured reduction's size)."""
+    distributed_optimizer: bool
+    """Whether gradients are reduce-scattered and parameters gathered (the measured collectives)."""
+    costs_for: Optional[Callable[[ScheduleConfig], OpCosts]] = None
+    """The costs the start-up plan used (a saved profile); None: the analytic ones."""
+    measure_iters: int = 0
+    """Training calls timed before re-planning from measured costs (0: none)."""
+    profile_path: Optional[str] = None
+    """Where the measured costs are saved (--pipemesh-profile)."""
+    agree_on_budget: bool = False
+    """The budget was read from this rank's free memory: re-plan for the minimum over ranks."""
+    planner_options: PlannerOptions = PlannerOptions()
+    """The run's placement options."""
+    host_link_gbps: Optional[float] = None
+    """Host-link bandwidth the plan assumed."""
+    agree_on_host: bool = False
+    """The host link or host budget was found by this rank: re-plan with the minimum over ranks."""
+    fixed_config: Optional[ScheduleConfig] = None
+    """The groups were given: re-planning only re-fits placement and recomputation to them."""
+
+
 class MeasuredReplanner:
     """Callable wrapper around the PipeMesh schedule that re-plans from facts only known in training.
 
@@ -51,25 +90,29 @@ class MeasuredReplanner:
       placement (measured or read per rank).
     * ``measure_iters`` > 0: after that many training calls, re-plan once from measured costs.
 
-    ``fixed_config``: the groups were given; re-planning only re-fits placement and recomputation to them.
+    A new plan keeps the start-up plan's receive lookahead and sharding (``base``).
     """
 
-    def __init__(self, schedule, make_schedule, analytic_costs_for, budget_bytes: float, pp: int, vpp: int,
-                 microbatches: int, measure_iters: int, profile_path: Optional[str], grad_bytes: int,
-                 distributed_optimizer: bool, costs_for=None, agree_on_budget: bool = False,
-                 planner_options: Optional[PlannerOptions] = None, host_link_gbps: Optional[float] = None,
-                 agree_on_host: bool = False, fixed_config=None):
-        # make_schedule(plan) -> a PipeMeshSchedule running the plan's groups, placement and reload lookahead.
-        self.schedule, self.make_schedule, self.analytic_costs_for = schedule, make_schedule, analytic_costs_for
-        self.costs_for = costs_for or analytic_costs_for
-        self.budget_bytes, self.pp, self.vpp, self.microbatches = budget_bytes, pp, vpp, microbatches
-        self.measure_iters, self.profile_path = measure_iters, profile_path
-        self.grad_bytes, self.distributed_optimizer = grad_bytes, distributed_optimizer
-        self.agree_on_budget = agree_on_budget
-        self.planner_options = planner_options or PlannerOptions()
-        self.host_link_gbps, self.agree_on_host, self.fixed_config = host_link_gbps, agree_on_host, fixed_config
+    def __init__(self, schedule, make_schedule: Callable[[RunPlan], object], base: RunPlan, inputs: Replanning):
+        # make_schedule(plan) -> a PipeMeshSchedule running ``plan``.
+        self.schedule, self.make_schedule, self.base = schedule, make_schedule, base
+        self.analytic_costs_for = inputs.analytic_costs_for
+        self.costs_for = inputs.costs_for or inputs.analytic_costs_for
+        self.budget_bytes, self.pp, self.vpp, self.microbatches = (inputs.budget_bytes, inputs.pp, inputs.vpp,
+                                                                   inputs.microbatches)
+        self.measure_iters, self.profile_path = inputs.measure_iters, inputs.profile_path
+        self.grad_bytes, self.distributed_optimizer = inputs.grad_bytes, inputs.distributed_optimizer
+        self.agree_on_budget = inputs.agree_on_budget
+        self.planner_options = inputs.planner_options
+        self.host_link_gbps, self.agree_on_host = inputs.host_link_gbps, inputs.agree_on_host
+        self.fixed_config = inputs.fixed_config
         self.history: List = []
         self.measured: Optional[Dict[str, float]] = None
+
+    def _switch_to(self, best: Plan) -> None:
+        """Run ``best`` from the next call on (the new schedule continues the old one's transfer tags)."""
+        plan = best.run_plan(self.base.recv_lookahead, self.base.sharding, self.base.shard_scope)
+        self.schedule = self.make_schedule(plan).continue_from(self.schedule)
 
     @property
     def options(self):
@@ -109,7 +152,7 @@ class MeasuredReplanner:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
                                  "memory on that device or give --pipemesh-memory-budget-gb") from error
-        self.schedule = self.make_schedule(best).continue_from(self.schedule)
+        self._switch_to(best)
         if rank0:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
                   f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
@@ -144,7 +187,7 @@ class MeasuredReplanner:
         self.host_link_gbps = agreed[0]
         self.planner_options = dataclasses.replace(self.planner_options, host_budget_bytes=agreed[1])
         best = self._plan(self.costs_for, self.budget_bytes)
-        self.schedule = self.make_schedule(best).continue_from(self.schedule)
+        self._switch_to(best)
         if dist.get_rank() == 0:
             host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
             print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
@@ -184,6 +227,6 @@ class MeasuredReplanner:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)
             return
-        self.schedule = self.make_schedule(best).continue_from(self.schedule)
+        self._switch_to(best)
         if rank0:
             print(f"PipeMesh plan (measured): {best.summary()}", flush=True)

@@ -17,33 +17,37 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..planning.costs import ScheduleCosts, analytic_costs
 from ..planning.planner import baseline_plans
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import DEVICE, Lever
-from ..schedule.lower import LoweringOptions, host_placement_of, lower
+from ..schedule.lower import host_placement_of, lower
+from ..schedule.plan import RunPlan
+from .flags import microbatches_per_iteration
 
 MiB = 1024.0 ** 2
 PICTURE_RANKS = 4
 """Pipeline ranks drawn by --pipemesh-print-schedule (the picture of 64 ranks helps nobody)."""
 
 
-def training_lowering(args, recv_lookahead: int, recompute: Optional[Dict] = None, sharding=(),
-                      reload_lookahead: int = LoweringOptions.reload_lookahead) -> LoweringOptions:
-    """The lowering the runtime uses for training iterations with these Megatron args, placement plan and
-    sharding levels (its digest is the one the runtime checks across ranks): Megatron sets ``grad_sync_func`` only with
-    ``--overlap-grad-reduce`` and ``align_grad_reduce``, ``param_sync_func`` only with
-    ``--overlap-param-gather`` and ``--align-param-gather`` (megatron/training/training.py, train());
-    the plan's 'host' entries add OFFLOAD / RELOAD ops."""
-    return LoweringOptions(
-        recv_lookahead=recv_lookahead,
-        param_sync=bool(getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False)),
-        grad_sync=bool(getattr(args, "overlap_grad_reduce", False) and getattr(args, "align_grad_reduce", True)),
-        forward_only=False, host_placement=host_placement_of(recompute), sharding=tuple(sharding or ()),
-        reload_lookahead=reload_lookahead)
+def megatron_syncs(args) -> Dict[str, bool]:
+    """The data-parallel sync points Megatron drives for these args (``RunPlan.lowering``'s ``param_sync`` /
+    ``grad_sync``): ``train()`` sets ``grad_sync_func`` only with ``--overlap-grad-reduce`` and
+    ``align_grad_reduce``, ``param_sync_func`` only with ``--overlap-param-gather`` and ``--align-param-gather``
+    (megatron/training/training.py); the runtime lowers with the functions it is given."""
+    return {"param_sync": bool(getattr(args, "overlap_param_gather", False) and getattr(args, "align_param_gather", False)),
+            "grad_sync": bool(getattr(args, "overlap_grad_reduce", False) and getattr(args, "align_grad_reduce", True))}
+
+
+def training_config(args, plan: RunPlan) -> ScheduleConfig:
+    """The schedule of this run's training iterations (the plan's groups, else Megatron's group size)."""
+    if plan.schedule is not None:
+        return plan.schedule
+    return plan.config_for(args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+                           microbatches_per_iteration(args), getattr(args, "microbatch_group_size_per_vp_stage", None))
 
 
 def _cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
@@ -150,23 +154,22 @@ def host_summary(recompute: Optional[Dict], config: ScheduleConfig, host_bytes: 
 
 def plan_line(args, settings) -> str:
     """The one-line ``PipeMesh plan:`` summary of validated settings (:class:`~.flags.PipeMeshArgs`)."""
-    config: ScheduleConfig = settings.config
-    sharding = getattr(settings, "sharding", None)
-    digest = lower(config, training_lowering(args, settings.recv_lookahead, settings.recompute, sharding,
-                                             getattr(settings, "reload_lookahead", LoweringOptions.reload_lookahead))).digest()
+    plan: RunPlan = settings.plan
+    config = training_config(args, plan)
+    digest = lower(config, plan.lowering(**megatron_syncs(args))).digest()
     flags = settings.flags
     origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
               else "given groups" if flags.forward_groups else "Megatron's group size")
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
-             recompute_summary(settings.recompute, config)]
-    if sharding:
-        parts.append(sharding_summary(args, config, sharding))
+             recompute_summary(plan.placement, config)]
+    if plan.sharding:
+        parts.append(sharding_summary(args, config, plan.sharding))
     try:
-        prediction = predict(args, config, settings.recompute)
+        prediction = predict(args, config, plan.placement)
     except Exception as error:  # a report must not stop training; say why there is no prediction
         prediction = None
         parts.append(f"no prediction ({type(error).__name__}: {error})")
-    host = host_summary(settings.recompute, config, prediction.host_bytes if prediction is not None else None)
+    host = host_summary(plan.placement, config, prediction.host_bytes if prediction is not None else None)
     if host:
         parts.insert(4, host)
     if prediction is not None:
@@ -197,7 +200,7 @@ def announce_plan(args, settings) -> None:
         return
     print(plan_line(args, settings), flush=True)
     if settings.flags.print_schedule:
-        print(schedule_picture(settings.config), flush=True)
+        print(schedule_picture(training_config(args, settings.plan)), flush=True)
 
 
 # Per log interval --------------------------------------------------------------------------------
@@ -333,14 +336,13 @@ def after_training_log(iteration: int, args, schedule) -> None:
     write_scalars(iteration, figures, get_tensorboard_writer(), get_wandb_writer())
 
 
-def patch_training_log(training) -> None:
-    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration)."""
+def patch_training_log(training, reported_schedule: Callable[[], object]) -> None:
+    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration) to report the
+    statistics of ``reported_schedule()`` after it."""
     original = training.training_log
     if getattr(original, "_pipemesh", False):
         return
     import functools
-
-    from .install import reported_schedule
 
     @functools.wraps(original)
     def training_log(*args, **kwargs):

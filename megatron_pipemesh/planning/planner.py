@@ -34,6 +34,7 @@ from ..schedule.ops import OpKind
 from .costs import GB, OpCosts, ScheduleCosts
 from ..schedule.levers import BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, KEPT, Lever
 from ..schedule.lower import lower
+from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from .memory import selective_levels
 from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
@@ -94,6 +95,16 @@ class Plan:
             line += (f", host placement per rank {placed} chunk-micro-batches holding {host} GiB at peak, "
                      f"exposed host copies {self.result.exposed_host_s * 1e3:.1f} ms")
         return line
+
+    def run_plan(self, recv_lookahead: int = 1, sharding: Tuple[str, ...] = (),
+                 shard_scope: str = "data-parallel") -> RunPlan:
+        """What the runtime runs for this plan, with its prediction (``pipemesh plan --output`` saves it). The
+        plan's own sharding levels, if it was made with mixed sharding, win over ``sharding``/``shard_scope``."""
+        if self.sharding is not None:
+            sharding, shard_scope = self.sharding.spec.levels, self.sharding.spec.scope
+        data = self.to_dict()
+        return RunPlan(self.config, self.recompute, tuple(sharding), shard_scope, recv_lookahead, self.reload_lookahead,
+                       predicted={key: data[key] for key in PREDICTION_KEYS})
 
     def to_dict(self) -> dict:
         counts = {lever: 0 for lever in BASIC_LEVERS if lever.recomputes}

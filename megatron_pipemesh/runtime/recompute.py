@@ -53,11 +53,11 @@ megatron-core 0.19.2 defects that no switch avoids:
 from __future__ import annotations
 
 import contextlib
-from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
+from typing import FrozenSet, Iterator, List, Tuple
 
 import torch
 
-from ..schedule.levers import HOST, RUNTIME_HELP, Lever, runtime_lever
+from ..schedule.levers import Lever
 
 
 def parse_runtime_level(level: str) -> Tuple[str, FrozenSet[str]]:
@@ -73,16 +73,6 @@ def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
         module = module.module
     return module
-
-
-def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
-    """Fail early on unknown levels or malformed keys (pipeline rank, chunk, micro-batch)."""
-    for key, level in (plan or {}).items():
-        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
-            raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
-        if runtime_lever(level) is None:
-            raise ValueError(f"recompute plan {key}: unknown level {level!r}; use one of {RUNTIME_HELP}; "
-                             f"or '{HOST}' (activation placement)")
 
 
 def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:

@@ -46,10 +46,14 @@ and only their storage is resized (no per-micro-batch allocation).
 The runtime also counts the bytes every data-parallel op of the program gathers, reduces or all-reduces
 across nodes and the bytes held by parameters, gradients and optimizer state while no group runs, for
 comparison with the planning model (:func:`format_report`).
+
+Step observers (:func:`add_step_observer`): callbacks run after each step of a :class:`ProgramSharding`
+(program start, before an op, a GATHER / RELEASE / REDUCE), the moments ZeRO-2/3 buffers are freed or come
+back, so that a memory meter outside the runtime (the bench's) samples model state there. None by default.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +62,27 @@ from ..schedule.ops import Op, OpKind
 
 _OPTIMIZERS: List[object] = []
 """Megatron optimizers built in this process (registered by the integration), for the memory report."""
+
+StepObserver = Callable[[], None]
+_STEP_OBSERVERS: List[StepObserver] = []
+"""Called, in order, after each :class:`ProgramSharding` step (see the module docstring)."""
+
+
+def add_step_observer(observer: StepObserver) -> None:
+    """Call ``observer()`` after every :class:`ProgramSharding` step of this process (once, however often added)."""
+    if observer not in _STEP_OBSERVERS:
+        _STEP_OBSERVERS.append(observer)
+
+
+def remove_step_observer(observer: StepObserver) -> None:
+    """Stop calling ``observer`` (no-op if it was not added)."""
+    if observer in _STEP_OBSERVERS:
+        _STEP_OBSERVERS.remove(observer)
+
+
+def _notify_step_observers() -> None:
+    for observer in _STEP_OBSERVERS:  # empty unless a meter registered: the loop is the whole cost
+        observer()
 
 
 def register_optimizer(optimizer) -> None:
@@ -285,12 +310,12 @@ class ProgramSharding:
             state.release_grads()
             if state.zero3:
                 state.release_params()
-        if not measure:
-            return
-        held = 0
-        for chunk, ddp in enumerate(self.model):
-            held += self.states[chunk].held_bytes() if chunk in self.states else whole_chunk_bytes(ddp)
-        self.resident_bytes = held + optimizer_state_bytes()
+        if measure:
+            held = 0
+            for chunk, ddp in enumerate(self.model):
+                held += self.states[chunk].held_bytes() if chunk in self.states else whole_chunk_bytes(ddp)
+            self.resident_bytes = held + optimizer_state_bytes()
+        _notify_step_observers()
 
     def before(self, op: Op) -> None:
         """Before ``op`` runs: count Megatron's own syncs; a compute op waits for its chunk's gather and a
@@ -310,6 +335,7 @@ class ProgramSharding:
             state.wait_gather()
             if kind is OpKind.BACKWARD:
                 state.restore_grads()
+        _notify_step_observers()
 
     def run(self, op: Op) -> None:
         """Dispatch a GATHER / RELEASE / REDUCE op."""
@@ -320,6 +346,7 @@ class ProgramSharding:
             state.release_params()
         else:
             self._count("reduce", op.chunk, state.reduce())
+        _notify_step_observers()
 
     def end(self) -> None:
         """Program end, before Megatron's finalize and optimizer step: reductions done, buffers whole."""

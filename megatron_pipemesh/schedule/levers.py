@@ -60,9 +60,8 @@ _BASIC_NAMES = ", ".join(kind.value for kind in (LeverKind.DEVICE, LeverKind.SEL
 _PARSE_HELP = (f"use one of {_BASIC_NAMES}, {LeverKind.HOST.value!r}, 'selective:<modules joined by +>' (modules from "
                f"{', '.join(SELECTIVE_MODULES)}), 'uniform:<k>' or 'block:<k>'")
 
-RUNTIME_HELP = (f"{_BASIC_NAMES} or 'selective:<modules joined by +>' with modules from {', '.join(SELECTIVE_MODULES)} "
-                "(e.g. 'selective:core_attn+mlp')")
-"""The runtime levers as error messages list them (``'host'`` is named by each message where it applies)."""
+_RUNTIME_HELP = (f"{_BASIC_NAMES} or 'selective:<modules joined by +>' with modules from {', '.join(SELECTIVE_MODULES)} "
+                 "(e.g. 'selective:core_attn+mlp')")
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,7 @@ class Lever(str):
         the runtime recomputes a chunk-micro-batch's layers all alike)."""
         lever = runtime_lever(text)
         if lever is None:
-            raise LeverError(f"unknown recompute level {text!r}; use one of {RUNTIME_HELP}")
+            raise LeverError(f"unknown recompute level {text!r}; use one of {_RUNTIME_HELP}")
         return lever
 
     @classmethod
@@ -257,7 +256,7 @@ class Lever(str):
         """Megatron's switches the runtime sets for this lever (all off for 'none' and 'host': offloading is
         the offloader's); :class:`LeverError` for per-chunk levers."""
         if self.per_chunk:
-            raise LeverError(f"unknown recompute level {str(self)!r}; use one of {RUNTIME_HELP}")
+            raise LeverError(f"unknown recompute level {str(self)!r}; use one of {_RUNTIME_HELP}")
         if self.checkpoints_layers:
             return RecomputeSwitches("full", "uniform", 1)
         if self.is_selective:

@@ -41,7 +41,7 @@ import runpy
 import sys
 import warnings
 from functools import partial
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "prepare_argv", "model_provider", "forward_step", "loss_func",
            "train_valid_test_datasets_provider"]
@@ -384,20 +384,17 @@ def run_megatron_lm_script(script: str) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Console entry ``pipemesh-pretrain-gpt``: prepare the process, then train."""
+def main(argv: Optional[Sequence[str]] = None, on_prepared: Optional[Callable[[], object]] = None) -> None:
+    """Console entry ``pipemesh-pretrain-gpt``: prepare the process, then train.
+
+    ``on_prepared``: called once the process is prepared (Megatron importable, PipeMesh installed), before
+    Megatron parses the command line: where a launcher adds its own instrumentation (the bench's rank entry
+    installs its activation meter here), so that this module imports no launcher."""
     argv = list(sys.argv[1:] if argv is None else argv)
     script, argv = _pop_flag(argv, OWN_FLAG)
-    # Benchmark hooks, off unless `pipemesh bench` sets their environment variables: pin this rank to a
-    # core before any thread starts (bench/affinity.py); report the peak activation bytes of every
-    # training iteration, for stock and PipeMesh schedules alike (bench/activation_meter.py).
-    from megatron_pipemesh.bench.affinity import pin_from_env
-
-    pin_from_env()
     cpu = _prepare_process()
-    from megatron_pipemesh.bench.activation_meter import install_from_env
-
-    install_from_env()
+    if on_prepared is not None:
+        on_prepared()
     argv = prepare_argv(argv, cuda=not cpu)
     sys.argv = [sys.argv[0] if sys.argv else "pipemesh-pretrain-gpt"] + argv
     if script is not None:

@@ -142,12 +142,12 @@ def test_training_args_per_row():
     assert "--overlap-grad-reduce" in dp and _flag(dp, "--global-batch-size") == "32"
     cmd = launch_command(2, ["--x"], ["ip", "netns", "exec", "ns"], python="py")
     assert cmd == ["ip", "netns", "exec", "ns", "py", "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", "-m", "megatron_pipemesh.training.pretrain_gpt", "--x"]
+                   "--nproc-per-node", "2", "-m", "megatron_pipemesh.bench.rank", "--x"]
     # per-rank network: torchrun in the hub, its store on the hub's bridge address, each worker in its namespace
     cmd = launch_command(4, ["--x"], ["ip", "netns", "exec", "h"], python="py", rank_namespaces="h", master_port=29507)
     assert cmd == ["ip", "netns", "exec", "h", "py", "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", "4", "--master-addr", "10.213.0.254", "--master-port", "29507",
-                   "-m", "megatron_pipemesh.bench.rank_netns", "h", "-m", "megatron_pipemesh.training.pretrain_gpt", "--x"]
+                   "-m", "megatron_pipemesh.bench.rank_netns", "h", "-m", "megatron_pipemesh.bench.rank", "--x"]
 
 
 def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):

@@ -68,11 +68,11 @@ def test_pipemesh_rows_are_planned_for_the_budget(tmp_path, family):
     budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
     spec = pipemesh_spec(MODEL, CONFIG, family, budget, AUTO, GBPS, str(tmp_path), ((4,), (4,)))
     plan = load_plan(spec.plan_path, 2, 2, 4)
-    assert (plan.config.forward_groups, plan.config.backward_groups) == spec.groups
+    assert (plan.schedule.forward_groups, plan.schedule.backward_groups) == spec.groups
     assert max(spec.predicted_peak_bytes) <= budget and spec.predicted_fits
     if family == "pipemesh":  # breadth-first groups exceed the budget without recomputation
         assert spec.groups == ((4,), (4,)) and spec.recomputed + spec.host_placed > 0
-        assert len(plan.recompute) == spec.recomputed + spec.host_placed
+        assert len(plan.placement) == spec.recomputed + spec.host_placed
     assert json.load(open(spec.plan_path))["memory_budget_gb"] == pytest.approx(budget / 2 ** 30)
 
 

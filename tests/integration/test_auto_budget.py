@@ -1,4 +1,5 @@
 """--forward-groups auto with the budget read from each device: ranks agree on the minimum free memory."""
+from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +9,8 @@ from megatron_pipemesh.integration.measured import MeasuredReplanner
 from megatron_pipemesh.planning.planner import NoFeasiblePlan
 
 MIB = 2 ** 20
+Resolved = namedtuple("Resolved", "plan summary replan")
+"""What auto_plan returns: the plan, its summary line, its re-planning inputs."""
 
 
 def _args(**overrides):
@@ -21,7 +24,7 @@ def _args(**overrides):
 
 def _resolve(monkeypatch, free_mib):
     monkeypatch.setattr(auto, "_device_defaults", lambda args: (None, free_mib * MIB / 2 ** 30))
-    return auto.auto_plan(_args(), 4, 2, 12)
+    return Resolved(*auto.auto_plan(_args(), 4, 2, 12))
 
 
 class FakeWorld:
@@ -57,10 +60,10 @@ def _replanner(resolved):
     made = []
 
     def make_schedule(plan):
-        config, recompute = plan.config, plan.recompute
+        config, recompute = plan.schedule, plan.placement
         made.append((config.forward_groups, config.backward_groups, sum(1 for v in recompute.values() if v != "none")))
         return StandInSchedule()
-    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, **resolved.replan)
+    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, resolved.plan, resolved.replan)
     return replanner, made
 
 
@@ -68,16 +71,17 @@ def test_device_budget_is_agreed_on_at_the_first_call(monkeypatch):
     """A rank that read 1000 MiB free re-plans for the 100 MiB another rank read (the plan that rank made),
     once, at the first call; an explicit --pipemesh-memory-budget-gb needs no agreement."""
     rich, poor = _resolve(monkeypatch, 1000), _resolve(monkeypatch, 100)
-    assert rich.replan["agree_on_budget"] and (rich.config, rich.recompute) != (poor.config, poor.recompute)
+    assert rich.replan.agree_on_budget and (rich.plan.schedule, rich.plan.placement) != (poor.plan.schedule,
+                                                                                          poor.plan.placement)
     FakeWorld(monkeypatch, [1000, 100])
     replanner, made = _replanner(rich)
     start_up = replanner.schedule
     assert replanner() == "ran" and replanner() == "ran"
     assert replanner.schedule.previous is start_up  # transfer tags continue across the swap
-    assert made == [(poor.config.forward_groups, poor.config.backward_groups,
-                     sum(1 for v in poor.recompute.values() if v != "none"))]
+    assert made == [(poor.plan.schedule.forward_groups, poor.plan.schedule.backward_groups,
+                     sum(1 for v in poor.plan.placement.values() if v != "none"))]
     assert replanner.budget_bytes == 100 * MIB
-    explicit = auto.auto_plan(_args(pipemesh_memory_budget_gb=1.0), 4, 2, 12)
+    explicit = Resolved(*auto.auto_plan(_args(pipemesh_memory_budget_gb=1.0), 4, 2, 12))
     assert explicit.replan is None
 
 

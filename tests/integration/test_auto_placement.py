@@ -7,7 +7,7 @@ from megatron_pipemesh.integration.measured import MeasuredReplanner
 from megatron_pipemesh.planning.costs import DEFAULT_HOST_LINK_GBPS, GB
 from megatron_pipemesh.runtime import host_link
 from megatron_pipemesh.schedule.config import ScheduleConfig
-from tests.integration.test_auto_budget import StandInSchedule, _args
+from tests.integration.test_auto_budget import Resolved, StandInSchedule, _args
 
 TIGHT_GB = 0.12  # the 4-rank test model needs recomputation or offloading below ~0.2 GiB per device
 
@@ -20,14 +20,14 @@ def _placement_args(mode, **overrides):
 
 
 def _levels(resolved):
-    return set(resolved.recompute.values())
+    return set(resolved.plan.placement.values())
 
 
 def test_auto_placement_offloads_where_recompute_only_recomputes(monkeypatch):
     """Under the same tight budget 'auto' places chunk-micro-batches on the host, 'recompute-only' never does."""
     monkeypatch.setattr(auto, "machine_host_share_bytes", lambda: 64 * GB)
-    only = auto.auto_plan(_placement_args("recompute-only"), 4, 2, 12)
-    placed = auto.auto_plan(_placement_args("auto"), 4, 2, 12)
+    only = Resolved(*auto.auto_plan(_placement_args("recompute-only"), 4, 2, 12))
+    placed = Resolved(*auto.auto_plan(_placement_args("auto"), 4, 2, 12))
     assert "host" not in _levels(only) and "host" in _levels(placed)
     assert f"activation placement auto, host link {DEFAULT_HOST_LINK_GBPS:g} Gbit/s, host memory 4.0 GiB" in placed.summary
     assert placed.replan is None  # nothing rank-local: budget, host link and host memory all given or default
@@ -37,8 +37,8 @@ def test_given_groups_are_placed_under_a_budget(monkeypatch):
     """With given groups, 'auto' fits host placement / recomputation to them (the groups stay)."""
     monkeypatch.setattr(auto, "machine_host_share_bytes", lambda: 64 * GB)
     config = ScheduleConfig(4, 2, 12, (6, 6), (6, 6))
-    resolved = auto.place_given_groups(_placement_args("auto"), config)
-    assert resolved.config == config and "host" in _levels(resolved)
+    resolved = Resolved(*auto.place_given_groups(_placement_args("auto"), config))
+    assert resolved.plan.schedule == config and "host" in _levels(resolved)
     with pytest.raises(ValueError, match="does not fit the memory budget of 0.01 GiB"):
         auto.place_given_groups(_placement_args("auto", pipemesh_memory_budget_gb=0.01), config)
 
@@ -72,20 +72,20 @@ def test_ranks_agree_on_the_slowest_host_link(monkeypatch):
     monkeypatch.setattr(auto, "_on_cuda", lambda: True)
     monkeypatch.setattr(auto, "_device_defaults", lambda args: (None, None))
     monkeypatch.setattr(host_link, "startup_host_link", lambda: host_link.HostLink(400.0, 400.0, 1))
-    resolved = auto.auto_plan(_placement_args("auto"), 4, 2, 12)
-    assert resolved.replan["agree_on_host"] and resolved.replan["host_link_gbps"] == 400.0
+    resolved = Resolved(*auto.auto_plan(_placement_args("auto"), 4, 2, 12))
+    assert resolved.replan.agree_on_host and resolved.replan.host_link_gbps == 400.0
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, (0.5, mine[1])]))
     made = []
 
     def make_schedule(plan):
-        made.append(dict(plan.recompute))
+        made.append(dict(plan.placement))
         return StandInSchedule()
 
-    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, **resolved.replan)
+    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, resolved.plan, resolved.replan)
     replanner()
     replanner()
     assert replanner.host_link_gbps == 0.5 and len(made) == 1
     # at 0.5 Gbit/s copies cannot hide behind compute: the agreed plan offloads less than the 400 Gbit/s one
-    assert sum(v == "host" for v in made[0].values()) < sum(v == "host" for v in resolved.recompute.values())
+    assert sum(v == "host" for v in made[0].values()) < sum(v == "host" for v in resolved.plan.placement.values())

@@ -18,8 +18,8 @@ def test_plan_file_with_host_levels_loads(tmp_path):
     """'host' entries load next to recompute levels, and the summary counts both."""
     plan = {(0, 0, 0): "host", (1, 1, 3): "host", (0, 1, 2): "full"}
     resolved = load_plan(_write(tmp_path, plan), 2, 2, 4)
-    assert resolved.recompute == plan
-    assert "1 recomputed and 2 host-placed chunk-micro-batches" in resolved.summary
+    assert resolved.placement == plan
+    assert "1 recomputed and 2 host-placed chunk-micro-batches" in resolved.describe()
 
 
 def test_plan_file_levels_and_keys_checked(tmp_path):

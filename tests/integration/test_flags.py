@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_pipemesh.integration.flags import (PipeMeshArgumentError, add_pipemesh_arguments,
-                                                  check_pipemesh_args)
+                                                  check_pipemesh_args, check_sharding_args)
 
 
 def _args(**overrides):
@@ -35,14 +35,17 @@ def test_parser_accepts_groups_and_auto():
 def test_valid_elastic_groups():
     """Valid elastic groups enable PipeMesh with exactly those groups and the default 600 s timeout."""
     settings = check_pipemesh_args(_args(forward_groups=[8, 4], backward_groups=[6, 6]))
-    assert settings.enabled and settings.config.forward_groups == (8, 4) and settings.config.backward_groups == (6, 6)
+    config = settings.plan.schedule
+    assert settings.enabled and config.forward_groups == (8, 4) and config.backward_groups == (6, 6)
     assert settings.timeout_s == 600
 
 
 def test_default_groups_follow_megatron_group_size():
     """Without group flags the groups follow --microbatch-group-size-per-virtual-pipeline-stage."""
-    settings = check_pipemesh_args(_args(microbatch_group_size_per_vp_stage=6))
-    assert settings.forward_groups is None and settings.config.forward_groups == (6, 6)
+    from megatron_pipemesh.integration.report import training_config
+    args = _args(microbatch_group_size_per_vp_stage=6)
+    settings = check_pipemesh_args(args)
+    assert settings.plan.schedule is None and training_config(args, settings.plan).forward_groups == (6, 6)
 
 
 def test_default_schedule_untouched_and_rejects_groups():
@@ -85,7 +88,7 @@ def test_auto_runs_the_planner_within_the_budget():
     """'auto' groups run the planner; its groups sum to m and the plan summary is given."""
     settings = check_pipemesh_args(_args(forward_groups=["auto"], backward_groups=["auto"],
                                          pipemesh_memory_budget_gb=1.0, pipemesh_device_tflops=1.0))
-    assert sum(settings.config.forward_groups) == 12 and sum(settings.config.backward_groups) == 12
+    assert sum(settings.plan.schedule.forward_groups) == 12 and sum(settings.plan.schedule.backward_groups) == 12
     assert "PipeMesh plan (auto" in settings.summary
 
 
@@ -100,7 +103,7 @@ def test_plan_file_round_trip(tmp_path):
                  "--memory-budget-gb", "1", "--output", str(path)]) == 0
     data = json.loads(path.read_text())
     settings = check_pipemesh_args(_args(pipemesh_plan=str(path)))
-    assert list(settings.config.forward_groups) == data["forward_groups"]
+    assert list(settings.plan.schedule.forward_groups) == data["forward_groups"]
     with pytest.raises(PipeMeshArgumentError, match="was made for p, V, m"):
         check_pipemesh_args(_args(pipemesh_plan=str(path), global_batch_size=32))
 
@@ -166,13 +169,14 @@ def test_node_scope_becomes_megatrons_instances(monkeypatch):
 
 def test_sharding_levels_accepted():
     """One level for all chunks is expanded per chunk (also with the stock schedule)."""
+    from megatron_pipemesh.config import PipeMeshConfig
     settings = check_pipemesh_args(_args(pipemesh_sharding=["optim"], use_distributed_optimizer=True))
-    assert settings.sharding == ("optim", "optim")
-    assert check_pipemesh_args(_args(pipeline_schedule="default", pipemesh_sharding=["optim"],
-                                     use_distributed_optimizer=True)).sharding == ("optim", "optim")
+    assert settings.plan.sharding == ("optim", "optim")
+    stock = _args(pipeline_schedule="default", pipemesh_sharding=["optim"], use_distributed_optimizer=True)
+    assert check_sharding_args(stock, PipeMeshConfig.from_args(stock)) == ("optim", "optim")
     mixed = check_pipemesh_args(_args(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True,
                                       overlap_param_gather=True))
-    assert mixed.sharding == ("optim", "optim_grads_params")
+    assert mixed.plan.sharding == ("optim", "optim_grads_params")
 
 
 def test_plan_file_carries_the_sharding_levels(tmp_path):
@@ -185,7 +189,7 @@ def test_plan_file_carries_the_sharding_levels(tmp_path):
                  "--memory-budget-gb", "1", "--sharding", "optim", "optim_grads", "--output", str(path)]) == 0
     settings = check_pipemesh_args(_args(pipemesh_plan=str(path), use_distributed_optimizer=True, data_parallel_size=2,
                                          global_batch_size=48))
-    assert settings.sharding == ("optim", "optim_grads") and "sharding optim optim_grads" in settings.summary
+    assert settings.plan.sharding == ("optim", "optim_grads") and "sharding optim optim_grads" in settings.summary
     with pytest.raises(PipeMeshArgumentError, match="needs --use-distributed-optimizer"):
         check_pipemesh_args(_args(pipemesh_plan=str(path), data_parallel_size=2, global_batch_size=48))
     with pytest.raises(PipeMeshArgumentError, match="disagree"):
@@ -200,5 +204,6 @@ def test_sharding_auto_plans_levels_with_the_groups():
                                          overlap_param_gather=True, forward_groups=["auto"], backward_groups=["auto"],
                                          pipemesh_memory_budget_gb=1.0, data_parallel_size=2, global_batch_size=48,
                                          pipemesh_device_tflops=10.0))
-    assert len(settings.sharding) == 2 and set(settings.sharding) <= {"optim", "optim_grads", "optim_grads_params"}
-    assert f"sharding {' '.join(settings.sharding)}" in settings.summary
+    levels = settings.plan.sharding
+    assert len(levels) == 2 and set(levels) <= {"optim", "optim_grads", "optim_grads_params"}
+    assert f"sharding {' '.join(levels)}" in settings.summary

@@ -26,8 +26,9 @@ def _parse(extra, world_size=4):
         from megatron.training import training
         from megatron.core import pipeline_parallel
         schedule = active_schedule()
-        print("schedule", args.pipeline_schedule, None if schedule is None else schedule.options.forward_groups,
-              None if schedule is None else schedule.options.backward_groups)
+        groups = None if schedule is None else schedule.plan.schedule  # None: Megatron's group size
+        print("schedule", args.pipeline_schedule, None if groups is None else groups.forward_groups,
+              None if groups is None else groups.backward_groups)
         routed = training.get_forward_backward_func(pp_size=4, vp_size=2)
         print("routed", type(routed).__name__, pipeline_parallel.get_forward_backward_func(pp_size=4, vp_size=2) is routed)
         print("no-vp", training.get_forward_backward_func(pp_size=4, vp_size=None).__name__)
@@ -177,7 +178,7 @@ def test_yaml_cfg_activates_pipemesh_through_megatrons_parser():
         arguments.parse_and_validate_args()
         from megatron_pipemesh.integration.install import active_schedule
         schedule = active_schedule()
-        print("yaml schedule", schedule.options.forward_groups, schedule.options.backward_groups)
+        print("yaml schedule", schedule.plan.schedule.forward_groups, schedule.plan.schedule.backward_groups)
     """)
     env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",
            "PYTHONWARNINGS": "ignore"}

@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_pipemesh.config import PipeMeshConfig
 from megatron_pipemesh.integration.auto_plan import load_plan
-from megatron_pipemesh.integration.report import training_lowering
+from megatron_pipemesh.integration.report import megatron_syncs
 from megatron_pipemesh.schedule import ScheduleConfig, lower
+from megatron_pipemesh.schedule.plan import RunPlan
 
 CONFIG = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
 PLAN = {(0, 0, 0): "host", (1, 1, 2): "host", (0, 1, 3): "full"}
@@ -30,14 +30,14 @@ def test_plan_file_carries_reload_lookahead(tmp_path):
         load_plan(_plan_file(tmp_path, reload_lookahead=0), 2, 2, 8)
 
 
-def test_executor_options_and_training_lowering_use_it():
-    """The runtime's options and the start-up digest both lower with the plan's lookahead."""
-    options = PipeMeshConfig().executor_options((6, 2), (4, 4), PLAN, reload_lookahead=5)
-    assert options.reload_lookahead == 5
-    assert PipeMeshConfig().executor_options((6, 2), (4, 4), PLAN).reload_lookahead == 2
+def test_runtime_and_start_up_lowering_use_it():
+    """The runtime's lowering and the start-up digest both lower with the plan's lookahead (one rule)."""
+    plan = RunPlan(CONFIG, PLAN, reload_lookahead=5)
+    assert plan.lowering(param_sync=False, grad_sync=False).reload_lookahead == 5
+    assert RunPlan(CONFIG, PLAN).lowering(param_sync=False, grad_sync=False).reload_lookahead == 2
     args = SimpleNamespace()
-    five = lower(CONFIG, training_lowering(args, 1, PLAN, reload_lookahead=5))
-    two = lower(CONFIG, training_lowering(args, 1, PLAN))
+    five = lower(CONFIG, plan.lowering(**megatron_syncs(args)))
+    two = lower(CONFIG, RunPlan(CONFIG, PLAN).lowering(**megatron_syncs(args)))
     assert five.digest() != two.digest()
     program = five.programs[0]
     between = program[program.index(next(op for op in program if str(op) == "RELOAD0.0")):program.index(

@@ -5,10 +5,11 @@ import re
 from megatron_pipemesh.config import PipeMeshConfig
 from megatron_pipemesh.integration.flags import PipeMeshArgs
 from megatron_pipemesh.integration.report import (IntervalReport, format_interval, parse_interval_line, plan_line,
-                                                  recompute_summary, schedule_picture, training_lowering, write_scalars)
+                                                  megatron_syncs, recompute_summary, schedule_picture, write_scalars)
 from megatron_pipemesh.runtime.stats import OpRecord, RuntimeStats
 from megatron_pipemesh.schedule.config import ScheduleConfig
 from megatron_pipemesh.schedule.lower import LoweringOptions, lower
+from megatron_pipemesh.schedule.plan import RunPlan
 
 
 def _args(**overrides):
@@ -20,7 +21,7 @@ def _args(**overrides):
 
 
 def _settings(config, recompute=None, flags=PipeMeshConfig(pipeline_schedule="pipemesh")):
-    return PipeMeshArgs(True, config.forward_groups, config.backward_groups, 1, 60.0, config, recompute, flags=flags)
+    return PipeMeshArgs(True, RunPlan(config, recompute or {}), 60.0, flags=flags)
 
 
 def test_plan_line_names_groups_digest_recompute_and_predictions():
@@ -36,6 +37,8 @@ def test_plan_line_names_groups_digest_recompute_and_predictions():
 
 def test_training_lowering_follows_megatrons_sync_switches():
     """The digest is computed with the DP hooks Megatron will set (grad sync needs overlap + align)."""
+    def training_lowering(args, recv_lookahead, placement=None):
+        return RunPlan(placement=placement or {}, recv_lookahead=recv_lookahead).lowering(**megatron_syncs(args))
     assert training_lowering(_args(), 1) == LoweringOptions(recv_lookahead=1, param_sync=False, grad_sync=False)
     assert training_lowering(_args(overlap_grad_reduce=True, align_grad_reduce=False), 2).grad_sync is False
     both = training_lowering(_args(overlap_grad_reduce=True, overlap_param_gather=True, align_param_gather=True), 1)
@@ -120,7 +123,8 @@ def test_plan_line_reports_host_placement_per_rank_and_digest_with_host_ops():
     line = plan_line(_args(), _settings(config, plan))
     digest = lower(config, LoweringOptions(param_sync=False, grad_sync=False,
                                            host_placement=((0, 0, 0), (0, 1, 0), (1, 0, 3)))).digest()
-    assert f"digest {digest}" in line and training_lowering(_args(), 1, plan).host_placement == ((0, 0, 0), (0, 1, 0), (1, 0, 3))
+    assert f"digest {digest}" in line and RunPlan(config, plan).lowering(**megatron_syncs(_args())).host_placement == (
+        (0, 0, 0), (0, 1, 0), (1, 0, 3))
     assert "recompute full 1 of 32 chunk-micro-batches" in line
     match = re.search(r"host 2 \(([0-9.]+) MiB\) 1 \(([0-9.]+) MiB\) per rank", line)
     assert match and float(match.group(1)) > float(match.group(2)) > 0, line

@@ -135,7 +135,7 @@ def train_runs(runs: Dict[str, Dict[str, Any]], pp: int = 2, vp: Optional[int] =
             if iteration == 0:
                 out["bytes"] = state_bytes(model, optimizer)
         if schedule != "stock":
-            plan = fb.plan(fb.schedule_config(pp, vp, microbatches), LoweringOptions(param_sync=run["distopt"]))
+            plan = fb.lowered(fb.plan.config_for(pp, vp, microbatches), LoweringOptions(param_sync=run["distopt"]))
             out["program"] = [(op.kind.value, op.chunk) for op in plan.programs[result["pp_rank"]]]
         out["pp_rank"], out["buckets"] = result["pp_rank"], [len(chunk.bucket_groups) for chunk in model]
         results[name] = out

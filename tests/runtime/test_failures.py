@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from megatron_pipemesh.runtime import PipeMeshOptions
+from megatron_pipemesh.schedule.plan import RunPlan
 from megatron_pipemesh.schedule import ScheduleConfig, lower
 from megatron_pipemesh.schedule.lower import LoweringOptions
 from tests import megatron_harness as h
@@ -19,7 +19,7 @@ HARNESS_TIMEOUT_S = 180  # start-up alone can take over a minute on a busy 2-cor
 
 def _plan(config):
     """The plan the runtime lowers for a model without DDP (no sync functions, hence no sync ops)."""
-    return lower(config, LoweringOptions(recv_lookahead=PipeMeshOptions().recv_lookahead, param_sync=False,
+    return lower(config, LoweringOptions(recv_lookahead=RunPlan().recv_lookahead, param_sync=False,
                                          grad_sync=False))
 
 

@@ -8,7 +8,8 @@ and restore Megatron's recompute switches afterwards. One torchrun launch runs e
 import pytest
 import torch
 
-from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
+from megatron_pipemesh.runtime import PipeMeshSchedule
+from megatron_pipemesh.schedule.plan import RunPlan
 from tests import megatron_harness as h
 
 TOL = 1e-6
@@ -85,9 +86,9 @@ def test_recompute_switches_restored(runs):
 def test_plan_levels_checked_up_front():
     """Unknown levels and malformed keys in a recompute plan are rejected when the schedule is built."""
     with pytest.raises(ValueError, match="unknown level 'partial'"):
-        PipeMeshSchedule(PipeMeshOptions(recompute={(0, 0, 0): "partial"}))
+        PipeMeshSchedule(RunPlan(placement={(0, 0, 0): "partial"}))
     with pytest.raises(ValueError, match="not \\(pipeline rank, chunk, micro-batch\\)"):
-        PipeMeshSchedule(PipeMeshOptions(recompute={(0, 0): "full"}))
+        PipeMeshSchedule(RunPlan(placement={(0, 0): "full"}))
 
 
 def test_unsupported_configurations_raise_clearly():

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
+from megatron_pipemesh.runtime import PipeMeshSchedule
+from megatron_pipemesh.schedule.plan import RunPlan
 from tests import megatron_harness as h
 
 TOL = 1e-6
@@ -63,10 +64,10 @@ def test_module_set_levels_checked_and_defects_refused():
     from megatron_pipemesh.runtime.recompute import parse_runtime_level, recompute_scope
 
     assert parse_runtime_level("selective:core_attn+mlp") == ("selective", frozenset({"core_attn", "mlp"}))
-    PipeMeshSchedule(PipeMeshOptions(recompute={(0, 0, 0): "selective:mlp", (0, 0, 1): "selective:layernorm+mlp"}))
+    PipeMeshSchedule(RunPlan(placement={(0, 0, 0): "selective:mlp", (0, 0, 1): "selective:layernorm+mlp"}))
     for bad in ("selective:attn", "block:2", "selective:"):
         with pytest.raises(ValueError, match="unknown level"):
-            PipeMeshSchedule(PipeMeshOptions(recompute={(0, 0, 0): bad}))
+            PipeMeshSchedule(RunPlan(placement={(0, 0, 0): bad}))
     with pytest.raises(NotImplementedError, match="Transformer Engine.*random.py:740"):
         with recompute_scope(_fake_chunk(), "selective:core_attn+layernorm"):
             pass

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_pipemesh.runtime.sharding import ChunkSharding, ProgramSharding, node_group_error
+from megatron_pipemesh.runtime.sharding import (ChunkSharding, ProgramSharding, add_step_observer, node_group_error,
+                                                remove_step_observer)
 from megatron_pipemesh.schedule.ops import Op, OpKind
 
 
@@ -111,6 +112,34 @@ def test_node_group_check_names_the_rank():
     assert node_group_error(2, 8, [0, 1, 2, 3], [0, 1, 2, 3]) is None  # a node holds the whole group
     error = node_group_error(5, 2, [1, 3, 5, 7], [5, 7])  # a rank order with pipeline stages between DP ranks
     assert "rank 5 (node 2 of 2 ranks)" in error and "[5, 7]" in error and "[5]" in error
+
+
+def test_step_observers_see_each_step_done():
+    """An observer runs after program start, before every op and after every GATHER / RELEASE / REDUCE (seeing
+    the step's effect: the gathered buffer back, the released one gone), once however often added, never after
+    the program's end, and not at all once removed."""
+    ddp, _ = _ddp()
+    program = ProgramSharding([ddp], ("optim_grads_params",), {0: ChunkSharding(0, ddp, "optim_grads_params")})
+    seen = []
+
+    def observer():
+        seen.append(ddp.buffers[0].param_data.untyped_storage().nbytes())
+
+    add_step_observer(observer)
+    add_step_observer(observer)
+    try:
+        program.begin()
+        program.run(Op(OpKind.GATHER, 0, 0))
+        program.before(Op(OpKind.FORWARD, 0, 0))
+        program.run(Op(OpKind.RELEASE, 0, 0))
+        program.end()
+    finally:
+        remove_step_observer(observer)
+    assert seen == [0, 12 * 4, 12 * 4, 0]
+    program.begin()
+    assert len(seen) == 4
+    remove_step_observer(observer)  # not registered: nothing to do
+    program.end()
 
 
 def test_program_counts_and_waits():

@@ -6,14 +6,24 @@ from typing import Dict, List, Optional
 from tests import megatron_harness as h
 
 
-def make_pipemesh(forward_groups=None, backward_groups=None, **options):
+def make_pipemesh(forward_groups=None, backward_groups=None, recompute=None, sharding=(), recv_lookahead=1,
+                  **options):
+    """The PipeMesh schedule of these groups (None: Megatron's group size) and placement, with runtime ``options``."""
+    from megatron.core import parallel_state
+
     from megatron_pipemesh.integration.parallel_state import get_pipemesh_p2p_groups
     from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
+    from megatron_pipemesh.schedule import ScheduleConfig
+    from megatron_pipemesh.schedule.plan import RunPlan
 
-    return PipeMeshSchedule(
-        PipeMeshOptions(tuple(forward_groups) if forward_groups else None,
-                        tuple(backward_groups) if backward_groups else None, **options),
-        p2p_groups=get_pipemesh_p2p_groups)
+    config = None
+    if forward_groups or backward_groups:
+        config = ScheduleConfig(parallel_state.get_pipeline_model_parallel_world_size(),
+                                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                                sum(forward_groups or backward_groups), tuple(forward_groups or ()),
+                                tuple(backward_groups or ()))
+    plan = RunPlan(config, recompute or {}, tuple(sharding or ()), recv_lookahead=recv_lookahead)
+    return PipeMeshSchedule(plan, PipeMeshOptions(**options), p2p_groups=get_pipemesh_p2p_groups)
 
 
 def stock_vs_pipemesh(pp: int, vp: int, microbatches: int, groups: Dict[str, Optional[List[List[int]]]],

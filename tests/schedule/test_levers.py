@@ -214,7 +214,7 @@ ALLOWED = [  # (file, text on the flagged line): comparisons of other vocabulari
     ("megatron_pipemesh/planning/stock.py", "granularity"),  # Megatron's --recompute-granularity / --recompute-method
     ("megatron_pipemesh/bench/report.py", "recompute.granularity =="),  # the same flag of a stock row
     ("megatron_pipemesh/runtime/recompute.py", '"cuda_graph_impl", "none") != "none"'),  # Megatron's --cuda-graph-impl
-    ("megatron_pipemesh/integration/unsupported.py", 'v not in (None, "none")'),  # the same flag
+    ("megatron_pipemesh/runtime/unsupported.py", 'v not in (None, "none")'),  # the same flag
     ("megatron_pipemesh/planning/simulator.py", 'waited_on == "host"'),  # the timeline's wait cause (schedule/timeline.py)
     ("megatron_pipemesh/planning/planner.py", 'waited_on == "host"'),  # the same
 ]

@@ -61,6 +61,15 @@ def _reports(stdout):
             for m in REPORT.findall(stdout)}
 
 
+def _close(a, b, rel: float) -> bool:
+    """Two logs (_log) with the same iterations whose values agree within ``rel``."""
+    (train_a, valid_a), (train_b, valid_b) = a, b
+    if sorted(train_a) != sorted(train_b) or len(valid_a) != len(valid_b):
+        return False
+    pairs = [(x, y) for i in train_a for x, y in zip(train_a[i], train_b[i])] + list(zip(valid_a, valid_b))
+    return all(abs(x - y) <= rel * max(abs(x), abs(y)) for x, y in pairs)
+
+
 @pytest.fixture(scope="module")
 def default(args):
     """The stock schedule's log with the distributed optimizer (one run shared by the tests of this module)."""
@@ -77,7 +86,9 @@ def test_pipemesh_with_distributed_optimizer_matches_default(args, default):
     plain = _log(_train(args + ["--overlap-grad-reduce"]))
     assert sorted(pipemesh[0]) == [1, 2, 3, 4] and len(pipemesh[1]) == 2
     assert pipemesh == default
-    assert pipemesh == plain
+    # Megatron's distributed optimizer and its plain DDP path are two stock code paths: equal to the contract's
+    # fp32 tolerance (relative 1e-6; a validation loss differs in its 7th digit here), not bit for bit.
+    assert _close(pipemesh, plain, 1e-6)
     assert mixed == default
     zero1, zero3 = _reports(zero1_out), _reports(mixed_out)
     assert sorted(zero1) == sorted(zero3) == [0, 1, 2, 3]

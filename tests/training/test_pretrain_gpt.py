@@ -90,3 +90,17 @@ def test_megatron_lm_script_mode(tmp_path):
 
     if not torch.cuda.is_available():
         assert "--distributed-backend" in res["argv"]
+
+
+def test_on_prepared_runs_after_preparation_before_training(monkeypatch):
+    """A launcher's hook (the bench's activation meter) runs once the process is prepared (PipeMesh installed)
+    and before Megatron parses the command line."""
+    from megatron_pipemesh.training import pretrain_gpt
+
+    calls = []
+    monkeypatch.setattr(sys, "argv", ["pipemesh-pretrain-gpt"])
+    monkeypatch.setattr(pretrain_gpt, "_prepare_process", lambda: calls.append("prepare") or False)
+    monkeypatch.setattr(pretrain_gpt, "prepare_argv", lambda argv, cuda: calls.append(("argv", cuda)) or argv)
+    monkeypatch.setattr(pretrain_gpt, "_pretrain", lambda: calls.append(("train", sys.argv[1:])))
+    pretrain_gpt.main(["--x"], on_prepared=lambda: calls.append("hook"))
+    assert calls == ["prepare", "hook", ("argv", True), ("train", ["--x"])]

@@ -80,6 +80,25 @@ def _host_plan_file(work) -> str:
     return str(path)
 
 
+def test_plan_file_of_pipemesh_plan_round_trips_and_trains(base_args, uninterrupted):
+    """`pipemesh plan --output` for this model under a tight budget writes a plan with recomputation that reads back
+    byte-identically and trains with --pipemesh-plan on the stock schedule's losses."""
+    from megatron_pipemesh.cli import main
+    from megatron_pipemesh.schedule.plan import RunPlan
+
+    work, args = base_args
+    path = work / "planned.json"
+    assert main(["plan", "--pp", "2", "--vpp", "2", "-m", "8", "--num-layers", "4", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2", "--vocab-size", "512",
+                 "--dp", "1", "--dtype", "fp32", "--memory-budget-gb", "0.006", "--output", str(path)]) == 0
+    text = path.read_text()
+    plan = RunPlan.from_json(text)
+    assert plan.to_json() == text and plan.recomputed
+    out = _train(args + ["--pipeline-schedule", "pipemesh", "--pipemesh-plan", str(path)])
+    assert _log(out) == uninterrupted
+    assert f"PipeMesh plan from {path}: {plan.describe()}" in out
+
+
 def test_checkpoint_under_pipemesh_resumes_under_pipemesh_and_default(base_args, uninterrupted):
     """A PipeMesh checkpoint (written by a run with host-placed activations, same losses) resumes identically
     under PipeMesh and the default schedule."""

@@ -1,6 +1,6 @@
 """The demo's closing summary: PipeMesh next to the stock schedule on the same data.
 
-    python -m megatron_pipemesh.training.demo_summary --pipemesh runs/demo/pipemesh.log \\
+    python -m megatron_pipemesh.bench.demo_summary --pipemesh runs/demo/pipemesh.log \\
         --stock runs/demo/stock.log [--picture runs/demo/schedule.txt] [--trace runs/demo/trace.json]
 
 Reads both training logs (Megatron's iteration lines through the project's one log parser, and
@@ -15,8 +15,8 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from ..bench.logparse import parse_log
 from ..integration.report import parse_interval_line
+from .logparse import parse_log
 
 
 def _read(path: str) -> str:
@@ -72,7 +72,7 @@ def summary(pipemesh: Dict[str, object], stock: Dict[str, object], picture: Opti
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_pipemesh.training.demo_summary", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m megatron_pipemesh.bench.demo_summary", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipemesh", required=True, help="log of the PipeMesh run")
     parser.add_argument("--stock", required=True, help="log of the stock-schedule run")

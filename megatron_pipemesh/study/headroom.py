@@ -3,9 +3,9 @@ whole commodity space of the study, from the simulator's cost model.
 
 Per setting (model, TP, DP, PP, global batch, device memory, network rate, GPUs per node):
 
-* ``best_stock``: the fastest stock Megatron setting that fits (:func:`.stock.best_stock`: 1F1B and
+* ``best_stock``: the fastest stock Megatron setting that fits (:func:`..planning.stock.best_stock`: 1F1B and
   interleaved for every V and group size, every recomputation option);
-* ``bound``: the least iteration time of any schedule (:func:`.bounds.iteration_lower_bound`);
+* ``bound``: the least iteration time of any schedule (:func:`..planning.bounds.iteration_lower_bound`);
 * ``headroom = best_stock / bound``: no schedule, PipeMesh's included, beats the best stock setting by
   more than this, under the same costs.
 
@@ -14,9 +14,9 @@ The space is the cross product the performance issue names for the commodity reg
 1.3B/2.7B/6.7B/13B, global batch 64/256 (``--batches`` for others), the pipeline size of 2/4/8 where
 the best stock setting is fastest (the layout a Megatron user would pick), and two node shapes:
 8-GPU servers, whose data-parallel rings stay inside the node when TP x DP <= 8 (PCIe,
-:data:`.study.INTRA_NODE_GBPS`), and one GPU (one TP group) per VM, where every ring and pipeline link
+:data:`.rows.INTRA_NODE_GBPS`), and one GPU (one TP group) per VM, where every ring and pipeline link
 crosses the network. Settings where no stock schedule fits at any pipeline size are counted and left
-out. Costs are the study's (:func:`.study._specs`: bf16, distributed optimizer, seq 2048,
+out. Costs are the study's (:func:`.rows.row_specs`: bf16, distributed optimizer, seq 2048,
 micro-batch 1, local layer spec, 10% memory margin).
 
 Pure: no torch.
@@ -30,12 +30,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
-from .bounds import iteration_lower_bound
-from .costs import GB, ClusterSpec
-from .stock import activation_budget, best_stock
-
-TARGET = 1.15
-"""The issue's target ratio to best stock."""
+from ..planning.bounds import iteration_lower_bound
+from ..planning.costs import GB, ClusterSpec
+from ..planning.stock import activation_budget, best_stock
+from .rows import MEMORY_MARGIN, TARGET, StudyRow, row_specs
 
 
 @dataclass(frozen=True)
@@ -69,26 +67,20 @@ def commodity_space(batches: Sequence[int] = (64, 256)) -> List[Setting]:
 
 
 def study_row(setting: Setting, pp: int):
-    """``setting`` at pipeline size ``pp`` as a :class:`.study.StudyRow` (the study's model and cluster)."""
-    from .study import StudyRow
-
+    """``setting`` at pipeline size ``pp`` as a :class:`.rows.StudyRow` (the study's model and cluster)."""
     return StudyRow("commodity", setting.model, setting.tp, pp, setting.dp, setting.global_batch, setting.memory_gb,
                     setting.gbps, setting.sequence_parallel, gpus_per_node=setting.gpus_per_node)
 
 
 def cluster_for(setting: Setting) -> ClusterSpec:
-    """The study's cluster for ``setting`` (:func:`.study._specs`; it does not depend on the pipeline size)."""
-    from .study import _specs
-
-    return _specs(study_row(setting, 2))[1]
+    """The study's cluster for ``setting`` (:func:`.rows.row_specs`; it does not depend on the pipeline size)."""
+    return row_specs(study_row(setting, 2))[1]
 
 
 def evaluate(setting: Setting) -> Optional[dict]:
     """best stock, bound and headroom at the pipeline size (2, 4 or 8) where stock is fastest, the layout a
     Megatron user would pick (None: stock fits at none)."""
-    from .study import MEMORY_MARGIN, _specs
-
-    model, cluster = _specs(study_row(setting, 2))
+    model, cluster = row_specs(study_row(setting, 2))
     m = setting.global_batch // setting.dp
     budget = setting.memory_gb * GB * (1 - MEMORY_MARGIN)
     best = None

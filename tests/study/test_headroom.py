@@ -1,9 +1,8 @@
-"""planning/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
+"""study/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
 from megatron_pipemesh.planning.bounds import iteration_lower_bound
 from megatron_pipemesh.planning.costs import link_gbps
-from megatron_pipemesh.planning.headroom import (Setting, cluster_for, commodity_space, evaluate,
-                                                 summary)
-from megatron_pipemesh.planning.study import GPT, INTRA_NODE_GBPS
+from megatron_pipemesh.study.headroom import Setting, cluster_for, commodity_space, evaluate, summary
+from megatron_pipemesh.study.rows import GPT, INTRA_NODE_GBPS
 
 
 def test_space_is_the_issues_cross_product():

@@ -4,14 +4,16 @@ import json
 import pytest
 
 from megatron_pipemesh import cli
-from megatron_pipemesh.planning import study
+from megatron_pipemesh.planning.bounds import virtual_sizes
 from megatron_pipemesh.planning.costs import ModelSpec
-from megatron_pipemesh.planning.study import COMMODITY, DATACENTRE, StudyRow, markdown, run_row, summary
+from megatron_pipemesh.study import rows as study_rows
+from megatron_pipemesh.study import study
+from megatron_pipemesh.study.study import COMMODITY, DATACENTRE, StudyRow, markdown, run_row, summary
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    monkeypatch.setitem(study.GPT, "GPT-tiny", ModelSpec(8, 1024, 8, 1024, 1))
+    monkeypatch.setitem(study_rows.GPT, "GPT-tiny", ModelSpec(8, 1024, 8, 1024, 1))
     return "GPT-tiny"
 
 
@@ -99,10 +101,10 @@ def test_sharded_row_is_never_slower_than_the_best_uniform_plan(tiny):
 
     row = StudyRow("commodity", tiny, 1, 2, 2, 8, 1.6, 100.0)
     out = run_row(row, sharding=True)
-    model, cluster = study._specs(row)
-    budget = row.memory_gb * GB * (1 - study.MEMORY_MARGIN)
+    model, cluster = study_rows.row_specs(row)
+    budget = row.memory_gb * GB * (1 - study_rows.MEMORY_MARGIN)
     uniform = []
-    for vpp in study.virtual_sizes(model, row.pp):
+    for vpp in virtual_sizes(model, row.pp):
         for level in LEVELS:
             try:
                 plan, _ = plan_schedule(row.pp, vpp, row.microbatches, lambda cfg: analytic_costs(model, cluster, cfg),

@@ -10,13 +10,13 @@ Two regimes:
 
 Per row:
 
-* ``best_stock``: the fastest stock setting that fits the device memory (:mod:`.stock`: 1F1B and
+* ``best_stock``: the fastest stock setting that fits the device memory (:mod:`..planning.stock`: 1F1B and
   interleaved for every V and group size, every recomputation option Megatron offers, and on Transformer
   Engine rows Megatron's fine-grained activation offloading within :data:`HOST_MEMORY_GB`, modelled at least
-  as favourably as Megatron runs it: :class:`.stock.StockOffload`);
+  as favourably as Megatron runs it: :class:`..planning.stock.StockOffload`);
 * ``pipemesh_auto``: PipeMesh's planner with activation placement (groups + per chunk-micro-batch
   placement: on the device, in host memory (offloaded after the forward, reloaded before the
-  backward over the row's host link, :data:`HOST_LINK_GBPS`, within :data:`HOST_MEMORY_GB`), or
+  backward over the row's host link, :data:`.rows.HOST_LINK_GBPS`, within :data:`HOST_MEMORY_GB`), or
   recomputed at the levels its runtime applies: selective and full) for every V, the fastest fitting plan;
 * ``pipemesh_recompute_only``: the same planner with recomputation as the only memory lever
   (``--pipemesh-activation-placement recompute-only``, the previous study's ``pipemesh_auto``);
@@ -31,9 +31,9 @@ With it:
 
 * ``best_stock`` also tries the uniform levels Megatron offers beyond the distributed optimizer:
   Megatron-FSDP's ZeRO-2 / ZeRO-3 on every chunk (``--use-megatron-fsdp --data-parallel-sharding-strategy
-  optim_grads|optim_grads_params --ckpt-format fsdp_dtensor``, :func:`.stock.sharding_flags`). Megatron-FSDP
+  optim_grads|optim_grads_params --ckpt-format fsdp_dtensor``, :func:`..planning.stock.sharding_flags`). Megatron-FSDP
   gathers every layer's parameters before each micro-batch's forward and backward and reduce-scatters after
-  every backward, ``no_sync`` notwithstanding (file:line in :class:`.stock.MegatronFsdpSharding`). Stock gets
+  every backward, ``no_sync`` notwithstanding (file:line in :class:`..planning.stock.MegatronFsdpSharding`). Stock gets
   the faster of two predictions, each at least as favourable as Megatron runs it: PipeMesh's span model
   (one gather per merged group span, one reduction per backward group: fewer collectives; the whole chunk
   held during a span), or Megatron-FSDP's per-micro-batch pattern with one FSDP unit's buffers (a layer)
@@ -41,9 +41,9 @@ With it:
   megatron-core 0.19.2 rejects it with pipeline or virtual pipeline parallelism (only ``--use-torch-fsdp2``
   is, ``training/arguments.py:997-1001``); it is CUDA-only (``mcore_fsdp_adapter.py:156``).
 * ``pipemesh_auto`` chooses a level per chunk jointly with groups, recomputation and activation
-  placement (:func:`pipemesh_sharded`: the level tuples of :func:`.sharding.candidate_levels`, scope
+  placement (:func:`pipemesh_sharded`: the level tuples of :func:`..planning.sharding.candidate_levels`, scope
   data-parallel), after the unsharded plan, which is the incumbent: a tuple is planned only where a
-  candidate's time without any memory lever beats it (:func:`.planner.plan_schedule`'s pruning).
+  candidate's time without any memory lever beats it (:func:`..planning.planner.plan_schedule`'s pruning).
 * ``best_stock_unsharded`` / ``pipemesh_unsharded`` and ``ratio_without_sharding`` keep the ZeRO-1 view;
   ``limit`` also gets ZeRO-3 everywhere for free (communication is free in the limit).
 
@@ -53,10 +53,10 @@ Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 wit
 ``grad_reduce_in_bf16``), distributed optimizer, dropout 0.1, seq 2048, micro-batch 1, the local
 layer spec unless the row says 'te', the row's GPUs per node (8 or 1) with a NIC of that many times the
 per-device rate (shared by the data-parallel rings and pipeline links that leave the node; rings and links
-inside a node at :data:`INTRA_NODE_GBPS`), 10% memory margin.
+inside a node at :data:`.rows.INTRA_NODE_GBPS`), 10% memory margin.
 
 ``bound`` / ``headroom``: the least iteration any schedule could reach with the same costs
-(:func:`.bounds.iteration_lower_bound`) and best stock over it, an upper bound on every schedule's
+(:func:`..planning.bounds.iteration_lower_bound`) and best stock over it, an upper bound on every schedule's
 ratio to best stock in the row.
 """
 from __future__ import annotations
@@ -64,84 +64,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..planning.bounds import iteration_lower_bound, virtual_sizes
+from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
+from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
+from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
+from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock
 from ..schedule.config import ScheduleConfig
-from .bounds import iteration_lower_bound, virtual_sizes
-from .costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
-from .headroom import TARGET
-from .planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
-from .sharding import ShardingModel, ShardingSpec, candidate_levels
-from .stock import STOCK_SHARDING, activation_budget, best_stock
-
-MEMORY_MARGIN = 0.10
-"""Fraction of device memory kept free (fragmentation, communication buffers, workspace)."""
-
-GPT = {
-    "GPT-1.3B": ModelSpec(24, 2048, 16, 2048, 1),
-    "GPT-2.7B": ModelSpec(32, 2560, 32, 2048, 1),
-    "GPT-6.7B": ModelSpec(32, 4096, 32, 2048, 1),
-    "GPT-13B": ModelSpec(40, 5120, 40, 2048, 1),
-    "GPT-7B": ModelSpec(32, 4096, 32, 2048, 1),
-    "GPT-30B": ModelSpec(48, 7168, 56, 2048, 1),
-}
-"""GPT-3 family shapes (layers, hidden, heads, sequence, micro-batch)."""
-
-DEVICE_TFLOPS = {24: 125.0, 32: 125.0, 40: 312.0, 80: 312.0}
-"""Dense bf16 TFLOP/s by device memory: 24 GB A10G/L4-class, 32 GB V100-class, 40/80 GB A100."""
-
-HOST_LINK_GBPS = {24: 100.0, 32: 48.0, 40: 100.0, 80: 100.0}
-"""Device-host copy bandwidth per device and direction (Gbit/s) by device memory: PCIe 4.0 x16 with
-pinned memory moves ~25 GB/s (:data:`~.costs.DEFAULT_HOST_LINK_GBPS`), PCIe 3.0 x16 (32 GB V100-class)
-~12 GB/s; commodity 8-GPU servers put two GPUs behind each x16 switch uplink, and data-parallel replicas
-run the same schedule, so both copy at once: half each (100 and 48 Gbit/s)."""
-
-INTRA_NODE_GBPS = {"commodity": 100.0, "datacentre": 2400.0}
-"""Per-GPU bandwidth of a data-parallel ring or pipeline link that stays inside one node, by regime (Gbit/s):
-a commodity 8-GPU server's PCIe 4.0 switches without NVLink (NCCL reaches roughly 10-15 GB/s of bus
-bandwidth), an A100 server's NVLink (300 GB/s per direction)."""
+from .rows import MEMORY_MARGIN, TARGET, StudyRow, row_specs
 
 HOST_MEMORY_GB = 48.0
 """Host memory per device for offloaded activations (GiB): an 8-GPU commodity server with 768 GiB of RAM
 (e.g. AWS g5.48xlarge) has 96 GiB per GPU; half of it is left to the data loader, the OS and the rest."""
-
-
-@dataclass(frozen=True)
-class StudyRow:
-    """One setting of the study."""
-
-    regime: str
-    """'commodity' or 'datacentre'."""
-    model: str
-    """Key of :data:`GPT`."""
-    tp: int
-    pp: int
-    dp: int
-    global_batch: int
-    """Sequences per iteration (m = global_batch / dp at micro-batch 1)."""
-    memory_gb: float
-    """Device memory (GiB)."""
-    gbps: float
-    """Per-device bandwidth between nodes (data parallel and pipeline), Gbit/s."""
-    sequence_parallel: bool = False
-    grad_reduce_in_bf16: bool = False
-    """--grad-reduce-in-bf16 on both sides."""
-    layer_spec: str = "local"
-    gpus_per_node: int = 8
-    """GPUs behind one NIC: 8 (a server: data-parallel rings of TP x DP <= 8 GPUs and pipeline links
-    between its stages stay inside it, at :data:`INTRA_NODE_GBPS`) or 1 (one GPU, or one TP group, per VM:
-    every ring and pipeline link crosses the network and shares the VM's NIC)."""
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // self.dp
-
-    def describe(self) -> str:
-        sp = "+SP" if self.sequence_parallel else ""
-        return (f"{self.model} TP{self.tp}{sp} PP{self.pp} DP{self.dp} GB{self.global_batch} "
-                f"{self.memory_gb:g}GB {self.gbps:g}Gb/s{' bf16-grad' if self.grad_reduce_in_bf16 else ''}"
-                f"{' te' if self.layer_spec == 'te' else ''} {self.gpus_per_node}/node")
 
 
 LAYER_SPECS = ("te", "local")
@@ -198,18 +133,6 @@ DATACENTRE: Tuple[StudyRow, ...] = (
 """The paper-scale rows (32 micro-batches per replica, TP + sequence parallelism)."""
 
 
-def _specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
-    model = dataclasses.replace(GPT[row.model], layer_spec=row.layer_spec,
-                                grad_bytes=2 if row.grad_reduce_in_bf16 else 4)
-    node = max(row.gpus_per_node, row.tp)  # a TP group never spans VMs
-    cluster = ClusterSpec(tp=row.tp, dp=row.dp, device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0),
-                          device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
-                          sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                          devices_per_node=node, nic_gbps=node * row.gbps, intra_node_gbps=INTRA_NODE_GBPS[row.regime],
-                          host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0))
-    return model, cluster
-
-
 def _planner_options(pp: int, microbatches: int, placement: str = "recompute-only") -> PlannerOptions:
     """The structured group family (first forward group and last backward group at multiples of p
     and m, depth-first in between, plus every stock group size): the exhaustive search over all
@@ -245,7 +168,7 @@ def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches:
 def pipemesh_sharded(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
                      incumbent_s: float = float("inf"), placement: str = "auto", scope: str = "data-parallel"):
     """PipeMesh's best plan with mixed sharding: for every V (larger first) and every level tuple of
-    :func:`.sharding.candidate_levels` but ZeRO-1 everywhere (the unsharded plan, whose time is
+    :func:`..planning.sharding.candidate_levels` but ZeRO-1 everywhere (the unsharded plan, whose time is
     ``incumbent_s``), groups, recomputation and placement planned with the tuple's collectives and
     memory; a tuple whose candidates are all slower than the incumbent without any memory lever is
     skipped after those bare simulations. None if nothing beats ``incumbent_s``."""
@@ -293,7 +216,7 @@ def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, mi
 
 def run_row(row: StudyRow, sharding: bool = False) -> dict:
     """One row of the study; ``sharding``: stock's uniform levels and PipeMesh's mixed levels too."""
-    model, cluster = _specs(row)
+    model, cluster = row_specs(row)
     budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
     m = row.microbatches
     stock_budget = activation_budget(model, cluster, row.pp, budget)
@@ -338,7 +261,7 @@ def _ratio(stock, plan) -> Optional[float]:
 
 def _stock_row(stock) -> Optional[dict]:
     """The study's view of a stock result: schedule, V, g, recomputation, sharding level (and, for ZeRO-2/3,
-    which prediction of :class:`.stock.MegatronFsdpSharding` gave it), flags, time."""
+    which prediction of :class:`..planning.stock.MegatronFsdpSharding` gave it), flags, time."""
     if stock is None:
         return None
     setting = stock.setting
@@ -376,7 +299,7 @@ def _median(values) -> float:
 
 
 def _targets(rows: Sequence[dict]) -> Tuple[float, float, float]:
-    """(share >= :data:`.headroom.TARGET`, median ratio to best stock, median fraction of the limit) of ``rows``
+    """(share >= :data:`.rows.TARGET`, median ratio to best stock, median fraction of the limit) of ``rows``
     (each with a ratio)."""
     ratios = [r["ratio_to_best_stock"] for r in rows]
     share = sum(x >= TARGET for x in ratios) / len(ratios) if ratios else math.nan
