@@ -21,6 +21,7 @@ from .planning.memory import MEMORY_MARGIN
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
+from .schedule.levers import BASIC_LEVERS, CATEGORIES, FULL, SELECTIVE
 from .schedule.lower import lower
 from .schedule.validate import validate
 
@@ -88,7 +89,7 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
         act = args.activation_mb * 1024 ** 2
         return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
                        dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
-                       activation_bytes={"none": act, "selective": act, "full": act},
+                       activation_bytes=dict.fromkeys(BASIC_LEVERS, act),
                        static_bytes=tuple(0.0 for _ in range(config.pp)), host_link_gbps=_host_link_gbps(args))
     model, cluster = model_cluster_from_args(args)
     try:
@@ -154,7 +155,7 @@ def placement_lines(plans: Sequence[tuple]) -> List[str]:
     fully, and the host memory the offloads hold at peak per rank."""
     lines = []
     for name, plan in plans:
-        counts = " ".join(f"{c['device']}/{c['host']}/{c['selective']}/{c['full']}" for c in plan.placement_counts())
+        counts = " ".join("/".join(str(c[column]) for column in CATEGORIES) for c in plan.placement_counts())
         host = " ".join(f"{r.peak_host_bytes / GB:.2f}" for r in plan.result.ranks)
         lines.append(f"{name:<14} placement per rank (device/host/selective/full) {counts}; host memory GiB per rank "
                      f"{host}; exposed host copies {plan.result.exposed_host_s * 1e3:.2f} ms")
@@ -307,7 +308,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d = plan.to_dict()
         groups = f"{' '.join(map(str, d['forward_groups']))} / {' '.join(map(str, d['backward_groups']))}"
         counts = d["recompute_counts"]
-        recompute = f"{counts['selective']} sel, {counts['full']} full"
+        recompute = f"{counts[SELECTIVE]} sel, {counts[FULL]} full"
         exposed = sum(d["exposed_comm_s"]) / len(d["exposed_comm_s"])
         print(f"{name:<14} {groups:<22} {d['predicted_iteration_time_s'] * 1e3:>9.2f} {100 * d['idle_fraction']:>7.1f} "
               f"{exposed * 1e3:>11.2f} "

@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatron_pipemesh.schedule.levers import BASIC_LEVERS, DEVICE, FULL, HOST, SELECTIVE, Lever  # noqa: E402 (pure)
+
 TOLERANCE = 1e-5
 """Largest relative gradient/loss difference accepted against the whole-model reference (fp32)."""
 METER_TOLERANCE = 0.10
@@ -164,7 +166,7 @@ def forward_step(data_iterator, model):
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-PLACEMENTS = ("none", "host", "selective", "full")
+PLACEMENTS = (DEVICE, HOST, SELECTIVE, FULL)
 
 
 def mixed_placement(pp: int, vpp: int, microbatches: int) -> Dict:
@@ -233,7 +235,7 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
               "backward_groups": list(backward_groups), "backend": backend, "device": str(device),
               "waits": len(world.waits)}
     if placement:
-        hosted = [sum(1 for (r, _, _), level in placement.items() if r == rank and level == "host") for rank in range(pp)]
+        hosted = [sum(1 for (r, _, _), level in placement.items() if r == rank and Lever.parse(level).is_host) for rank in range(pp)]
         record.update(host_placed=hosted,
                       offloaded_bytes=[sum(results[r][1].offloaded_bytes.values()) if r in results else 0 for r in range(pp)],
                       peak_host_bytes=[results[r][1].peak_host_bytes if r in results else 0 for r in range(pp)],
@@ -274,7 +276,7 @@ def _chunk_setup(device, pp: int, vpp: int, rank: int, chunk: int, layers_per_st
     return model
 
 
-def check_meter(device, levels=("none", "selective", "full"), hidden: int = 256, heads: int = 4, seq: int = 128,
+def check_meter(device, levels=BASIC_LEVERS, hidden: int = 256, heads: int = 4, seq: int = 128,
                 mbs: int = 2, vocab: int = 1024, layers_per_stage: int = 2):
     """A middle stage (pipeline rank 1 of 2, chunk 0) under the runtime's meter vs the activation model."""
     import torch
@@ -289,7 +291,7 @@ def check_meter(device, levels=("none", "selective", "full"), hidden: int = 256,
     shape = ActivationShape(seq_length=seq, micro_batch_size=mbs, hidden_size=hidden, num_attention_heads=heads,
                             vocab_size=vocab, ffn_hidden_size=4 * hidden, dtype_bytes=4)
     rows, ok = [], True
-    for level in ("none",) + tuple(levels):  # the first pass warms up kernels and workspaces
+    for level in (DEVICE,) + tuple(levels):  # the first pass warms up kernels and workspaces
         meter = make_memory_meter(device, [*model.parameters(), *model.buffers()])
         meter.begin()
         with recompute_scope(model, level), meter.record("F"):
@@ -323,7 +325,7 @@ def check_recompute(device, hidden: int = 128, seq: int = 64, mbs: int = 2, voca
     set_weights(model, 0)
     batch = make_batches(1, mbs, seq, vocab, device)[0]
     grads, kept = {}, {}
-    for level in ("none", "none", "selective", "full"):  # first pass: warm-up
+    for level in (DEVICE,) + BASIC_LEVERS:  # first pass: warm-up
         model.zero_grad()
         meter = make_memory_meter(device, [*model.parameters(), *model.buffers()])
         meter.begin()
@@ -335,8 +337,8 @@ def check_recompute(device, hidden: int = 128, seq: int = 64, mbs: int = 2, voca
             loss.backward()
         grads[level] = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
     diff = max(float((grads[level][n] - g).abs().max()) / max(float(g.abs().max()), 1e-30)
-               for level in ("selective", "full") for n, g in grads["none"].items())
-    ok = diff <= TOLERANCE and kept["none"] > kept["selective"] > kept["full"]
+               for level in (SELECTIVE, FULL) for n, g in grads[DEVICE].items())
+    ok = diff <= TOLERANCE and kept[DEVICE] > kept[SELECTIVE] > kept[FULL]
     return {"status": "pass" if ok else "fail", "max_rel_grad_diff": diff, "kept_bytes": kept}
 
 

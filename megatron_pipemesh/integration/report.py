@@ -23,7 +23,8 @@ from ..planning.costs import ScheduleCosts, analytic_costs
 from ..planning.planner import baseline_plans
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import HOST_LEVEL, host_placement_of, lower
+from ..schedule.levers import DEVICE, Lever
+from ..schedule.lower import host_placement_of, lower
 from ..schedule.plan import RunPlan
 from .flags import microbatches_per_iteration
 
@@ -96,7 +97,7 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
     placed = ScheduleCosts(config, costs, recompute or {})
     host_bytes = [0.0] * config.pp
     for rank, chunk, _ in host_placement_of(recompute):
-        host_bytes[rank] += placed.bytes_at(rank, chunk, "none")
+        host_bytes[rank] += placed.bytes_at(rank, chunk, DEVICE)
     baselines = baseline_plans(config.pp, config.vpp, config.microbatches, lambda cfg: analytic_costs(model, cluster, cfg),
                                float("inf"))  # stock orders as they are, without recomputation
     return Prediction(result.iteration_s, [r.peak_activation_bytes for r in result.ranks],
@@ -128,7 +129,7 @@ def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
     total = config.pp * config.vpp * config.microbatches
     counts: Dict[str, int] = {}
     for level in (recompute or {}).values():
-        if level not in ("none", HOST_LEVEL):  # host placement has its own part of the line
+        if Lever.parse(level).recomputes:  # host placement has its own part of the line
             counts[level] = counts.get(level, 0) + 1
     if not counts:
         return "recompute none"

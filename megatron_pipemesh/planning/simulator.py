@@ -20,7 +20,7 @@ from ..schedule.timeline import Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 
 RecomputePlan = Dict[Tuple[int, int, int], str]
-"""(rank, chunk, micro-batch) -> 'none' | 'host' | 'selective' | 'full'; missing means 'none'."""
+"""(rank, chunk, micro-batch) -> lever (:class:`..schedule.levers.Lever` or its name); missing means 'none'."""
 
 
 @dataclass

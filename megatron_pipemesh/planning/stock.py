@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.levers import DEVICE, Lever
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from ..schedule.spans import SHARD_LEVELS
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
-from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_level, selective_module_sets
+from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
 
@@ -157,16 +158,16 @@ class StockRecompute:
         if self.modules and self.granularity != "selective":
             raise ValueError("--recompute-modules applies only to --recompute-granularity selective")
         if self.modules:
-            selective_level(self.modules)  # validates the names
+            Lever.selective(self.modules)  # validates the names
 
     @property
-    def level(self) -> str:
-        """The planning level name (:func:`.memory.parse_level`) with the same memory and time."""
+    def level(self) -> Lever:
+        """The lever with the same memory and time."""
         if self.granularity == "none":
-            return "none"
+            return DEVICE
         if self.granularity == "selective":
-            return selective_level(self.modules or ("core_attn",))
-        return f"{self.method}:{self.num_layers}"
+            return Lever.selective(self.modules or ("core_attn",))
+        return Lever.parse(f"{self.method}:{self.num_layers}")
 
     def flags(self) -> List[str]:
         if self.granularity == "none":

@@ -459,8 +459,7 @@ class _Run:
         ``--recompute-*`` settings alone, a plan with one sets every op's (host-placed ones recompute nothing)."""
         if not self.placement:
             return contextlib.nullcontext()
-        lever = self.placement.get((self.pp_rank, op.chunk, op.microbatch), DEVICE)
-        return recompute_scope(self.model[op.chunk], lever if lever.recomputes else DEVICE)
+        return recompute_scope(self.model[op.chunk], self.placement.get((self.pp_rank, op.chunk, op.microbatch), DEVICE))
 
     def _host_placed(self, op: Op) -> bool:
         """Whether ``op``'s chunk-micro-batch keeps its activations in host memory (this call's plan)."""

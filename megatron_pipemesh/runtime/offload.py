@@ -1,7 +1,7 @@
 """Host placement of activations: the runtime side of the ``OFFLOAD c.j`` / ``RELOAD c.j`` ops.
 
-A chunk-micro-batch whose placement level is ``'host'`` (``schedule.lower.HOST_LEVEL``) runs its
-forward with recompute level ``'none'`` under :meth:`ActivationOffloader.hooks`
+A chunk-micro-batch whose placement level is ``'host'`` (``schedule.levers.HOST``) runs its
+forward with every recompute switch off (as ``'none'``) under :meth:`ActivationOffloader.hooks`
 (``torch.autograd.graph.saved_tensors_hooks``): every tensor autograd saves for the backward is
 packed into a :class:`_Saved` handle (a detached alias plus the view metadata); unpack returns the
 tensor from wherever it lives at that moment.

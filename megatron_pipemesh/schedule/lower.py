@@ -34,6 +34,7 @@ from functools import lru_cache
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import ScheduleConfig
+from .levers import Lever
 from .ops import Op, OpKind, parse_op
 from .order import compute_programs, first_last_positions
 from .spans import SHARD_LEVELS, gather_spans, group_spans
@@ -89,15 +90,10 @@ class LoweringOptions:
             raise ValueError(f"unknown sharding level(s) {unknown}; levels are {', '.join(SHARD_LEVELS)}")
 
 
-HOST_LEVEL = "host"
-"""Placement level of a chunk-micro-batch whose activations wait for their backward in host memory
-(kept whole, like 'none', but off the device between OFFLOAD and RELOAD)."""
-
-
 def host_placement_of(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> Tuple[Tuple[int, int, int], ...]:
     """``LoweringOptions.host_placement`` of a per (pipeline rank, chunk, micro-batch) placement plan:
     every rank's host keys (all ranks lower, and compare, the same whole plan)."""
-    return tuple(sorted(key for key, level in (plan or {}).items() if level == HOST_LEVEL))
+    return tuple(sorted(key for key, level in (plan or {}).items() if Lever.parse(level).is_host))
 
 
 def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:
