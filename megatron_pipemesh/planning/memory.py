@@ -84,22 +84,27 @@ def selective_module_sets(layer_spec: str = "local") -> Tuple[Tuple[str, ...], .
     """Every ``--recompute-modules`` set that acts on a dense layer of ``layer_spec``: the non-empty subsets of
     :data:`SELECTIVE_MODULES`, without ``layernorm`` on Transformer Engine's spec (its norms are fused into
     the following linear: nothing to recompute), in :data:`SELECTIVE_MODULES` order."""
-    modules = [m for m in SELECTIVE_MODULES if not (layer_spec == "te" and m == "layernorm")]
+    modules = spec_modules(layer_spec)
     return tuple(chosen for size in range(1, len(modules) + 1) for chosen in combinations(modules, size))
+
+
+def spec_modules(layer_spec: str) -> Tuple[str, ...]:
+    """The :data:`SELECTIVE_MODULES` a dense layer of ``layer_spec`` has as separate modules: Transformer Engine's
+    spec fuses the norms into the following linear, so there is no ``layernorm`` to recompute."""
+    return tuple(m for m in SELECTIVE_MODULES if not (layer_spec == "te" and m == "layernorm"))
 
 
 def recomputable_modules(layer_spec: str, linear_bias: bool, transformer_engine: bool = False) -> FrozenSet[str]:
     """The :data:`SELECTIVE_MODULES` megatron-core 0.19.2 can recompute in a dense layer of this model and install.
     ``mlp`` only without linear biases: an MLP that returns its bias Parameter makes Megatron's CheckpointFunction
-    re-enter its own backward without end (``runtime/recompute.py`` names the lines). ``layernorm`` only on the
-    local spec (Transformer Engine's fuses the norms: nothing to recompute) and only with Transformer Engine
-    installed (``CheckpointWithoutOutput`` needs its FP8GlobalStateManager). PipeMesh's planner
+    re-enter its own backward without end (``runtime/recompute.py`` names the lines). ``layernorm`` only where the
+    spec has it (:func:`spec_modules`) and only with Transformer Engine installed (``CheckpointWithoutOutput`` needs its FP8GlobalStateManager). PipeMesh's planner
     (:func:`.costs.planning_levels`) and the bench's stock rows (``bench/memory_fair.runnable_options``) both
     choose from these."""
-    out = set(SELECTIVE_MODULES)
+    out = set(spec_modules(layer_spec))
     if linear_bias:
         out.discard("mlp")
-    if layer_spec == "te" or not transformer_engine:
+    if not transformer_engine:
         out.discard("layernorm")
     return frozenset(out)
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
 from .levers import BASIC_LEVERS, HOST, SELECTIVE_MODULES, Lever, runtime_lever
-from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, lower
+from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from .spans import SHARD_LEVELS
 
 Key = Tuple[int, int, int]
@@ -97,7 +97,7 @@ class RunPlan:
     @property
     def host_placement(self) -> Tuple[Key, ...]:
         """Every rank's host-placed chunk-micro-batches (all ranks lower, and compare, the whole plan)."""
-        return tuple(key for key, lever in self.placement.items() if lever.is_host)
+        return host_placement_of(self.placement)
 
     @property
     def recomputed(self) -> Dict[Key, Lever]:
