@@ -43,22 +43,11 @@ from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCos
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS
-from .runner import ModelSetup, ParallelConfig
+from .runner import PADDED_VOCAB, ModelSetup, ParallelConfig
 
 COLLECTIVES = "gloo"
 """The bench's ranks run on CPU, so their collectives are gloo's (:data:`REDUCE_SCATTER_STEPS`)."""
-PADDED_VOCAB = 384
-"""NullTokenizer vocabulary 257 padded to a multiple of 128 (Megatron's default divisor)."""
 FP32 = 4
-
-
-def model_spec(model: ModelSetup, pp: int) -> ModelSpec:
-    """The bench's GPT as the planner sees it: fp32 on CPU, local layer spec, no dropout (the bench runs
-    with ``--hidden-dropout 0 --attention-dropout 0``)."""
-    return ModelSpec(num_layers=model.num_layers(pp), hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                     micro_batch_size=model.micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=FP32, grad_bytes=FP32,
-                     hidden_dropout=0.0, attention_dropout=0.0, layer_spec="local")
 
 
 @dataclass
@@ -85,8 +74,8 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
         return ((fwd[rank] - base_f) + (bwd[rank] - base_b)) * vpp / 3.0
     first_extra = extra(0)
     last_extra = extra(pp - 1) if pp > 1 else 0.0
-    spec = model_spec(model, pp)
-    act_bytes = model.seq_length * model.micro_batch_size * model.hidden_size * FP32
+    spec = model.model_spec(pp)
+    act_bytes = model.chunk.seq_length * model.chunk.micro_batch_size * model.chunk.hidden_size * FP32
     layers_per_chunk = spec.num_layers // (pp * vpp)
     chunk_grad_bytes = layers_per_chunk * spec.layer_params() * FP32
     d = config.dp
@@ -128,7 +117,7 @@ def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: i
     ``dp`` replicas' groups at once."""
     if not bytes_per_s:
         return 0.0
-    return allreduce_s(PADDED_VOCAB * model.hidden_size * FP32, 2, bytes_per_s, groups=dp, per_rank=per_rank)
+    return allreduce_s(PADDED_VOCAB * model.chunk.hidden_size * FP32, 2, bytes_per_s, groups=dp, per_rank=per_rank)
 
 
 def network_cluster(dp: int, gbps: float, per_rank: bool, **fields) -> ClusterSpec:
@@ -147,7 +136,7 @@ def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[s
 
     gbps = bytes_per_s * link_share * 8 / 1e9 if bytes_per_s else UNSHAPED_GBPS
     cluster = network_cluster(config.dp, gbps, per_rank or not bytes_per_s, distributed_optimizer=True)
-    return ShardingModel(model_spec(model, config.pp), cluster, ShardingSpec(tuple(levels)))
+    return ShardingModel(model.model_spec(config.pp), cluster, ShardingSpec(tuple(levels)))
 
 
 UNSHAPED_GBPS = 1e6

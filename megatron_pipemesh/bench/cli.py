@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
-from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
+from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 
 QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
              activation_budget_mb="auto:0.2", pin_cores=True, no_limit=True,
@@ -253,8 +253,8 @@ def resolve(args: argparse.Namespace) -> dict:
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
                              f"{MAX_RANKS} ranks. Example: --network shared")
-    model = ModelSetup(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
-                       args.microbatches, args.vpp, args.layers_per_chunk, int(warmup), int(iters))
+    model = ModelSetup(bench_gpt(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                                 args.layers_per_chunk), args.microbatches, args.vpp, int(warmup), int(iters))
     budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding
                  else parse_budget(args.activation_budget_mb))
     families = [f for f in SCHEDULES if f in args.schedules]
@@ -442,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "topology": (("per-rank" if shaping.per_rank else "shared") if shaping
                                                      else None),
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
-        "model": {**model.__dict__, "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
+        "model": {**model.to_dict(), "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
         "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}
                      if setup["sharding"] else None),
         "repeats": repeats, "wall_s": time.monotonic() - started, "out_dir": out_dir, "configs": summary,
@@ -459,8 +459,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=1))
     else:
         print(f"machine: {machine['cores']} cores, {machine['memory_gb']} GiB, {machine['backend']}, torch {machine['torch']}; "
-              f"model: hidden {model.hidden_size}, seq {model.seq_length}, micro-batch {model.micro_batch_size}, "
-              f"m {model.microbatches}, V {model.vpp}, {model.layers_per_chunk} layer(s) per chunk; "
+              f"model: hidden {model.chunk.hidden_size}, seq {model.chunk.seq_length}, micro-batch "
+              f"{model.chunk.micro_batch_size}, m {model.microbatches}, V {model.vpp}, {model.chunk.num_layers} layer(s) "
+              "per chunk; "
               f"{model.warmup_iters} warm-up + {model.measured_iters} measured iterations, {repeats} repeat(s); "
               f"wall {document['wall_s']:.0f} s")
         print(format_table(summary, shaping_desc))

@@ -40,7 +40,7 @@ from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, r
 from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
                               schedule_options)
 from ..schedule.config import ScheduleConfig
-from .calibrate import model_spec as _model_spec, network_cluster
+from .calibrate import network_cluster
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
 
 MB = 2 ** 20
@@ -154,7 +154,7 @@ def activation_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleC
                      gbps: float, distributed_optimizer: bool = False) -> OpCosts:
     """Analytic costs with no static memory: what the planner sees under an activation budget (with
     ``--sharding`` the simulator adds each level's model state itself)."""
-    spec = _model_spec(model, config.pp)
+    spec = model.model_spec(config.pp)
     costs = analytic_costs(spec, cluster_spec(config, auto, gbps, distributed_optimizer), sched, planning_levels(spec))
     return replace(costs, static_bytes=tuple(0.0 for _ in range(sched.pp)))
 
@@ -163,7 +163,7 @@ def state_bytes(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig
                 cluster: ClusterSpec) -> Tuple[float, ...]:
     """Weights + gradients + optimizer state per pipeline rank outside any group at ``levels`` (one per chunk;
     fp32 on CPU: :func:`megatron_pipemesh.planning.sharding.bytes_per_param`)."""
-    splits = rank_splits(_model_spec(model, config.pp), cluster, sched, ShardingSpec(tuple(levels)))
+    splits = rank_splits(model.model_spec(config.pp), cluster, sched, ShardingSpec(tuple(levels)))
     return tuple(split.state.resident for split in splits)
 
 
@@ -173,7 +173,7 @@ def step_state_bytes(model: ModelSetup, config: ParallelConfig, sched: ScheduleC
     activations then): whole parameter and gradient buffers (the distributed optimizer's fp32 shard is a view of
     them) and, for ZeRO-2/3 chunks, the gradient-shard accumulators the runtime keeps
     (:class:`megatron_pipemesh.runtime.sharding.ChunkSharding`: ``grad_accum``, allocated once)."""
-    splits = rank_splits(_model_spec(model, config.pp), cluster, sched, ShardingSpec(tuple(levels)))
+    splits = rank_splits(model.model_spec(config.pp), cluster, sched, ShardingSpec(tuple(levels)))
     return tuple(sum(chunk.peak + (chunk.grads if level != STOCK_LEVEL else 0.0)
                      for chunk, level in zip(split.chunks, levels)) for split in splits)
 
@@ -190,7 +190,7 @@ def auto_budget_bytes(model: ModelSetup, config: ParallelConfig, auto: AutoPlanS
     peak (largest rank, no recomputation) of stock interleaved at the bench's V (auto: halfway). With
     ``sharding`` (``--memory-budget-mb auto[:F]``) each peak is ZeRO-1 model state + activations."""
     pp, vpp, m = config.pp, model.vpp, model.microbatches
-    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps, sharding)
+    spec, cluster = model.model_spec(config.pp), cluster_spec(config, auto, gbps, sharding)
     peaks = []
     for g in (pp, m):
         setting = StockSetting(pp, vpp, m, g)
@@ -240,7 +240,7 @@ def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[floa
     """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
     fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget). ``sharding``:
     Megatron's distributed optimizer, ZeRO-1 for every chunk, the budget covering model state + activations."""
-    spec, cluster = _model_spec(model, config.pp), cluster_spec(config, auto, gbps, sharding)
+    spec, cluster = model.model_spec(config.pp), cluster_spec(config, auto, gbps, sharding)
     pp, m = config.pp, model.microbatches
     rows = []
     for vpp, g in schedule_options(pp, spec.num_layers, m):
@@ -292,7 +292,7 @@ def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget
     costs_for = lambda cfg: activation_costs(model, config, cfg, auto, gbps, sharding)  # noqa: E731
     limit = budget if budget is not None else float("inf")
     options = PlannerOptions(activation_placement=auto.activation_placement)
-    spec, cluster = _model_spec(model, pp), cluster_spec(config, auto, gbps, sharding)
+    spec, cluster = model.model_spec(pp), cluster_spec(config, auto, gbps, sharding)
     if family == "pipemesh-auto":
         if sharding:
             plan, _ = plan_with_sharding(pp, vpp, m, costs_for, limit, spec, cluster, options=options)

@@ -6,12 +6,14 @@ import re
 import signal
 import subprocess
 import sys
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..planning.costs import ModelSpec
 from .logparse import ParsedLog
 
 SCHEDULES = ("1f1b", "interleaved", "pipemesh", "pipemesh-auto")
@@ -54,30 +56,55 @@ class ParallelConfig:
 class ModelSetup:
     """The tiny GPT and the batch of every benchmarked run."""
 
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    seq_length: int = 128
-    micro_batch_size: int = 2
+    chunk: ModelSpec = field(default_factory=lambda: bench_gpt())
+    """The GPT of one virtual chunk, as the planner prices it (``num_layers``: the layers per chunk); a run of
+    ``pp`` ranks stacks ``pp * vpp`` of them (:meth:`model_spec`)."""
     microbatches: int = 8
     """m: micro-batches per iteration per data-parallel replica."""
     vpp: int = 2
     """Virtual chunks per rank for the interleaved and PipeMesh schedules."""
-    layers_per_chunk: int = 1
     warmup_iters: int = 2
+    """Iterations run before the measured ones."""
     measured_iters: int = 6
+    """Iterations timed."""
 
     def num_layers(self, pp: int) -> int:
-        return pp * self.vpp * self.layers_per_chunk
+        return pp * self.vpp * self.chunk.num_layers
+
+    def model_spec(self, pp: int) -> ModelSpec:
+        """The whole GPT of a run on ``pp`` pipeline ranks."""
+        return dataclasses.replace(self.chunk, num_layers=self.num_layers(pp))
 
     def global_batch(self, dp: int) -> int:
-        return self.microbatches * self.micro_batch_size * dp
+        return self.microbatches * self.chunk.micro_batch_size * dp
 
     def tokens_per_iteration(self, dp: int) -> int:
-        return self.global_batch(dp) * self.seq_length
+        return self.global_batch(dp) * self.chunk.seq_length
 
     @property
     def train_iters(self) -> int:
         return self.warmup_iters + self.measured_iters
+
+    def to_dict(self) -> Dict[str, int]:
+        """The setup as the bench's JSON reports it."""
+        chunk = self.chunk
+        return {"hidden_size": chunk.hidden_size, "num_attention_heads": chunk.num_attention_heads,
+                "seq_length": chunk.seq_length, "micro_batch_size": chunk.micro_batch_size,
+                "microbatches": self.microbatches, "vpp": self.vpp, "layers_per_chunk": chunk.num_layers,
+                "warmup_iters": self.warmup_iters, "measured_iters": self.measured_iters}
+
+
+PADDED_VOCAB = 384
+"""NullTokenizer vocabulary 257 padded to a multiple of 128 (Megatron's default divisor)."""
+
+
+def bench_gpt(hidden_size: int = 256, num_attention_heads: int = 4, seq_length: int = 128, micro_batch_size: int = 2,
+              layers: int = 1) -> ModelSpec:
+    """The bench's GPT (``layers`` of it) as the planner sees it: fp32 on CPU, local layer spec, no dropout (the
+    bench runs with ``--hidden-dropout 0 --attention-dropout 0``), NullTokenizer's padded vocabulary."""
+    return ModelSpec(num_layers=layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                     seq_length=seq_length, micro_batch_size=micro_batch_size, vocab_size=PADDED_VOCAB, dtype_bytes=4,
+                     grad_bytes=4, hidden_dropout=0.0, attention_dropout=0.0, layer_spec="local")
 
 
 @dataclass(frozen=True)
@@ -124,10 +151,10 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
     pp = config.pp
     args = list(data_flags) + [
         "--split", "98,1,1", "--data-cache-path", os.path.join(run_dir, "cache"),
-        "--num-layers", str(model.num_layers(pp)), "--hidden-size", str(model.hidden_size),
-        "--num-attention-heads", str(model.num_attention_heads), "--seq-length", str(model.seq_length),
-        "--max-position-embeddings", str(model.seq_length),
-        "--micro-batch-size", str(model.micro_batch_size), "--global-batch-size", str(model.global_batch(config.dp)),
+        "--num-layers", str(model.num_layers(pp)), "--hidden-size", str(model.chunk.hidden_size),
+        "--num-attention-heads", str(model.chunk.num_attention_heads), "--seq-length", str(model.chunk.seq_length),
+        "--max-position-embeddings", str(model.chunk.seq_length),
+        "--micro-batch-size", str(model.chunk.micro_batch_size), "--global-batch-size", str(model.global_batch(config.dp)),
         "--pipeline-model-parallel-size", str(pp),
         "--train-iters", str(model.train_iters), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
@@ -141,7 +168,7 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
     if config.dp > 1 and not sharding:
         args += ["--overlap-grad-reduce"]
     if spec.family in ("pipemesh", "pipemesh-auto"):
-        args += ["--num-layers-per-virtual-pipeline-stage", str(model.layers_per_chunk)]
+        args += ["--num-layers-per-virtual-pipeline-stage", str(model.chunk.num_layers)]
     args += list(spec.stock_flags)  # stock: V (--num-virtual-stages-per-pipeline-rank), g, recomputation
     if spec.family in ("pipemesh", "pipemesh-auto"):
         if not spec.plan_path:

@@ -4,7 +4,7 @@ import sys
 from megatron_pipemesh.bench.activation_meter import measure_forward_backward, parse_activation_peaks, peak_per_rank
 from megatron_pipemesh.bench.affinity import pin_from_env, stage_cores
 from megatron_pipemesh.bench.memory_fair import RunSpec
-from megatron_pipemesh.bench.runner import (AutoPlanSettings, ModelSetup, ParallelConfig, launch_command,
+from megatron_pipemesh.bench.runner import (AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt, launch_command,
                                             prepare_data, run_env, run_once, training_args)
 from megatron_pipemesh.planning.stock import StockRecompute, StockSetting, evaluate
 
@@ -115,14 +115,12 @@ def test_stage_cores_and_pinning():
 def test_real_stock_run_reports_the_predicted_peak_per_rank(tmp_path):
     """A real 2-rank stock interleaved run (breadth-first, no recomputation): every rank reports its peak each
     iteration, equal to the activation model's prediction within 64 bytes."""
-    model = ModelSetup(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1, microbatches=4,
-                       vpp=2, warmup_iters=0, measured_iters=2)
+    model = ModelSetup(bench_gpt(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1), microbatches=4, vpp=2, warmup_iters=0, measured_iters=2)
     config = ParallelConfig(2)
     setting = StockSetting(2, 2, 4, 4, StockRecompute())
-    from megatron_pipemesh.bench.calibrate import model_spec
     from megatron_pipemesh.bench.memory_fair import cluster_spec
 
-    predicted = evaluate(setting, model_spec(model, 2), cluster_spec(config, AutoPlanSettings(), 1.0)).peak_activation_bytes
+    predicted = evaluate(setting, model.model_spec(2), cluster_spec(config, AutoPlanSettings(), 1.0)).peak_activation_bytes
     data = prepare_data(str(tmp_path / "data"), python=sys.executable)
     args = training_args(model, config, RunSpec("interleaved-V2-g4", "interleaved", setting), data, str(tmp_path / "run"))
     code, _, _, text = run_once(launch_command(2, args), run_env(1, cores=[0, 1]), str(tmp_path / "log.txt"), 300)

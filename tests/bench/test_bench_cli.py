@@ -63,16 +63,16 @@ def test_quick_defaults():
     setup = bench_cli.resolve(args)
     assert [c.name for c in setup["configs"]] == ["pp2xdp2"]
     assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
-    assert (setup["model"].hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
+    assert (setup["model"].chunk.hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
     assert setup["shaping"].rate_mbit == 250 and setup["shaping"].burst_bytes >= 4 * 65536
     assert setup["shaping"].per_rank and setup["auto"].per_rank_network
     assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 1.0 and args.pin_cores and args.no_limit
     shared = bench_cli.resolve(_args("--quick", "--network", "shared", "--link-share", "0.5"))
     assert not shared["shaping"].per_rank and not shared["auto"].per_rank_network and shared["link_share"] == 0.5
     assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
-    assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].hidden_size == 128
+    assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].chunk.hidden_size == 128
     plain = bench_cli.resolve(_args())
-    assert plain["model"].hidden_size == 256 and plain["budget_mb"] is None and plain["link_share"] == 1.0
+    assert plain["model"].chunk.hidden_size == 256 and plain["budget_mb"] is None and plain["link_share"] == 1.0
     assert bench_cli.resolve(_args("--unshaped"))["shaping"] is None
     assert bench_cli.resolve(_args("--activation-budget-mb", "12.5"))["budget_mb"] == 12.5
 
@@ -302,10 +302,10 @@ def test_quick_sharding_defaults():
     memory budget auto:0.2; a flag the user gives wins; without --sharding nothing changes."""
     setup = bench_cli.resolve(_args("--quick", "--sharding"))
     assert setup["sharding"] and setup["budget_mb"] == ("auto", 0.2)
-    assert (setup["model"].hidden_size, setup["model"].num_attention_heads, setup["model"].seq_length) == (256, 4, 128)
+    assert (setup["model"].chunk.hidden_size, setup["model"].chunk.num_attention_heads, setup["model"].chunk.seq_length) == (256, 4, 128)
     assert (setup["model"].vpp, setup["model"].microbatches) == (4, 4) and [c.name for c in setup["configs"]] == ["pp2xdp2"]
     assert bench_cli.resolve(_args("--quick", "--sharding", "--memory-budget-mb", "70"))["budget_mb"] == 70
-    assert bench_cli.resolve(_args("--quick", "--sharding", "--hidden-size", "128"))["model"].hidden_size == 128
+    assert bench_cli.resolve(_args("--quick", "--sharding", "--hidden-size", "128"))["model"].chunk.hidden_size == 128
     assert not bench_cli.resolve(_args("--quick"))["sharding"]
 
 

@@ -5,11 +5,10 @@ import pytest
 
 from megatron_pipemesh.bench.calibrate import (MeasuredCompute, allreduce_s, embedding_allreduce_s,
                                                predict_iteration_ms, shared_bucket_allreduce_s)
-from megatron_pipemesh.bench.runner import ModelSetup, ParallelConfig
+from megatron_pipemesh.bench.runner import ModelSetup, ParallelConfig, bench_gpt
 from megatron_pipemesh.schedule.config import ScheduleConfig
 
-QUICK_MODEL = ModelSetup(hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, microbatches=4,
-                         vpp=4, layers_per_chunk=1)
+QUICK_MODEL = ModelSetup(bench_gpt(hidden_size=384, num_attention_heads=8, seq_length=64, micro_batch_size=1, layers=1), microbatches=4, vpp=4)
 RATE = 400e6 / 8  # tc 400 Mbit/s, link share 0.5 (two stages' rings reduce at once)
 
 # Repeat 0 of `pipemesh bench --quick --repeats 3 ...` (docs/benchmarks.md, 06:43 UTC): per global rank

@@ -4,12 +4,11 @@ import json
 import pytest
 
 from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, fits, pipemesh_spec, stock_specs)
-from megatron_pipemesh.bench.calibrate import model_spec
-from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig
+from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 from megatron_pipemesh.integration.auto_plan import load_plan
 from megatron_pipemesh.planning.stock import group_sizes
 
-MODEL = ModelSetup(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1, microbatches=4, vpp=2)
+MODEL = ModelSetup(bench_gpt(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1), microbatches=4, vpp=2)
 CONFIG = ParallelConfig(2, 2)
 AUTO = AutoPlanSettings(device_tflops=0.02, mfu=0.45)
 GBPS = 0.2
@@ -83,7 +82,7 @@ def test_runnable_options_leave_out_modules_broken_on_cpu():
 
     from megatron_pipemesh.bench.memory_fair import runnable_options
 
-    spec = model_spec(MODEL, CONFIG.pp)
+    spec = MODEL.model_spec(CONFIG.pp)
     options = runnable_options(2, spec)
     assert [o.describe() for o in options][:2] == ["no recomputation", "--recompute-granularity selective"]
     assert all(not ({"layernorm", "mlp"} & set(o.modules)) for o in options)
@@ -150,7 +149,7 @@ def test_pipemesh_rows_plan_levels_into_plan_file_and_flags(tmp_path, family):
     from megatron_pipemesh.bench.memory_fair import cluster_spec, step_state_bytes
     from megatron_pipemesh.bench.runner import training_args
 
-    model = ModelSetup(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1, microbatches=4, vpp=4)
+    model = ModelSetup(bench_gpt(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1), microbatches=4, vpp=4)
     auto, gbps = AutoPlanSettings(device_tflops=0.025, mfu=0.45), 0.2
     budget = auto_budget_bytes(model, CONFIG, auto, gbps, 0.2, sharding=True)
     spec = pipemesh_spec(model, CONFIG, family, budget, auto, gbps, str(tmp_path), ((4,), (4,)), sharding=True)
