@@ -1,10 +1,19 @@
 """Host placement of activations: the runtime side of the ``OFFLOAD c.j`` / ``RELOAD c.j`` ops.
 
 A chunk-micro-batch whose placement level is ``'host'`` (``schedule.lower.HOST_LEVEL``) runs its
-forward with recompute level ``'none'`` under :meth:`ActivationOffloader.hooks`
-(``torch.autograd.graph.saved_tensors_hooks``): every tensor autograd saves for the backward is
-packed into a :class:`_Saved` handle (a detached alias plus the view metadata); unpack returns the
-tensor from wherever it lives at that moment.
+forward with recompute level ``'none'``. Its saved tensors are captured *per tensor*, not with
+``torch.autograd.graph.saved_tensors_hooks`` around the forward: at ``OFFLOAD`` the offloader walks the
+autograd graph of the chunk's outputs and registers :meth:`ActivationOffloader.hooks`' pack/unpack
+pair on each saved tensor it moves (``SavedTensor.register_hooks``), which packs it into a
+:class:`_Saved` handle (a detached alias plus the view metadata); unpack returns the tensor from
+wherever it lives at that moment. Why per tensor: under default hooks autograd hands every backward a
+*new* tensor object for each saved tensor, so a saved Parameter loses its identity and attributes
+(Megatron's gradient-accumulation fusion and Transformer Engine read ``weight.main_grad`` and set
+``grad_added_to_main_grad`` on it, and with ``--overlap-grad-reduce`` DDP's hook then finds no
+``param.grad``); saved tensors the offloader leaves alone -- Parameters first of all -- get no hooks
+and reach the backward as themselves. (Under an outer saved-tensor meter, which installs default
+hooks and so already hides the tensors from per-tensor ones, the meter composes the same pair inside
+its own: ``SavedTensorMeter.record(key, inner=...)``.)
 
 * ``OFFLOAD c.j`` (:meth:`ActivationOffloader.offload`) copies the *storages* behind the live handles
   into host buffers and drops the device references, so the device memory is freed. Storages are
@@ -22,8 +31,11 @@ uses the same trick for sent outputs). The chunk's **output** stays (``keep``): 
 root, freed by ``deallocate_output_tensor`` after its send as usual (on the last stage it is the loss).
 
 What is *not* offloaded (stays on the device, even when saved): parameters and registered buffers
-and anything sharing their storage; Parameter objects; tensors on another device or without a real
-storage (sparse, meta, tensor subclasses without one); ``keep`` tensors and what aliases them.
+and anything sharing their storage; tensors on another device or without a real storage (sparse, meta,
+tensor subclasses without one); ``keep`` tensors and what aliases them. Parameter storages are
+recognised by their storage object, not its address: a ZeRO-3 chunk's parameter buffer is freed and
+re-allocated in place (a new address, the same storage) by the sharding runtime after
+:meth:`ActivationOffloader.begin`, and must never be copied out.
 
 Copies and buffers:
 
@@ -46,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -68,6 +80,15 @@ class _Saved:
         self.size, self.stride = tuple(tensor.size()), tuple(tensor.stride())
 
 
+def _storage_id(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of ``tensor``'s storage object: unlike its address, it survives ``resize_`` (the sharding
+    runtime frees and re-allocates ZeRO-3 parameter buffers in place)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, meta, subclasses
+        return None
+
+
 def _storage_ptr(tensor: torch.Tensor) -> Optional[int]:
     try:
         storage = tensor.untyped_storage()
@@ -75,6 +96,42 @@ def _storage_ptr(tensor: torch.Tensor) -> Optional[int]:
     except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested, meta, subclasses
         return None
     return ptr if ptr and storage.nbytes() else None
+
+
+_SAVED_SLOTS: Dict[type, Tuple[Tuple[str, str], ...]] = {}
+"""Autograd node type -> (raw saved-tensor attribute, attribute unpacking it) pairs (``dir`` once per type)."""
+
+
+def _saved_slots(node) -> Tuple[Tuple[str, str], ...]:
+    slots = _SAVED_SLOTS.get(type(node))
+    if slots is None:
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)  # ctx.save_for_backward
+        slots = tuple((name, "saved_tensors" if custom and name == "_raw_saved_tensors" else "_saved_" + name[11:])
+                      for name in dir(node) if name.startswith("_raw_saved_"))
+        _SAVED_SLOTS[type(node)] = slots
+    return slots
+
+
+def _graph_saved_tensors(roots: Iterable[Optional[torch.Tensor]]) -> Iterator[Tuple[object, torch.Tensor]]:
+    """(``SavedTensor``, its tensor) of every tensor saved in the autograd graphs of ``roots``."""
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for raw_name, value_name in _saved_slots(node):
+            try:
+                raws, values = getattr(node, raw_name), getattr(node, value_name)
+            except RuntimeError:  # freed by a backward
+                continue
+            if not isinstance(raws, (tuple, list)):
+                raws, values = (raws,), (values,)
+            for raw, value in zip(raws, values):
+                if isinstance(value, torch.Tensor):
+                    yield raw, value
+        stack.extend(following for following, _ in node.next_functions if following is not None)
 
 
 def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,6 +191,8 @@ class _Entry:
     host_bytes: int = 0
     swapped: List[Tuple[torch.Tensor, _Saved]] = field(default_factory=list)
     """The caller's tensors whose ``.data`` is empty while offloaded, with where their view comes back."""
+    hooks: Tuple[Callable, Callable] = (None, None)
+    """The key's (pack, unpack) pair (:meth:`ActivationOffloader.hooks`)."""
 
 
 class ActivationOffloader:
@@ -160,9 +219,9 @@ class ActivationOffloader:
 
     # Per call ------------------------------------------------------------------------------------
     def begin(self, excluded: Iterable[torch.Tensor] = (), meter=None) -> None:
-        """Start a call: ``excluded`` storages (parameters, buffers) never move."""
+        """Start a call: ``excluded`` storages (parameters, buffers) never move, wherever their bytes are later."""
         self.clear()
-        self._excluded = {p for p in (_storage_ptr(t) for t in excluded) if p is not None}
+        self._excluded = {s for s in (_storage_id(t) for t in excluded) if s is not None}
         self.meter = meter
         self.peak_host_bytes = 0
 
@@ -178,7 +237,9 @@ class ActivationOffloader:
 
     # Capture -------------------------------------------------------------------------------------
     def hooks(self, key: Key) -> Tuple[Callable, Callable]:
-        """(pack, unpack) for ``saved_tensors_hooks`` around ``key``'s forward."""
+        """Start capturing ``key`` (call it before its forward) and return its (pack, unpack) pair: OFFLOAD
+        registers it on each saved tensor it moves; under an outer saved-tensor meter the meter installs it
+        inside its own default hooks instead (then every saved tensor is packed during the forward)."""
         if key in self._entries:
             raise OffloadError(f"chunk-micro-batch {key} was already captured in this call")
         entry = self._entries[key] = _Entry()
@@ -198,7 +259,22 @@ class ActivationOffloader:
                                    "memory (RELOAD must run before the backward)")
             return handle.tensor
 
+        entry.hooks = (pack, unpack)
         return pack, unpack
+
+    def _hook_graph(self, entry: _Entry, roots: Iterable[Optional[torch.Tensor]], keep: set) -> None:
+        """Register ``entry``'s hooks on every movable saved tensor in the autograd graphs of ``roots`` (the
+        graph ends at leaves: the chunk's input and the parameters). Tensors with hooks already (another
+        key's, an outer meter's) are someone else's: they stay, and so do scalars (autograd saves Python numbers
+        as 0-dim tensors, which default hooks never see)."""
+        for raw, value in _graph_saved_tensors(roots):
+            movable = value.dim() > 0 and self._movable(value, keep) is not None
+            del value  # an unpacked alias: it must not keep the storage alive
+            if movable:
+                try:
+                    raw.register_hooks(*entry.hooks)
+                except RuntimeError:  # hooked already
+                    continue
 
     def _entry(self, key: Key, expected: str, what: str) -> _Entry:
         entry = self._entries.get(key)
@@ -213,17 +289,19 @@ class ActivationOffloader:
         if isinstance(tensor, torch.nn.Parameter) or tensor.device != self.device:
             return None
         ptr = _storage_ptr(tensor)
-        return None if ptr is None or ptr in self._excluded or ptr in keep else ptr
+        return None if ptr is None or ptr in keep or _storage_id(tensor) in self._excluded else ptr
 
     # Copies --------------------------------------------------------------------------------------
     def offload(self, key: Key, keep: Iterable[Optional[torch.Tensor]] = (),
-                swap: Iterable[Optional[torch.Tensor]] = ()) -> int:
+                swap: Iterable[Optional[torch.Tensor]] = (), roots: Iterable[Optional[torch.Tensor]] = ()) -> int:
         """Launch the copy of ``key``'s saved storages to host memory and drop them from the device
-        (``keep``: tensors the caller holds that must stay, e.g. the chunk's output; ``swap``: tensors the
-        caller holds whose storage may go, their ``.data`` emptied until :meth:`reload`, e.g. the input).
-        Returns bytes."""
+        (``roots``: the forward's outputs, whose autograd graphs hold the saved tensors; ``keep``: tensors the
+        caller holds that must stay, e.g. the chunk's output; ``swap``: tensors the caller holds whose storage
+        may go, their ``.data`` emptied until :meth:`reload`, e.g. the input). Returns bytes."""
         entry = self._entry(key, "device", "OFFLOAD")
         keep_ptrs = {p for p in (_storage_ptr(t) for t in keep if isinstance(t, torch.Tensor)) if p is not None}
+        if not entry.handles:  # not packed during the forward (no outer meter): hook the graph's saved tensors
+            self._hook_graph(entry, roots, keep_ptrs)
         groups: Dict[int, Tuple[torch.Tensor, _Group]] = {}
         for ref in entry.handles:
             handle = ref()

@@ -116,3 +116,64 @@ def test_swapped_input_leaves_with_its_storage_and_comes_back():
     assert x.shape == (16, 32)
     loss.backward()
     assert torch.equal(x.grad, reference)
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """Megatron's gradient-accumulation fusion in miniature: saves the weight Parameter and, in the backward,
+    accumulates its gradient into ``weight.main_grad`` (and returns none), as ``LinearWithGradAccumulation...``
+    and Transformer Engine's linears do."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        _FusedWgrad.seen = weight
+        weight.main_grad += grad.t() @ x  # AttributeError on anything but the Parameter
+        return grad @ weight, None
+
+
+def test_saved_parameter_reaches_the_backward_as_itself():
+    """A Parameter saved by a host-placed forward comes back to the backward as the same object with its
+    attributes (``main_grad``), through OFFLOAD and RELOAD, and is never copied to the host; the activation
+    does travel and the gradient is right. (Under default saved-tensor hooks autograd hands the backward a new
+    plain tensor instead: the offloader hooks only the saved tensors it moves, found in the output's graph.)"""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    weight.main_grad = torch.zeros(8, 4)
+    x = torch.randn(5, 4, requires_grad=True)
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin([weight])
+    offloader.hooks("a")  # the executor's capture of a host-placed key: no default hooks around the forward
+    out = _FusedWgrad.apply(x * 2, weight)
+    assert offloader.offload("a", keep=(out,), roots=(out,)) == 5 * 4 * 4  # x * 2 only
+    offloader.reload("a")
+    offloader.wait("a")
+    (out * out).sum().backward()
+    assert _FusedWgrad.seen is weight and isinstance(_FusedWgrad.seen, torch.nn.Parameter)
+    assert torch.allclose(weight.main_grad, (2 * out).t() @ (x.detach() * 2))
+
+
+def test_parameter_storage_reallocated_after_begin_stays_on_the_device():
+    """A ZeRO-3 chunk's parameter buffer is freed and re-allocated (a new address) after ``begin`` by the
+    sharding runtime: a saved view of it (here ``weight.t()``, which a matmul saves) must still not be copied."""
+    buffer = torch.arange(32, dtype=torch.float32)
+    weight = torch.nn.Parameter(buffer[:32].view(8, 4))
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin([weight])
+    storage = weight.untyped_storage()
+    address = storage.data_ptr()
+    storage.resize_(0)                 # RELEASE at the program's start
+    storage.resize_(32 * 4)            # GATHER: the same storage at a new address
+    weight.data.copy_(torch.arange(32, dtype=torch.float32).view(8, 4))
+    x = torch.randn(5, 4, requires_grad=True)
+    offloader.hooks("a")
+    loss = (torch.mm(x, weight.t()) ** 2).sum()
+    print("parameter buffer address before/after the re-allocation", address, storage.data_ptr())
+    moved = offloader.offload("a", keep=(loss,), roots=(loss,))
+    offloader.reload("a")
+    loss.backward()
+    assert moved == 5 * 4 * 4 + 5 * 8 * 4  # x and the product, never the 128-byte parameter buffer
