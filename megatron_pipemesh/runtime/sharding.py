@@ -133,12 +133,13 @@ class ChunkSharding:
         self.buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
         self.bucket_groups = list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
         self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
-        self.group = self.buffers[0].data_parallel_group
-        self.size, self.rank = self.group.size(), self.group.rank()
+        # Each bucket is sharded over its own buffer's group: Megatron's distributed-optimizer instance, the
+        # expert data-parallel one for expert buffers (a different size under expert parallelism).
+        self.groups = [buffer.data_parallel_group for buffer in self.buffers for _ in buffer.buckets]
         # Shard tensors, allocated once; their storage is freed while the whole buffer holds the shard.
-        self.param_shards = ([torch.empty_like(_shard(b.param_data, self.size, self.rank)) for b in self.buckets]
+        self.param_shards = ([torch.empty_like(self._mine(i, b.param_data)) for i, b in enumerate(self.buckets)]
                              if self.zero3 else [])
-        self.grad_accum = [torch.zeros_like(_shard(b.grad_data, self.size, self.rank)) for b in self.buckets]
+        self.grad_accum = [torch.zeros_like(self._mine(i, b.grad_data)) for i, b in enumerate(self.buckets)]
         self.params_out = self.grads_out = False
         self.gathering = False
         self.pending: List[Tuple[object, int]] = []
@@ -151,15 +152,20 @@ class ChunkSharding:
         for index, bucket_group in enumerate(self.bucket_groups):
             bucket_group.start_grad_sync = self._folding_start(index, bucket_group, bucket_group.start_grad_sync)
 
+    def _mine(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slot of bucket ``index``'s ``tensor`` (its parameter or gradient data)."""
+        group = self.groups[index]
+        return _shard(tensor, group.size(), group.rank())
+
     # Parameters (ZeRO-3) -----------------------------------------------------------------------
     def release_params(self) -> None:
         """Keep only this rank's shard of the parameters."""
         if self.params_out:
             return
         self.wait_gather()
-        for shard, bucket in zip(self.param_shards, self.buckets):
+        for index, (shard, bucket) in enumerate(zip(self.param_shards, self.buckets)):
             _alloc(shard)
-            shard.copy_(_shard(bucket.param_data, self.size, self.rank))
+            shard.copy_(self._mine(index, bucket.param_data))
         for buffer in self.buffers:
             _free(buffer.param_data)
         self.params_out = True
@@ -171,8 +177,8 @@ class ChunkSharding:
         for buffer in self.buffers:
             _alloc(buffer.param_data)
             buffer.param_data.zero_()
-        for shard, bucket in zip(self.param_shards, self.buckets):
-            _shard(bucket.param_data, self.size, self.rank).copy_(shard)
+        for index, (shard, bucket) in enumerate(zip(self.param_shards, self.buckets)):
+            self._mine(index, bucket.param_data).copy_(shard)
             _free(shard)
         self.params_out = False
 
@@ -217,8 +223,8 @@ class ChunkSharding:
             for index, bucket in enumerate(self.buckets):
                 if bucket.gradient_scaling_factor != 1.0:
                     bucket.grad_data *= bucket.gradient_scaling_factor
-                work = dist.reduce_scatter_tensor(_shard(bucket.grad_data, self.size, self.rank), bucket.grad_data,
-                                                  op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                work = dist.reduce_scatter_tensor(self._mine(index, bucket.grad_data), bucket.grad_data,
+                                                  op=dist.ReduceOp.SUM, group=self.groups[index], async_op=True)
                 self.pending.append((work, index))
                 total += bucket.grad_data.numel() * bucket.grad_data.element_size()
         return total
@@ -231,7 +237,7 @@ class ChunkSharding:
             work.wait()
         with torch.no_grad():
             for _, index in self.pending:
-                self.grad_accum[index] += _shard(self.buckets[index].grad_data, self.size, self.rank)
+                self.grad_accum[index] += self._mine(index, self.buckets[index].grad_data)
         self.pending = []
         self.to_add = set(range(len(self.bucket_groups)))
         self.release_grads()
@@ -255,7 +261,7 @@ class ChunkSharding:
                 for index, bucket in zip(indices, buckets):
                     if bucket.gradient_scaling_factor != 1.0:
                         bucket.grad_data *= bucket.gradient_scaling_factor
-                    _shard(bucket.grad_data, self.size, self.rank).add_(self.grad_accum[index])
+                    self._mine(index, bucket.grad_data).add_(self.grad_accum[index])
                     self.grad_accum[index].zero_()
                     bucket.gradient_scaling_factor = 1.0
             try:

@@ -162,3 +162,22 @@ def test_program_counts_and_waits():
     program.end()
     assert ddp1.buffers[0].param_data.untyped_storage().nbytes() == 12 * 4
     assert program.traffic == {("gather", 0): 48, ("gather", 1): 48}
+
+
+@pytest.mark.parametrize("level", ["optim_grads", "optim_grads_params"])
+def test_each_buffer_shards_over_its_own_group(level):
+    """Two ranks, a dense buffer sharded over both and an expert buffer over its expert data-parallel group (one
+    rank: each rank holds its own experts): ZeRO-3 keeps and gathers each buffer's shard over its own group, and
+    the ZeRO-2 reductions reduce-scatter each bucket on its own group (expert gradients are not summed across
+    the ranks), folded into Megatron's final reduction."""
+    from tests import megatron_harness as h
+
+    results = h.run_worker("tests.runtime.sharding_workers:expert_and_dense", nproc=2, kwargs={"level": level})
+    for rank, got in enumerate(results):
+        experts = [100.0 * (rank + 1) + i for i in range(6)]
+        if level == "optim_grads_params":
+            assert got["shards"] == [[4.0 * rank + i for i in range(4)], experts], (rank, got)
+            assert got["gathered"] == [[float(i) for i in range(8)], experts], (rank, got)
+        # Dense: (1 + 2) x 0.5 summed over both ranks; experts: this rank's own 10 (rank + 1) x 0.5.
+        assert got["accumulated"] == [[1.5] * 4, [5.0 * (rank + 1)] * 6], (rank, got)
+        assert got["reduced"] == [[3.0] * 4, [10.0 * (rank + 1)] * 6], (rank, got)
