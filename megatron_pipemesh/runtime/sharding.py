@@ -15,7 +15,9 @@ and this module frees and re-allocates the *storage* of its buffers around the s
   (``start_param_sync``); the chunk's next compute op waits on them (``finish_param_sync``).
   ``RELEASE c.k`` keeps the shard and frees the rest. At the end of the program the buffer comes
   back with the shard in place (zeros elsewhere) for the optimizer step, which updates the shard
-  in place; the next program starts by releasing it again.
+  in place; the next program starts by releasing it again -- after any all-gather Megatron launched into
+  it finished: with ``--overlap-param-gather-with-optimizer-step`` the optimizer step gathers the first
+  chunk itself, and the program then keeps that gathered buffer for the chunk's first GATHER.
 * ``optim_grads`` (ZeRO-2, also ZeRO-3): the gradient buffer's storage is freed at the start of the
   program (it was zeroed) and re-allocated (zeroed) at the first backward of each backward group;
   ``REDUCE c.k`` scales each bucket by Megatron's ``gradient_scaling_factor`` and reduce-scatters it
@@ -142,6 +144,8 @@ class ChunkSharding:
         self.grad_accum = [torch.zeros_like(self._mine(i, b.grad_data)) for i, b in enumerate(self.buckets)]
         self.params_out = self.grads_out = False
         self.gathering = False
+        self.current = False
+        """The whole buffer holds the current parameters, gathered by Megatron's optimizer step."""
         self.pending: List[Tuple[object, int]] = []
         self.to_add: set = set()
         """Bucket groups whose final reduction still has to carry the accumulated shards of earlier groups."""
@@ -158,11 +162,18 @@ class ChunkSharding:
         return _shard(tensor, group.size(), group.rank())
 
     # Parameters (ZeRO-3) -----------------------------------------------------------------------
-    def release_params(self) -> None:
-        """Keep only this rank's shard of the parameters."""
+    def release_params(self, keep_current: bool = False) -> None:
+        """Keep only this rank's shard of the parameters, once every all-gather into the buffer finished (ours and
+        Megatron's). ``keep_current`` (program start): when Megatron's optimizer step gathered the whole chunk
+        (``--overlap-param-gather-with-optimizer-step`` does for the first chunk), the buffer holds the current
+        parameters: keep it for the first GATHER instead of freeing it and gathering again."""
         if self.params_out:
             return
         self.wait_gather()
+        if self._finish_megatron_gathers() and keep_current:
+            self.current = True
+            return
+        self.current = False
         for index, (shard, bucket) in enumerate(zip(self.param_shards, self.buckets)):
             _alloc(shard)
             shard.copy_(self._mine(index, bucket.param_data))
@@ -182,12 +193,25 @@ class ChunkSharding:
             _free(shard)
         self.params_out = False
 
+    def _finish_megatron_gathers(self) -> bool:
+        """Wait for the all-gathers Megatron launched into this chunk's buffer itself (the optimizer step's, see
+        :meth:`release_params`): freeing the storage under one would let it write freed memory, and the next
+        GATHER would trip Megatron's assertion on the handle in flight. True if every bucket group had one."""
+        launched = [group for group in self.bucket_groups if getattr(group, "param_gather_handle", None) is not None]
+        for bucket_group in launched:
+            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+        return bool(launched) and len(launched) == len(self.bucket_groups)
+
     def gather(self) -> int:
-        """GATHER: restore the buffer and launch Megatron's bucket all-gathers; returns the bytes gathered."""
-        self.restore_params()
-        for bucket_group in self.bucket_groups:
-            bucket_group.start_param_sync()
-        self.gathering = True
+        """GATHER: restore the buffer and launch Megatron's bucket all-gathers (none when the buffer was kept
+        current at the program's start); returns the bytes gathered."""
+        if self.current:
+            self.current = False
+        else:
+            self.restore_params()
+            for bucket_group in self.bucket_groups:
+                bucket_group.start_param_sync()
+            self.gathering = True
         return sum(b.param_data.numel() * b.param_data.element_size() for b in self.buckets)
 
     def wait_gather(self) -> None:
@@ -315,7 +339,7 @@ class ProgramSharding:
         for state in self.states.values():
             state.release_grads()
             if state.zero3:
-                state.release_params()
+                state.release_params(keep_current=True)
         if measure:
             held = 0
             for chunk, ddp in enumerate(self.model):
