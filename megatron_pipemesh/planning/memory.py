@@ -382,3 +382,12 @@ def rank_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, micro
     plan = recompute or {}
     return {(c, j): chunk_bytes(shape, num_layers, pp, vpp, rank, c, plan.get((rank, c, j), "none"), keep_outputs)
             for c in range(vpp) for j in range(microbatches)}
+
+
+def host_block_bytes(nbytes: float) -> int:
+    """Host memory one chunk-micro-batch placed on the host takes for ``nbytes`` of activations: one pinned
+    block, rounded up to a power of two. Torch's caching host allocator rounds every pinned block that way
+    (to index its free lists), so the runtime's pool (``runtime/offload.py``) asks for exactly this size, and
+    the planner holds its host budget to these bytes, not the activations' (up to twice as many)."""
+    size = math.ceil(nbytes)
+    return 0 if size <= 0 else 1 << (size - 1).bit_length()

@@ -517,6 +517,7 @@ class _Run:
         stats.total_s = time.perf_counter() - begin
         if self.offloader is not None:
             stats.peak_host_bytes = int(self.offloader.peak_host_bytes)
+            stats.peak_block_bytes = int(self.offloader.peak_block_bytes)
             stats.offloaded_bytes = dict(self.offloaded)
             self.offloader.clear()
         if self.meter is not None:

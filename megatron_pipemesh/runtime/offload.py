@@ -16,8 +16,9 @@ hooks and so already hides the tensors from per-tensor ones, the meter composes 
 its own: ``SavedTensorMeter.record(key, inner=...)``.)
 
 * ``OFFLOAD c.j`` (:meth:`ActivationOffloader.offload`) copies the *storages* behind the live handles
-  into host buffers and drops the device references, so the device memory is freed. Storages are
-  deduplicated (two saved views of one storage travel once and come back as views of one storage).
+  into one host block of the key (packed, each at an aligned offset) and drops the device references,
+  so the device memory is freed. Storages are deduplicated (two saved views of one storage travel once
+  and come back as views of one storage).
 * ``RELOAD c.j`` (:meth:`ActivationOffloader.reload`) copies each storage back into a fresh device
   buffer and rebuilds every handle's tensor as the same view of it; the host buffers return to the
   pool. :meth:`ActivationOffloader.wait` (called just before ``B c.j``) makes the backward wait for
@@ -40,16 +41,19 @@ re-allocated in place (a new address, the same storage) by the sharding runtime 
 Copies and buffers:
 
 * CUDA: device-to-host copies run on one side stream and host-to-device copies on another (the
-  link is full-duplex), both non-blocking, into pinned host buffers taken from
-  :class:`HostBufferPool` (keyed by size in bytes, grown only when no free buffer of that size is
-  left: after the first iteration no pinned memory is allocated). Ordering uses events only (no
+  link is full-duplex), both non-blocking, into pinned host blocks taken from
+  :class:`HostBufferPool` (grown only when no free block of the size class is left: after the first
+  iteration no pinned memory is allocated). A block's size is the key's bytes rounded up to a power of
+  two (:func:`~..planning.memory.host_block_bytes`): torch's caching host allocator rounds every pinned
+  block that way, so asking for exactly that size makes the pool's count the real pinned memory, and
+  the planner holds its host budget to the same rounded bytes. Ordering uses events only (no
   host synchronisation): the offload stream waits for the compute stream (the forward wrote the
   tensors); the reload stream waits for the offload's completion and for the compute stream at the
   point where the device buffer was allocated; the compute stream waits for the reload before the
   backward; a host buffer goes back to the pool with the event of the copy that last read it and
   the next user's stream waits for that event. ``record_stream`` marks every device storage the
   side streams touched, so the caching allocator reuses it only after the copy finished.
-* CPU: the same code with synchronous copies into (unpinned) pool buffers; "device memory" is
+* CPU: the same code with synchronous copies into (unpinned) pool blocks of the same sizes; "device memory" is
   freed by dropping the references to the original storages. Numerics and placement are therefore
   tested on CPU exactly as they run on CUDA, minus the streams.
 """
@@ -61,6 +65,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+
+from ..planning.memory import host_block_bytes
 
 Key = Hashable
 
@@ -134,6 +140,14 @@ def _graph_saved_tensors(roots: Iterable[Optional[torch.Tensor]]) -> Iterator[Tu
         stack.extend(following for following, _ in node.next_functions if following is not None)
 
 
+_ALIGN = 64
+"""Byte alignment of each storage in a key's host block (a cache line)."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over ``tensor``'s whole storage."""
     storage = tensor.untyped_storage()
@@ -141,26 +155,29 @@ def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HostBufferPool:
-    """Reusable host buffers (pinned on CUDA), keyed by size in bytes.
+    """Reusable host blocks (pinned on CUDA) in size classes of :func:`host_block_bytes` (powers of two).
 
-    ``acquire`` returns a free buffer of exactly that size (allocating only when none is free) and the
-    event of the last copy that read it (None when free to use); ``release`` returns it with that event.
+    ``acquire`` returns a free block of the class of ``nbytes`` (at least ``nbytes``; allocating only when none
+    is free) and the event of the last copy that read it (None when free to use); ``release`` returns it with
+    that event. A block is allocated at exactly its class size, which torch's caching host allocator does not
+    round further: ``allocated_bytes`` is the real (pinned) memory.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: Dict[int, List[Tuple[torch.Tensor, object]]] = {}
         self.allocated_bytes = 0
-        """Host bytes this pool ever allocated (its footprint: buffers are never given back)."""
+        """Host bytes this pool ever allocated (its footprint: blocks are never given back)."""
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> Tuple[torch.Tensor, object]:
-        free = self._free.get(nbytes)
+        size = host_block_bytes(nbytes)
+        free = self._free.get(size)
         if free:
             return free.pop()
         self.allocations += 1
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
+        self.allocated_bytes += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin), None
 
     def release(self, buffer: torch.Tensor, event: object = None) -> None:
         self._free.setdefault(buffer.numel(), []).append((buffer, event))
@@ -168,12 +185,13 @@ class HostBufferPool:
 
 @dataclass
 class _Group:
-    """One offloaded storage: its host buffer and the handles that view it."""
+    """One offloaded storage: where it lies in its key's host block and the handles that view it."""
 
     nbytes: int
     handles: List[Callable[[], Optional[_Saved]]]
     """Weak references to autograd's handles (and strong ones to swapped tensors' records)."""
-    host: Optional[torch.Tensor] = None
+    offset: int = 0
+    """Byte offset in the key's host block."""
 
 
 @dataclass
@@ -189,6 +207,8 @@ class _Entry:
     reload_done: object = None
     """CUDA event: the host-to-device copies finished (the backward may run)."""
     host_bytes: int = 0
+    host: Optional[torch.Tensor] = None
+    """The key's host block (from the pool) while offloaded."""
     swapped: List[Tuple[torch.Tensor, _Saved]] = field(default_factory=list)
     """The caller's tensors whose ``.data`` is empty while offloaded, with where their view comes back."""
     hooks: Tuple[Callable, Callable] = (None, None)
@@ -214,8 +234,11 @@ class ActivationOffloader:
         self._excluded: set = set()
         self.meter = None
         self.host_bytes = 0
-        """Bytes of activations currently in host buffers."""
+        """Bytes of activations currently in host memory."""
         self.peak_host_bytes = 0
+        self.block_bytes = 0
+        """Bytes of the host blocks holding them (each key's rounded up: the real host memory in use)."""
+        self.peak_block_bytes = 0
 
     # Per call ------------------------------------------------------------------------------------
     def begin(self, excluded: Iterable[torch.Tensor] = (), meter=None) -> None:
@@ -223,17 +246,16 @@ class ActivationOffloader:
         self.clear()
         self._excluded = {s for s in (_storage_id(t) for t in excluded) if s is not None}
         self.meter = meter
-        self.peak_host_bytes = 0
+        self.peak_host_bytes = self.peak_block_bytes = 0
 
     def clear(self) -> None:
         """Forget every key (end of call or failure); host buffers go back to the pool."""
         for entry in self._entries.values():
-            for group in entry.groups:
-                if group.host is not None:
-                    self.pool.release(group.host, entry.offload_done)
-                    group.host = None
+            if entry.host is not None:
+                self.pool.release(entry.host, entry.offload_done)
+                entry.host = None
         self._entries = {}
-        self.host_bytes = 0
+        self.host_bytes = self.block_bytes = 0
 
     # Capture -------------------------------------------------------------------------------------
     def hooks(self, key: Key) -> Tuple[Callable, Callable]:
@@ -327,11 +349,15 @@ class ActivationOffloader:
             ready = torch.cuda.current_stream(self.device).record_event()
             stream.wait_event(ready)  # the forward wrote these tensors on the compute stream
         with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
-            for source, group in groups.values():
-                group.host, previous_reader = self.pool.acquire(group.nbytes)
+            offset = 0
+            for _, group in groups.values():
+                group.offset, offset = offset, offset + _aligned(group.nbytes)
+            if groups:
+                entry.host, previous_reader = self.pool.acquire(offset)
                 if previous_reader is not None:
                     stream.wait_event(previous_reader)
-                group.host.copy_(source, non_blocking=self.cuda)
+            for source, group in groups.values():
+                entry.host[group.offset:group.offset + group.nbytes].copy_(source, non_blocking=self.cuda)
                 if self.cuda:
                     source.record_stream(stream)  # freed storage is reused only after the copy
             if self.cuda:
@@ -347,6 +373,8 @@ class ActivationOffloader:
         entry.state = "host"
         self.host_bytes += entry.host_bytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        self.block_bytes += entry.host.numel() if entry.host is not None else 0
+        self.peak_block_bytes = max(self.peak_block_bytes, self.block_bytes)
         if self.meter is not None:
             self.meter.offloaded(key, moved)
         return entry.host_bytes
@@ -363,15 +391,17 @@ class ActivationOffloader:
                 stream.wait_event(entry.offload_done)
         with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
             for target, group in zip(targets, entry.groups):
-                target.copy_(group.host, non_blocking=self.cuda)
+                target.copy_(entry.host[group.offset:group.offset + group.nbytes], non_blocking=self.cuda)
                 if self.cuda:
                     target.record_stream(stream)
             if self.cuda:
                 entry.reload_done = stream.record_event()
+        if entry.host is not None:
+            self.block_bytes -= entry.host.numel()
+            self.pool.release(entry.host, entry.reload_done)  # reusable once this copy has read it
+            entry.host = None
         moved = []
         for target, group in zip(targets, entry.groups):
-            self.pool.release(group.host, entry.reload_done)  # reusable once this copy has read it
-            group.host = None
             storage = target.untyped_storage()
             for ref in group.handles:
                 handle = ref()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_pipemesh.runtime.memory import SavedTensorMeter
-from megatron_pipemesh.runtime.offload import ActivationOffloader, OffloadError
+from megatron_pipemesh.runtime.offload import ActivationOffloader, HostBufferPool, OffloadError
 
 
 def _layer():
@@ -58,7 +58,7 @@ def test_kept_tensors_stay_on_the_device():
 
 
 def test_pool_reuses_host_buffers_across_iterations():
-    """After the first iteration no host buffer is allocated again."""
+    """After the first iteration no host buffer is allocated again (one block per chunk-micro-batch)."""
     linear, x = _layer()
     offloader = ActivationOffloader(torch.device("cpu"))
     allocations = []
@@ -74,7 +74,7 @@ def test_pool_reuses_host_buffers_across_iterations():
             losses[key].backward()
             offloader.release(key)
         allocations.append(offloader.pool.allocations)
-    assert allocations[0] == 6 and allocations == [6, 6, 6]
+    assert allocations[0] == 2 and allocations == [2, 2, 2]
 
 
 def test_wrong_order_and_unknown_keys_raise():
@@ -177,3 +177,28 @@ def test_parameter_storage_reallocated_after_begin_stays_on_the_device():
     offloader.reload("a")
     loss.backward()
     assert moved == 5 * 4 * 4 + 5 * 8 * 4  # x and the product, never the 128-byte parameter buffer
+
+
+def test_host_blocks_are_counted_at_the_size_the_pinned_allocator_takes():
+    """Torch's caching host allocator rounds every pinned block up to a power of two: the pool asks for exactly that
+    size (so its count is the real pinned memory), serves any request of the class from it, and the offloader
+    packs a key's storages into one such block and counts it. (Pinning needs CUDA; the size policy is the same.)"""
+    pool = HostBufferPool(pin=False)
+    block, event = pool.acquire(3000)
+    assert block.numel() == 4096 and event is None and pool.allocated_bytes == 4096
+    pool.release(block, "copy done")
+    again, event = pool.acquire(2500)  # the same class: the same block, with the event of its last reader
+    assert again is block and event == "copy done" and (pool.allocations, pool.allocated_bytes) == (1, 4096)
+    pool.acquire(4097)
+    assert pool.allocated_bytes == 4096 + 8192
+
+    linear, x = _layer()
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin(linear.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(*offloader.hooks("a")):
+        loss = _forward(linear, x)
+    assert offloader.offload("a") == 3 * 16 * 32 * 4  # 6144 bytes of activations ...
+    assert offloader.block_bytes == offloader.peak_block_bytes == offloader.pool.allocated_bytes == 8192  # ... in 8 KiB
+    offloader.reload("a")
+    loss.backward()
+    assert offloader.block_bytes == 0 and offloader.peak_block_bytes == 8192
