@@ -11,7 +11,9 @@ wherever it lives at that moment. Why per tensor: under default hooks autograd h
 (Megatron's gradient-accumulation fusion and Transformer Engine read ``weight.main_grad`` and set
 ``grad_added_to_main_grad`` on it, and with ``--overlap-grad-reduce`` DDP's hook then finds no
 ``param.grad``); saved tensors the offloader leaves alone -- Parameters first of all -- get no hooks
-and reach the backward as themselves. (Under an outer saved-tensor meter, which installs default
+and reach the backward as themselves. The walk visits each node of the chunk's graph once (it ends at
+the leaves: the chunk's input and the parameters); a tensor saved by no node reachable from the outputs
+died with its graph and needs no copy. (Under an outer saved-tensor meter, which installs default
 hooks and so already hides the tensors from per-tensor ones, the meter composes the same pair inside
 its own: ``SavedTensorMeter.record(key, inner=...)``.)
 
@@ -20,7 +22,7 @@ its own: ``SavedTensorMeter.record(key, inner=...)``.)
   so the device memory is freed. Storages are deduplicated (two saved views of one storage travel once
   and come back as views of one storage).
 * ``RELOAD c.j`` (:meth:`ActivationOffloader.reload`) copies each storage back into a fresh device
-  buffer and rebuilds every handle's tensor as the same view of it; the host buffers return to the
+  buffer and rebuilds every handle's tensor as the same view of it; the host block returns to the
   pool. :meth:`ActivationOffloader.wait` (called just before ``B c.j``) makes the backward wait for
   the reload; an unpack of a tensor still on the host is an error (the lowering puts RELOAD first).
 
@@ -50,11 +52,11 @@ Copies and buffers:
   host synchronisation): the offload stream waits for the compute stream (the forward wrote the
   tensors); the reload stream waits for the offload's completion and for the compute stream at the
   point where the device buffer was allocated; the compute stream waits for the reload before the
-  backward; a host buffer goes back to the pool with the event of the copy that last read it and
+  backward; a host block goes back to the pool with the event of the copy that last read it and
   the next user's stream waits for that event. ``record_stream`` marks every device storage the
   side streams touched, so the caching allocator reuses it only after the copy finished.
-* CPU: the same code with synchronous copies into (unpinned) pool blocks of the same sizes; "device memory" is
-  freed by dropping the references to the original storages. Numerics and placement are therefore
+* CPU: the same code with synchronous copies into (unpinned) pool blocks of the same sizes; "device
+  memory" is freed by dropping the references to the original storages. Numerics and placement are therefore
   tested on CPU exactly as they run on CUDA, minus the streams.
 """
 from __future__ import annotations
