@@ -56,8 +56,8 @@ Copies and buffers:
   the next user's stream waits for that event. ``record_stream`` marks every device storage the
   side streams touched, so the caching allocator reuses it only after the copy finished.
 * CPU: the same code with synchronous copies into (unpinned) pool blocks of the same sizes; "device
-  memory" is freed by dropping the references to the original storages. Numerics and placement are therefore
-  tested on CPU exactly as they run on CUDA, minus the streams.
+  memory" is freed by dropping the references to the original storages. Numerics and placement are
+  therefore tested on CPU exactly as they run on CUDA, minus the streams.
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ def _storage_ptr(tensor: torch.Tensor) -> Optional[int]:
     return ptr if ptr and storage.nbytes() else None
 
 
+_RAW = "_raw_saved_"
 _SAVED_SLOTS: Dict[type, Tuple[Tuple[str, str], ...]] = {}
 """Autograd node type -> (raw saved-tensor attribute, attribute unpacking it) pairs (``dir`` once per type)."""
 
@@ -114,8 +115,8 @@ def _saved_slots(node) -> Tuple[Tuple[str, str], ...]:
     slots = _SAVED_SLOTS.get(type(node))
     if slots is None:
         custom = isinstance(node, torch.autograd.function.BackwardCFunction)  # ctx.save_for_backward
-        slots = tuple((name, "saved_tensors" if custom and name == "_raw_saved_tensors" else "_saved_" + name[11:])
-                      for name in dir(node) if name.startswith("_raw_saved_"))
+        slots = tuple((name, "saved_tensors" if custom and name == _RAW + "tensors" else "_saved_" + name[len(_RAW):])
+                      for name in dir(node) if name.startswith(_RAW))
         _SAVED_SLOTS[type(node)] = slots
     return slots
 

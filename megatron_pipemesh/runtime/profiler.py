@@ -96,21 +96,18 @@ def time_allreduce(numel: int, dtype, device, group, repeats: int = 3,
     return _median(times[1:]) * numel / sample
 
 
-def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, dp_group, shape, dtype, device,
-                  chunk_params: int, grad_bytes: int, distributed_optimizer: bool,
-                  p2p_groups: Optional[Mapping[LinkKey, object]] = None) -> Dict[str, float]:
+def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, p2p_groups: Mapping[LinkKey, object],
+                  dp_group, shape, dtype, device, chunk_params: int, grad_bytes: int,
+                  distributed_optimizer: bool) -> Dict[str, float]:
     """Measure on this rank, gather every rank's numbers and combine them identically everywhere
-    (``p2p_groups``: the per-link groups; None: the runtime's, :func:`get_pipemesh_p2p_groups`).
+    (``p2p_groups``: the per-link groups the runtime sends on).
 
     Returns seconds per chunk-micro-batch: forward, backward, first/last-stage extras, p2p
     transfer, data-parallel gradient reduction and parameter gather per chunk.
     """
     pp_rank, pp = pp_group.rank(), pp_group.size()
     local = compute_medians(history, vpp, pp_rank, pp)
-    if p2p_groups is None and pp > 1:
-        from ..integration.parallel_state import get_pipemesh_p2p_groups
-        p2p_groups = get_pipemesh_p2p_groups()
-    local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group, p2p_groups or {})
+    local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group, p2p_groups)
     grad_dtype = torch.float32 if grad_bytes == 4 else torch.bfloat16
     allreduce = time_allreduce(chunk_params, grad_dtype, device, dp_group)
     d = dp_group.size() if dp_group is not None else 1

@@ -165,6 +165,7 @@ def test_host_budget_counts_the_pinned_blocks():
                                                                       host_budget_bytes=1.2 * BYTES))
     assert short.fits and HOST not in _levels(short, 0) and _levels(short, 0)
     assert all(r.peak_pinned_bytes == 0 for r in short.result.ranks)
-    one = fit_with_recompute(CFG, costs, 6.5 * BYTES, PlannerOptions(activation_placement="auto", host_budget_bytes=block))
+    one = fit_with_recompute(CFG, costs, 6.5 * BYTES,
+                             PlannerOptions(activation_placement="auto", host_budget_bytes=block))
     assert one.fits and _levels(one, 0) == [HOST]
     assert one.result.ranks[0].peak_host_bytes == BYTES and one.result.ranks[0].peak_pinned_bytes == block

@@ -8,8 +8,9 @@ from tests import megatron_harness as h
 
 
 def measured_costs(chunk_params: int) -> Dict[str, object]:
-    """``measure_costs`` as the re-planner calls it, with a data-parallel group of both ranks: which group each
-    transfer ran on ('link F a->b', 'pipeline', 'other'), whether any went out batched, and the largest all-reduce."""
+    """``measure_costs`` as the re-planner calls it (integration/measured.py), with a data-parallel group of both
+    ranks: which group each transfer ran on ('link F a->b', 'pipeline', 'other'), whether any went out batched, and
+    the largest all-reduce."""
     h.init_parallel(pp=2)  # first: it prepares Megatron's import on CPU
     import torch
     import torch.distributed as dist
@@ -47,8 +48,9 @@ def measured_costs(chunk_params: int) -> Dict[str, object]:
         return real_batch(ops)
 
     dist.batch_isend_irecv = batch_isend_irecv
-    dist.all_reduce = lambda tensor, *a, **k: seen["all_reduce"].append(tensor.numel()) or real_all_reduce(tensor, *a, **k)
-    costs = measure_costs([], vpp=1, pp_group=pp_group, dp_group=dist.group.WORLD, shape=(16, 2, 32),
+    dist.all_reduce = lambda tensor, *a, **k: seen["all_reduce"].append(tensor.numel()) or \
+        real_all_reduce(tensor, *a, **k)
+    costs = measure_costs([], vpp=1, pp_group=pp_group, p2p_groups=links, dp_group=dist.group.WORLD, shape=(16, 2, 32),
                           dtype=torch.float32, device=torch.device("cpu"), chunk_params=chunk_params, grad_bytes=4,
                           distributed_optimizer=True)
     return {"seen": seen, "costs": costs, "rank": dist.get_rank()}

@@ -25,7 +25,8 @@ class _BucketGroup:
 
     def start_param_sync(self):
         for bucket in self.buckets:
-            dist.all_gather_into_tensor(bucket.param_data, _slot(bucket.param_data, self.group).clone(), group=self.group)
+            mine = _slot(bucket.param_data, self.group).clone()
+            dist.all_gather_into_tensor(bucket.param_data, mine, group=self.group)
 
     def finish_param_sync(self, skip_next_bucket_dispatch=False):
         pass
