@@ -17,15 +17,13 @@ from .cli_common import UsageError, check_number, positive_int, require_matplotl
 from .config import add_cli_arguments
 from .planning.costs import (DEFAULT_HOST_LINK_GBPS, GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts,
                              analytic_costs, planning_levels)
+from .planning.memory import MEMORY_MARGIN
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
+from .schedule.levers import BASIC_LEVERS, CATEGORIES, FULL, SELECTIVE
 from .schedule.lower import lower
 from .schedule.validate import validate
-
-
-DEFAULT_MEMORY_MARGIN = 0.10
-"""Fraction of device memory kept free by default (allocator fragmentation, buffers, workspace)."""
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> None:
@@ -77,18 +75,21 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
+    planning = ClusterSpec()
     for flag, example, positive in (("forward_ms", "10", True), ("backward_ms", "20", True), ("p2p_ms", "1", False),
                                     ("dp_reduce_ms", "5", False), ("dp_gather_ms", "5", False), ("activation_mb", "64", False),
-                                    ("device_tflops", "312", True), ("dp_gbps", "25", True), ("p2p_gbps", "25", True),
-                                    ("latency_us", "30", False), ("device_memory_gb", "80", True)):
+                                    ("device_tflops", f"{planning.device_tflops:g}", True),
+                                    ("dp_gbps", f"{planning.dp_gbps:g}", True), ("p2p_gbps", f"{planning.p2p_gbps:g}", True),
+                                    ("latency_us", f"{planning.latency_us:g}", False),
+                                    ("device_memory_gb", f"{planning.device_memory_gb:g}", True)):
         check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
-    check_number("--mfu", args.mfu, "0.45", positive=True, at_most=1.0)
+    check_number("--mfu", args.mfu, f"{planning.mfu:g}", positive=True, at_most=1.0)
     if args.forward_ms is not None:
         backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
         act = args.activation_mb * 1024 ** 2
         return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
                        dp_reduce_s=args.dp_reduce_ms / 1e3, dp_gather_s=args.dp_gather_ms / 1e3,
-                       activation_bytes={"none": act, "selective": act, "full": act},
+                       activation_bytes=dict.fromkeys(BASIC_LEVERS, act),
                        static_bytes=tuple(0.0 for _ in range(config.pp)), host_link_gbps=_host_link_gbps(args))
     model, cluster = model_cluster_from_args(args)
     try:
@@ -154,7 +155,7 @@ def placement_lines(plans: Sequence[tuple]) -> List[str]:
     fully, and the host memory the offloads hold at peak per rank."""
     lines = []
     for name, plan in plans:
-        counts = " ".join(f"{c['device']}/{c['host']}/{c['selective']}/{c['full']}" for c in plan.placement_counts())
+        counts = " ".join("/".join(str(c[column]) for column in CATEGORIES) for c in plan.placement_counts())
         host = " ".join(f"{r.peak_host_bytes / GB:.2f}" for r in plan.result.ranks)
         lines.append(f"{name:<14} placement per rank (device/host/selective/full) {counts}; host memory GiB per rank "
                      f"{host}; exposed host copies {plan.result.exposed_host_s * 1e3:.2f} ms")
@@ -266,7 +267,7 @@ def _budget_bytes(args: argparse.Namespace) -> float:
     if args.forward_ms is not None:
         raise UsageError("--memory-budget-gb is required with direct costs (--forward-ms ...): there is no device "
                          "description to derive it from. Example: --memory-budget-gb 20")
-    return args.device_memory_gb * GB * (1 - DEFAULT_MEMORY_MARGIN)
+    return args.device_memory_gb * GB * (1 - MEMORY_MARGIN)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -307,7 +308,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d = plan.to_dict()
         groups = f"{' '.join(map(str, d['forward_groups']))} / {' '.join(map(str, d['backward_groups']))}"
         counts = d["recompute_counts"]
-        recompute = f"{counts['selective']} sel, {counts['full']} full"
+        recompute = f"{counts[SELECTIVE]} sel, {counts[FULL]} full"
         exposed = sum(d["exposed_comm_s"]) / len(d["exposed_comm_s"])
         print(f"{name:<14} {groups:<22} {d['predicted_iteration_time_s'] * 1e3:>9.2f} {100 * d['idle_fraction']:>7.1f} "
               f"{exposed * 1e3:>11.2f} "

@@ -26,17 +26,50 @@ def positive_int(text: str) -> int:
     return value
 
 
+def parse_number(text: str) -> Optional[float]:
+    """The number ``text`` spells, or None."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def number_rule(value: float, positive: bool = False, at_most: Optional[float] = None) -> Optional[str]:
+    """The rule ``value`` breaks ('a positive number', 'a number >= 0', '... and at most X'), or None when it is
+    finite and >= 0 (> 0 if ``positive``, <= ``at_most``): the one check behind every number flag."""
+    if math.isfinite(value) and value >= 0 and not (positive and value == 0) and (at_most is None or value <= at_most):
+        return None
+    rule = "a positive number" if positive else "a number >= 0"
+    return rule + (f" and at most {at_most:g}" if at_most is not None else "")
+
+
 def check_number(flag: str, value: Optional[float], example: str, positive: bool = False,
-                 at_most: Optional[float] = None) -> None:
-    """UsageError unless ``value`` is finite and >= 0 (> 0 if ``positive``, <= ``at_most``); None passes."""
+                 at_most: Optional[float] = None, required: bool = False) -> None:
+    """UsageError unless ``value`` keeps :func:`number_rule`; None passes unless ``required``."""
     if value is None:
+        if required:
+            raise UsageError(f"{flag} needs a number. Example: {flag} {example}")
         return
-    bad = not math.isfinite(value) or value < 0 or (positive and value == 0) or (at_most is not None and value > at_most)
-    if bad:
-        rule = "a positive number" if positive else "a number >= 0"
-        if at_most is not None:
-            rule += f" and at most {at_most:g}"
+    rule = number_rule(value, positive, at_most)
+    if rule:
         raise UsageError(f"{flag} {value} is invalid: it must be {rule}. Example: {flag} {example}")
+
+
+def _number_type(positive: bool):
+    def number(text: str) -> float:
+        value = parse_number(text)
+        if value is None:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        if number_rule(value, positive):
+            raise argparse.ArgumentTypeError(f"expected {number_rule(value, positive)}, got {text!r}")
+        return value
+    return number
+
+
+positive_number = _number_type(positive=True)
+"""argparse type: a finite number > 0, with a message naming what was given."""
+nonnegative_number = _number_type(positive=False)
+"""argparse type: a finite number >= 0."""
 
 
 def require_matplotlib(flag: str) -> None:

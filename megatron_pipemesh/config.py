@@ -1,10 +1,14 @@
-"""``PipeMeshConfig``: the one declaration of PipeMesh's settings.
+"""``PipeMeshConfig``: the one declaration of PipeMesh's settings, grouped by concern.
 
-Every surface is derived from the dataclass below, so a setting is declared once:
+:class:`PipeMeshConfig` nests one typed dataclass per concern (:class:`ScheduleSettings`,
+:class:`CostSettings`, :class:`PlacementSettings`, :class:`MeasurementSettings`, :class:`ShardingSettings`);
+each field carries its flag, help, default and launch key. Every surface is derived from them, so a setting is
+declared once:
 
 * the Megatron flags that :func:`megatron_pipemesh.install` adds (:func:`add_megatron_arguments`);
-* the flags of the ``pipemesh`` command that share a setting (:func:`add_cli_arguments`; the planner's
-  cluster description drops the ``--pipemesh-`` prefix there, e.g. ``--dp-gbps``);
+* the flags of the ``pipemesh`` command that share a setting (:func:`add_cli_arguments`, by the setting's key:
+  its Megatron destination without ``pipemesh_``, e.g. ``dp_gbps``; the planner's cluster description drops the
+  ``--pipemesh-`` prefix there, e.g. ``--dp-gbps``);
 * the keys of the launch scripts' config files (``configs/*.env``), generated into
   ``scripts/lib/pipemesh_keys.sh`` by ``python -m megatron_pipemesh.config --bash`` (a test checks the
   committed file is current);
@@ -15,13 +19,19 @@ Pure: no torch, no processes.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .cli_common import positive_int
-from .planning.costs import DEFAULT_HOST_LINK_GBPS
+from .cli_common import nonnegative_number, positive_int, positive_number
+from .planning.costs import DEFAULT_HOST_LINK_GBPS, ClusterSpec
+from .planning.memory import MEMORY_MARGIN
+from .schedule.plan import SHARD_SCOPES
+from .schedule.spans import SHARD_LEVELS
+
+_PLANNING = ClusterSpec()
+"""The analytic cost model's defaults, which the cost flags share."""
+_MARGIN = round(100 * MEMORY_MARGIN)
 
 Groups = Union[None, str, Tuple[int, ...]]
 """A group list, 'auto', or None (not given)."""
@@ -39,30 +49,10 @@ def _positive_group(text: str) -> int:
     return value
 
 
-def _positive_number(text: str) -> float:
-    """argparse type: a finite number > 0, with a message naming what was given."""
-    return _number(text, positive=True)
-
-
-def _nonnegative_number(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    return _number(text, positive=False)
-
-
-def _number(text: str, positive: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise argparse.ArgumentTypeError(f"expected a {'positive number' if positive else 'number >= 0'}, got {text!r}")
-    return value
-
-
-_NUMBER_TYPES = (float, _positive_number, _nonnegative_number)
+_NUMBER_TYPES = (float, positive_number, nonnegative_number)
 
 ACTIVATION_PLACEMENTS = ("recompute-only", "auto", "device")
-"""Values of ``--pipemesh-activation-placement`` (see :attr:`PipeMeshConfig.activation_placement`)."""
+"""Values of ``--pipemesh-activation-placement`` (see :attr:`PlacementSettings.activation_placement`)."""
 
 
 def _setting(flag: str, help: str, default: Any = None, *, env: Optional[str] = None, cli: Optional[str] = None,
@@ -79,8 +69,8 @@ def _setting(flag: str, help: str, default: Any = None, *, env: Optional[str] = 
 
 
 @dataclass(frozen=True)
-class PipeMeshConfig:
-    """PipeMesh's settings of one training run, as given on the command line (before validation)."""
+class ScheduleSettings:
+    """Which schedule runs and with which groups (or plan file)."""
 
     pipeline_schedule: str = _setting(
         "--pipeline-schedule", "'default' keeps Megatron's schedules untouched; 'pipemesh' runs the elastic schedule "
@@ -105,27 +95,47 @@ class PipeMeshConfig:
         "--pipemesh-plan", "groups and recomputation from `pipemesh plan --output PLAN.json` (instead of the group "
         "flags)", env="PLAN", metavar="PLAN.json")
     """Path of a plan saved by ``pipemesh plan --output``."""
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """What the planner's analytic costs assume: the memory budget, the device and the links."""
+
     memory_budget_gb: Optional[float] = _setting(
-        "--pipemesh-memory-budget-gb", "memory per device a plan may use (GiB); default in training on GPU: free "
-        "memory minus 10%%, required without CUDA; default in `pipemesh plan`: --device-memory-gb minus 10%%", env="MEMORY_BUDGET_GB", cli="--memory-budget-gb", type=float,
-        metavar="GB")
-    """Per-device memory the plan may use (GiB); None: free device memory minus 10%."""
+        "--pipemesh-memory-budget-gb", f"memory per device a plan may use (GiB); default in training on GPU: free "
+        f"memory minus {_MARGIN}%%, required without CUDA; default in `pipemesh plan`: --device-memory-gb minus "
+        f"{_MARGIN}%%", env="MEMORY_BUDGET_GB", cli="--memory-budget-gb", type=float, metavar="GB")
+    """Per-device memory the plan may use (GiB); None: free device memory minus the margin
+    (:data:`~megatron_pipemesh.planning.memory.MEMORY_MARGIN`)."""
     device_tflops: Optional[float] = _setting(
         "--pipemesh-device-tflops", "peak 16-bit TFLOP/s of one device for the analytic costs (default in training: "
-        "known GPU models; in the `pipemesh` command: 312)", env="DEVICE_TFLOPS", cli="--device-tflops", cli_default=312.0, type=float, metavar="TFLOPS")
+        f"known GPU models; in the `pipemesh` command: {_PLANNING.device_tflops:g})", env="DEVICE_TFLOPS",
+        cli="--device-tflops", cli_default=_PLANNING.device_tflops, type=float, metavar="TFLOPS")
     """Peak dense TFLOP/s of one device; None: looked up from the GPU's name."""
     mfu: float = _setting(
-        "--pipemesh-mfu", "fraction of peak the layers reach, for the analytic costs (default 0.45)", 0.45,
+        "--pipemesh-mfu", f"fraction of peak the layers reach, for the analytic costs (default {_PLANNING.mfu:g})",
+        _PLANNING.mfu,
         env="MFU", cli="--mfu", type=float, metavar="F")
     """Fraction of peak FLOP/s the layers reach."""
     dp_gbps: float = _setting(
-        "--pipemesh-dp-gbps", "data-parallel bandwidth per device in Gbit/s, for the analytic costs (default 25)",
-        25.0, env="DP_GBPS", cli="--dp-gbps", type=float, metavar="GBPS")
+        "--pipemesh-dp-gbps", "data-parallel bandwidth per device in Gbit/s, for the analytic costs (default "
+        f"{_PLANNING.dp_gbps:g})", _PLANNING.dp_gbps, env="DP_GBPS", cli="--dp-gbps", type=float, metavar="GBPS")
     """Data-parallel collective bandwidth per device (Gbit/s)."""
     p2p_gbps: float = _setting(
         "--pipemesh-p2p-gbps", "pipeline link bandwidth in Gbit/s, for the analytic costs (default 25)", 25.0,
         env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")
     """Pipeline link bandwidth (Gbit/s)."""
+    p2p_gbps: float = _setting(
+        "--pipemesh-p2p-gbps", f"pipeline link bandwidth in Gbit/s, for the analytic costs (default {_PLANNING.p2p_gbps:g})",
+        _PLANNING.p2p_gbps,
+        env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")
+    """Pipeline link bandwidth (Gbit/s)."""
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """Where the planner may keep activations: recomputation, host memory, the host link."""
+
     activation_placement: str = _setting(
         "--pipemesh-activation-placement", "where the planner keeps the activations a backward needs: "
         "'recompute-only' (default: on the device, recomputed where memory binds), 'auto' (per chunk-micro-batch "
@@ -140,15 +150,21 @@ class PipeMeshConfig:
         "--pipemesh-host-link-gbps", "device-host link bandwidth per rank and direction in Gbit/s, for offloaded "
         "activations; default in training on GPU: measured at start-up; without CUDA and in the `pipemesh` "
         f"command: {DEFAULT_HOST_LINK_GBPS:g} (PCIe 4.0 x16, pinned memory)", env="HOST_LINK_GBPS",
-        cli="--host-link-gbps", type=_positive_number, metavar="GBPS")
+        cli="--host-link-gbps", type=positive_number, metavar="GBPS")
     """Device-to-host (and host-to-device) copy bandwidth of one rank (Gbit/s); None: measured on GPU,
     :data:`~megatron_pipemesh.planning.costs.DEFAULT_HOST_LINK_GBPS` otherwise."""
     host_memory_gb: Optional[float] = _setting(
         "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB, "
         "counted in the pinned blocks they take: each chunk-micro-batch's bytes rounded up to a power of two); "
         "default in planning: unlimited; in training the runtime caps it by the machine's memory",
-        env="HOST_MEMORY_GB", cli="--host-memory-gb", type=_nonnegative_number, metavar="GB")
+        env="HOST_MEMORY_GB", cli="--host-memory-gb", type=nonnegative_number, metavar="GB")
     """Host memory budget per rank for offloaded activations (GiB); None: unlimited in planning."""
+
+
+@dataclass(frozen=True)
+class MeasurementSettings:
+    """What a run measures and reports: measured re-planning, memory, the schedule picture."""
+
     measure_iters: int = _setting(
         "--pipemesh-measure-iters", "with 'auto': time the first N training iterations, then re-plan from the "
         "measured costs (0: analytic costs only)", 0, env="MEASURE_ITERS", type=int, metavar="N")
@@ -167,47 +183,76 @@ class PipeMeshConfig:
         "(`pipemesh show --picture`)", False, env="PRINT_SCHEDULE", action="store_true")
     """Print the schedule picture with the start-up plan line."""
 
-    # Mixed sharding (issue 11) -----------------------------------------------------------------
-    sharding: Union[None, str, Tuple[str, ...]] = _setting(
+
+
+@dataclass(frozen=True)
+class ShardingSettings:
+    """Mixed sharding: the ZeRO level per chunk and the ranks a shard spans."""
+
+    levels: Union[None, str, Tuple[str, ...]] = _setting(
         "--pipemesh-sharding", "ZeRO level per virtual chunk (one for all, or one per chunk), Megatron's names: optim "
         "(optimizer state sharded), optim_grads (and gradients), optim_grads_params (and parameters, gathered before "
         "each group); or auto (the planner chooses); needs --use-distributed-optimizer", env="SHARDING",
-        cli="--sharding", nargs="+", metavar="LEVEL", choices=("optim", "optim_grads", "optim_grads_params", "auto"))
+        cli="--sharding", nargs="+", metavar="LEVEL", choices=SHARD_LEVELS + ("auto",))
     """Sharding level per virtual chunk, 'auto', or None (no mixed sharding: Megatron's own flags decide)."""
-    shard_scope: str = _setting(
+    scope: str = _setting(
         "--pipemesh-shard-scope", "ranks that the shards span: data-parallel (all) or node (the data-parallel ranks of "
         "one node, as Megatron's hierarchical distributed optimizer: parameters, gradients and optimizer state sharded "
         "within the node, gradients all-reduced across nodes once per iteration)", "data-parallel",
-        env="SHARD_SCOPE", cli="--shard-scope", choices=("data-parallel", "node"))
+        env="SHARD_SCOPE", cli="--shard-scope", choices=SHARD_SCOPES)
     """'data-parallel' or 'node'."""
     ranks_per_node: Optional[int] = _setting(
         "--pipemesh-ranks-per-node", "ranks per node for --pipemesh-shard-scope node (default: the launcher's "
         "LOCAL_WORLD_SIZE, torchrun, or SLURM_NTASKS_PER_NODE, Slurm)", type=int, metavar="N")
     """Ranks per node of the node scope; None: from the launcher's environment."""
 
-    # Derived views ----------------------------------------------------------------------------
+
+
+GROUPS = (("schedule", ScheduleSettings), ("costs", CostSettings), ("placement", PlacementSettings),
+          ("measurement", MeasurementSettings), ("sharding", ShardingSettings))
+"""(attribute of :class:`PipeMeshConfig`, settings class) per concern, in flag order."""
+
+
+@dataclass(frozen=True)
+class PipeMeshConfig:
+    """PipeMesh's settings of one training run, as given on the command line (before validation)."""
+
+    schedule: ScheduleSettings = ScheduleSettings()
+    """Which schedule runs, its groups or plan file, the receive lookahead."""
+    costs: CostSettings = CostSettings()
+    """Memory budget and the analytic cost model's device and links."""
+    placement: PlacementSettings = PlacementSettings()
+    """Activation placement levers and the host link and memory."""
+    measurement: MeasurementSettings = MeasurementSettings()
+    """Measured re-planning, memory metering, the start-up picture."""
+    sharding: ShardingSettings = ShardingSettings()
+    """ZeRO level per chunk and shard scope."""
+
     @classmethod
     def from_args(cls, args: Any) -> "PipeMeshConfig":
         """The settings of a parsed Megatron namespace (missing attributes keep their defaults)."""
-        values = {}
-        for f in fields(cls):
-            value = getattr(args, dest(f.name), f.default)
-            if f.name in ("forward_groups", "backward_groups"):
-                value = normalize_groups(f.metadata["flag"], value)
-            elif f.name == "sharding" and value is not None and not isinstance(value, str):
-                value = tuple(value)
-            values[f.name] = value
-        return cls(**values)
+        groups = {}
+        for name, settings in GROUPS:
+            values = {}
+            for f in fields(settings):
+                value = getattr(args, _dest(f), f.default)
+                if f.metadata["argparse"].get("type") is _group_value:
+                    value = normalize_groups(f.metadata["flag"], value)
+                elif f.metadata["argparse"].get("nargs") == "+" and value is not None and not isinstance(value, str):
+                    value = tuple(value)
+                values[f.name] = value
+            groups[name] = settings(**values)
+        return cls(**groups)
 
     @property
     def enabled(self) -> bool:
-        return self.pipeline_schedule == "pipemesh"
+        return self.schedule.pipeline_schedule == "pipemesh"
 
     def megatron_flags(self) -> List[str]:
         """Megatron flags that reproduce these settings (defaults left out)."""
         out: List[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name, f in setting_fields():
+            value = getattr(getattr(self, name), f.name)
             if value == f.default or value is None:
                 continue
             flag = f.metadata["flag"]
@@ -220,13 +265,21 @@ class PipeMeshConfig:
         return out
 
 
-def dest(name: str) -> str:
-    """argparse destination of a field (Megatron's namespace attribute)."""
-    flag = PIPEMESH_FIELDS[name].metadata["flag"]
-    return flag.lstrip("-").replace("-", "_")
+def setting_fields() -> Iterator[Tuple[str, Field]]:
+    """(group attribute, field) of every setting, in flag order."""
+    for name, settings in GROUPS:
+        for f in fields(settings):
+            yield name, f
 
 
-PIPEMESH_FIELDS = {f.name: f for f in fields(PipeMeshConfig)}
+def _dest(f: Field) -> str:
+    """argparse destination of a setting (Megatron's namespace attribute)."""
+    return f.metadata["flag"].lstrip("-").replace("-", "_")
+
+
+SETTINGS: Dict[str, Field] = {_dest(f).removeprefix("pipemesh_"): f for _, f in setting_fields()}
+"""Every setting by its key: its Megatron destination without ``pipemesh_`` (``forward_groups``, ``dp_gbps``,
+``sharding``, ``shard_scope``, ...)."""
 
 
 def normalize_groups(flag: str, values: Optional[Sequence[Union[int, str]]]) -> Groups:
@@ -246,7 +299,7 @@ def normalize_groups(flag: str, values: Optional[Sequence[Union[int, str]]]) -> 
 
 def megatron_flag_names() -> Tuple[str, ...]:
     """Every Megatron flag PipeMesh adds, in declaration order."""
-    return tuple(f.metadata["flag"] for f in fields(PipeMeshConfig))
+    return tuple(f.metadata["flag"] for _, f in setting_fields())
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -254,16 +307,17 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     if any(megatron_flag_names()[0] in action.option_strings for action in parser._actions):
         return parser
     group = parser.add_argument_group("PipeMesh", "elastic pipeline schedule (megatron_pipemesh)")
-    for f in fields(PipeMeshConfig):
+    for _, f in setting_fields():
         meta = f.metadata
         group.add_argument(meta["flag"], default=f.default, help=meta["help"], **meta["argparse"])
     return parser
 
 
 def add_cli_arguments(group, names: Sequence[str]) -> None:
-    """Add the ``pipemesh`` command's flags for the settings ``names`` to an argparse group."""
+    """Add the ``pipemesh`` command's flags for the settings ``names`` (keys of :data:`SETTINGS`) to an argparse
+    group."""
     for name in names:
-        f = PIPEMESH_FIELDS[name]
+        f = SETTINGS[name]
         meta = f.metadata
         if meta["cli"] is None:
             raise KeyError(f"{name} is not a `pipemesh` command flag")
@@ -275,13 +329,13 @@ def add_cli_arguments(group, names: Sequence[str]) -> None:
 
 def env_keys() -> Dict[str, str]:
     """Launch-config key -> Megatron flag, for every setting that has a key."""
-    return {f.metadata["env"]: f.metadata["flag"] for f in fields(PipeMeshConfig) if f.metadata["env"]}
+    return {f.metadata["env"]: f.metadata["flag"] for _, f in setting_fields() if f.metadata["env"]}
 
 
 def bash_keys() -> str:
     """``scripts/lib/pipemesh_keys.sh``: the launch scripts' PipeMesh config keys and their flags."""
     kinds = {}
-    for f in fields(PipeMeshConfig):
+    for _, f in setting_fields():
         if not f.metadata["env"]:
             continue
         action = f.metadata["argparse"].get("action")

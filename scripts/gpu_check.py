@@ -5,11 +5,11 @@ Checks (each reports pass/fail/skip with its numbers; the JSON summary goes to `
 
 * ``executor_<backend>``: the executor's forward/backward/send/receive path for every pipeline rank
   role (first stage, middle stages, last stage with the loss; p=4, V=2, elastic groups) in one
-  process. NCCL cannot put two ranks on one GPU, so the ranks run as threads and their transfers go
-  through an in-process loopback standing in for the per-link groups (it copies device tensors and
-  hands CUDA events to the waiting stream). Losses and every gradient must equal the whole model run
-  by Megatron's no-pipelining schedule; under the "nccl" backend every wait must be untimed (a timed
-  NCCL wait blocks the host), under "gloo" every wait timed.
+  process. NCCL cannot put two ranks on one GPU, so the ranks run as threads and each gives the
+  executor the runtime's in-process loopback transport (``runtime/loopback.py``: it copies device
+  tensors and hands CUDA events to the waiting stream). Losses and every gradient must equal the
+  whole model run by Megatron's no-pipelining schedule; under the "nccl" backend every wait must be
+  untimed (a timed NCCL wait blocks the host), under "gloo" every wait timed.
 * ``meter``: the activation bytes one chunk's forward keeps, measured by the runtime's meter (the
   CUDA caching allocator on GPU, saved-tensor hooks on CPU) against the activation model of
   ``planning/memory.py`` at each recompute level, within 10%.
@@ -31,7 +31,6 @@ Checks (each reports pass/fail/skip with its numbers; the JSON summary goes to `
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import functools
 import json
@@ -40,15 +39,17 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from megatron_pipemesh.schedule.levers import BASIC_LEVERS, DEVICE, FULL, HOST, SELECTIVE, Lever  # noqa: E402 (pure)
 
 TOLERANCE = 1e-5
 """Largest relative gradient/loss difference accepted against the whole-model reference (fp32)."""
@@ -165,93 +166,7 @@ def forward_step(data_iterator, model):
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-# In-process pipeline: ranks as threads, a loopback transport for the link groups -----------------
-class LoopbackWork:
-    """A posted transfer; ``wait`` records its arguments (the check of untimed NCCL waits)."""
-
-    def __init__(self, transport: "Loopback"):
-        self.transport, self.matched, self.event = transport, threading.Event(), None
-
-    def complete(self, event) -> None:
-        self.event = event
-        self.matched.set()
-
-    def wait(self, *args):
-        self.transport.waits.append(args)
-        if not self.matched.wait(self.transport.host_timeout_s):
-            raise RuntimeError(f"loopback transfer not matched within {self.transport.host_timeout_s} s")
-        if self.event is not None:  # as NCCL: the current stream waits, the host does not
-            import torch
-            torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.matched.is_set() and (self.event is None or self.event.query())
-
-
-class LoopbackGroup:
-    def __init__(self, transport: "Loopback", ranks: List[int], key):
-        self.transport, self.ranks, self.key = transport, list(ranks), key
-
-    def rank(self) -> int:
-        return self.ranks.index(self.transport.get_rank())
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-
-class Loopback:
-    """The subset of ``torch.distributed`` the executor uses, for ranks that are threads of this process."""
-
-    def __init__(self, backend: str, host_timeout_s: float = 120.0):
-        self.backend, self.host_timeout_s = backend, host_timeout_s
-        self.local = threading.local()
-        self.lock = threading.Lock()
-        self.queues: Dict[tuple, Dict[str, collections.deque]] = {}
-        self.waits: List[tuple] = []
-
-    def get_rank(self) -> int:
-        return self.local.rank
-
-    def get_world_size(self) -> int:
-        raise RuntimeError("the loopback check runs with check_plan_across_ranks=False")
-
-    def get_process_group_ranks(self, group) -> List[int]:
-        return list(group.ranks)
-
-    def get_backend(self, group) -> str:
-        return self.backend
-
-    def isend(self, tensor, dst, group=None, tag=0):
-        return self._post("send", tensor, (group.key, self.get_rank(), dst, tag))
-
-    def irecv(self, tensor, src, group=None, tag=0):
-        return self._post("recv", tensor, (group.key, src, self.get_rank(), tag))
-
-    def _post(self, kind: str, tensor, key):
-        import torch
-
-        work = LoopbackWork(self)
-        with self.lock:
-            queues = self.queues.setdefault(key, {"send": collections.deque(), "recv": collections.deque()})
-            other = queues["recv" if kind == "send" else "send"]
-            if not other:
-                queues[kind].append((tensor, work))
-                return work
-            peer_tensor, peer_work = other.popleft()
-            source, target = (tensor, peer_tensor) if kind == "send" else (peer_tensor, tensor)
-            with torch.no_grad():
-                target.copy_(source)
-            event = None
-            if target.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-        work.complete(event)
-        peer_work.complete(event)
-        return work
-
-
-PLACEMENTS = ("none", "host", "selective", "full")
+PLACEMENTS = (DEVICE, HOST, SELECTIVE, FULL)
 
 
 def mixed_placement(pp: int, vpp: int, microbatches: int) -> Dict:
@@ -268,9 +183,9 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     import torch
 
     from megatron.core.pipeline_parallel import schedules as mcore
-    from megatron_pipemesh.integration.parallel_state import pipeline_links
-    from megatron_pipemesh.runtime import executor
+    from megatron_pipemesh.integration.cpu_compat import CudaToCpuMode, cpu_compat_active
     from megatron_pipemesh.runtime.executor import PipeMeshOptions, PipeMeshSchedule
+    from megatron_pipemesh.runtime.loopback import LoopbackWorld, megatron_in_threads, run_ranks
     from megatron_pipemesh.schedule import ScheduleConfig
     from megatron_pipemesh.schedule.plan import RunPlan
 
@@ -292,76 +207,40 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     reference_losses = [[float(x) for x in d["lm loss"].view(-1)] for d in reference]
     reference_grads = {n: p.grad.detach().float().cpu() for n, p in whole.named_parameters()}
 
-    transport = Loopback(backend)
-    links = {key: LoopbackGroup(transport, [key[1], key[2]], key) for key in pipeline_links([list(range(pp))])}
+    world = LoopbackWorld(pp, backend)
     tp_cp = mcore._build_default_pg_collection()
-    results: Dict[int, object] = {}
-    errors: Dict[int, str] = {}
-    offloaders: Dict[int, object] = {}
+    collection = SimpleNamespace(pp=world.pipeline_group, tp=tp_cp.tp, cp=tp_cp.cp)
 
-    class Collection:
-        def __init__(self, rank):
-            self.pp, self.tp, self.cp = LoopbackGroup(transport, list(range(pp)), "pp"), tp_cp.tp, tp_cp.cp
-
-    def rank_main(rank: int):
-        transport.local.rank = rank
+    def rank_main(transport):
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        try:
-            chunks = [models[c * pp + rank] for c in range(vpp)]
-            for chunk in chunks:
-                chunk.zero_grad()
-            schedule = PipeMeshSchedule(
-                RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)),
-                        placement or {}),
-                PipeMeshOptions(p2p_timeout_s=60.0, check_plan_across_ranks=False),
-                p2p_groups=lambda: {k: g for k, g in links.items() if rank in g.ranks})
+        chunks = [models[c * pp + transport.rank()] for c in range(vpp)]
+        for chunk in chunks:
+            chunk.zero_grad()
+        schedule = PipeMeshSchedule(
+            RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)), placement or {}),
+            PipeMeshOptions(p2p_timeout_s=60.0),
+            transport=transport)
+        with CudaToCpuMode() if cpu_compat_active() else contextlib.nullcontext():  # torch modes are per thread
             out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                           num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs,
-                           pg_collection=Collection(rank))
-            results[rank] = ([[float(x) for x in d["lm loss"].view(-1)] for d in out], schedule.last_stats)
-            if placement:
-                offloaders[rank] = schedule._offloader
-        except BaseException as error:  # noqa: BLE001 - reported in the check's record
-            errors[rank] = f"{type(error).__name__}: {error}"
+                           num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs, pg_collection=collection)
+        return [[float(x) for x in d["lm loss"].view(-1)] for d in out], schedule.last_stats, schedule._offloader
 
-    saved_dist = executor.dist
-    executor.dist = transport
-    # The rank threads share Megatron's one RNG tracker, whose fork() keeps the current state's name in the
-    # tracker: two threads inside fork() at once make it raise ("current state name ... is not the same").
-    # Separate processes each have their own tracker; here the forks are serialised (no transfer runs inside).
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    fork_lock, shared_fork = threading.RLock(), tracker.fork
-
-    @contextlib.contextmanager
-    def serial_fork(*args, **kwargs):
-        with fork_lock, shared_fork(*args, **kwargs):
-            yield
-
-    tracker.fork = serial_fork
-    try:
-        threads = [threading.Thread(target=rank_main, args=(r,), name=f"pipemesh-rank{r}") for r in range(pp)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(transport.host_timeout_s * 2)
-    finally:
-        executor.dist = saved_dist
-        del tracker.fork  # back to the class's method
+    with megatron_in_threads():
+        results, failures = run_ranks(world, rank_main)
+    errors = {rank: f"{type(error).__name__}: {error}" for rank, error in failures.items()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     record = {"pp": pp, "vpp": vpp, "microbatches": microbatches, "forward_groups": list(forward_groups),
               "backward_groups": list(backward_groups), "backend": backend, "device": str(device),
-              "waits": len(transport.waits)}
+              "waits": len(world.waits)}
     if placement:
-        hosted = [sum(1 for (r, _, _), level in placement.items() if r == rank and level == "host") for rank in range(pp)]
+        hosted = [sum(1 for (r, _, _), level in placement.items() if r == rank and Lever.parse(level).is_host) for rank in range(pp)]
         record.update(host_placed=hosted,
                       offloaded_bytes=[sum(results[r][1].offloaded_bytes.values()) if r in results else 0 for r in range(pp)],
                       peak_host_bytes=[results[r][1].peak_host_bytes if r in results else 0 for r in range(pp)],
-                      host_pool_allocations=[getattr(getattr(offloaders.get(r), "pool", None), "allocations", 0)
-                                             for r in range(pp)])
+                      host_pool_allocations=[getattr(getattr(results[r][2], "pool", None), "allocations", 0)
+                                             if r in results else 0 for r in range(pp)])
     if errors or len(results) != pp:
         return {**record, "status": "fail", "errors": errors or {"threads": "did not finish"}}
     losses = results[pp - 1][0]
@@ -373,8 +252,8 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
             ref = reference_grads[_global_name(name, stage * layers_per_stage)]
             got = p.grad.detach().float().cpu()
             grad_diff = max(grad_diff, float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-30))
-    timed = [args for args in transport.waits if args]
-    waits_ok = (not timed) if backend == "nccl" else len(timed) == len(transport.waits)
+    timed = [args for args in world.waits if args]
+    waits_ok = (not timed) if backend == "nccl" else len(timed) == len(world.waits)
     stats = results[0][1].resolve()
     ok = len(losses) == microbatches and loss_diff <= TOLERANCE and grad_diff <= TOLERANCE and waits_ok
     if placement:  # every rank moved bytes for each of its host-placed chunk-micro-batches
@@ -397,7 +276,7 @@ def _chunk_setup(device, pp: int, vpp: int, rank: int, chunk: int, layers_per_st
     return model
 
 
-def check_meter(device, levels=("none", "selective", "full"), hidden: int = 256, heads: int = 4, seq: int = 128,
+def check_meter(device, levels=BASIC_LEVERS, hidden: int = 256, heads: int = 4, seq: int = 128,
                 mbs: int = 2, vocab: int = 1024, layers_per_stage: int = 2):
     """A middle stage (pipeline rank 1 of 2, chunk 0) under the runtime's meter vs the activation model."""
     import torch
@@ -412,7 +291,7 @@ def check_meter(device, levels=("none", "selective", "full"), hidden: int = 256,
     shape = ActivationShape(seq_length=seq, micro_batch_size=mbs, hidden_size=hidden, num_attention_heads=heads,
                             vocab_size=vocab, ffn_hidden_size=4 * hidden, dtype_bytes=4)
     rows, ok = [], True
-    for level in ("none",) + tuple(levels):  # the first pass warms up kernels and workspaces
+    for level in (DEVICE,) + tuple(levels):  # the first pass warms up kernels and workspaces
         meter = make_memory_meter(device, [*model.parameters(), *model.buffers()])
         meter.begin()
         with recompute_scope(model, level), meter.record("F"):
@@ -446,7 +325,7 @@ def check_recompute(device, hidden: int = 128, seq: int = 64, mbs: int = 2, voca
     set_weights(model, 0)
     batch = make_batches(1, mbs, seq, vocab, device)[0]
     grads, kept = {}, {}
-    for level in ("none", "none", "selective", "full"):  # first pass: warm-up
+    for level in (DEVICE,) + BASIC_LEVERS:  # first pass: warm-up
         model.zero_grad()
         meter = make_memory_meter(device, [*model.parameters(), *model.buffers()])
         meter.begin()
@@ -458,8 +337,8 @@ def check_recompute(device, hidden: int = 128, seq: int = 64, mbs: int = 2, voca
             loss.backward()
         grads[level] = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
     diff = max(float((grads[level][n] - g).abs().max()) / max(float(g.abs().max()), 1e-30)
-               for level in ("selective", "full") for n, g in grads["none"].items())
-    ok = diff <= TOLERANCE and kept["none"] > kept["selective"] > kept["full"]
+               for level in (SELECTIVE, FULL) for n, g in grads[DEVICE].items())
+    ok = diff <= TOLERANCE and kept[DEVICE] > kept[SELECTIVE] > kept[FULL]
     return {"status": "pass" if ok else "fail", "max_rel_grad_diff": diff, "kept_bytes": kept}
 
 

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pipemesh.config import (PipeMeshConfig, add_cli_arguments, add_megatron_arguments, bash_keys, env_keys,
-                                      megatron_flag_names)
+from megatron_pipemesh.config import (CostSettings, MeasurementSettings, PipeMeshConfig, PlacementSettings,
+                                      ScheduleSettings, ShardingSettings, add_cli_arguments, add_megatron_arguments,
+                                      bash_keys, env_keys, megatron_flag_names, setting_fields)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,17 +26,17 @@ def test_flag_set_is_frozen():
 
 def test_every_field_has_a_docstring_and_help():
     """Each setting documents itself: a help text for its flag."""
-    import dataclasses
-    for f in dataclasses.fields(PipeMeshConfig):
+    for _, f in setting_fields():
         assert f.metadata["help"].strip(), f.name
 
 
 def test_megatron_flags_round_trip():
     """Flags produced from a config parse back into the same config."""
-    config = PipeMeshConfig(pipeline_schedule="pipemesh", forward_groups=(6, 2), backward_groups=(4, 4),
-                            recv_lookahead=2, dp_gbps=10.0, measure_memory=True, activation_placement="auto",
-                            host_link_gbps=100.0, host_memory_gb=0.0,
-                            sharding=("optim", "optim_grads_params"), shard_scope="node")
+    config = PipeMeshConfig(ScheduleSettings(pipeline_schedule="pipemesh", forward_groups=(6, 2), backward_groups=(4, 4),
+                                             recv_lookahead=2), CostSettings(dp_gbps=10.0),
+                            PlacementSettings(activation_placement="auto", host_link_gbps=100.0, host_memory_gb=0.0),
+                            MeasurementSettings(measure_memory=True),
+                            ShardingSettings(levels=("optim", "optim_grads_params"), scope="node"))
     parser = add_megatron_arguments(argparse.ArgumentParser())
     assert PipeMeshConfig.from_args(parser.parse_args(config.megatron_flags())) == config
     assert PipeMeshConfig.from_args(parser.parse_args([])) == PipeMeshConfig()
@@ -100,7 +101,9 @@ def test_placement_flags_reject_bad_values_at_parse_time(argv, words, capsys):
 def test_placement_flags_defaults_and_cli():
     """Defaults keep today's behaviour (recompute-only, link measured/defaulted, host memory unlimited)."""
     config = PipeMeshConfig.from_args(add_megatron_arguments(argparse.ArgumentParser()).parse_args([]))
-    assert (config.activation_placement, config.host_link_gbps, config.host_memory_gb) == ("recompute-only", None, None)
+    placement = config.placement
+    assert (placement.activation_placement, placement.host_link_gbps, placement.host_memory_gb) == ("recompute-only", None,
+                                                                                                    None)
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser, ("activation_placement", "host_link_gbps", "host_memory_gb"))
     args = parser.parse_args(["--activation-placement", "auto", "--host-link-gbps", "64", "--host-memory-gb", "100"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, Iterator, Set, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 PACKAGE = "megatron_pipemesh"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
@@ -23,15 +23,6 @@ FORBIDDEN: Dict[str, Tuple[str, ...]] = {
     "training": ("bench", "study"),
 }
 """Layer -> the layers its modules must not import."""
-
-KNOWN_OFFENDERS: Set[Tuple[str, str]] = {
-    # The executor reaches for Megatron's process-group helpers and the unsupported-feature checks of the
-    # integration; they are being moved behind a runtime seam, after which these entries go.
-    ("megatron_pipemesh.runtime.executor", "megatron_pipemesh.integration.parallel_state"),
-    ("megatron_pipemesh.runtime.executor", "megatron_pipemesh.integration.unsupported"),
-}
-"""(importer, imported) pairs that break a rule today and are being removed; empty it, never add to it."""
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -92,13 +83,59 @@ def test_import_resolution():
 
 def test_layers_import_only_downwards():
     """No product layer imports the study wing; schedule/, planning/ and runtime/ import neither integration/,
-    training/ nor the wings; training/ imports neither wing. Known offenders are listed, and each must still
-    offend (a fixed one leaves the list)."""
-    found = violations()
-    new = sorted(found - KNOWN_OFFENDERS)
-    assert not new, "layer violations (importer -> imported):\n" + "\n".join(f"{a} -> {b}" for a, b in new)
-    fixed = sorted(KNOWN_OFFENDERS - found)
-    assert not fixed, "fixed, remove from KNOWN_OFFENDERS: " + ", ".join(f"{a} -> {b}" for a, b in fixed)
+    training/ nor the wings; training/ imports neither wing."""
+    found = sorted(violations())
+    assert not found, "layer violations (importer -> imported):\n" + "\n".join(f"{a} -> {b}" for a, b in found)
+
+
+def import_cycles() -> List[List[str]]:
+    """Every set of the package's modules that import each other in a circle (strongly connected components of
+    more than one module, or a module importing itself), by Tarjan's algorithm."""
+    graph = {module_name(path): set(imports(path)) for path in sorted(ROOT.rglob("*.py"))}
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    cycles: List[List[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph.get(module, ()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1 or module in graph[module]:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle():
+    """No module of the package imports, directly or through others, a module that imports it back (imports at any
+    depth count: a function-level import closes a cycle as much as a module-level one)."""
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles(tmp_path, monkeypatch):
+    """A planted two-module cycle is reported (so an empty answer means something)."""
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import g\n")
+    (package / "c.py").write_text("from .a import b\n")
+    monkeypatch.setitem(globals(), "ROOT", package)  # the walker reads the module's ROOT
+    assert import_cycles() == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
 
 
 def test_planning_holds_no_study_code():

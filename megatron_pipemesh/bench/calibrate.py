@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
+from ..schedule.levers import BASIC_LEVERS
 from .runner import ModelSetup, ParallelConfig
 
 COLLECTIVES = "gloo"
@@ -102,7 +103,7 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
                    latency_s=latency, first_stage_extra_s=first_extra, last_stage_extra_s=last_extra,
-                   activation_bytes={"none": 0.0, "selective": 0.0, "full": 0.0},
+                   activation_bytes=dict.fromkeys(BASIC_LEVERS, 0.0),
                    static_bytes=tuple(0.0 for _ in range(pp)))
 
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli_common import UsageError, check_number, require_matplotlib, run_command
+from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig
 
 QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
@@ -143,12 +143,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--keep-going", action="store_true", default=True, help=argparse.SUPPRESS)
 
 
-def _positive(name: str, value, example: str, allow_zero: bool = False) -> None:
-    if value is None:
-        raise UsageError(f"{name} needs a number. Example: {name} {example}")
-    check_number(name, value, example, positive=not allow_zero)
-
-
 def _fill_defaults(args: argparse.Namespace) -> None:
     """Flags the user left out take their --quick (--quick --sharding) value or their default."""
     quick = {**QUICK, **(QUICK_SHARDING if args.sharding else {})}
@@ -170,13 +164,13 @@ def parse_budget(text: Optional[str], flag: str = "--activation-budget-mb"):
     if text is None:
         return None
     if text == "auto" or text.startswith("auto:"):
-        fraction = 0.5 if text == "auto" else _number(text[5:])
+        fraction = 0.5 if text == "auto" else parse_number(text[5:])
         if not (fraction is not None and 0.0 <= fraction <= 1.0):
             raise UsageError(f"{flag} {text} is invalid: auto:F needs a fraction F in [0, 1] of the way "
                          f"from the depth-first to the breadth-first peak. Example: {flag} auto:0.2")
         return ("auto", fraction)
-    value = _number(text)
-    _positive(flag, value, "64 (or auto)")
+    value = parse_number(text)
+    check_number(flag, value, "64 (or auto)", positive=True, required=True)
     return value
 
 
@@ -198,13 +192,6 @@ def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) 
         raise UsageError(f"--sharding with --configs {' '.join(flat)} is invalid: every level shards over the "
                          f"data-parallel ranks, so without data parallelism (DP = 1) all levels hold the same bytes. "
                          f"Example: --sharding --configs pp2xdp2")
-
-
-def _number(text: str) -> Optional[float]:
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -231,7 +218,7 @@ def resolve(args: argparse.Namespace) -> dict:
                                        ("--delay-ms", args.delay_ms, "1", True), ("--queue-ms", args.queue_ms, "200", False),
                                        ("--device-tflops", args.device_tflops, "0.05", False),
                                        ("--mfu", args.mfu, "0.45", False), ("--link-share", args.link_share, "0.5", False)):
-        _positive(name, value, example, zero)
+        check_number(name, value, example, positive=not zero, required=True)
     for name, value in (("--repeats", repeats), ("--warmup", warmup), ("--iters", iters)):
         if int(value) != value:
             raise UsageError(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")

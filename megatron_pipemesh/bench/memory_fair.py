@@ -265,7 +265,7 @@ def fit_levels(sched: ScheduleConfig, costs: OpCosts, budget: float, options, mo
     for ``budget``; the fastest fitting plan wins (ties: less peak memory, then fewer sharded chunks), or,
     when none fits, the one with the least peak memory."""
     from ..planning.planner import fit_with_recompute
-    from ..planning.sharding import ZERO
+    from ..schedule.spans import ZERO_STAGE
 
     plans = [fit_with_recompute(sched, costs, budget, options, ShardingModel(model, cluster, ShardingSpec(levels)))
              for levels in candidate_levels(sched.vpp)]
@@ -274,7 +274,7 @@ def fit_levels(sched: ScheduleConfig, costs: OpCosts, budget: float, options, mo
     if not fitting:
         return min(plans, key=peak)
     return min(fitting, key=lambda plan: (round(plan.result.iteration_s, 12), peak(plan),
-                                          sum(ZERO[level] for level in plan.sharding.spec.levels)))
+                                          sum(ZERO_STAGE[level] for level in plan.sharding.spec.levels)))
 
 
 def pipemesh_spec(model: ModelSetup, config: ParallelConfig, family: str, budget: Optional[float],

@@ -20,14 +20,12 @@ import dataclasses
 import os
 from typing import Optional, Tuple
 
+from ..planning.memory import MEMORY_MARGIN
 from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan, RunPlanError
 from .measured import Replanning
-
-DEFAULT_MARGIN = 0.10
-"""Fraction of free device memory left unplanned (fragmentation, communication buffers, workspace)."""
 
 # Dense 16-bit peak TFLOP/s by device-name substring, used when --pipemesh-device-tflops is not given.
 _PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
@@ -46,7 +44,7 @@ def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
     name = torch.cuda.get_device_name(index)
     tflops = next((value for key, value in _PEAK_TFLOPS if key in name), None)
     free, _ = torch.cuda.mem_get_info(index)
-    return tflops, free / GB * (1 - DEFAULT_MARGIN)
+    return tflops, free / GB * (1 - MEMORY_MARGIN)
 
 
 def layer_spec_fields(args) -> dict:
@@ -106,7 +104,7 @@ def machine_host_share_bytes() -> Optional[float]:
     except (ValueError, OSError, AttributeError):  # not a POSIX system with these names
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return available / max(local, 1) * (1 - DEFAULT_MARGIN)
+    return available / max(local, 1) * (1 - MEMORY_MARGIN)
 
 
 def host_budget_bytes(args) -> Tuple[Optional[float], bool]:

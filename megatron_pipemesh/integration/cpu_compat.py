@@ -8,7 +8,9 @@ megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more det
 
 :func:`cpu_megatron_args` lists the Megatron command-line flags a CPU run needs (local transformer
 implementation, CPU initialization, no fused kernels, gloo); :func:`missing_cpu_args` keeps only the
-ones a given argv does not already set, so a single command line works on CPU and on GPU.
+ones a given argv does not already set, so a single command line works on CPU and on GPU. Megatron's default
+``--gradient-accumulation-fusion`` stays on (item 12 provides its kernels), so CPU runs take the ``main_grad`` path
+of GPU runs; ``--no-gradient-accumulation-fusion`` still turns it off.
 
 Not solved (GPU-only): CUDA graphs; combined 1F1B.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from typing import Iterable, List, Optional, Sequence
 
 import torch
@@ -230,6 +233,64 @@ def _patch_distributed_optimizer() -> None:
     DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
 
 
+# --------------------------------------------------------------------------------------------------
+# Gradient-accumulation fusion: the two wgrad kernels of APEX's fused_weight_gradient_mlp_cuda in torch
+# --------------------------------------------------------------------------------------------------
+class TorchWgradKernels:
+    """Stands in for APEX's ``fused_weight_gradient_mlp_cuda`` extension: ``main_grad += grad_output^T @ input``
+    accumulated in ``main_grad``'s dtype, as Megatron calls it from ``LinearWithGradAccumulationAndAsyncCommunication.
+    backward`` (``tensor_parallel/layers.py:680-686``) and ``drain_embedding_wgrad_compute`` (``utils.py:1279``), on
+    the 2-D tensors ``prepare_input_tensors_for_wgrad_compute`` made."""
+
+    __name__ = "fused_weight_gradient_mlp_cuda"
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """fp32 ``main_grad``; 16-bit inputs are multiplied in fp32, as the CUDA kernel accumulates."""
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """16-bit ``main_grad`` (fp16 or bf16)."""
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+def _map_devices_in_backward() -> None:
+    """Item 6 for autograd's backward: the engine runs a custom Function's backward without the Python torch-function
+    modes of the calling thread, so :class:`CudaToCpuMode` does not see the ``device=torch.cuda.current_device()``
+    allocations Megatron's fused-wgrad backward makes (the dummy wgrad, ``layers.py:713-718``; the sequence-parallel
+    buffers, ``layers.py:647``). Megatron's Functions run their backward inside the mode."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+    if getattr(original, "_pipemesh_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self, *args):
+        if torch._C._is_torch_function_mode_enabled():
+            return original(self, *args)
+        with CudaToCpuMode():
+            return original(self, *args)
+
+    apply._pipemesh_cpu = True
+    BackwardCFunction.apply = apply
+
+
+def _provide_wgrad_kernels() -> None:
+    """Item 12: keep Megatron's default ``--gradient-accumulation-fusion`` (the ``main_grad`` path every GPU run
+    takes) on CPU: where the CUDA extension cannot be imported, Megatron's linear layers and its embedding wgrad
+    drain get :class:`TorchWgradKernels` (``layers.py:49-53`` sets ``_grad_accum_fusion_available`` from the
+    import, and ``ColumnParallelLinear`` raises without it, ``layers.py:1070``)."""
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return
+    sys.modules.setdefault(TorchWgradKernels.__name__, TorchWgradKernels)
+    layers.fused_weight_gradient_mlp_cuda = TorchWgradKernels
+    layers._grad_accum_fusion_available = True
+
+
 def cpu_compat_active() -> bool:
     """True once :func:`apply_cpu_compat` has patched this process."""
     return _ACTIVE
@@ -286,6 +347,7 @@ def apply_cpu_compat() -> bool:
     # 6. "cuda"/int devices in factory calls and Tensor.to/.cuda (see CudaToCpuMode).
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
+    _map_devices_in_backward()
     # 7. autocast: schedules.py:504 uses torch.autocast("cuda") when config.enable_autocast.
     torch.autocast = _CpuAutocast
 
@@ -321,6 +383,9 @@ def apply_cpu_compat() -> bool:
     # 11. distrib_optimizer.py:401,466,758 sort parameters by CUDA tensor type names (:477 raises).
     _patch_distributed_optimizer()
 
+    # 12. Gradient-accumulation fusion without APEX's CUDA extension (layers.py:49-53,680-686, utils.py:1248).
+    _provide_wgrad_kernels()
+
     _ACTIVE = True
     return True
 
@@ -332,7 +397,6 @@ def apply_cpu_compat() -> bool:
 _CPU_ARGS = (
     ("--transformer-impl", "local", ()),
     ("--use-cpu-initialization", None, ()),
-    ("--no-gradient-accumulation-fusion", None, ()),
     ("--no-bias-gelu-fusion", None, ("--no-bias-swiglu-fusion",)),
     ("--no-bias-dropout-fusion", None, ()),
     ("--no-masked-softmax-fusion", None, ()),

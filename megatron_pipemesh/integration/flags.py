@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..config import PipeMeshConfig, add_megatron_arguments
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
+from ..runtime.unsupported import unsupported_message
 from ..schedule.plan import RunPlan
 
 if TYPE_CHECKING:
@@ -71,9 +72,9 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         raise PipeMeshArgumentError(str(error)) from error
     sharding = check_sharding_args(args, settings)
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
-    node_scope = settings.shard_scope == "node"
+    node_scope = settings.sharding.scope == "node"
     if not settings.enabled:
-        given = [flag for flag, value in ((FORWARD_FLAG, settings.forward_groups), (BACKWARD_FLAG, settings.backward_groups))
+        given = [flag for flag, value in ((FORWARD_FLAG, settings.schedule.forward_groups), (BACKWARD_FLAG, settings.schedule.backward_groups))
                  if value is not None]
         if given:
             raise PipeMeshArgumentError(
@@ -89,8 +90,8 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
 def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optional[Replanning]]:
     """The run's plan, where it came from, and its re-planning inputs: given groups, Megatron's group size, a
     plan file, or the planner (``auto``, or placement for given groups)."""
-    forward, backward = settings.forward_groups, settings.backward_groups
-    lookahead = settings.recv_lookahead
+    forward, backward = settings.schedule.forward_groups, settings.schedule.backward_groups
+    lookahead = settings.schedule.recv_lookahead
     if lookahead < 0:
         raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
@@ -104,11 +105,12 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
             f"{SCHEDULE_FLAG} pipemesh without virtual pipeline stages (virtual pipeline size {vpp}) is invalid: PipeMesh "
             f"overlaps a chunk's data-parallel communication with other chunks' compute, so each rank needs at least 2 "
             f"model chunks. Example: --num-virtual-stages-per-pipeline-rank 2 (or --num-layers-per-virtual-pipeline-stage)")
-    from .unsupported import check_unsupported_args
-    check_unsupported_args(args)
-    plan_file = settings.plan
+    unsupported = unsupported_message(args)
+    if unsupported:
+        raise PipeMeshArgumentError(unsupported)
+    plan_file = settings.schedule.plan
     auto = "auto" in (forward, backward)
-    measure_iters = settings.measure_iters or 0
+    measure_iters = settings.measurement.measure_iters or 0
     if measure_iters < 0 or (measure_iters and not auto):
         raise PipeMeshArgumentError(
             f"--pipemesh-measure-iters {measure_iters} is invalid: it must be >= 0 and needs {FORWARD_FLAG} auto "
@@ -126,7 +128,7 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
             f"and plans are made for one number of micro-batches per iteration, which batch-size ramp-up changes. Drop "
             f"--rampup-batch-size or the group flags")
     m = microbatches_per_iteration(args)
-    scope = settings.shard_scope
+    scope = settings.sharding.scope
     if auto or plan_file:
         from .auto_plan import auto_plan, load_plan
         try:
@@ -142,7 +144,8 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
                 raise PipeMeshArgumentError(
                     f"--pipemesh-sharding {' '.join(sharding)} and --pipemesh-plan {plan_file} (sharding "
                     f"{' '.join(plan.sharding)}) disagree; the plan file holds the levels. Drop one of them")
-            sharding = check_sharding_args(args, dataclasses.replace(settings, sharding=plan.sharding))
+            sharding = check_sharding_args(args, dataclasses.replace(
+                settings, sharding=dataclasses.replace(settings.sharding, levels=plan.sharding)))
         elif sharding == "auto":
             sharding = None
         return dataclasses.replace(plan, recv_lookahead=lookahead, sharding=tuple(sharding or ()), shard_scope=scope), \
@@ -161,7 +164,7 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
             f"p = {pp}, V = {vpp})") from error
     base = RunPlan(config if forward or backward else None, sharding=tuple(sharding or ()), shard_scope=scope,
                    recv_lookahead=lookahead)
-    if settings.activation_placement == "auto":  # given groups: place / recompute under the budget
+    if settings.placement.activation_placement == "auto":  # given groups: place / recompute under the budget
         from .auto_plan import place_given_groups
         try:
             plan, summary, replan = place_given_groups(args, config)
@@ -175,17 +178,18 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
 def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:
     """Validate --pipemesh-sharding / --pipemesh-shard-scope against Megatron's ``args``: one level per
     virtual chunk (or one for all), the distributed optimizer, no Megatron-FSDP, and what the runtime executes."""
-    from ..planning.sharding import FLAG, ZERO, ShardingError, parse_levels
+    from ..planning.sharding import FLAG, ShardingError, parse_levels
+    from ..schedule.spans import ZERO_STAGE
 
-    if settings.sharding is None:
-        if settings.shard_scope != "data-parallel":
-            raise PipeMeshArgumentError(f"--pipemesh-shard-scope {settings.shard_scope} without {FLAG}: the scope applies "
+    if settings.sharding.levels is None:
+        if settings.sharding.scope != "data-parallel":
+            raise PipeMeshArgumentError(f"--pipemesh-shard-scope {settings.sharding.scope} without {FLAG}: the scope applies "
                                         f"to ZeRO-2/3 chunks. Example: {FLAG} optim optim_grads_params "
-                                        f"--pipemesh-shard-scope {settings.shard_scope}")
+                                        f"--pipemesh-shard-scope {settings.sharding.scope}")
         return None
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     try:
-        levels = parse_levels(settings.sharding, vpp,
+        levels = parse_levels(settings.sharding.levels, vpp,
                               distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     except ShardingError as error:
         raise PipeMeshArgumentError(str(error)) from error
@@ -196,18 +200,18 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
             f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
-    if settings.shard_scope == "node":
+    if settings.sharding.scope == "node":
         args.num_distributed_optimizer_instances = node_scope_instances(args, settings)
     elif instances > 1:
         raise PipeMeshArgumentError(
             f"{FLAG} with --num-distributed-optimizer-instances {instances} is invalid under --pipemesh-shard-scope "
             f"data-parallel (one instance: shards over all data-parallel ranks). For shards within a node use "
             f"--pipemesh-shard-scope node, which sets the instances to the nodes a data-parallel group spans. "
-            f"Example: {FLAG} {' '.join(settings.sharding) if not isinstance(settings.sharding, str) else settings.sharding} "
+            f"Example: {FLAG} {_show(settings.sharding.levels)} "
             f"--pipemesh-shard-scope node")
     if levels == "auto":
-        auto_groups = settings.forward_groups == "auto" and settings.backward_groups in ("auto", None)
-        if not (settings.enabled and auto_groups and settings.memory_budget_gb and not settings.measure_iters):
+        auto_groups = settings.schedule.forward_groups == "auto" and settings.schedule.backward_groups in ("auto", None)
+        if not (settings.enabled and auto_groups and settings.costs.memory_budget_gb and not settings.measurement.measure_iters):
             raise PipeMeshArgumentError(
                 f"{FLAG} auto chooses the levels jointly with the groups and recomputation at start-up: it needs "
                 f"{SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} auto {BACKWARD_FLAG} auto and an explicit "
@@ -215,7 +219,7 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
                 f"the levels `pipemesh plan --sharding auto` prints. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} "
                 f"auto {BACKWARD_FLAG} auto --pipemesh-memory-budget-gb 40 {FLAG} auto")
         return "auto"  # resolved by the planner (check_pipemesh_args), then checked like given levels
-    if any(ZERO[level] > 1 for level in levels):
+    if any(ZERO_STAGE[level] > 1 for level in levels):
         example = f"--pipeline-schedule pipemesh --use-distributed-optimizer --overlap-param-gather {FLAG} {' '.join(levels)}"
         if not settings.enabled:
             raise PipeMeshArgumentError(f"{FLAG} {' '.join(levels)} needs {SCHEDULE_FLAG} pipemesh: the schedule places the "

@@ -43,11 +43,6 @@ def _check_version() -> str:
     return version
 
 
-def active_schedule():
-    """The PipeMesh schedule object of this run, or None when ``--pipeline-schedule default``."""
-    return _STATE["schedule"]
-
-
 def reported_schedule():
     """The schedule whose statistics the training log reports: PipeMesh's, or the metered stock one."""
     return _STATE["schedule"] or _STATE.get("stock")
@@ -77,7 +72,7 @@ def activate(settings) -> None:
         _STATE["schedule"] = None
         return
 
-    options = PipeMeshOptions(p2p_timeout_s=settings.timeout_s, measure_memory=settings.flags.measure_memory)
+    options = PipeMeshOptions(p2p_timeout_s=settings.timeout_s, measure_memory=settings.flags.measurement.measure_memory)
 
     def make_schedule(plan):
         return PipeMeshSchedule(plan, options, p2p_groups=get_pipemesh_p2p_groups)
@@ -225,7 +220,7 @@ def wrap_getter(original, parallel_state):
                 return schedule
         function = original(*args, **kwargs)
         settings = _STATE["args"]
-        if settings is not None and settings.flags.measure_memory:
+        if settings is not None and settings.flags.measurement.measure_memory:
             return _metered_stock(function)
         return function
     return get_forward_backward_func
@@ -297,7 +292,7 @@ def install() -> None:
     try:
         from megatron.training import training
         training.get_forward_backward_func = getter
-        patch_training_log(training)
+        patch_training_log(training, reported_schedule)
         training.get_megatron_optimizer = _registering(training.get_megatron_optimizer)
     except ImportError:  # megatron.training absent (core-only install): nothing bound there
         pass

@@ -17,13 +17,14 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..planning.costs import ScheduleCosts, analytic_costs
 from ..planning.planner import baseline_plans
 from ..planning.simulator import simulate
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import HOST_LEVEL, host_placement_of, lower
+from ..schedule.levers import DEVICE, Lever
+from ..schedule.lower import host_placement_of, lower
 from ..schedule.plan import RunPlan
 from .flags import microbatches_per_iteration
 
@@ -96,7 +97,7 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
     placed = ScheduleCosts(config, costs, recompute or {})
     host_bytes = [0.0] * config.pp
     for rank, chunk, _ in host_placement_of(recompute):
-        host_bytes[rank] += placed.bytes_at(rank, chunk, "none")
+        host_bytes[rank] += placed.bytes_at(rank, chunk, DEVICE)
     baselines = baseline_plans(config.pp, config.vpp, config.microbatches, lambda cfg: analytic_costs(model, cluster, cfg),
                                float("inf"))  # stock orders as they are, without recomputation
     return Prediction(result.iteration_s, [r.peak_activation_bytes for r in result.ranks],
@@ -128,7 +129,7 @@ def recompute_summary(recompute: Optional[Dict], config: ScheduleConfig) -> str:
     total = config.pp * config.vpp * config.microbatches
     counts: Dict[str, int] = {}
     for level in (recompute or {}).values():
-        if level not in ("none", HOST_LEVEL):  # host placement has its own part of the line
+        if Lever.parse(level).recomputes:  # host placement has its own part of the line
             counts[level] = counts.get(level, 0) + 1
     if not counts:
         return "recompute none"
@@ -156,9 +157,9 @@ def plan_line(args, settings) -> str:
     plan: RunPlan = settings.plan
     config = training_config(args, plan)
     digest = lower(config, plan.lowering(**megatron_syncs(args))).digest()
-    flags = settings.flags
-    origin = (f"plan file {flags.plan}" if flags.plan else "planned by auto" if flags.forward_groups == "auto"
-              else "given groups" if flags.forward_groups else "Megatron's group size")
+    given = settings.flags.schedule
+    origin = (f"plan file {given.plan}" if given.plan else "planned by auto" if given.forward_groups == "auto"
+              else "given groups" if given.forward_groups else "Megatron's group size")
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
              recompute_summary(plan.placement, config)]
     if plan.sharding:
@@ -198,7 +199,7 @@ def announce_plan(args, settings) -> None:
     if not settings.enabled or os.environ.get("RANK", "0") != "0":
         return
     print(plan_line(args, settings), flush=True)
-    if settings.flags.print_schedule:
+    if settings.flags.measurement.print_schedule:
         print(schedule_picture(training_config(args, settings.plan)), flush=True)
 
 
@@ -335,14 +336,13 @@ def after_training_log(iteration: int, args, schedule) -> None:
     write_scalars(iteration, figures, get_tensorboard_writer(), get_wandb_writer())
 
 
-def patch_training_log(training) -> None:
-    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration)."""
+def patch_training_log(training, reported_schedule: Callable[[], object]) -> None:
+    """Wrap ``megatron.training.training.training_log`` (called by every rank once per iteration) to report the
+    statistics of ``reported_schedule()`` after it."""
     original = training.training_log
     if getattr(original, "_pipemesh", False):
         return
     import functools
-
-    from .install import reported_schedule
 
     @functools.wraps(original)
     def training_log(*args, **kwargs):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.levers import DEVICE
 from ..schedule.ops import Op, OpKind
 from .costs import ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 
@@ -107,7 +108,7 @@ def iteration_lower_bound(model: ModelSpec, cluster: ClusterSpec, pp: int, micro
     best = None
     for vpp in virtual_sizes(model, pp) if vpps is None else vpps:
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
-        bound = bound_for(config, ScheduleCosts(config, analytic_costs(model, cluster, config, levels=("none",))))
+        bound = bound_for(config, ScheduleCosts(config, analytic_costs(model, cluster, config, levels=(DEVICE,))))
         if best is None or bound.seconds < best.seconds:
             best = bound
     if best is None:

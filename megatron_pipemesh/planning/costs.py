@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import HOST_LEVEL
+from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
-from .memory import ActivationShape, activation_bytes, parse_level, recomputable_modules, selective_levels, transient_bytes
+from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 
 GB = 1024 ** 3
 
@@ -214,9 +214,6 @@ def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
     return (min(dp, share) if rings else dp), (min(p2p, share) if links else p2p)
 
 
-RECOMPUTE_LEVELS = ("none", "selective", "full")
-
-
 PLANNED_MODULES = ("core_attn", "mlp")
 """``--recompute-modules`` PipeMesh's planner combines per chunk-micro-batch. ``layernorm`` is left out: it acts
 only where the norms are separate modules (the local spec) and megatron-core 0.19.2 then needs Transformer Engine
@@ -224,15 +221,14 @@ installed for it (``runtime/recompute.py``: ``CheckpointWithoutOutput``), and it
 layer's ~16 sbh."""
 
 
-def planning_levels(model: ModelSpec) -> Tuple[str, ...]:
+def planning_levels(model: ModelSpec) -> Tuple[Lever, ...]:
     """The levels PipeMesh's planner chooses from per chunk-micro-batch, each one its runtime applies to
     ``model``: none, the selective module sets of :data:`PLANNED_MODULES` that act on its layer spec
     (:func:`.memory.selective_levels`) and that megatron-core 0.19.2 can recompute for it
     (:func:`.memory.recomputable_modules`: ``mlp`` only without linear biases), and full."""
     allowed = set(PLANNED_MODULES) & recomputable_modules(model.layer_spec, model.linear_bias)
-    chosen = tuple(level for level in selective_levels(model.layer_spec)
-                   if parse_level(level)[1] <= allowed)
-    return ("none",) + chosen + ("full",)
+    chosen = tuple(lever for lever in selective_levels(model.layer_spec) if lever.modules <= allowed)
+    return (DEVICE,) + chosen + (FULL,)
 
 
 @dataclass
@@ -255,13 +251,13 @@ class OpCosts:
     """Extra forward time on stage 0 (embedding); backward gets twice this."""
     last_stage_extra_s: float = 0.0
     """Extra forward time on the last stage (output layer and loss); backward gets twice this."""
-    activation_bytes: Dict[str, float] = field(default_factory=lambda: {"none": 0.0, "selective": 0.0, "full": 0.0})
+    activation_bytes: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(BASIC_LEVERS, 0.0))
     """Activation bytes one chunk-micro-batch keeps alive until its backward, per recompute level."""
     first_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
     """Extra activation bytes of stage 0 (token/position ids, embedding dropout), per level."""
     last_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
     """Extra activation bytes of the last stage (final norm, output layer, fp32 cross-entropy), per level."""
-    recompute_s: Dict[str, float] = field(default_factory=lambda: {"none": 0.0, "selective": 0.0, "full": 0.0})
+    recompute_s: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(BASIC_LEVERS, 0.0))
     """Extra backward time per chunk-micro-batch for each recompute level."""
     transient_bytes: Dict[str, float] = field(default_factory=dict)
     """Bytes a level's recomputation re-creates during the chunk's backward (on top of what it kept)."""
@@ -297,9 +293,9 @@ def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
 
 
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
-                   levels: Sequence[str] = RECOMPUTE_LEVELS) -> OpCosts:
+                   levels: Sequence[str] = BASIC_LEVERS) -> OpCosts:
     """Derive :class:`OpCosts` for ``config`` from the model and cluster, with activation bytes and
-    recompute times for every recompute level in ``levels`` (see :func:`.memory.parse_level`)."""
+    recompute times for every lever in ``levels`` (:class:`.levers.Lever` or its name)."""
     stages = config.pp * config.vpp
     if model.num_layers % stages:
         raise ValueError(f"--num-layers {model.num_layers} does not split evenly over p*V = {stages} stages; "
@@ -332,22 +328,13 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     first_dp = sum(sync_s(model.embedding_params() / t))
     last_dp = sum(sync_s(model.vocab_size * h / t))
     shape = activation_shape(model, cluster)
-    levels = tuple(dict.fromkeys(("none",) + tuple(levels)))
+    levels = tuple(dict.fromkeys((DEVICE,) + tuple(Lever.parse(level) for level in levels)))
     middle = {level: activation_bytes(shape, layers, level) for level in levels}
     first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}
     last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in levels}
-    layer_fwd = forward / layers
     module_s = {"core_attn": attention_core_fwd, "mlp": model.mlp_forward_flops() / t / flops_per_s,
                 # Norms are memory-bound: read the input, write the output, twice per layer.
                 "layernorm": 0.0 if model.layer_spec == "te" else 2 * 2 * act_elems * model.dtype_bytes / (cluster.memory_gbs * 1e9)}
-
-    def recompute_time(level: str) -> float:
-        kind, modules, k = parse_level(level)
-        if kind == "selective":
-            return layers * sum(module_s[m] for m in modules)
-        if kind == "block":
-            return min(k, layers) * layer_fwd
-        return forward if kind in ("full", "uniform") else 0.0
 
     static, optimizer = [], []
     bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
@@ -365,7 +352,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         forward_s=forward, backward_s=2 * forward, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
         latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
         activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
-        recompute_s={level: recompute_time(level) for level in levels},
+        recompute_s={level: level.recompute_seconds(layers, forward, module_s) for level in levels},
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
         static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps,
@@ -378,13 +365,9 @@ class ScheduleCosts:
     def __init__(self, config: ScheduleConfig, costs: OpCosts, recompute: Optional[Dict[Tuple[int, int, int], str]] = None):
         self.config, self.costs, self.recompute = config, costs, recompute or {}
 
-    def level(self, rank: int, op: Op) -> str:
-        return self.recompute.get((rank, op.chunk, op.microbatch), "none")
-
-    def kept_level(self, rank: int, op: Op) -> str:
-        """The recompute level whose bytes and backward time apply: 'host' keeps activations whole ('none')."""
-        level = self.level(rank, op)
-        return "none" if level == HOST_LEVEL else level
+    def kept_level(self, rank: int, op: Op) -> Lever:
+        """The lever whose bytes and backward time apply (:attr:`.levers.Lever.kept`: 'host' keeps activations whole)."""
+        return KEPT[self.recompute.get((rank, op.chunk, op.microbatch), DEVICE)]
 
     def recompute_time(self, rank: int, op: Op) -> float:
         """Extra backward time of the chunk-micro-batch of ``op`` for its recomputation."""
@@ -395,7 +378,7 @@ class ScheduleCosts:
         chunk-micro-batch (its whole activations). Not modelled: PCIe shared with NCCL traffic (GPUs
         without GPUDirect RDMA stage network transfers through host memory) or between the GPUs behind one
         PCIe switch, and host-memory bandwidth; each rank's link is its own and full-duplex."""
-        return self.bytes_at(rank, op.chunk, "none") * 8 / (self.costs.host_link_gbps * 1e9)
+        return self.bytes_at(rank, op.chunk, DEVICE) * 8 / (self.costs.host_link_gbps * 1e9)
 
     def activation(self, rank: int, op: Op) -> float:
         """Bytes the chunk-micro-batch of ``op`` keeps alive on ``rank`` until its backward."""

@@ -72,29 +72,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
-from ..schedule.lower import HOST_LEVEL
+from ..schedule.levers import DEVICE, SELECTIVE_MODULES, Lever
 
-LEVELS = ("none", "selective", "full")
-"""The per-chunk-micro-batch levels PipeMesh's runtime applies (``runtime/recompute.py``)."""
-
-SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")
-"""``--recompute-modules`` values that act on a dense GPT layer in megatron-core 0.19.2
-(``moe_act``/``moe``/``shared_experts`` need MoE, ``mla_up_proj`` MLA, ``gdn_norm_out`` GatedDeltaNet)."""
-
-
-def selective_level(modules: Iterable[str]) -> str:
-    """Level name of selective recomputation of ``modules``: 'selective' for Megatron's default
-    ``core_attn``, else 'selective:<m1>+<m2>' in :data:`SELECTIVE_MODULES` order."""
-    chosen = set(modules)
-    bad = chosen - set(SELECTIVE_MODULES)
-    if bad or not chosen:
-        raise ValueError(f"--recompute-modules {' '.join(sorted(chosen))}: use a non-empty subset of "
-                         f"{' '.join(SELECTIVE_MODULES)} for a dense GPT layer")
-    if chosen == {"core_attn"}:
-        return "selective"
-    return "selective:" + "+".join(m for m in SELECTIVE_MODULES if m in chosen)
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory a plan leaves free by default (allocator fragmentation, communication buffers,
+workspace): the budget is the free (training) or total (planning) memory minus this share."""
 
 
 def selective_module_sets(layer_spec: str = "local") -> Tuple[Tuple[str, ...], ...]:
@@ -121,33 +105,15 @@ def recomputable_modules(layer_spec: str, linear_bias: bool, transformer_engine:
     return frozenset(out)
 
 
-def selective_levels(layer_spec: str = "local") -> Tuple[str, ...]:
-    """The level names (:func:`selective_level`) of :func:`selective_module_sets`; 'selective' (core_attn) first."""
-    return tuple(selective_level(chosen) for chosen in selective_module_sets(layer_spec))
+def selective_levels(layer_spec: str = "local") -> Tuple[Lever, ...]:
+    """The levers (:meth:`Lever.selective`) of :func:`selective_module_sets`; 'selective' (core_attn) first."""
+    return tuple(Lever.selective(chosen) for chosen in selective_module_sets(layer_spec))
 
 
 def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:
-    """(kind, selective modules, k) of a level name.
-
-    Kinds: 'none'; 'host' (kept whole like 'none', but in host memory between the offload after the
-    forward and the reload before the backward: the same bytes, no recomputation); 'selective' (modules); 'full' (every layer checkpointed on its own, PipeMesh's
-    runtime and Megatron's ``--recompute-method uniform --recompute-num-layers 1``); 'uniform' and
-    'block' with k layers (Megatron's ``--recompute-method uniform|block --recompute-num-layers k``).
-    """
-    if level in ("none", "full", HOST_LEVEL):
-        return level, frozenset(), 1 if level == "full" else 0
-    if level == "selective":
-        return "selective", frozenset({"core_attn"}), 0
-    kind, _, arg = level.partition(":")
-    if kind == "selective" and arg:
-        modules = frozenset(arg.split("+"))
-        if modules <= set(SELECTIVE_MODULES):
-            return kind, modules, 0
-    if kind in ("uniform", "block") and arg.isdigit() and int(arg) >= 1:
-        return kind, frozenset(), int(arg)
-    raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)}, {HOST_LEVEL!r}, "
-                     "'selective:<modules joined by +>' (modules from core_attn, layernorm, mlp), "
-                     "'uniform:<k>' or 'block:<k>'")
+    """(kind name, recomputed modules, layers) of a lever (:meth:`Lever.parse`), for callers of the tuple form."""
+    lever = Lever.parse(level)
+    return lever.kind.value, lever.modules, lever.layers
 
 
 @dataclass(frozen=True)
@@ -278,32 +244,29 @@ def offloadable_layer_bytes(shape: ActivationShape) -> float:
     return 2 * sbh / sp * d + (sbh + 2 * kv) / t * d + sbh / t * d
 
 
+def _hidden_bytes(shape: ActivationShape) -> float:
+    """One hidden state sbh (/t under SP): a layer's input, all that a layer recomputed from it keeps, and a
+    chunk's output."""
+    sp = shape.tp if shape.sequence_parallel else 1
+    return shape.seq_length * shape.micro_batch_size * shape.hidden_size / sp * shape.dtype_bytes
+
+
 def layer_activation_bytes(shape: ActivationShape, level: str) -> float:
     """Bytes one transformer layer keeps for its backward, for one micro-batch, at ``level``
     ('none', a selective level, or 'full' = only the checkpointed layer input)."""
-    kind, modules, _ = parse_level(level)
-    if kind in ("uniform", "block"):
+    lever = Lever.parse(level)
+    if lever.per_chunk:
         raise ValueError(f"{level!r} is a per-chunk recompute level; use activation_bytes for a chunk")
-    if kind == "full":
-        sp = shape.tp if shape.sequence_parallel else 1
-        return shape.seq_length * shape.micro_batch_size * shape.hidden_size / sp * shape.dtype_bytes
-    return sum(size for name, size in _layer_terms(shape).items() if name not in modules)
+    return lever.layer_bytes(_layer_terms(shape), _hidden_bytes(shape))
 
 
 def transient_bytes(shape: ActivationShape, layers: int, level: str) -> float:
-    """Bytes recomputation re-creates inside a chunk's backward on top of what the chunk kept: the
-    activations of the largest unit recomputed at once (k layers for 'uniform:k', one layer for
-    'full' and 'block:k', the recomputed modules of one layer for selective levels)."""
-    kind, modules, k = parse_level(level)
-    if kind in ("none", HOST_LEVEL) or not layers:
-        return 0.0
-    if kind == "selective":
-        return sum(size for name, size in _layer_terms(shape).items() if name in modules)
-    unit = min(k, layers) if kind == "uniform" else 1
-    return unit * (layer_activation_bytes(shape, "none") - layer_activation_bytes(shape, "full"))
+    """Bytes recomputation re-creates inside a chunk's backward on top of what the chunk kept
+    (:meth:`Lever.transient_bytes`)."""
+    return Lever.parse(level).transient_bytes(layers, _layer_terms(shape), _hidden_bytes(shape))
 
 
-def activation_bytes(shape: ActivationShape, layers: int, level: str = "none", first_stage: bool = False,
+def activation_bytes(shape: ActivationShape, layers: int, level: str = DEVICE, first_stage: bool = False,
                      last_stage: bool = False) -> float:
     """Bytes one chunk of ``layers`` layers keeps alive for one micro-batch until its backward.
 
@@ -311,17 +274,11 @@ def activation_bytes(shape: ActivationShape, layers: int, level: str = "none", f
     'block:k' checkpoints the first min(k, L) layers one by one and keeps the others whole."""
     s, b, h, d = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.dtype_bytes
     sp = shape.tp if shape.sequence_parallel else 1
-    kind, _, k = parse_level(level)
-    if kind == "uniform":
-        total = math.ceil(layers / k) * layer_activation_bytes(shape, "full")
-    elif kind == "block":
-        done = min(k, layers)
-        total = done * layer_activation_bytes(shape, "full") + (layers - done) * layer_activation_bytes(shape, "none")
-    else:
-        total = layers * layer_activation_bytes(shape, level)
+    lever = Lever.parse(level)
+    total = lever.chunk_bytes(layers, _layer_terms(shape), _hidden_bytes(shape))
     if layers and shape.attention_mask and shape.layer_spec == "local":
         total += s * s
-    if layers and kind in ("full", "uniform", "block") and shape.position_embedding == "rope":
+    if layers and lever.checkpoints_layers and shape.position_embedding == "rope":
         total += s * (h // shape.num_attention_heads) * 4  # the fp32 rotary embedding, a checkpoint input
     if first_stage:
         total += (2 if shape.position_embedding == "learned_absolute" else 1) * s * b * 8
@@ -337,10 +294,7 @@ def activation_bytes(shape: ActivationShape, layers: int, level: str = "none", f
 
 def output_bytes(shape: ActivationShape, last_stage: bool = False) -> float:
     """The chunk output the pipeline holds after a forward (0 on the last stage: the loss)."""
-    if last_stage:
-        return 0.0
-    sp = shape.tp if shape.sequence_parallel else 1
-    return shape.seq_length * shape.micro_batch_size * shape.hidden_size / sp * shape.dtype_bytes
+    return 0.0 if last_stage else _hidden_bytes(shape)
 
 
 def chunk_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, rank: int, chunk: int, level: str,
@@ -357,31 +311,6 @@ def chunk_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, rank
     if keep_outputs:
         total += output_bytes(shape, last_stage=last)
     return total
-
-
-def peak_live_bytes(program: Iterable, bytes_of: Mapping[Tuple[int, int], float]) -> float:
-    """Peak of the bytes held by one rank's program: each forward ``F c.j`` adds ``bytes_of[(c, j)]``
-    until its backward ``B c.j`` (ops with ``kind``, ``chunk`` and ``microbatch``; others ignored)."""
-    from ..schedule.ops import OpKind
-
-    live = peak = 0.0
-    for op in program:
-        if op.kind is OpKind.FORWARD:
-            live += bytes_of[(op.chunk, op.microbatch)]
-            peak = max(peak, live)
-        elif op.kind is OpKind.BACKWARD:
-            live -= bytes_of[(op.chunk, op.microbatch)]
-    return peak
-
-
-def rank_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, microbatches: int, rank: int,
-               recompute: Optional[Mapping[Tuple[int, int, int], str]] = None,
-               keep_outputs: bool = False) -> Dict[Tuple[int, int], float]:
-    """``chunk_bytes`` of every (chunk, micro-batch) on ``rank`` under a recompute plan keyed
-    (pipeline rank, chunk, micro-batch) -> level (missing = 'none')."""
-    plan = recompute or {}
-    return {(c, j): chunk_bytes(shape, num_layers, pp, vpp, rank, c, plan.get((rank, c, j), "none"), keep_outputs)
-            for c in range(vpp) for j in range(microbatches)}
 
 
 def host_block_bytes(nbytes: float) -> int:

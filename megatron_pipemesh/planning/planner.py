@@ -31,12 +31,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
-from .costs import GB, RECOMPUTE_LEVELS, OpCosts, ScheduleCosts
-from ..schedule.lower import HOST_LEVEL, lower
+from .costs import GB, OpCosts, ScheduleCosts
+from ..schedule.levers import BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, KEPT, Lever
+from ..schedule.lower import lower
 from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
-from .memory import host_block_bytes, parse_level, selective_levels
-from .simulator import DEFAULT_RELOAD_LOOKAHEAD, RecomputePlan, SimulationResult, lowering_for, simulate
+from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
+from .memory import host_block_bytes, selective_levels
+from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
 """``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
@@ -52,7 +54,7 @@ class Plan:
 
     config: ScheduleConfig
     recompute: RecomputePlan
-    """The placement plan: (rank, chunk, micro-batch) -> 'host' or a recompute level; missing = 'none'."""
+    """The placement plan: (rank, chunk, micro-batch) -> lever (:class:`.levers.Lever`); missing = 'none'."""
     result: SimulationResult
     budget_bytes: float
     sharding: object = None
@@ -70,15 +72,12 @@ class Plan:
 
     def placement_counts(self) -> List[Dict[str, int]]:
         """Per rank: chunk-micro-batches kept on the device whole, on the host, recomputed selectively or fully."""
-        counts = [{"device": 0, "host": 0, "selective": 0, "full": 0} for _ in range(self.config.pp)]
+        counts = [dict.fromkeys(CATEGORIES, 0) for _ in range(self.config.pp)]
         for rank in range(self.config.pp):
             counts[rank]["device"] = self.config.vpp * self.config.microbatches
         for (rank, _, _), level in self.recompute.items():
-            kind = parse_level(level)[0]
-            if kind == "none":
-                continue
-            counts[rank]["device"] -= 1
-            counts[rank][kind if kind in ("host", "selective") else "full"] += 1
+            counts[rank]["device"] -= 1  # back where it was for an explicit 'none'
+            counts[rank][Lever.parse(level).category] += 1
         return counts
 
     @property
@@ -110,9 +109,9 @@ class Plan:
                        predicted={key: data[key] for key in PREDICTION_KEYS})
 
     def to_dict(self) -> dict:
-        counts = {level: 0 for level in RECOMPUTE_LEVELS if level != "none"}
+        counts = {lever: 0 for lever in BASIC_LEVERS if lever.recomputes}
         for level in self.recompute.values():
-            if level not in ("none", HOST_LEVEL):
+            if Lever.parse(level).recomputes:
                 counts[level] = counts.get(level, 0) + 1
         return {
             "forward_groups": list(self.config.forward_groups),
@@ -126,7 +125,7 @@ class Plan:
             "recompute_share": self.recompute_share,
             "recompute_counts": counts,
             "recompute": [{"rank": r, "chunk": c, "microbatch": j, "level": level}
-                          for (r, c, j), level in sorted(self.recompute.items()) if level != "none"],
+                          for (r, c, j), level in sorted(self.recompute.items()) if not Lever.parse(level).is_device],
             **({"sharding": list(self.sharding.spec.levels), "shard_scope": self.sharding.spec.scope}
                if self.sharding is not None else {}),
             "placement_counts": self.placement_counts(),
@@ -145,8 +144,8 @@ class PlannerOptions:
     """f_1 values to try; default: multiples of p up to m, and m."""
     last_backward_candidates: Optional[Tuple[int, ...]] = None
     """b_last values to try; default: multiples of p up to m, and m."""
-    allow_recompute: Tuple[str, ...] = selective_levels("local") + ("full",)
-    """Recompute levels the planner may use (:func:`.memory.parse_level` names; PipeMesh's runtime applies
+    allow_recompute: Tuple[str, ...] = selective_levels("local") + (FULL,)
+    """Recompute levels the planner may use (:class:`.levers.Lever` or names; PipeMesh's runtime applies
     each per chunk-micro-batch): every selective module set and full. Only those the costs price are used
     (:func:`.costs.planning_levels` prices the ones that act on the model's layer spec)."""
     max_recompute_rounds: int = 64
@@ -257,7 +256,12 @@ def _live_at_peak(result: SimulationResult, rank: int) -> List[Tuple[float, int,
     return sorted(alive, reverse=True)
 
 
-def _moves(costs: OpCosts, level: str, allowed: Sequence[str]) -> List[Tuple[float, float, str]]:
+def _allowed(options: PlannerOptions, costs: OpCosts) -> List[Lever]:
+    """The levers of ``options.allow_recompute`` that ``costs`` price."""
+    return [Lever.parse(level) for level in options.allow_recompute if level in costs.activation_bytes]
+
+
+def _moves(costs: OpCosts, level: Lever, allowed: Sequence[Lever]) -> List[Tuple[float, float, Lever]]:
     """(bytes freed per second of recomputation, bytes freed, new level) of every upgrade from
     ``level`` that frees memory, best ratio first. (A backward's transient recomputation bytes are
     held once per rank, by the one backward running, not per chunk-micro-batch: the simulation
@@ -286,7 +290,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     if options.activation_placement != "recompute-only":
         return fit_with_placement(config, costs, budget_bytes, options, sharding)
     plan: RecomputePlan = {}
-    allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
+    allowed = _allowed(options, costs)
     options_ = lowering_for(costs)
     schedule = lower(config, sharding.lowering(options_) if sharding is not None else options_)
     result = simulate(config, costs, plan, schedule, sharding)
@@ -301,7 +305,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
             candidates = []
             for wait, chunk, microbatch in _live_at_peak(result, rank):
                 key = (rank, chunk, microbatch)
-                moves = _moves(costs, plan.get(key, "none"), allowed)
+                moves = _moves(costs, plan.get(key, DEVICE), allowed)
                 if moves:
                     ratio, freed, new = moves[0]
                     candidates.append((ratio, wait, freed, key, new))
@@ -383,7 +387,7 @@ class _RankModel:
         host blocks (:func:`.memory.host_block_bytes`: what the pinned allocator takes, which the budget limits)."""
         deltas = []
         for (chunk, _), (off_start, _, _, rel_end) in windows.items():
-            size = host_block_bytes(self.adapter.bytes_at(self.rank, chunk, "none"))
+            size = host_block_bytes(self.adapter.bytes_at(self.rank, chunk, DEVICE))
             deltas += [(off_start, size), (rel_end, -size)]
         return _peak(deltas)[1]
 
@@ -392,8 +396,7 @@ class _RankModel:
         deltas = []
         transient = self.adapter.costs.transient_bytes
         for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
-            level = plan.get((self.rank,) + key, "none")
-            kept = "none" if level == HOST_LEVEL else level
+            kept = KEPT[plan.get((self.rank,) + key, DEVICE)]
             size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
             deltas += [(f_start, size), (b_start, extra), (b_end, -size - extra)]
             if key in windows:
@@ -413,14 +416,15 @@ def _peak(deltas: List[Tuple[float, float]]) -> Tuple[float, float]:
 
 
 def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, budget: float,
-                allowed: Sequence[str], options: PlannerOptions) -> bool:
+                allowed: Sequence[Lever], options: PlannerOptions) -> bool:
     """Moves for a rank over budget, chosen on :class:`_RankModel` (no re-simulation): at the estimated
     peak, a knapsack step (:func:`_place_at`), then the peak is estimated again (offloads move it), until
-    the estimate fits or nothing is left to move."""
+    the estimate fits or nothing is left to move. ``plan`` is :func:`fit_with_placement`'s own: its values
+    are levers (of ``allowed``, or HOST), asked without parsing in these loops."""
     model = _RankModel(result, adapter, rank, options.reload_lookahead)
     changed = False
     for _ in range(4 * len(model.keys)):
-        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL})
+        windows, _ = model.windows({(c, j) for (r, c, j), level in plan.items() if r == rank and level.is_host})
         peak_time, peak = model.device_peak(plan, windows)
         if peak <= budget or not _place_at(model, plan, peak_time, peak - budget, allowed, options):
             break
@@ -428,7 +432,7 @@ def _place_rank(result: SimulationResult, adapter: ScheduleCosts, plan: Recomput
     return changed
 
 
-def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[str],
+def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: float, allowed: Sequence[Lever],
               options: PlannerOptions) -> bool:
     """One knapsack step at ``peak_time``: among the chunk-micro-batches on the device then, take the moves
     (to host memory, to a recompute level) with the most bytes freed per second of added time until
@@ -438,7 +442,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
     and its reload starts after it, and only within the host budget."""
     rank, adapter = model.rank, model.adapter
     costs = adapter.costs
-    host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level == HOST_LEVEL}
+    host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level.is_host}
     windows, exposed = model.windows(host)
     host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
 
@@ -460,15 +464,16 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
     for key, (f_start, _, _, _, _, _, b_end, _, _) in model.keys.items():
         if not f_start <= peak_time < b_end:
             continue
-        level = plan.get((rank,) + key, "none")
-        if level == HOST_LEVEL:
+        level = plan.get((rank,) + key, DEVICE)
+        if level.is_host:
             if windows[key][1] <= peak_time < windows[key][2]:
                 continue  # already off the device at the peak
-            kept, saved = "none", exposed - model.windows(host - {key})[1]
+            saved = exposed - model.windows(host - {key})[1]
         else:
-            kept, saved = level, 0.0
+            saved = 0.0
+        kept = level.kept
         wait = model.wait_before_backward(key)
-        for new in allowed if level != HOST_LEVEL else [new for new in allowed if parse_level(new)[0] != "selective"]:
+        for new in allowed if not level.is_host else [new for new in allowed if not new.is_selective]:
             freed = adapter.bytes_at(rank, key[0], kept) - adapter.bytes_at(rank, key[0], new)
             cost = costs.recompute_s[new] - costs.recompute_s.get(kept, 0.0) - saved
             if freed > 0:
@@ -476,18 +481,18 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
                 heapq.heappush(heap, (-ratio, -freed, -wait, key, new))
         # Levels only go forward along none -> selective -> host -> full (a selective chunk-micro-batch may
         # trade its recomputation for a copy, a host one only for full recomputation): the search cannot cycle.
-        if parse_level(level)[0] in ("none", "selective") and options.activation_placement == "auto":
+        if (level.is_device or level.is_selective) and options.activation_placement == "auto":
             move = host_move(key, level)
             if move is not None:
-                heapq.heappush(heap, (-move[0], -move[1], -wait, key, HOST_LEVEL))
+                heapq.heappush(heap, (-move[0], -move[1], -wait, key, HOST))
     changed, moved = False, set()
     while heap and excess > 0:
         _, neg_freed, neg_wait, key, new = heapq.heappop(heap)
         if key in moved:
             continue
-        if new == HOST_LEVEL:
+        if new.is_host:
             # The copies chosen since this estimate share the link: re-estimate, and requeue if it got worse.
-            move = host_move(key, plan.get((rank,) + key, "none"))
+            move = host_move(key, plan.get((rank,) + key, DEVICE))
             if move is None:
                 continue
             if heap and (-move[0], -move[1], neg_wait) > heap[0][:3]:
@@ -496,7 +501,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
             neg_freed = -move[1]
             host.add(key)
             windows, exposed = model.windows(host)
-        elif plan.get((rank,) + key) == HOST_LEVEL:
+        elif plan.get((rank,) + key, DEVICE).is_host:
             host.discard(key)
             windows, exposed = model.windows(host)
         plan[(rank,) + key] = new
@@ -507,7 +512,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
 
 
 def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: RecomputePlan, rank: int, excess: float,
-                  allowed: Sequence[str]) -> bool:
+                  allowed: Sequence[Lever]) -> bool:
     """A rank over its host budget (the estimate of :func:`_place_rank` missed): recompute, at the allowed
     level keeping the fewest bytes, the offloaded chunk-micro-batches held on the host at its host peak,
     longest held first, until ``excess`` bytes are off the host."""
@@ -528,7 +533,7 @@ def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: Recomp
         if excess <= 0:
             break
         plan[(rank,) + key] = smallest
-        excess -= host_block_bytes(adapter.bytes_at(rank, key[0], "none"))
+        excess -= host_block_bytes(adapter.bytes_at(rank, key[0], DEVICE))
         changed = True
     return changed
 
@@ -590,7 +595,7 @@ def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, 
             plan = dict(best.recompute)
             for rank_moves in moves:
                 for key in rank_moves[:math.ceil(len(rank_moves) / 2 ** halving)]:
-                    plan[key] = HOST_LEVEL
+                    plan[key] = HOST
             lowering = lowering_for(costs, plan, options.reload_lookahead)
             schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
             candidate = Plan(config, plan, simulate(config, costs, plan, schedule, sharding), best.budget_bytes, sharding,
@@ -610,11 +615,11 @@ def _host_moves(plan: Plan, costs: OpCosts, rank: int, options: PlannerOptions, 
     adapter = ScheduleCosts(plan.config, costs, levels)
     model = _RankModel(result, adapter, rank, options.reload_lookahead)
     curve = _Curve(result.memory[rank])
-    host = {(c, j) for (r, c, j), level in levels.items() if r == rank and level == HOST_LEVEL}
+    host = {(c, j) for (r, c, j), level in levels.items() if r == rank and Lever.parse(level).is_host}
     _, exposed = model.windows(host)
     candidates = sorted(((costs.recompute_s.get(level, 0.0), model.wait_before_backward((c, j)), (c, j))
                          for (r, c, j), level in levels.items()
-                         if r == rank and level not in ("none", HOST_LEVEL) and costs.recompute_s.get(level, 0.0) > 0),
+                         if r == rank and Lever.parse(level).recomputes and costs.recompute_s.get(level, 0.0) > 0),
                         reverse=True)
     chosen = []
     for saved, _, key in candidates:
@@ -628,7 +633,7 @@ def _host_moves(plan: Plan, costs: OpCosts, rank: int, options: PlannerOptions, 
         if host_budget < math.inf and model.host_peak(trial_windows) > host_budget:
             continue
         level = levels[(rank,) + key]
-        whole, kept = adapter.bytes_at(rank, key[0], "none"), adapter.bytes_at(rank, key[0], level)
+        whole, kept = adapter.bytes_at(rank, key[0], DEVICE), adapter.bytes_at(rank, key[0], level)
         transient = costs.transient_bytes.get(level, 0.0)
         off_end, rel_start = trial_windows[key][1], trial_windows[key][2]
         if max(curve.peak(f_start, off_end), curve.peak(rel_start, b_end)) + whole - kept > plan.budget_bytes:
@@ -667,7 +672,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     improved by trading recomputation for hidden copies (:func:`_offload_recomputation`), and the fastest
     is returned, so 'auto' is never slower than 'recompute-only' on a candidate.
     """
-    allowed = [level for level in options.allow_recompute if level in costs.activation_bytes]
+    allowed = _allowed(options, costs)
     plan: RecomputePlan = {}
     options = dataclasses.replace(options, reload_lookahead=reload_lookahead_for(config, costs, options))
 

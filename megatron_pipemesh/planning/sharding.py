@@ -82,13 +82,10 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweringOptions
 from ..schedule.ops import OpKind
 from ..schedule.order import compute_program
-from ..schedule.spans import SHARD_LEVELS, gather_spans, group_index, group_spans
+from ..schedule.plan import SHARD_SCOPES
+from ..schedule.spans import SHARD_LEVELS, ZERO_STAGE, gather_spans, group_index, group_spans
 from .costs import ScheduleCosts, link_gbps, reduce_scatter_steps
 
-LEVELS = SHARD_LEVELS
-"""Megatron's sharding level names, ZeRO-1..3."""
-ZERO = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
-SCOPES = ("data-parallel", "node")
 FLAG = "--pipemesh-sharding"
 SCOPE_FLAG = "--pipemesh-shard-scope"
 
@@ -118,10 +115,10 @@ def parse_levels(values: Union[None, str, Sequence[str]], vpp: int, *, distribut
                                 f"Example: {example}")
         levels: Union[str, Tuple[str, ...]] = "auto"
     else:
-        unknown = [v for v in values if v not in LEVELS]
+        unknown = [v for v in values if v not in SHARD_LEVELS]
         if unknown:
             raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: unknown level(s) {', '.join(unknown)}; "
-                                f"levels are {', '.join(LEVELS)} (or auto). Example: {example}")
+                                f"levels are {', '.join(SHARD_LEVELS)} (or auto). Example: {example}")
         if len(values) not in (1, vpp):
             raise ShardingError(f"{FLAG} {' '.join(values)} is invalid: give one level for all chunks or one per "
                                 f"virtual chunk ({vpp}), got {len(values)}. Example: {example}")
@@ -136,8 +133,8 @@ def parse_levels(values: Union[None, str, Sequence[str]], vpp: int, *, distribut
 def shard_size(scope: str, dp: int, tp: int = 1, devices_per_node: int = 8) -> int:
     """Ranks a ZeRO-2/3 chunk shards its weights and gradients over: all ``dp`` ranks, or those of one
     node (ranks are laid out TP fastest, then DP: a node holds ``devices_per_node // tp`` of them)."""
-    if scope not in SCOPES:
-        raise ShardingError(f"{SCOPE_FLAG} {scope} is invalid: choose one of {', '.join(SCOPES)}. "
+    if scope not in SHARD_SCOPES:
+        raise ShardingError(f"{SCOPE_FLAG} {scope} is invalid: choose one of {', '.join(SHARD_SCOPES)}. "
                             f"Example: {SCOPE_FLAG} node")
     if scope == "data-parallel":
         return dp
@@ -190,9 +187,9 @@ def optimizer_bytes(dtype_bytes: int) -> int:
 def bytes_per_param(level: str, shard: int, dtype_bytes: int = 2, grad_bytes: int = 4) -> StateBytes:
     """Bytes per parameter of a chunk at ``level`` whose shards span ``shard`` ranks (table in the module
     docstring; the optimizer state is sharded over the same ranks: Megatron's distributed-optimizer instance)."""
-    if level not in ZERO:
-        raise ShardingError(f"unknown sharding level {level!r}; levels are {', '.join(LEVELS)}")
-    zero = ZERO[level]
+    if level not in ZERO_STAGE:
+        raise ShardingError(f"unknown sharding level {level!r}; levels are {', '.join(SHARD_LEVELS)}")
+    zero = ZERO_STAGE[level]
     optimizer = optimizer_bytes(dtype_bytes) / shard
     weights = dtype_bytes / shard if zero == 3 else dtype_bytes
     grads = grad_bytes / shard if zero >= 2 else grad_bytes
@@ -219,12 +216,12 @@ class ShardingSpec:
     @property
     def sharded_params(self) -> Tuple[int, ...]:
         """Chunks whose parameters are sharded (ZeRO-3)."""
-        return tuple(c for c, level in enumerate(self.levels) if ZERO[level] == 3)
+        return tuple(c for c, level in enumerate(self.levels) if ZERO_STAGE[level] == 3)
 
     @property
     def sharded_grads(self) -> Tuple[int, ...]:
         """Chunks whose gradients are sharded (ZeRO-2 and ZeRO-3)."""
-        return tuple(c for c, level in enumerate(self.levels) if ZERO[level] >= 2)
+        return tuple(c for c, level in enumerate(self.levels) if ZERO_STAGE[level] >= 2)
 
     def describe(self) -> str:
         scope = f", scope {self.scope}" if self.sharded_grads else ""
@@ -289,7 +286,7 @@ def chunk_traffic(config: ScheduleConfig, rank: int, chunk: int, level: str, par
                   dtype_bytes: int, grad_bytes: int, lookahead: int = 1) -> Traffic:
     """Collectives of ``chunk`` on ``rank`` in one iteration of ``config`` at ``level``, with shards over
     ``shard`` of the ``dp`` data-parallel ranks (``shard < dp``: the node scope)."""
-    zero = ZERO[level]
+    zero = ZERO_STAGE[level]
     compute = compute_program(config, rank)
     gathers = len(gather_spans(config, compute, chunk, lookahead)) if zero == 3 else 1
     reduces = len(group_spans(config, compute, chunk, OpKind.BACKWARD)) if zero >= 2 else 1
@@ -364,7 +361,7 @@ class ShardedCosts(ScheduleCosts):
         return steps * (group - 1) / group * payload * 8 / (gbps * 1e9) + self.costs.latency_s if group > 1 else 0.0
 
     def data_parallel(self, rank: int, op) -> float:
-        zero = ZERO[self.spec.levels[op.chunk]]
+        zero = ZERO_STAGE[self.spec.levels[op.chunk]]
         node = self.shard < self.dp
         if not node and (zero == 1 or op.kind is OpKind.PARAM_SYNC):
             return super().data_parallel(rank, op)
@@ -438,9 +435,9 @@ def candidate_levels(vpp: int) -> List[Tuple[str, ...]]:
     """Level tuples ``auto`` tries: every mix for V <= 2; otherwise the uniform levels and chunk 0 at
     ZeRO-1 (its first gather can hide behind nothing) with ZeRO-2 or ZeRO-3 for the other chunks."""
     if vpp <= 2:
-        return [tuple(mix) for mix in itertools.product(LEVELS, repeat=vpp)]
-    out = [(level,) * vpp for level in LEVELS]
-    out += [("optim",) + (level,) * (vpp - 1) for level in LEVELS[1:]]
+        return [tuple(mix) for mix in itertools.product(SHARD_LEVELS, repeat=vpp)]
+    out = [(level,) * vpp for level in SHARD_LEVELS]
+    out += [("optim",) + (level,) * (vpp - 1) for level in SHARD_LEVELS[1:]]
     return out
 
 
@@ -468,5 +465,5 @@ def plan_with_sharding(pp: int, vpp: int, microbatches: int, costs_for, budget_b
                              f"any of the sharding levels tried ({', '.join(' '.join(m) for m in tuples)})")
     best = min(feasible, key=lambda item: (round(item[1].result.iteration_s, 12),
                                            max(r.peak_memory_bytes for r in item[1].result.ranks),
-                                           sum(ZERO[level] for level in item[0])))
+                                           sum(ZERO_STAGE[level] for level in item[0])))
     return best[1], results

@@ -15,17 +15,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import LoweredSchedule, LoweringOptions, host_placement_of, lower
+from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import OpKind
 from ..schedule.timeline import Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 from .memory import host_block_bytes
 
 RecomputePlan = Dict[Tuple[int, int, int], str]
-"""(rank, chunk, micro-batch) -> 'none' | 'host' | 'selective' | 'full'; missing means 'none'."""
-
-DEFAULT_RELOAD_LOOKAHEAD = LoweringOptions.reload_lookahead
-"""Compute ops between a RELOAD's launch and its backward (the lowering's default)."""
+"""(rank, chunk, micro-batch) -> lever (:class:`..schedule.levers.Lever` or its name); missing means 'none'."""
 
 
 @dataclass

@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.levers import DEVICE, Lever
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
+from ..schedule.spans import SHARD_LEVELS
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
-from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_level, selective_module_sets
+from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
 
@@ -52,7 +54,7 @@ Budget = Union[float, Sequence[float]]
 sharding level above ZeRO-1 it is still the device memory left after the *distributed optimizer's*
 static bytes: the bytes the level saves are added to it, its gather and gradient buffers taken from it."""
 
-STOCK_SHARDING = ("optim", "optim_grads", "optim_grads_params")
+STOCK_SHARDING = SHARD_LEVELS
 """The uniform sharding levels stock Megatron offers: the distributed optimizer (ZeRO-1) and
 Megatron-FSDP's ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy``)."""
 
@@ -156,16 +158,16 @@ class StockRecompute:
         if self.modules and self.granularity != "selective":
             raise ValueError("--recompute-modules applies only to --recompute-granularity selective")
         if self.modules:
-            selective_level(self.modules)  # validates the names
+            Lever.selective(self.modules)  # validates the names
 
     @property
-    def level(self) -> str:
-        """The planning level name (:func:`.memory.parse_level`) with the same memory and time."""
+    def level(self) -> Lever:
+        """The lever with the same memory and time."""
         if self.granularity == "none":
-            return "none"
+            return DEVICE
         if self.granularity == "selective":
-            return selective_level(self.modules or ("core_attn",))
-        return f"{self.method}:{self.num_layers}"
+            return Lever.selective(self.modules or ("core_attn",))
+        return Lever.parse(f"{self.method}:{self.num_layers}")
 
     def flags(self) -> List[str]:
         if self.granularity == "none":
@@ -311,16 +313,6 @@ def schedule_options(pp: int, num_layers: int, microbatches: int) -> List[Tuple[
     for vpp in range(2, per_rank + 1):
         if per_rank % vpp == 0:
             out += [(vpp, g) for g in group_sizes(pp, microbatches)]
-    return out
-
-
-def stock_settings(pp: int, num_layers: int, microbatches: int, layer_spec: str = "local",
-                   grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)) -> List[StockSetting]:
-    """The whole stock option set (schedules x recomputation x the ``sharding`` levels)."""
-    out = []
-    for vpp, g in schedule_options(pp, num_layers, microbatches):
-        for recompute in recompute_options(num_layers // (pp * vpp), layer_spec):
-            out += [StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16, level) for level in sharding]
     return out
 
 

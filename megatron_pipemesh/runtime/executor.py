@@ -12,12 +12,15 @@ which comes from the validated plan:
 * ``PARAM_SYNC c`` calls ``param_sync_func[c]``; ``GRAD_SYNC c`` calls ``grad_sync_func[c]``;
   without ``grad_sync_func``, Megatron's ``no_sync_func`` is lifted for each chunk's last backward
   so that DDP's own hooks reduce its gradients; ``finalize_model_grads_func`` runs at the end;
-* waits on gloo (CPU) have a timeout and failures name the rank, the step, the op and the plan; on
-  NCCL a wait takes no timeout (``work.wait(timeout)`` blocks the host until the transfer is done,
-  which would stop the CPU from running ahead of the GPU): the link groups carry the distributed
-  timeout and NCCL's watchdog ends a stuck job, as with Megatron's own schedules;
-* every transfer uses its link's own process group (:mod:`..integration.parallel_state`); a missing
-  link group is an error, never a fall-back to the shared pipeline group;
+* transfers go through the schedule's :class:`~.transport.PipelineTransport` (torch.distributed by
+  default; an in-process loopback for thread-ranks): waits on gloo (CPU) have a timeout and failures
+  name the rank, the step, the op and the plan; on NCCL a wait takes no timeout (``work.wait(timeout)``
+  blocks the host until the transfer is done, which would stop the CPU from running ahead of the GPU):
+  the link groups carry the distributed timeout and NCCL's watchdog ends a stuck job, as with
+  Megatron's own schedules;
+* every transfer uses its link's own process group (the caller's provider, e.g.
+  ``integration.parallel_state``'s); a missing link group is an error, never a fall-back to the shared
+  pipeline group;
 * each call tags its transfers with a call counter (gloo matches tags; NCCL ignores them), so the
   receives a failed call left posted can never take a later call's data; an exception leaves
   Megatron usable: ``no_sync`` exited, the ``forward-backward`` timer stopped (on NCCL, where posted
@@ -36,29 +39,26 @@ which comes from the validated plan:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig
 from ..schedule.levers import DEVICE
 from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
+from ..schedule.ops import F, Op, OpKind
 from ..schedule.plan import RunPlan
-from ..schedule.ops import F, Op, OpKind, format_ops
 from ..schedule.validate import validate
+from .errors import PipeMeshRuntimeError
 from .memory import SavedTensorMeter, ambient_meter, make_memory_meter, model_tensors
 from .offload import ActivationOffloader
 from .recompute import recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
-
-
-class PipeMeshRuntimeError(RuntimeError):
-    """A failure while running a plan; the message names rank, step and op."""
+from .transport import DistTransport, LinkGroups, LinkKey, PipelineTransport
+from .unsupported import check_model_config
 
 
 @dataclass(frozen=True)
@@ -75,24 +75,6 @@ class PipeMeshOptions:
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
 
 
-TAG_LIMIT = 1 << 30
-"""Transfer tags cycle below this (gloo tags are 32-bit)."""
-
-
-def timed_waits(backend: str, device: torch.device) -> bool:
-    """Whether waits on a group with ``backend`` for tensors on ``device`` may carry a timeout.
-
-    Only gloo: its transfers run on the host, so a timed wait costs nothing and turns a dead peer into a
-    clear error. On NCCL ``work.wait(timeout)`` blocks the host until the transfer has finished (an
-    untimed wait only makes the current stream wait), so the runtime relies on the group's timeout and
-    NCCL's watchdog there. ``backend`` may be a device map such as ``"cpu:gloo,cuda:nccl"``.
-    """
-    if ":" in backend:
-        per_device = dict(part.split(":", 1) for part in backend.split(","))
-        backend = per_device.get(torch.device(device).type, "")
-    return backend == "gloo"
-
-
 def _device_of(module: torch.nn.Module) -> torch.device:
     for parameter in module.parameters():
         return parameter.device
@@ -103,26 +85,20 @@ class PipeMeshSchedule:
     """Callable with the keyword signature of megatron-core's schedule functions."""
 
     def __init__(self, plan: RunPlan = RunPlan(), options: PipeMeshOptions = PipeMeshOptions(),
-                 p2p_groups: Optional[Callable[[], Optional[Dict]]] = None):
+                 p2p_groups: Optional[LinkGroups] = None, transport: Optional[PipelineTransport] = None):
+        """``p2p_groups``: provider of the per-link process groups of the default (torch.distributed) transport,
+        e.g. ``integration.parallel_state.get_pipemesh_p2p_groups``; ``transport``: another transport (it brings
+        its own links), e.g. :class:`~.loopback.LoopbackTransport`."""
         if not isinstance(plan, RunPlan) or not isinstance(options, PipeMeshOptions):
             raise TypeError(f"PipeMeshSchedule(plan: RunPlan, options: PipeMeshOptions), got "
                             f"({type(plan).__name__}, {type(options).__name__})")
+        if transport is not None and p2p_groups is not None:
+            raise ValueError("give PipeMeshSchedule either a transport or the p2p_groups of the default one")
         self.plan, self.options = plan, options
-        if p2p_groups is None:  # the per-link groups of integration.parallel_state (created on first use)
-            from ..integration.parallel_state import get_pipemesh_p2p_groups as p2p_groups
-        self._p2p_groups = p2p_groups
+        self.transport = transport if transport is not None else DistTransport(p2p_groups)
+        """This rank's pipeline transfers (pending transfers, tags, wait policy, failure state across calls)."""
         self._plans: Dict[tuple, LoweredSchedule] = {}
         self._checked: set = set()
-        self._calls = itertools.count()
-        self._broken_links: List[str] = []
-        """Links a failed call left unusable: a gloo wait that timed out or failed (gloo closes the link's
-        connection) or posted NCCL receives (NCCL cannot cancel them). The next call fails naming them."""
-        self.abandoned_receives = 0
-        """Receives failed calls left posted (gloo: they wait forever on their own call's tag)."""
-        self.abandoned_sends: List[tuple] = []
-        """Sends a failed call left in flight (work, tensor, ...), kept until they complete: a gloo send whose work
-        is dropped before its receiver posts is cancelled, so the peer would wait out its timeout for data this
-        rank had sent; on NCCL the buffer must outlive the transfer. Completed ones are let go at the next call."""
         self.last_stats: Optional[RuntimeStats] = None
         from .sharding import ShardingRuntime
         self.sharding = ShardingRuntime(plan.sharding) if plan.sharding else None
@@ -136,11 +112,20 @@ class PipeMeshSchedule:
             self._offloader = ActivationOffloader(device)
         return self._offloader
 
+    @property
+    def abandoned_receives(self) -> int:
+        """Receives failed calls left posted (:attr:`.PipelineTransport.abandoned_receives`)."""
+        return self.transport.abandoned_receives
+
+    @property
+    def abandoned_sends(self) -> list:
+        """Sends failed calls left in flight, kept until they complete (:attr:`.PipelineTransport.abandoned_sends`)."""
+        return self.transport.abandoned_sends
+
     def continue_from(self, previous: "PipeMeshSchedule") -> "PipeMeshSchedule":
         """Take over ``previous``'s call counter (transfer tags) and failure state, when this schedule
         replaces it mid-run (re-planning), so stale receives of its failed calls still cannot match."""
-        self._calls, self._broken_links = previous._calls, previous._broken_links
-        self.abandoned_receives, self.abandoned_sends = previous.abandoned_receives, previous.abandoned_sends
+        self.transport.continue_from(previous.transport)
         return self
 
     # Planning ------------------------------------------------------------------------------
@@ -156,8 +141,7 @@ class PipeMeshSchedule:
         digest = schedule.digest()
         if not self.options.check_plan_across_ranks or digest in self._checked:
             return
-        gathered: List[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, f"{digest} {schedule.config.describe()}")
+        gathered = self.transport.all_gather_object(f"{digest} {schedule.config.describe()}")
         if len(set(gathered)) > 1:
             lines = "\n".join(f"  rank {r}: plan {g}" for r, g in enumerate(gathered))
             raise PipeMeshRuntimeError(
@@ -180,38 +164,31 @@ class PipeMeshSchedule:
         if adjust_tensor_shapes_fn is not None:
             raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
         config = get_model_config(model[0])
-        from ..integration.unsupported import check_model_config
         check_model_config(config)  # features the stock interleaved schedule handles and this one does not
-        self.abandoned_sends = [send for send in self.abandoned_sends if not send[0].is_completed()]
-        if self._broken_links:
-            raise PipeMeshRuntimeError(
-                f"rank {dist.get_rank()}: an earlier call of the PipeMesh schedule failed and left the pipeline links "
-                f"{', '.join(sorted(set(self._broken_links)))} unusable (a timed-out gloo transfer closes its link; "
-                "posted NCCL receives cannot be cancelled and would take later data). Restart the job (e.g. from the "
-                "last checkpoint)")
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         run = _Run(self, config, mcore, model, data_iterator, forward_step_func, num_microbatches, seq_length,
                    micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection, pp_group,
-                   force_all_reduce, tag=next(self._calls) % TAG_LIMIT)
+                   force_all_reduce)
         return run.execute()
 
 
 class _Run:
-    """State of one call: this rank's program, its tensors and pending communication."""
+    """State of one call: this rank's program and its tensors (its transfers: the schedule's transport)."""
 
     def __init__(self, owner: PipeMeshSchedule, config, mcore, model, data_iterator, forward_step_func, num_microbatches,
                  seq_length, micro_batch_size, forward_only, collect_non_loss_data, first_val_step, pg_collection,
-                 pp_group, force_all_reduce, tag: int = 0):
+                 pp_group, force_all_reduce):
         self.owner, self.config, self.mcore, self.model = owner, config, mcore, model
         self.data_iterator, self.forward_step_func = data_iterator, forward_step_func
         self.m, self.forward_only, self.collect_non_loss_data = num_microbatches, forward_only, collect_non_loss_data
         self.first_val_step, self.pg_collection, self.pp_group = first_val_step, pg_collection, pp_group
         self.force_all_reduce = force_all_reduce
-        self.rank = dist.get_rank()
-        self.pp_rank, self.pp = pp_group.rank(), pp_group.size()
-        self.pp_ranks = dist.get_process_group_ranks(pp_group)
+        self.transport = owner.transport
+        self.rank = self.transport.rank()
+        self.pp_ranks = self.transport.group_ranks(pp_group)
+        self.pp_rank, self.pp = self.pp_ranks.index(self.rank), len(self.pp_ranks)
         self.vpp = len(model)
         cp = pg_collection.cp.size() if getattr(pg_collection, "cp", None) is not None else 1
         self.cp_size = cp
@@ -224,8 +201,6 @@ class _Run:
         self.dtype = config.pipeline_dtype or torch.float32
         timeout = owner.options.p2p_timeout_s
         self.timeout = timedelta(seconds=timeout if timeout is not None else 30 * 60)
-        self.tag = tag
-        self.timed = timed_waits(dist.get_backend(pp_group), self.device)
         self.clock = OpClock(self.device)
         self.timer_started = False
 
@@ -261,7 +236,8 @@ class _Run:
         for op in self.program:
             if op.kind is OpKind.BACKWARD:
                 self.last_backward[op.chunk] = op
-        self.p2p_groups = owner._p2p_groups() if any(op.kind.is_p2p for op in self.program) else {}
+        self.transport.start_call(pp_group=pp_group, device=self.device, timeout=self.timeout, locate=self._where,
+                                  retire=self._retire_send, uses_links=any(op.kind.is_p2p for op in self.program))
         self.placement = {} if forward_only else plan.placement
         self.sharding = None if forward_only or owner.sharding is None else owner.sharding.program(model)
         self.meter = None
@@ -293,48 +269,16 @@ class _Run:
         return (f"rank {self.rank} (pipeline rank {self.pp_rank}), step {step} ({op}) of plan "
                 f"{self.schedule.digest()} [{self.schedule.config.describe()}]")
 
-    def _group_for(self, direction: str, src_pp: int, dst_pp: int, step: int, op: Op):
-        key = (direction, self.pp_ranks[src_pp], self.pp_ranks[dst_pp])
-        group = (self.p2p_groups or {}).get(key)
-        if group is None:
-            raise PipeMeshRuntimeError(
-                f"{self._where(step, op)}: no process group for the pipeline link {key[0]} {key[1]}->{key[2]} "
-                f"({'activations' if direction == 'F' else 'gradients'} from global rank {key[1]} to {key[2]}). "
-                "PipeMesh sends each link's transfers on the link's own group; call megatron_pipemesh.install() before "
-                "Megatron's initialize_model_parallel (or megatron_pipemesh.integration.parallel_state."
-                "create_pipemesh_groups() on every rank after it)")
-        return group
+    def _link(self, direction: str, src_pp: int, dst_pp: int) -> LinkKey:
+        """The link from pipeline rank ``src_pp`` to ``dst_pp`` in ``direction`` ('F' activations, 'B' gradients)."""
+        return direction, self.pp_ranks[src_pp], self.pp_ranks[dst_pp]
 
-    def _wait(self, work, step: int, op: Op, what: str, link: str = "") -> None:
-        try:
-            # gloo: a timed wait turns a dead peer into an error naming rank, step and op. NCCL: no timeout,
-            # which only makes the current stream wait (a timed wait would block the host until the transfer
-            # ends); the link group's timeout and NCCL's watchdog end a stuck job as in Megatron's schedules.
-            completed = work.wait(self.timeout) if self.timed else work.wait()
-        except Exception as error:  # the backend reports dead peers and timeouts as RuntimeError
-            self.owner._broken_links.append(link)
-            raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} failed: {error}") from error
-        if completed is False:
-            self.owner._broken_links.append(link)
-            raise PipeMeshRuntimeError(f"{self._where(step, op)}: {what} timed out after {self.timeout.total_seconds():.0f} s")
-
-    def _drain_sends(self, block: bool, step: int, only: Optional[Op] = None) -> None:
-        """Retire completed sends (all of them when ``block``; just ``only``'s when given), freeing
-        sent activations as Megatron's ``deallocate_output_tensor`` does."""
-        keep = []
-        for work, tensor, dealloc, op in self.pending_sends:
-            mine = only is None or op.compute == only
-            if mine and (block or only is not None):
-                link = f"{'F' if op.kind is OpKind.SEND_FORWARD else 'B'} {self.rank}->{self.pp_ranks[op.peer]}"
-                self._wait(work, step, op, f"send to pipeline rank {op.peer}", link)
-            if mine and (block or only is not None or work.is_completed()):
-                if dealloc:
-                    self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
-                    if self.meter is not None and self.config.deallocate_pipeline_outputs:
-                        self.meter.untrack((op.chunk, op.microbatch))
-            else:
-                keep.append((work, tensor, dealloc, op))
-        self.pending_sends = keep
+    def _retire_send(self, op: Op, tensor: torch.Tensor) -> None:
+        """A send completed: free a sent activation as Megatron's ``deallocate_output_tensor`` does."""
+        if op.kind is OpKind.SEND_FORWARD:
+            self.mcore.deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
+            if self.meter is not None and self.config.deallocate_pipeline_outputs:
+                self.meter.untrack((op.chunk, op.microbatch))
 
     # Main loop -----------------------------------------------------------------------------
     def execute(self):
@@ -349,8 +293,6 @@ class _Run:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
             self.timer_started = True
-        self.recvs: Dict[Op, Tuple[object, torch.Tensor, str]] = {}
-        self.pending_sends = []
         try:
             self._disable_grad_sync()
             if self.sharding is not None:
@@ -369,8 +311,8 @@ class _Run:
 
     def _abandon(self, error: BaseException) -> None:
         """Leave Megatron as the call found it after ``error``: DDP's ``no_sync`` exited, the
-        ``forward-backward`` timer stopped, posted receives accounted for (see the module docstring), and sends in
-        flight kept alive until they complete (:attr:`PipeMeshSchedule.abandoned_sends`)."""
+        ``forward-backward`` timer stopped, posted receives accounted for and sends in flight kept alive until they
+        complete (:meth:`.PipelineTransport.abandon`)."""
         if self.sharding is not None:
             with contextlib.suppress(Exception):
                 self.sharding.end()
@@ -389,12 +331,7 @@ class _Run:
                     timer = self.config.timers(name, log_level=2)
                     if getattr(timer, "_started", False):
                         timer.stop()
-        if self.recvs:
-            self.owner.abandoned_receives += len(self.recvs)
-            if not self.timed:
-                self.owner._broken_links.extend(link for _, _, link in self.recvs.values())
-        self.owner.abandoned_sends.extend(self.pending_sends)  # dropping a gloo send's work would cancel it
-        self.recvs, self.pending_sends = {}, []
+        self.transport.abandon()
         if self.offloader is not None:
             self.offloader.clear()
 
@@ -407,7 +344,7 @@ class _Run:
         inputs: Dict[Op, Optional[torch.Tensor]] = {}
         outputs: Dict[Op, torch.Tensor] = {}
         input_grads: Dict[Op, torch.Tensor] = {}
-        recvs = self.recvs
+        transport = self.transport
         forward_data_store: List = []
         total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         begin = time.perf_counter()
@@ -423,19 +360,14 @@ class _Run:
                 if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
                     forward = kind is OpKind.RECV_FORWARD
                     buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
-                    group = self._group_for("F" if forward else "B", op.peer, self.pp_rank, step, op)
-                    link = f"{'F' if forward else 'B'} {self.pp_ranks[op.peer]}->{self.rank}"
-                    work = dist.irecv(buffer, src=self.pp_ranks[op.peer], group=group, tag=self.tag)
-                    recvs[op.compute] = (work, buffer, link)
+                    transport.post_receive(op, buffer, self._link("F" if forward else "B", op.peer, self.pp_rank), step)
                 elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
                     forward = kind is OpKind.SEND_FORWARD
                     if forward:  # training keeps the output (its graph) for the backward
                         tensor = outputs.pop(op.compute) if self.forward_only else outputs[op.compute]
                     else:
                         tensor = input_grads.pop(op.compute)
-                    group = self._group_for("F" if forward else "B", self.pp_rank, op.peer, step, op)
-                    work = dist.isend(tensor.detach(), dst=self.pp_ranks[op.peer], group=group, tag=self.tag)
-                    self.pending_sends.append((work, tensor, forward, op))
+                    transport.send(op, tensor, self._link("F" if forward else "B", self.pp_rank, op.peer), step)
                 elif kind is OpKind.PARAM_SYNC:
                     self.param_sync_func[op.chunk](model[op.chunk].parameters())
                 elif kind is OpKind.GRAD_SYNC:
@@ -448,11 +380,8 @@ class _Run:
                 elif kind.is_host:
                     self._host_copy(step, op, inputs, outputs)
                 else:
-                    received = None
-                    if op in recvs:
-                        work, received, link = recvs.pop(op)
-                        self._wait(work, step, op, f"receive of its {'input' if kind is OpKind.FORWARD else 'output gradient'}",
-                                   link)
+                    received = transport.wait_receive(
+                        op, step, "receive of its input" if kind is OpKind.FORWARD else "receive of its output gradient")
                     ready, ready_event = self.clock.mark()
                     wait_s = ready - start
                     if kind is OpKind.FORWARD:
@@ -468,7 +397,7 @@ class _Run:
                             self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
                             synced.add(op.chunk)
                         # Megatron's custom_backward expects the sent output already deallocated.
-                        self._drain_sends(block=False, step=step, only=forward_op)
+                        transport.drain_sends(step, only=forward_op)
                         host = self._host_placed(op)
                         if host:
                             self._host_step(step, op, lambda key: self.offloader.wait(key))
@@ -488,13 +417,12 @@ class _Run:
                     if start_event is not None:
                         events = (start_event, ready_event, end_event)
             stats.records.append(OpRecord(step, str(op), start - begin, wait_s, compute_s, events))
-            self._drain_sends(block=False, step=step)
+            transport.drain_sends(step)
 
         drain = time.perf_counter()
-        self._drain_sends(block=True, step=len(self.program))
+        transport.drain_sends(len(self.program), block=True)
         stats.send_drain_s = time.perf_counter() - drain
-        if recvs:
-            raise PipeMeshRuntimeError(f"rank {self.rank}: receives posted but never consumed: {format_ops(recvs)}")
+        transport.end_call()
 
         if self.sharding is not None:
             self.sharding.end()
@@ -532,8 +460,7 @@ class _Run:
         ``--recompute-*`` settings alone, a plan with one sets every op's (host-placed ones recompute nothing)."""
         if not self.placement:
             return contextlib.nullcontext()
-        lever = self.placement.get((self.pp_rank, op.chunk, op.microbatch), DEVICE)
-        return recompute_scope(self.model[op.chunk], lever if lever.recomputes else DEVICE)
+        return recompute_scope(self.model[op.chunk], self.placement.get((self.pp_rank, op.chunk, op.microbatch), DEVICE))
 
     def _host_placed(self, op: Op) -> bool:
         """Whether ``op``'s chunk-micro-batch keeps its activations in host memory (this call's plan)."""

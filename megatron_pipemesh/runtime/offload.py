@@ -1,7 +1,7 @@
 """Host placement of activations: the runtime side of the ``OFFLOAD c.j`` / ``RELOAD c.j`` ops.
 
-A chunk-micro-batch whose placement level is ``'host'`` (``schedule.lower.HOST_LEVEL``) runs its
-forward with recompute level ``'none'``. Its saved tensors are captured *per tensor*, not with
+A chunk-micro-batch whose placement level is ``'host'`` (``schedule.levers.HOST``) runs its
+forward with every recompute switch off (as ``'none'``). Its saved tensors are captured *per tensor*, not with
 ``torch.autograd.graph.saved_tensors_hooks`` around the forward: at ``OFFLOAD`` the offloader walks the
 autograd graph of the chunk's outputs and registers :meth:`ActivationOffloader.hooks`' pack/unpack
 pair on each saved tensor it moves (``SavedTensor.register_hooks``), which packs it into a

@@ -21,14 +21,15 @@ switches megatron-core 0.19.2 reads at call time:
   ``recompute_num_layers=1``: every layer keeps only its input and is recomputed in the backward —
   Megatron's ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``.
 
-Levels (the planner's names, :func:`megatron_pipemesh.planning.memory.parse_level`): ``'none'``
-(every switch off), ``'selective'`` (core_attn), ``'selective:<m1>+<m2>'`` with modules from
-``core_attn``, ``layernorm``, ``mlp`` (exactly those switches on), ``'full'`` (the selective
-switches off inside the fully recomputed layers, as Megatron's construction leaves them under full
-granularity). Everything is restored on exit; the config object is shared by every chunk of the
-rank, which is safe because one op runs at a time. The runtime enters the same scope around the
-op's backward, so the recomputation that runs inside ``backward_step`` takes the same path as the
-forward did (the full-recompute replay re-enters the layers, which read the switches again).
+Levers (:class:`megatron_pipemesh.schedule.levers.Lever`, whose ``switches`` say what to set): ``'none'``
+and ``'host'`` (every switch off; the offloader moves a host chunk-micro-batch), ``'selective'``
+(core_attn), ``'selective:<m1>+<m2>'`` with modules from ``core_attn``, ``layernorm``, ``mlp`` (exactly
+those switches on), ``'full'`` (the selective switches off inside the fully recomputed layers, as
+Megatron's construction leaves them under full granularity). Everything is restored on exit; the
+config object is shared by every chunk of the rank, which is safe because one op runs at a time. The
+runtime enters the same scope around the op's backward, so the recomputation that runs inside
+``backward_step`` takes the same path as the forward did (the full-recompute replay re-enters the
+layers, which read the switches again).
 
 Supported: Megatron's local spec and Transformer Engine specs in 16/32-bit (both go through the
 same switches; the TE case is untested here). Refused with ``NotImplementedError``: FP8/FP4 (TE's
@@ -52,30 +53,18 @@ megatron-core 0.19.2 defects that no switch avoids:
 from __future__ import annotations
 
 import contextlib
-from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
+from typing import FrozenSet, Iterator, List, Tuple
 
 import torch
 
-from ..schedule.lower import HOST_LEVEL
-
-LEVELS = ("none", "selective", "full")
-"""The basic levels; ``'selective:<m1>+<m2>'`` module sets are accepted too (:func:`parse_runtime_level`)."""
+from ..schedule.levers import Lever
 
 
 def parse_runtime_level(level: str) -> Tuple[str, FrozenSet[str]]:
-    """(kind, selective modules) of a level this runtime applies; ValueError for anything else
-    (the planner's 'uniform:<k>' / 'block:<k>' are stock-only: a chunk is recomputed whole or not)."""
-    from ..planning.memory import parse_level
-
-    try:
-        kind, modules, _ = parse_level(level) if isinstance(level, str) else ("?", frozenset(), 0)
-    except ValueError:
-        kind, modules = "?", frozenset()
-    if kind not in ("none", "selective", "full"):
-        raise ValueError(f"unknown recompute level {level!r}; use one of {', '.join(LEVELS)} or "
-                         "'selective:<modules joined by +>' with modules from core_attn, layernorm, mlp "
-                         "(e.g. 'selective:core_attn+mlp')")
-    return kind, modules
+    """(kind name, recomputed modules) of a lever this runtime applies (:meth:`Lever.parse_runtime`), for
+    callers of the tuple form."""
+    lever = Lever.parse_runtime(level)
+    return lever.kind.value, lever.modules
 
 
 def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
@@ -84,37 +73,6 @@ def unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
         module = module.module
     return module
-
-
-PLAN_LEVELS = LEVELS + (HOST_LEVEL,)
-"""Levels of a placement plan: the recompute levels and 'host' (kept whole, offloaded: :mod:`.offload`);
-``'selective:<m1>+<m2>'`` module sets are accepted too (:func:`is_plan_level`)."""
-
-
-def is_plan_level(level) -> bool:
-    """Whether a placement plan may give a chunk-micro-batch ``level``: 'host' or a level this runtime
-    applies (:func:`parse_runtime_level`)."""
-    if level == HOST_LEVEL:
-        return True
-    try:
-        parse_runtime_level(level)
-    except ValueError:
-        return False
-    return True
-
-
-def check_plan(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> None:
-    """Fail early on unknown levels or malformed keys (pipeline rank, chunk, micro-batch)."""
-    for key, level in (plan or {}).items():
-        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
-            raise ValueError(f"recompute plan key {key!r} is not (pipeline rank, chunk, micro-batch)")
-        if is_plan_level(level):
-            continue
-        try:  # for its message
-            parse_runtime_level(level)
-        except ValueError as error:
-            raise ValueError(f"recompute plan {key}: {str(error).replace('unknown recompute level', 'unknown level')}; "
-                             f"or '{HOST_LEVEL}' (activation placement)") from None
 
 
 def _attention_modules(module: torch.nn.Module) -> List[torch.nn.Module]:
@@ -164,8 +122,9 @@ def _check_supported(config, module: torch.nn.Module, level: str, modules: Froze
 
 @contextlib.contextmanager
 def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
-    """Run ``model_chunk``'s forward (or backward) inside with recompute ``level``; restores on exit."""
-    kind, modules = parse_runtime_level(level)
+    """Run ``model_chunk``'s forward (or backward) inside with the switches of lever ``level``; restores on exit."""
+    switches = Lever.parse_runtime(level).switches
+    modules = switches.modules
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -176,7 +135,7 @@ def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
     num_layers = len(getattr(decoder, "layers", ())) if decoder is not None else 0
     attentions = _attention_modules(module)
     layers = _layers(module)
-    if kind == "full" and num_layers and not isinstance(decoder, TransformerBlock):
+    if switches.whole_layers and num_layers and not isinstance(decoder, TransformerBlock):
         raise NotImplementedError(f"full recompute needs a megatron TransformerBlock decoder, got {type(decoder).__name__}")
     if "core_attn" in modules and num_layers and not attentions:
         raise NotImplementedError(
@@ -188,10 +147,10 @@ def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
             f"in {type(module).__name__} (unsupported layer implementation)")
 
     fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
-    switches = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp")
+    layer_fields = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp")
     saved_config = {name: getattr(config, name) for name in fields}
     saved_attention = [m.checkpoint_core_attention for m in attentions]
-    saved_layers = [{name: getattr(layer, name) for name in switches} for layer in layers]
+    saved_layers = [{name: getattr(layer, name) for name in layer_fields} for layer in layers]
     try:
         for m in attentions:
             m.checkpoint_core_attention = "core_attn" in modules
@@ -203,11 +162,8 @@ def recompute_scope(model_chunk: torch.nn.Module, level: str) -> Iterator[None]:
             layer.recompute_pre_mlp_layernorm = ("layernorm" in modules
                                                  and not isinstance(getattr(layer, "pre_mlp_layernorm", None), IdentityOp))
             layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
-        if kind == "full":
-            config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
-        else:
-            config.recompute_granularity = "selective" if kind == "selective" else None
-            config.recompute_method = config.recompute_num_layers = None
+        config.recompute_granularity, config.recompute_method = switches.granularity, switches.method
+        config.recompute_num_layers = switches.num_layers
         yield
     finally:
         for name, value in saved_config.items():

@@ -2,7 +2,7 @@
 from .config import ScheduleConfig, ScheduleConfigError, check_groups, uniform_groups
 from .lower import LoweredSchedule, LoweringOptions, lower
 from .ops import B, F, Op, OpKind, format_ops, parse_op
-from .order import backward_sequence, compute_program, compute_programs, forward_sequence, peak_live_closed_form, warmup
+from .order import backward_sequence, compute_program, compute_programs, forward_sequence, warmup
 from .timeline import DeadlockError, ScheduleError, execute
 from .validate import validate
 
@@ -10,5 +10,5 @@ __all__ = [
     "B", "DeadlockError", "F", "LoweredSchedule", "LoweringOptions", "Op", "OpKind", "ScheduleConfig",
     "ScheduleConfigError", "ScheduleError", "backward_sequence", "check_groups", "compute_program",
     "compute_programs", "execute", "format_ops", "forward_sequence", "lower", "parse_op",
-    "peak_live_closed_form", "uniform_groups", "validate", "warmup",
+    "uniform_groups", "validate", "warmup",
 ]

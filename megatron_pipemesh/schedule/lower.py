@@ -34,9 +34,14 @@ from functools import lru_cache
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import ScheduleConfig
+from .levers import Lever
 from .ops import Op, OpKind, parse_op
 from .order import compute_programs, first_last_positions
 from .spans import SHARD_LEVELS, gather_spans, group_spans
+
+
+DEFAULT_RELOAD_LOOKAHEAD = 2
+"""Compute ops between a RELOAD and its backward when nothing sizes it (the planner sizes it from the copy time)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class LoweringOptions:
     host_placement: Tuple[Tuple[int, int, int], ...] = ()
     """(pipeline rank, chunk, micro-batch) whose saved activations go to host memory after the
     forward (OFFLOAD) and come back before the backward (RELOAD); ignored by evaluation programs."""
-    reload_lookahead: int = 2
+    reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
     """Launch a RELOAD this many compute ops before its backward (>= 1)."""
     sharding: Tuple[str, ...] = ()
     """Mixed sharding: a level per chunk ('optim', 'optim_grads', 'optim_grads_params'); empty: every chunk
@@ -85,15 +90,10 @@ class LoweringOptions:
             raise ValueError(f"unknown sharding level(s) {unknown}; levels are {', '.join(SHARD_LEVELS)}")
 
 
-HOST_LEVEL = "host"
-"""Placement level of a chunk-micro-batch whose activations wait for their backward in host memory
-(kept whole, like 'none', but off the device between OFFLOAD and RELOAD)."""
-
-
 def host_placement_of(plan: Optional[Mapping[Tuple[int, int, int], str]]) -> Tuple[Tuple[int, int, int], ...]:
     """``LoweringOptions.host_placement`` of a per (pipeline rank, chunk, micro-batch) placement plan:
     every rank's host keys (all ranks lower, and compare, the same whole plan)."""
-    return tuple(sorted(key for key, level in (plan or {}).items() if level == HOST_LEVEL))
+    return tuple(sorted(key for key, level in (plan or {}).items() if Lever.parse(level).is_host))
 
 
 def input_source(config: ScheduleConfig, rank: int, op: Op) -> Optional[Tuple[int, int]]:

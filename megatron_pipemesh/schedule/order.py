@@ -83,16 +83,6 @@ def compute_programs(config: ScheduleConfig, forward_only: bool = False) -> List
     return [compute_program(config, rank, forward_only) for rank in range(config.pp)]
 
 
-def peak_live_closed_form(config: ScheduleConfig, rank: int) -> int:
-    """Peak number of chunk-micro-batches whose activations are alive at once on ``rank``.
-
-    After the warm-up W forwards are alive; each steady step adds one before removing one, so the
-    peak is W + 1 when a steady phase exists and m*V otherwise.
-    """
-    total = config.microbatches * config.vpp
-    return min(warmup(config, rank) + 1, total)
-
-
 def first_last_positions(config: ScheduleConfig) -> Dict[str, Dict[int, int]]:
     """Index in the forward sequence of each chunk's first forward and in the backward sequence
     of each chunk's last backward (these place the data-parallel sync points)."""

@@ -15,15 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
-from .levers import Lever, LeverError
-from .lower import LoweredSchedule, LoweringOptions, lower
+from .levers import BASIC_LEVERS, HOST, SELECTIVE_MODULES, Lever, runtime_lever
+from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, lower
 from .spans import SHARD_LEVELS
 
 Key = Tuple[int, int, int]
 """(pipeline rank, chunk, micro-batch)."""
-
-DEFAULT_RELOAD_LOOKAHEAD = LoweringOptions.reload_lookahead
-"""Compute ops between a RELOAD and its backward when a plan does not size it."""
 
 SHARD_SCOPES = ("data-parallel", "node")
 """Ranks a ZeRO-2/3 shard spans (``--pipemesh-shard-scope``)."""
@@ -68,14 +65,11 @@ class RunPlan:
         for key, lever in self.placement.items():
             if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) for k in key)):
                 raise RunPlanError(f"placement key {key!r} is not (pipeline rank, chunk, micro-batch)")
-            try:
-                parsed = Lever.parse(lever)
-            except LeverError:
-                parsed = None
-            if parsed is None or not parsed.runtime_applicable:
-                raise RunPlanError(f"unknown placement level(s): {key} has unknown level {str(lever)!r}; use none, "
-                                   "selective, full, host or 'selective:<modules joined by +>' with modules from "
-                                   "core_attn, layernorm, mlp (e.g. selective:core_attn+mlp)")
+            parsed = runtime_lever(lever)
+            if parsed is None:
+                raise RunPlanError(f"unknown placement level(s): {key} has unknown level {str(lever)!r}; use "
+                                   f"{', '.join(BASIC_LEVERS + (HOST,))} or 'selective:<modules joined by +>' with "
+                                   f"modules from {', '.join(SELECTIVE_MODULES)} (e.g. selective:core_attn+mlp)")
             if not parsed.is_device:
                 placement[key] = parsed
         object.__setattr__(self, "placement", dict(sorted(placement.items())))

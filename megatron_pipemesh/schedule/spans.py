@@ -15,8 +15,11 @@ from typing import List, Sequence, Tuple
 from .config import ScheduleConfig
 from .ops import Op, OpKind
 
-SHARD_LEVELS = ("optim", "optim_grads", "optim_grads_params")
-"""Megatron's sharding level names (ZeRO-1, -2, -3), one per chunk in ``LoweringOptions.sharding``."""
+ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+"""Megatron's sharding level names (``--data-parallel-sharding-strategy``) and the ZeRO stage each is."""
+
+SHARD_LEVELS = tuple(ZERO_STAGE)
+"""The sharding levels, one per chunk in ``LoweringOptions.sharding``."""
 
 Span = Tuple[int, int]
 """(index of the first, index of the last) compute op of the span in the rank's compute program."""

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..planning.bounds import iteration_lower_bound
-from ..planning.costs import GB, ClusterSpec
+from ..planning.costs import GB
 from ..planning.stock import activation_budget, best_stock
-from .rows import MEMORY_MARGIN, TARGET, StudyRow, row_specs
+from ..planning.memory import MEMORY_MARGIN
+from .rows import TARGET, StudyRow, row_specs
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,6 @@ def study_row(setting: Setting, pp: int):
     """``setting`` at pipeline size ``pp`` as a :class:`.rows.StudyRow` (the study's model and cluster)."""
     return StudyRow("commodity", setting.model, setting.tp, pp, setting.dp, setting.global_batch, setting.memory_gb,
                     setting.gbps, setting.sequence_parallel, gpus_per_node=setting.gpus_per_node)
-
-
-def cluster_for(setting: Setting) -> ClusterSpec:
-    """The study's cluster for ``setting`` (:func:`.rows.row_specs`; it does not depend on the pipeline size)."""
-    return row_specs(study_row(setting, 2))[1]
 
 
 def evaluate(setting: Setting) -> Optional[dict]:

@@ -16,9 +16,6 @@ from ..planning.costs import ClusterSpec, ModelSpec
 TARGET = 1.15
 """The issue's target ratio to best stock."""
 
-MEMORY_MARGIN = 0.10
-"""Fraction of device memory kept free (fragmentation, communication buffers, workspace)."""
-
 GPT = {
     "GPT-1.3B": ModelSpec(24, 2048, 16, 2048, 1),
     "GPT-2.7B": ModelSpec(32, 2560, 32, 2048, 1),

@@ -72,7 +72,8 @@ from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recomput
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
 from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock
 from ..schedule.config import ScheduleConfig
-from .rows import MEMORY_MARGIN, TARGET, StudyRow, row_specs
+from ..planning.memory import MEMORY_MARGIN
+from .rows import TARGET, StudyRow, row_specs
 
 HOST_MEMORY_GB = 48.0
 """Host memory per device for offloaded activations (GiB): an 8-GPU commodity server with 768 GiB of RAM

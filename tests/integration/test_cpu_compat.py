@@ -21,7 +21,8 @@ def _run(code: str) -> dict:
 def test_cpu_args_complete_and_missing_only():
     """cpu_megatron_args lists every CPU flag; missing_cpu_args keeps only those argv lacks (alternatives count)."""
     args = cpu_megatron_args()
-    for flag in ["--transformer-impl", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+    assert "--no-gradient-accumulation-fusion" not in args  # Megatron's default fusion runs on the CPU kernels
+    for flag in ["--transformer-impl", "--use-cpu-initialization",
                  "--distributed-backend", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
                  "--no-rope-fusion", "--no-persist-layer-norm"]:
         assert flag in args
@@ -135,3 +136,67 @@ def test_patches_on_cpu():
     assert res["clipped"] == [0.5] * 4
     assert res["compile_helpers"] and res["init_wrapped"]
     assert res["autocast"] == "torch.bfloat16"
+
+
+def test_torch_wgrad_kernels_accumulate_like_the_cuda_extension():
+    """main_grad += grad_output^T @ input, in fp32 (16-bit inputs multiplied in fp32) and in bf16."""
+    import torch
+
+    from megatron_pipemesh.integration.cpu_compat import TorchWgradKernels
+
+    torch.manual_seed(0)
+    total_input, grad_output = torch.randn(6, 5), torch.randn(6, 3)
+    main_grad = torch.ones(3, 5)
+    TorchWgradKernels.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    assert torch.allclose(main_grad, 1 + grad_output.t() @ total_input, rtol=1e-6, atol=1e-6)
+    half = torch.zeros(3, 5, dtype=torch.float32)
+    TorchWgradKernels.wgrad_gemm_accum_fp32(total_input.bfloat16(), grad_output.bfloat16(), half)
+    assert half.dtype == torch.float32
+    assert torch.allclose(half, grad_output.bfloat16().float().t() @ total_input.bfloat16().float(), rtol=1e-6, atol=1e-6)
+    low = torch.zeros(3, 5, dtype=torch.bfloat16)
+    TorchWgradKernels.wgrad_gemm_accum_fp16(total_input.bfloat16(), grad_output.bfloat16(), low)
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), grad_output.t() @ total_input, atol=0.1)
+
+
+def test_gradient_accumulation_fusion_runs_megatrons_main_grad_path_on_cpu():
+    """With the CPU layer, Megatron's linear layers keep --gradient-accumulation-fusion: a DDP-wrapped layer's
+    backward calls the fused wgrad kernel, writes main_grad itself (no param.grad), and main_grad equals the
+    unfused layer's gradient."""
+    res = _run("""
+        import json, os, torch
+        if torch.cuda.is_available():
+            print(json.dumps({"skip": True})); raise SystemExit
+        from megatron_pipemesh.integration.cpu_compat import TorchWgradKernels, apply_cpu_compat
+        apply_cpu_compat()
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo")
+        from megatron.core import parallel_state
+        parallel_state.initialize_model_parallel()
+        from megatron.core import tensor_parallel
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel import layers
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        calls = []
+        original = TorchWgradKernels.wgrad_gemm_accum_fp32
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = lambda *a: (calls.append(1), original(*a))
+
+        def layer(fusion):
+            config = ModelParallelConfig(gradient_accumulation_fusion=fusion, use_cpu_initialization=True,
+                                         params_dtype=torch.float32)
+            torch.manual_seed(0)
+            return tensor_parallel.ColumnParallelLinear(5, 3, config=config, init_method=torch.nn.init.normal_,
+                                                        bias=False, gather_output=True)
+        fused, plain = layer(True), layer(False)
+        fused.weight.main_grad = torch.zeros_like(fused.weight)
+        fused.weight.grad_added_to_main_grad = False
+        x = torch.randn(4, 2, 5)
+        fused(x)[0].sum().backward()
+        plain(x)[0].sum().backward()
+        print(json.dumps({"skip": False, "calls": len(calls), "grad": fused.weight.grad is None or
+                          bool(fused.weight.grad_added_to_main_grad),
+                          "equal": bool(torch.allclose(fused.weight.main_grad, plain.weight.grad, rtol=1e-6, atol=1e-6))}))
+    """)
+    if res["skip"]:
+        return
+    assert res["calls"] == 1 and res["equal"] and res["grad"]

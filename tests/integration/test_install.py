@@ -22,10 +22,10 @@ def _parse(extra, world_size=4):
         args = parse_and_validate_args()
         import torch.distributed as dist
         assert not dist.is_initialized()
-        from megatron_pipemesh.integration.install import active_schedule
+        from megatron_pipemesh.integration.install import reported_schedule
         from megatron.training import training
         from megatron.core import pipeline_parallel
-        schedule = active_schedule()
+        schedule = reported_schedule()
         groups = None if schedule is None else schedule.plan.schedule  # None: Megatron's group size
         print("schedule", args.pipeline_schedule, None if groups is None else groups.forward_groups,
               None if groups is None else groups.backward_groups)
@@ -176,8 +176,8 @@ def test_yaml_cfg_activates_pipemesh_through_megatrons_parser():
         arguments.set_global_variables = lambda args: None
         sys.argv = ["pretrain_gpt.py", "--yaml-cfg", "run.yaml"]
         arguments.parse_and_validate_args()
-        from megatron_pipemesh.integration.install import active_schedule
-        schedule = active_schedule()
+        from megatron_pipemesh.integration.install import reported_schedule
+        schedule = reported_schedule()
         print("yaml schedule", schedule.plan.schedule.forward_groups, schedule.plan.schedule.backward_groups)
     """)
     env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",

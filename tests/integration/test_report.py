@@ -2,7 +2,7 @@
 import argparse
 import re
 
-from megatron_pipemesh.config import PipeMeshConfig
+from megatron_pipemesh.config import PipeMeshConfig, ScheduleSettings
 from megatron_pipemesh.integration.flags import PipeMeshArgs
 from megatron_pipemesh.integration.report import (IntervalReport, format_interval, parse_interval_line, plan_line,
                                                   megatron_syncs, recompute_summary, schedule_picture, write_scalars)
@@ -20,7 +20,7 @@ def _args(**overrides):
     return argparse.Namespace(**values)
 
 
-def _settings(config, recompute=None, flags=PipeMeshConfig(pipeline_schedule="pipemesh")):
+def _settings(config, recompute=None, flags=PipeMeshConfig(ScheduleSettings(pipeline_schedule="pipemesh"))):
     return PipeMeshArgs(True, RunPlan(config, recompute or {}), 60.0, flags=flags)
 
 

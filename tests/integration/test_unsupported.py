@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_pipemesh.integration.flags import PipeMeshArgumentError, check_pipemesh_args
-from megatron_pipemesh.integration.unsupported import UNSUPPORTED, check_model_config, check_unsupported_args
+from megatron_pipemesh.runtime.unsupported import UNSUPPORTED, check_model_config, unsupported_message
 from megatron_pipemesh.runtime.executor import PipeMeshRuntimeError
 
 ENABLED = {"cuda_graph_impl": "transformer_engine", "overlap_moe_expert_parallel_comm": True,
@@ -47,6 +47,6 @@ def test_each_feature_is_refused_on_the_model_config(attribute):
 
 def test_defaults_and_the_default_schedule_pass():
     """Megatron's defaults are accepted; with --pipeline-schedule default nothing is refused."""
-    check_unsupported_args(_args())
+    assert unsupported_message(_args()) is None
     check_model_config(SimpleNamespace(**DEFAULTS))
     assert check_pipemesh_args(_args(pipeline_schedule="default", cuda_graph_impl="local")).enabled is False

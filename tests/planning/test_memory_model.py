@@ -7,16 +7,42 @@ groups 6 2 / 4 4 at every recompute level, and per single chunk for several shap
 """
 import pytest
 
-from megatron_pipemesh.planning.memory import (ActivationShape, activation_bytes, chunk_bytes, layer_activation_bytes,
-                                               peak_live_bytes, rank_bytes)
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+from megatron_pipemesh.planning.memory import ActivationShape, activation_bytes, chunk_bytes, layer_activation_bytes
 from megatron_pipemesh.schedule.config import ScheduleConfig
 from megatron_pipemesh.schedule.lower import lower
+from megatron_pipemesh.schedule.ops import OpKind
 from tests import megatron_harness as h
 
 TOL = 0.10
 LEVELS = ("none", "selective", "full")
 SHAPES = [{}, {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "seq_length": 64},
           {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 64, "micro_batch_size": 1}]
+
+
+
+def peak_live_bytes(program: Iterable, bytes_of: Mapping[Tuple[int, int], float]) -> float:
+    """Peak of the bytes held by one rank's program: each forward ``F c.j`` adds ``bytes_of[(c, j)]``
+    until its backward ``B c.j`` (ops with ``kind``, ``chunk`` and ``microbatch``; others ignored)."""
+    live = peak = 0.0
+    for op in program:
+        if op.kind is OpKind.FORWARD:
+            live += bytes_of[(op.chunk, op.microbatch)]
+            peak = max(peak, live)
+        elif op.kind is OpKind.BACKWARD:
+            live -= bytes_of[(op.chunk, op.microbatch)]
+    return peak
+
+
+def rank_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, microbatches: int, rank: int,
+               recompute: Optional[Mapping[Tuple[int, int, int], str]] = None,
+               keep_outputs: bool = False) -> Dict[Tuple[int, int], float]:
+    """``chunk_bytes`` of every (chunk, micro-batch) on ``rank`` under a recompute plan keyed
+    (pipeline rank, chunk, micro-batch) -> level (missing = 'none')."""
+    plan = recompute or {}
+    return {(c, j): chunk_bytes(shape, num_layers, pp, vpp, rank, c, plan.get((rank, c, j), "none"), keep_outputs)
+            for c in range(vpp) for j in range(microbatches)}
 
 
 def _shape(spec: h.TinyGPT, dtype_bytes: int = 4) -> ActivationShape:

@@ -1,10 +1,12 @@
 """planning/stock.py: stock Megatron's whole option set, its flags, and the fastest fitting setting."""
+from typing import List, Optional, Sequence
+
 import pytest
 
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec
 from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, StockSetting, activation_budget,
                                               best_per_schedule, best_stock, evaluate, group_sizes, order_peaks,
-                                              recompute_options, schedule_options, stock_settings, uniform_plan)
+                                              recompute_options, schedule_options, uniform_plan)
 from megatron_pipemesh.planning.costs import analytic_costs
 from megatron_pipemesh.planning.simulator import lowering_for, simulate
 from megatron_pipemesh.planning.stock import live_states
@@ -12,6 +14,16 @@ from megatron_pipemesh.schedule.lower import lower
 
 MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
 CLUSTER = ClusterSpec(dp=4, device_tflops=125, dp_gbps=10, p2p_gbps=10)
+
+
+def stock_settings(pp: int, num_layers: int, microbatches: int, layer_spec: str = "local",
+                   grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,)) -> List[StockSetting]:
+    """The whole stock option set (schedules x recomputation x the ``sharding`` levels)."""
+    out = []
+    for vpp, g in schedule_options(pp, num_layers, microbatches):
+        for recompute in recompute_options(num_layers // (pp * vpp), layer_spec):
+            out += [StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16, level) for level in sharding]
+    return out
 
 
 def test_group_sizes_follow_megatrons_rule():

@@ -74,6 +74,7 @@ def failing_iteration(fail_at=((0, 2), (0, 1))):
     import torch
     import torch.distributed as dist
 
+    from megatron_pipemesh.integration.parallel_state import get_pipemesh_p2p_groups
     from megatron_pipemesh.runtime import PipeMeshOptions, PipeMeshSchedule
     from megatron_pipemesh.schedule import ScheduleConfig
     from megatron_pipemesh.schedule.plan import RunPlan
@@ -93,7 +94,8 @@ def failing_iteration(fail_at=((0, 2), (0, 1))):
         finally:
             depth["now"] -= 1
     config.timers, config.no_sync_func, config.barrier_with_L1_time = timers, no_sync, False
-    schedule = PipeMeshSchedule(RunPlan(ScheduleConfig(2, 2, 8, (6, 2), (4, 4))), PipeMeshOptions(p2p_timeout_s=30))  # no wait here is meant to time out: room for a loaded CI machine
+    schedule = PipeMeshSchedule(RunPlan(ScheduleConfig(2, 2, 8, (6, 2), (4, 4))),  # no wait here is meant to time out:
+                                PipeMeshOptions(p2p_timeout_s=30), p2p_groups=get_pipemesh_p2p_groups)  # room for CI
     first = h.run_schedule(schedule, model, spec, 8)
 
     calls = {}

@@ -44,13 +44,14 @@ def test_executor_check_fails_when_a_transfer_corrupts_data():
         import sys
         sys.path.insert(0, {str(REPO / 'scripts')!r})
         import gpu_check, torch
+        from megatron_pipemesh.runtime.loopback import LoopbackWorld
         device = gpu_check.setup(cpu_only=True)
-        post = gpu_check.Loopback._post
+        post = LoopbackWorld._post
         def corrupting(self, kind, tensor, key):
             if kind == "send" and key[0][0] == "F":  # activations arrive 0.1% off
                 tensor = tensor * 1.001
             return post(self, kind, tensor, key)
-        gpu_check.Loopback._post = corrupting
+        LoopbackWorld._post = corrupting
         print("status", gpu_check.run_pipeline(device, "nccl")["status"])
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=_env(), capture_output=True, text=True,

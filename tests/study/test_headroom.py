@@ -1,8 +1,13 @@
 """study/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
 from megatron_pipemesh.planning.bounds import iteration_lower_bound
-from megatron_pipemesh.planning.costs import link_gbps
-from megatron_pipemesh.study.headroom import Setting, cluster_for, commodity_space, evaluate, summary
-from megatron_pipemesh.study.rows import GPT, INTRA_NODE_GBPS
+from megatron_pipemesh.planning.costs import ClusterSpec, link_gbps
+from megatron_pipemesh.study.headroom import Setting, commodity_space, evaluate, study_row, summary
+from megatron_pipemesh.study.rows import GPT, INTRA_NODE_GBPS, row_specs
+
+
+def cluster_for(setting: Setting) -> ClusterSpec:
+    """The study's cluster for ``setting`` (it does not depend on the pipeline size)."""
+    return row_specs(study_row(setting, 2))[1]
 
 
 def test_space_is_the_issues_cross_product():

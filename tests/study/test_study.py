@@ -6,6 +6,7 @@ import pytest
 from megatron_pipemesh import cli
 from megatron_pipemesh.planning.bounds import virtual_sizes
 from megatron_pipemesh.planning.costs import ModelSpec
+from megatron_pipemesh.planning.memory import MEMORY_MARGIN
 from megatron_pipemesh.study import rows as study_rows
 from megatron_pipemesh.study import study
 from megatron_pipemesh.study.study import COMMODITY, DATACENTRE, StudyRow, markdown, run_row, summary
@@ -96,13 +97,14 @@ def test_sharded_row_is_never_slower_than_the_best_uniform_plan(tiny):
     broken), or the row lacks the levels of both sides / the ZeRO-1 view; memory binds, so sharding pays."""
     from megatron_pipemesh.planning.costs import GB, analytic_costs
     from megatron_pipemesh.planning.planner import NoFeasiblePlan, plan_schedule
-    from megatron_pipemesh.planning.sharding import LEVELS, ShardingModel, ShardingSpec
+    from megatron_pipemesh.planning.sharding import ShardingModel, ShardingSpec
+    from megatron_pipemesh.schedule.spans import SHARD_LEVELS as LEVELS
     from megatron_pipemesh.planning.stock import STOCK_SHARDING
 
     row = StudyRow("commodity", tiny, 1, 2, 2, 8, 1.6, 100.0)
     out = run_row(row, sharding=True)
     model, cluster = study_rows.row_specs(row)
-    budget = row.memory_gb * GB * (1 - study_rows.MEMORY_MARGIN)
+    budget = row.memory_gb * GB * (1 - MEMORY_MARGIN)
     uniform = []
     for vpp in virtual_sizes(model, row.pp):
         for level in LEVELS:

@@ -1,8 +1,8 @@
 """Megatron features that the stock interleaved schedule supports but the PipeMesh schedule does not.
 
 Each would otherwise be silently ignored (or break in ways far from the cause), so they are refused:
-at argument validation by :func:`check_unsupported_args` (called from ``flags.check_pipemesh_args``
-when ``--pipeline-schedule pipemesh``), and again on the model config at the schedule's first call by
+at argument validation (``integration.flags`` reports :func:`unsupported_message` of Megatron's args when
+``--pipeline-schedule pipemesh``), and again on the model config at the schedule's first call by
 :func:`check_model_config` (for programs that build their ``TransformerConfig`` without Megatron's
 argument parser). Both read the one table :data:`UNSUPPORTED`, taken from megatron-core 0.19.2's
 ``forward_backward_pipelining_with_interleaving`` and the training loop around it.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, List, Optional
+
+from .errors import PipeMeshRuntimeError
 
 
 @dataclass(frozen=True)
@@ -79,23 +81,14 @@ def _problems(source) -> List[str]:
     return found
 
 
-def unsupported_args_message(args) -> Optional[str]:
-    """One paragraph naming every unsupported feature enabled in Megatron's ``args``, or None."""
-    found = _problems(args)
+def unsupported_message(source) -> Optional[str]:
+    """One paragraph naming every unsupported feature enabled in Megatron's args or a model config, or None."""
+    found = _problems(source)
     return " ".join(found) if found else None
-
-
-def check_unsupported_args(args) -> None:
-    """Raise ``flags.PipeMeshArgumentError`` if ``args`` enable a feature PipeMesh would ignore."""
-    message = unsupported_args_message(args)
-    if message:
-        from .flags import PipeMeshArgumentError
-        raise PipeMeshArgumentError(message)
 
 
 def check_model_config(config) -> None:
     """Raise ``PipeMeshRuntimeError`` if the model's ``TransformerConfig`` enables such a feature."""
-    found = _problems(config)
-    if found:
-        from ..runtime.executor import PipeMeshRuntimeError
-        raise PipeMeshRuntimeError(" ".join(found))
+    message = unsupported_message(config)
+    if message:
+        raise PipeMeshRuntimeError(message)
