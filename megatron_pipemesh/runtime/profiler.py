@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .stats import RuntimeStats
-
-LinkKey = Tuple[str, int, int]
-"""(direction, source global rank, destination global rank), as :mod:`..integration.parallel_state` keys its groups."""
+from .transport import LinkKey
 
 
 def _median(values: Sequence[float]) -> float:
