@@ -155,7 +155,8 @@ class PlacementSettings:
     """Device-to-host (and host-to-device) copy bandwidth of one rank (Gbit/s); None: measured on GPU,
     :data:`~megatron_pipemesh.planning.costs.DEFAULT_HOST_LINK_GBPS` otherwise."""
     host_memory_gb: Optional[float] = _setting(
-        "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB); "
+        "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB, "
+        "counted in the pinned blocks they take: each chunk-micro-batch's bytes rounded up to a power of two); "
         "default in planning: unlimited; in training the runtime caps it by the machine's memory",
         env="HOST_MEMORY_GB", cli="--host-memory-gb", type=nonnegative_number, metavar="GB")
     """Host memory budget per rank for offloaded activations (GiB); None: unlimited in planning."""

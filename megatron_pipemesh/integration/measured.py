@@ -213,6 +213,7 @@ class MeasuredReplanner:
         from megatron.core.utils import get_model_config
 
         from ..runtime.profiler import measure_costs
+        from .parallel_state import get_pipemesh_p2p_groups
 
         model = kwargs["model"]
         config = get_model_config(model[0])
@@ -224,8 +225,9 @@ class MeasuredReplanner:
         chunk_params = max(sum(p.numel() for p in chunk.parameters()) for chunk in model)
         self.measured = measure_costs(
             self.history[1:] or self.history, vpp=self.vpp, pp_group=parallel_state.get_pipeline_model_parallel_group(),
-            dp_group=parallel_state.get_data_parallel_group(), shape=(seq, kwargs["micro_batch_size"], config.hidden_size),
-            dtype=config.pipeline_dtype, device=device, chunk_params=chunk_params, grad_bytes=self.model.grad_bytes,
+            p2p_groups=get_pipemesh_p2p_groups(), dp_group=parallel_state.get_data_parallel_group(),
+            shape=(seq, kwargs["micro_batch_size"], config.hidden_size), dtype=config.pipeline_dtype, device=device,
+            chunk_params=chunk_params, grad_bytes=self.model.grad_bytes,
             distributed_optimizer=self.cluster.distributed_optimizer)
         rank0 = dist.get_rank() == 0
         if rank0:
