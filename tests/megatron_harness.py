@@ -346,7 +346,7 @@ def make_config(spec: TinyGPT, **overrides):
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=True,  # Megatron's default: the main_grad path (CPU kernels: cpu_compat item 12)
+        gradient_accumulation_fusion=False,  # build_model turns it on with DDP (it needs DDP's main_grad)
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
@@ -407,8 +407,9 @@ def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = config if config is not None else make_config(spec)
-    if not wrap_ddp:  # the fused wgrad accumulates into main_grad, which only Megatron's DDP wrapper gives
-        config.gradient_accumulation_fusion = False
+    # Megatron's default with DDP: the fused wgrad accumulates into DDP's main_grad (CPU kernels: cpu_compat item 12);
+    # without DDP there is no main_grad to accumulate into.
+    config.gradient_accumulation_fusion = wrap_ddp
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     n_chunks = vp if vp is not None else 1
     chunks = []
