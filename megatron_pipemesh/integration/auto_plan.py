@@ -131,18 +131,22 @@ def planner_options(args) -> Tuple[PlannerOptions, Optional[float], bool]:
     return PlannerOptions(activation_placement=mode, host_budget_bytes=host_budget), link, link_local or budget_local
 
 
-def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
-    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+def padded_vocab_size(args) -> int:
+    """The vocabulary Megatron's output layer has: padded only when Megatron builds the tokenizer, after argument
+    validation (megatron/training/tokenizer: _vocab_size_with_padding), so padded here the same way; GPT-2's 50304
+    when the command names no size (a BPE tokenizer's file)."""
     vocab = getattr(args, "padded_vocab_size", None)
     if vocab is None and getattr(args, "vocab_size", None):
-        # Megatron pads the vocabulary only when it builds the tokenizer, after argument validation
-        # (megatron/training/tokenizer: _vocab_size_with_padding): do the same here.
         multiple = (getattr(args, "make_vocab_size_divisible_by", 128) or 1) * args.tensor_model_parallel_size
         vocab = -(-args.vocab_size // multiple) * multiple
-    vocab = vocab or 50304
+    return vocab or 50304
+
+
+def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
+    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                      micro_batch_size=args.micro_batch_size, vocab_size=vocab,
+                      micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
                       dropout_mask_bytes=1 if _on_cuda() else None, **layer_spec_fields(args))
     cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,

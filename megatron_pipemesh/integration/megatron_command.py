@@ -1,0 +1,133 @@
+"""A user's ``pretrain_gpt.py`` command line, read by Megatron's own argument parser (``pipemesh plan --megatron-args``).
+
+Every flag the command uses is parsed and validated as Megatron would at start-up (``add_megatron_arguments`` and
+``validate_args`` of megatron-core, with PipeMesh's flags added), for the world size of the cluster being planned
+for, without any process group or device: a flag Megatron does not know, or a combination it refuses, is an error
+naming it before any planning starts. :func:`read_command` turns the validated namespace into what the planner
+prices: the model, the layout (TP x PP x DP, V), the micro-batches, and the stock schedule and memory settings the
+command runs today.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+from ..planning.costs import ModelSpec
+from ..planning.stock import StockRecompute, StockSetting
+
+
+class CommandError(ValueError):
+    """The user's command does not parse or validate; the message names the flag and how to fix it."""
+
+
+def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
+    """The training script's flags of ``command`` (a shell string or a list): what follows the script
+    (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or, without a script, the
+    command from its first flag on."""
+    words = shlex.split(command) if isinstance(command, str) else list(command)
+    script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    if script is not None:
+        return words[script + 1:]
+    first = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
+    return words[first:]
+
+
+def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
+    """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+    from .bootstrap import prepare_megatron_import
+    from ..config import add_megatron_arguments as add_pipemesh_arguments
+
+    prepare_megatron_import()
+    from megatron.training import arguments
+
+    parser = add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            args, unknown = parser.parse_known_args(list(flags))
+    except SystemExit:
+        raise CommandError(f"Megatron's argument parser rejects the command: {err.getvalue().strip().splitlines()[-1]}")
+    named = [word for word in unknown if word.startswith("-")]
+    if named or unknown:
+        raise CommandError(f"--megatron-args: Megatron does not know {' '.join(named or unknown)} (megatron-core's "
+                           "add_megatron_arguments and PipeMesh's flags were tried); fix or drop it")
+    if getattr(args, "yaml_cfg", None):
+        raise CommandError("--megatron-args with --yaml-cfg is not supported: pass the YAML's settings as flags")
+    args.rank, args.world_size = 0, world_size
+    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    except (AssertionError, ValueError, RuntimeError, TypeError) as error:
+        raise CommandError(f"Megatron's validate_args rejects the command on {world_size} GPUs: "
+                           f"{error or type(error).__name__}") from error
+    return args
+
+
+@dataclass(frozen=True)
+class UserCommand:
+    """What a user's command runs, as the planner prices it."""
+
+    flags: tuple
+    """The command's flags as given."""
+    model: ModelSpec
+    """The GPT the command trains."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size."""
+    microbatches: int
+    """Micro-batches per iteration per data-parallel replica."""
+    stock: StockSetting
+    """The stock schedule and recomputation the command runs (its V, group size, recompute flags)."""
+    pipemesh: bool
+    """The command already runs ``--pipeline-schedule pipemesh``."""
+    distributed_optimizer: bool
+    """``--use-distributed-optimizer``."""
+    sequence_parallel: bool
+    """``--sequence-parallel``."""
+    grad_reduce_in_bf16: bool
+    """``--grad-reduce-in-bf16`` (only then may a recommendation reduce in bf16)."""
+
+
+def _recompute(args) -> StockRecompute:
+    granularity = getattr(args, "recompute_granularity", None) or "none"
+    if granularity == "selective":
+        modules = tuple(getattr(args, "recompute_modules", None) or ())
+        return StockRecompute("selective", () if modules == ("core_attn",) else modules)
+    if granularity == "full":
+        return StockRecompute("full", method=args.recompute_method, num_layers=args.recompute_num_layers)
+    return StockRecompute()
+
+
+def read_command(command: Union[str, Sequence[str]], world_size: int,
+                 dropout_mask_bytes: Optional[int] = 1) -> UserCommand:
+    """Parse and validate ``command`` for ``world_size`` GPUs and describe what it runs (``dropout_mask_bytes``:
+    CUDA keeps one byte per dropout mask element)."""
+    from .auto_plan import layer_spec_fields, padded_vocab_size
+    from .flags import microbatches_per_iteration
+
+    flags = split_flags(command)
+    args = parse_megatron_command(flags, world_size)
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                      micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
+                      ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+                      dtype_bytes=2 if (args.bf16 or args.fp16) else 4, dropout_mask_bytes=dropout_mask_bytes,
+                      **layer_spec_fields(args))
+    pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    stock = StockSetting(pp, vpp, m, group if vpp > 1 and group != pp else None, _recompute(args),
+                         bool(getattr(args, "grad_reduce_in_bf16", False)))
+    return UserCommand(tuple(flags), model, args.tensor_model_parallel_size, pp, args.data_parallel_size, m, stock,
+                       getattr(args, "pipeline_schedule", "default") == "pipemesh",
+                       bool(args.use_distributed_optimizer), bool(args.sequence_parallel),
+                       bool(getattr(args, "grad_reduce_in_bf16", False)))

@@ -1,0 +1,28 @@
+"""A user's pretrain_gpt.py command read by Megatron's own parser (integration/megatron_command.py)."""
+import pytest
+
+from megatron_pipemesh.integration.megatron_command import CommandError, read_command, split_flags
+
+TINY = ("torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+        "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 257 --train-iters 10 --lr 1e-3 --recompute-granularity selective")
+
+
+def test_the_command_is_read_as_megatron_validates_it():
+    """The layout comes from Megatron's validation for the cluster's world size (DP = 4 / PP 2), the model from the
+    flags (vocabulary padded as Megatron pads it), the stock setting from the schedule and recompute flags."""
+    assert split_flags(TINY)[0] == "--num-layers"
+    user = read_command(TINY, world_size=4)
+    assert (user.tp, user.pp, user.dp, user.microbatches) == (1, 2, 2, 4)
+    assert (user.model.num_layers, user.model.hidden_size, user.model.vocab_size) == (4, 64, 384)
+    assert (user.stock.vpp, user.stock.effective_group_size, user.stock.recompute.granularity) == (2, 2, "selective")
+    assert not user.pipemesh and not user.distributed_optimizer
+
+
+def test_unknown_flags_and_refused_commands_are_named():
+    """A flag Megatron does not know is named; a layout Megatron refuses on this many GPUs says why."""
+    with pytest.raises(CommandError, match="Megatron does not know --fast-mode"):
+        read_command(TINY + " --fast-mode 3", world_size=4)
+    with pytest.raises(CommandError, match="validate_args rejects the command on 3 GPUs"):
+        read_command(TINY, world_size=3)
