@@ -109,9 +109,10 @@ class CostSettings:
     (:data:`~megatron_pipemesh.planning.memory.MEMORY_MARGIN`)."""
     device_tflops: Optional[float] = _setting(
         "--pipemesh-device-tflops", "peak 16-bit TFLOP/s of one device for the analytic costs (default in training: "
-        f"known GPU models; in the `pipemesh` command: {_PLANNING.device_tflops:g})", env="DEVICE_TFLOPS",
-        cli="--device-tflops", cli_default=_PLANNING.device_tflops, type=float, metavar="TFLOPS")
-    """Peak dense TFLOP/s of one device; None: looked up from the GPU's name."""
+        "known GPU models, and without CUDA the CPU's measured matmul rate; in the `pipemesh` command: "
+        f"{_PLANNING.device_tflops:g})", env="DEVICE_TFLOPS", cli="--device-tflops",
+        cli_default=_PLANNING.device_tflops, type=float, metavar="TFLOPS")
+    """Peak dense TFLOP/s of one device; None: looked up from the GPU's name, or measured on a CPU."""
     mfu: float = _setting(
         "--pipemesh-mfu", f"fraction of peak the layers reach, for the analytic costs (default {_PLANNING.mfu:g})",
         _PLANNING.mfu,
@@ -154,7 +155,8 @@ class PlacementSettings:
     """Device-to-host (and host-to-device) copy bandwidth of one rank (Gbit/s); None: measured on GPU,
     :data:`~megatron_pipemesh.planning.costs.DEFAULT_HOST_LINK_GBPS` otherwise."""
     host_memory_gb: Optional[float] = _setting(
-        "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB); "
+        "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB, "
+        "counted in the pinned blocks they take: each chunk-micro-batch's bytes rounded up to a power of two); "
         "default in planning: unlimited; in training the runtime caps it by the machine's memory",
         env="HOST_MEMORY_GB", cli="--host-memory-gb", type=nonnegative_number, metavar="GB")
     """Host memory budget per rank for offloaded activations (GiB); None: unlimited in planning."""

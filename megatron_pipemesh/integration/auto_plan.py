@@ -17,7 +17,9 @@ of ``--pipemesh-host-memory-gb``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..planning.memory import MEMORY_MARGIN
@@ -129,7 +131,7 @@ def planner_options(args) -> Tuple[PlannerOptions, Optional[float], bool]:
     return PlannerOptions(activation_placement=mode, host_budget_bytes=host_budget), link, link_local or budget_local
 
 
-def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
+def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     vocab = getattr(args, "padded_vocab_size", None)
     if vocab is None and getattr(args, "vocab_size", None):
@@ -143,8 +145,8 @@ def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) ->
                       micro_batch_size=args.micro_batch_size, vocab_size=vocab,
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
                       dropout_mask_bytes=1 if _on_cuda() else None, **layer_spec_fields(args))
-    cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=tflops,
-                          mfu=args.pipemesh_mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
+    cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
+                          mfu=rate.mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                           host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
@@ -154,28 +156,69 @@ def model_and_cluster(args, tflops: float, host_link: Optional[float] = None) ->
     return model, cluster
 
 
-def _budget_and_tflops(args, what: str) -> Tuple[float, float]:
-    device_tflops, device_budget = _device_defaults(args)
-    tflops = args.pipemesh_device_tflops or device_tflops
-    budget = args.pipemesh_memory_budget_gb or device_budget
+@dataclass(frozen=True)
+class DeviceRate:
+    """The compute rate the analytic costs assume, and where it came from."""
+
+    tflops: float
+    """TFLOP/s of one device."""
+    mfu: float
+    """Fraction of it the layers reach (1 for a measured rate, which is already an achieved one)."""
+    source: str = ""
+    """Said in the plan line when the rate was measured here ('' for a given or known peak)."""
+    rank_local: bool = False
+    """Measured by this rank: the ranks agree on the slowest at the first call."""
+
+
+@functools.lru_cache(maxsize=1)
+def measured_cpu_tflops(size: int = 512, repeats: int = 8) -> float:
+    """Achieved fp32 matmul rate of this process's CPU threads (TFLOP/s), measured once per process."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def device_rate(args, what: str) -> DeviceRate:
+    """``--pipemesh-device-tflops``, else the known peak of this GPU, else (without CUDA) the CPU's measured matmul
+    rate; a GPU of unknown peak is a ValueError naming the flag."""
+    given = getattr(args, "pipemesh_device_tflops", None)
+    mfu = getattr(args, "pipemesh_mfu", None) or ClusterSpec.mfu
+    if given:
+        return DeviceRate(given, mfu)
+    peak = _device_defaults(args)[0]
+    if peak is not None:
+        return DeviceRate(peak, mfu)
+    if not _on_cuda():
+        rate = measured_cpu_tflops()
+        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", rank_local=True)
+    raise ValueError(f"{what} needs --pipemesh-device-tflops: the peak 16-bit TFLOP/s of this GPU is not known here. "
+                     "Example: --pipemesh-device-tflops 312")
+
+
+def _budget_and_rate(args, what: str) -> Tuple[float, DeviceRate]:
+    budget = args.pipemesh_memory_budget_gb or _device_defaults(args)[1]
     if budget is None:
         raise ValueError(f"{what} needs --pipemesh-memory-budget-gb on a machine without CUDA (there is "
                          "no device memory to read). Example: --pipemesh-memory-budget-gb 8")
-    if tflops is None:
-        raise ValueError(f"{what} needs --pipemesh-device-tflops: the device's peak 16-bit TFLOP/s is not "
-                         "known here. Example: --pipemesh-device-tflops 312")
-    return budget, tflops
+    return budget, device_rate(args, what)
 
 
 def auto_plan(args, pp: int, vpp: int, microbatches: int) -> Tuple[RunPlan, str, Optional[Replanning]]:
     """Run the planner for this run: (the plan, its summary line, its re-planning inputs); raises ValueError
     with a user-facing message."""
-    budget, tflops = _budget_and_tflops(args, "--forward-groups auto")
+    budget, rate = _budget_and_rate(args, "--forward-groups auto")
     options, link, host_local = planner_options(args)
-    model, cluster = model_and_cluster(args, tflops, link)
+    model, cluster = model_and_cluster(args, rate, link)
     analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
     profile = getattr(args, "pipemesh_profile", None)
-    source, costs_for = "analytic costs", analytic
+    source, costs_for, measured = costs_source(rate), analytic, None
     if profile and os.path.exists(profile):
         from .measured import load_profile, with_measured_times
         measured = load_profile(profile)
@@ -195,17 +238,21 @@ def auto_plan(args, pp: int, vpp: int, microbatches: int) -> Tuple[RunPlan, str,
                f"{_placement_note(options, link)}): {best.summary()}")
     if sharding_auto:
         return best.run_plan(), f"{summary}; sharding {' '.join(best.sharding.spec.levels)}", None
-    measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if source == "analytic costs" else 0
+    measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if measured is None else 0
     # A budget read from this rank's free memory differs between ranks; the schedule's first call (a point
     # every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ.
     agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
-    if measure_iters or agree_on_budget or host_local:
-        replan = Replanning(analytic, budget * GB, pp, vpp, microbatches, model.grad_bytes, cluster.distributed_optimizer,
-                            costs_for=costs_for, measure_iters=measure_iters, profile_path=profile,
-                            agree_on_budget=agree_on_budget, planner_options=options, host_link_gbps=link,
-                            agree_on_host=host_local)
+    if measure_iters or agree_on_budget or host_local or rate.rank_local:
+        replan = Replanning(model, cluster, budget * GB, pp, vpp, microbatches, measured=measured,
+                            measure_iters=measure_iters, profile_path=profile, agree_on_budget=agree_on_budget,
+                            planner_options=options, agree_on_host=host_local, agree_on_rate=rate.rank_local)
     return best.run_plan(), summary, replan
+
+
+def costs_source(rate: DeviceRate) -> str:
+    """Where a plan's costs came from, for the plan lines."""
+    return f"analytic costs at {rate.source}" if rate.source else "analytic costs"
 
 
 def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
@@ -219,9 +266,9 @@ def place_given_groups(args, config: ScheduleConfig) -> Tuple[RunPlan, str, Opti
     """``--pipemesh-activation-placement auto`` with given groups: host placement and recomputation for
     ``config`` under the memory budget (``--pipemesh-memory-budget-gb`` or the device's free memory)."""
     what = "--pipemesh-activation-placement auto with given groups"
-    budget, tflops = _budget_and_tflops(args, what)
+    budget, rate = _budget_and_rate(args, what)
     options, link, host_local = planner_options(args)
-    model, cluster = model_and_cluster(args, tflops, link)
+    model, cluster = model_and_cluster(args, rate, link)
     analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
     plan = fit_with_recompute(config, analytic(config), budget * GB, options)
     if not plan.fits:
@@ -231,12 +278,12 @@ def place_given_groups(args, config: ScheduleConfig) -> Tuple[RunPlan, str, Opti
                          "auto --backward-groups auto, a larger budget, or a smaller --micro-batch-size")
     agree_on_budget = not args.pipemesh_memory_budget_gb
     replan = None
-    if agree_on_budget or host_local:
-        replan = Replanning(analytic, budget * GB, config.pp, config.vpp, config.microbatches, model.grad_bytes,
-                            cluster.distributed_optimizer, agree_on_budget=agree_on_budget, planner_options=options,
-                            host_link_gbps=link, agree_on_host=host_local, fixed_config=config)
-    summary = (f"PipeMesh plan (given groups, budget {budget:.2f} GiB{_placement_note(options, link)}): "
-               f"{plan.summary()}")
+    if agree_on_budget or host_local or rate.rank_local:
+        replan = Replanning(model, cluster, budget * GB, config.pp, config.vpp, config.microbatches,
+                            agree_on_budget=agree_on_budget, planner_options=options, agree_on_host=host_local,
+                            agree_on_rate=rate.rank_local, fixed_config=config)
+    summary = (f"PipeMesh plan (given groups, {costs_source(rate)}, budget {budget:.2f} GiB"
+               f"{_placement_note(options, link)}): {plan.summary()}")
     return plan.run_plan(), summary, replan
 
 

@@ -82,9 +82,27 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
         per_node = args.pipemesh_ranks_per_node if sharding is not None and node_scope else None
         return PipeMeshArgs(False, None, timeout_s, settings, ranks_per_node=per_node)
+    check_memory_meter_args(args, settings)
     plan, summary, replan = _plan(args, settings, sharding)
     per_node = args.pipemesh_ranks_per_node if plan.sharding and node_scope else None
     return PipeMeshArgs(True, plan, timeout_s, settings, summary, replan, per_node)
+
+
+def check_memory_meter_args(args, settings: PipeMeshConfig) -> None:
+    """--pipemesh-measure-memory without CUDA counts saved tensors with default saved-tensor hooks, under which
+    autograd hands each backward a new tensor for every saved one: Megatron's fused weight-gradient backward then
+    loses the weight's ``grad_added_to_main_grad`` and returns no gradient, and DDP's --overlap-grad-reduce hook
+    asserts on the missing ``param.grad``. (On CUDA the allocator meter installs no hooks.)"""
+    import torch
+
+    if not (settings.measurement.measure_memory and not torch.cuda.is_available()
+            and getattr(args, "gradient_accumulation_fusion", False) and getattr(args, "overlap_grad_reduce", False)):
+        return
+    raise PipeMeshArgumentError(
+        "--pipemesh-measure-memory without CUDA (the saved-tensor meter) with --overlap-grad-reduce and Megatron's "
+        "gradient-accumulation fusion is not supported: the meter's saved-tensor hooks give Megatron's fused-wgrad "
+        "backward a copy of each weight, so DDP's overlap hook finds no param.grad. Drop --pipemesh-measure-memory, "
+        "or add --no-gradient-accumulation-fusion (or drop --overlap-grad-reduce) for the measuring run")
 
 
 def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optional[Replanning]]:

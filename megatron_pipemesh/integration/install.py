@@ -25,21 +25,56 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import os
-from typing import Optional
+import warnings
+from typing import Optional, Tuple
 
-SUPPORTED = "0.19."
+SUPPORTED = (0, 19)
+"""The megatron-core release series PipeMesh is built and tested on (its patch releases share the schedule code)."""
+TESTED = {"0.19.2": "the PyPI wheel megatron-core==0.19.2 (every test, CI)",
+          "0.20.0": "Megatron-LM main of 2026-08-22 (d98e8a6), its own pretrain_gpt.py through --megatron-lm-script: "
+                    "losses equal to its default schedule"}
+"""megatron-core versions PipeMesh was run with, and how."""
 _STATE = {"installed": False, "schedule": None, "args": None}
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """(major, minor, patch) of a version such as '0.20.0rc0' or '0.19.2+git' (missing parts are 0)."""
+    numbers = []
+    for part in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def check_version(version: str) -> Optional[str]:
+    """None for the supported series (0.19.x); a warning naming the tested versions for a newer one; RuntimeError
+    with the reason for an older one, which lacks the schedule interface PipeMesh is called with."""
+    series = _release(version)[:2]
+    if series < SUPPORTED:
+        raise RuntimeError(
+            f"megatron_pipemesh needs megatron-core >= {SUPPORTED[0]}.{SUPPORTED[1]} but found {version}: older releases "
+            "lack the schedule interface PipeMesh is called with (the p2p_communicator and pg_collection keywords of "
+            "forward_backward_pipelining_with_interleaving, microbatch_group_size_per_vp_stage). Install a supported "
+            "version, e.g. pip install --ignore-requires-python megatron-core==0.19.2")
+    if series == SUPPORTED:
+        return None
+    tested = "; ".join(f"{v}: {how}" for v, how in TESTED.items())
+    return (f"megatron_pipemesh: megatron-core {version} is newer than the supported {SUPPORTED[0]}.{SUPPORTED[1]}.x "
+            f"(tested: {tested}); PipeMesh checks the schedule interface it relies on at the first call, and "
+            "--pipeline-schedule default stays untouched")
 
 
 def _check_version() -> str:
     from megatron.core import package_info
 
     version = package_info.__version__
-    if not version.startswith(SUPPORTED):
-        raise RuntimeError(
-            f"megatron_pipemesh supports megatron-core {SUPPORTED}x (tested with 0.19.2) but found {version}; "
-            "install a supported version, e.g. pip install --ignore-requires-python megatron-core==0.19.2")
+    warning = check_version(version)
+    if warning:
+        warnings.warn(warning, stacklevel=3)
     return version
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from ..planning.costs import OpCosts
+from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan
@@ -47,8 +47,10 @@ def load_profile(path: str) -> Dict[str, float]:
 class Replanning:
     """What the measured re-planner needs to plan again inside training (see :class:`MeasuredReplanner`)."""
 
-    analytic_costs_for: Callable[[ScheduleConfig], OpCosts]
-    """The analytic costs of a schedule (their memory terms are kept with measured times)."""
+    model: ModelSpec
+    """The model the analytic costs price."""
+    cluster: ClusterSpec
+    """The cluster as this rank found it (device rate, host link)."""
     budget_bytes: float
     """Device memory the plan may use, as this rank found it."""
     pp: int
@@ -57,12 +59,8 @@ class Replanning:
     """Virtual chunks per rank V."""
     microbatches: int
     """Micro-batches per iteration m."""
-    grad_bytes: int
-    """Bytes per gradient element (the measured reduction's size)."""
-    distributed_optimizer: bool
-    """Whether gradients are reduce-scattered and parameters gathered (the measured collectives)."""
-    costs_for: Optional[Callable[[ScheduleConfig], OpCosts]] = None
-    """The costs the start-up plan used (a saved profile); None: the analytic ones."""
+    measured: Optional[Dict[str, float]] = None
+    """Times from a saved profile (``--pipemesh-profile``) the start-up plan used; None: analytic times."""
     measure_iters: int = 0
     """Training calls timed before re-planning from measured costs (0: none)."""
     profile_path: Optional[str] = None
@@ -71,10 +69,10 @@ class Replanning:
     """The budget was read from this rank's free memory: re-plan for the minimum over ranks."""
     planner_options: PlannerOptions = PlannerOptions()
     """The run's placement options."""
-    host_link_gbps: Optional[float] = None
-    """Host-link bandwidth the plan assumed."""
     agree_on_host: bool = False
     """The host link or host budget was found by this rank: re-plan with the minimum over ranks."""
+    agree_on_rate: bool = False
+    """The device rate was measured by this rank (its CPU's matmul rate): re-plan with the slowest over ranks."""
     fixed_config: Optional[ScheduleConfig] = None
     """The groups were given: re-planning only re-fits placement and recomputation to them."""
 
@@ -96,18 +94,19 @@ class MeasuredReplanner:
     def __init__(self, schedule, make_schedule: Callable[[RunPlan], object], base: RunPlan, inputs: Replanning):
         # make_schedule(plan) -> a PipeMeshSchedule running ``plan``.
         self.schedule, self.make_schedule, self.base = schedule, make_schedule, base
-        self.analytic_costs_for = inputs.analytic_costs_for
-        self.costs_for = inputs.costs_for or inputs.analytic_costs_for
+        self.model, self.cluster, self.measured = inputs.model, inputs.cluster, inputs.measured
         self.budget_bytes, self.pp, self.vpp, self.microbatches = (inputs.budget_bytes, inputs.pp, inputs.vpp,
                                                                    inputs.microbatches)
         self.measure_iters, self.profile_path = inputs.measure_iters, inputs.profile_path
-        self.grad_bytes, self.distributed_optimizer = inputs.grad_bytes, inputs.distributed_optimizer
-        self.agree_on_budget = inputs.agree_on_budget
-        self.planner_options = inputs.planner_options
-        self.host_link_gbps, self.agree_on_host = inputs.host_link_gbps, inputs.agree_on_host
-        self.fixed_config = inputs.fixed_config
+        self.planner_options, self.fixed_config = inputs.planner_options, inputs.fixed_config
+        self.agree_on_budget, self.agree_on_host, self.agree_on_rate = (inputs.agree_on_budget, inputs.agree_on_host,
+                                                                        inputs.agree_on_rate)
         self.history: List = []
-        self.measured: Optional[Dict[str, float]] = None
+
+    def costs_for(self, config: ScheduleConfig) -> OpCosts:
+        """The costs the next plan is made with: analytic on this cluster, with the measured times once there are."""
+        analytic = analytic_costs(self.model, self.cluster, config, planning_levels(self.model))
+        return with_measured_times(analytic, self.measured) if self.measured else analytic
 
     def _switch_to(self, best: Plan) -> None:
         """Run ``best`` from the next call on (the new schedule continues the old one's transfer tags)."""
@@ -129,8 +128,11 @@ class MeasuredReplanner:
         if self.agree_on_host:
             self.agree_on_host = False
             self._agree_on_host()
+        if self.agree_on_rate:
+            self.agree_on_rate = False
+            self._agree_on_rate()
         result = self.schedule(**kwargs)
-        if self.measure_iters and not kwargs.get("forward_only") and self.measured is None:
+        if self.measure_iters and not kwargs.get("forward_only") and len(self.history) < self.measure_iters:
             self.history.append(self.schedule.last_stats)
             if len(self.history) >= self.measure_iters:
                 self._replan(kwargs)
@@ -147,7 +149,7 @@ class MeasuredReplanner:
         self.budget_bytes = low
         rank0 = dist.get_rank() == 0
         try:
-            best = self._plan(self.costs_for, low)
+            best = self._plan(low)
         except NoFeasiblePlan as error:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
@@ -157,26 +159,22 @@ class MeasuredReplanner:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
                   f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
 
-    def _plan(self, costs_for, budget_bytes: float):
-        """The best plan for these costs (host link as agreed) and budget, with the run's placement options."""
-        link = self.host_link_gbps
-
-        def costs(cfg):
-            found = costs_for(cfg)
-            return dataclasses.replace(found, host_link_gbps=link) if link else found
+    def _plan(self, budget_bytes: float):
+        """The best plan for the current costs and ``budget_bytes``, with the run's placement options."""
         if self.fixed_config is not None:
-            plan = fit_with_recompute(self.fixed_config, costs(self.fixed_config), budget_bytes, self.planner_options)
+            plan = fit_with_recompute(self.fixed_config, self.costs_for(self.fixed_config), budget_bytes,
+                                      self.planner_options)
             if not plan.fits:
                 raise NoFeasiblePlan(f"{self.fixed_config.describe()} does not fit {budget_bytes / 2**30:.2f} GiB even with "
                                      "host placement and recomputation")
             return plan
-        return plan_schedule(self.pp, self.vpp, self.microbatches, costs, budget_bytes, self.planner_options)[0]
+        return plan_schedule(self.pp, self.vpp, self.microbatches, self.costs_for, budget_bytes, self.planner_options)[0]
 
     def _agree_on_host(self) -> None:
         """All ranks re-plan with the slowest host link and the smallest host budget when they differ."""
         import torch.distributed as dist
 
-        mine = (self.host_link_gbps, self.planner_options.host_budget_bytes)
+        mine = (self.cluster.host_link_gbps, self.planner_options.host_budget_bytes)
         found: List = [None] * dist.get_world_size()
         dist.all_gather_object(found, mine)
         links = [f[0] for f in found if f[0] is not None]
@@ -184,14 +182,30 @@ class MeasuredReplanner:
         agreed = (min(links) if links else None, min(budgets) if budgets else None)
         if all(tuple(f) == agreed for f in found):
             return
-        self.host_link_gbps = agreed[0]
+        self.cluster = dataclasses.replace(self.cluster, host_link_gbps=agreed[0])
         self.planner_options = dataclasses.replace(self.planner_options, host_budget_bytes=agreed[1])
-        best = self._plan(self.costs_for, self.budget_bytes)
+        best = self._plan(self.budget_bytes)
         self._switch_to(best)
         if dist.get_rank() == 0:
             host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
             print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
                   f"over ranks): {best.summary()}", flush=True)
+
+    def _agree_on_rate(self) -> None:
+        """All ranks re-plan with the slowest measured device rate when they differ."""
+        import torch.distributed as dist
+
+        rates: List[Optional[float]] = [None] * dist.get_world_size()
+        dist.all_gather_object(rates, float(self.cluster.device_tflops))
+        low, high = min(rates), max(rates)
+        if low == high:
+            return
+        self.cluster = dataclasses.replace(self.cluster, device_tflops=low)
+        best = self._plan(self.budget_bytes)
+        self._switch_to(best)
+        if dist.get_rank() == 0:
+            print(f"PipeMesh plan (auto, CPU matmul rate = the slowest over ranks {low * 1e3:.1f} GFLOP/s; ranks ranged "
+                  f"up to {high * 1e3:.1f} GFLOP/s): {best.summary()}", flush=True)
 
     def _replan(self, kwargs) -> None:
         import torch.distributed as dist
@@ -199,6 +213,7 @@ class MeasuredReplanner:
         from megatron.core.utils import get_model_config
 
         from ..runtime.profiler import measure_costs
+        from .parallel_state import get_pipemesh_p2p_groups
 
         model = kwargs["model"]
         config = get_model_config(model[0])
@@ -210,9 +225,10 @@ class MeasuredReplanner:
         chunk_params = max(sum(p.numel() for p in chunk.parameters()) for chunk in model)
         self.measured = measure_costs(
             self.history[1:] or self.history, vpp=self.vpp, pp_group=parallel_state.get_pipeline_model_parallel_group(),
-            dp_group=parallel_state.get_data_parallel_group(), shape=(seq, kwargs["micro_batch_size"], config.hidden_size),
-            dtype=config.pipeline_dtype, device=device, chunk_params=chunk_params, grad_bytes=self.grad_bytes,
-            distributed_optimizer=self.distributed_optimizer)
+            p2p_groups=get_pipemesh_p2p_groups(), dp_group=parallel_state.get_data_parallel_group(),
+            shape=(seq, kwargs["micro_batch_size"], config.hidden_size), dtype=config.pipeline_dtype, device=device,
+            chunk_params=chunk_params, grad_bytes=self.model.grad_bytes,
+            distributed_optimizer=self.cluster.distributed_optimizer)
         rank0 = dist.get_rank() == 0
         if rank0:
             print("PipeMesh measured costs (s per chunk-micro-batch): "
@@ -221,8 +237,7 @@ class MeasuredReplanner:
                 with open(self.profile_path, "w", encoding="utf-8") as handle:
                     json.dump(self.measured, handle, indent=1)
         try:
-            best = self._plan(lambda cfg: with_measured_times(self.analytic_costs_for(cfg), self.measured),
-                              self.budget_bytes)  # the minimum over ranks once agreed
+            best = self._plan(self.budget_bytes)  # the minimum over ranks once agreed
         except NoFeasiblePlan as error:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)

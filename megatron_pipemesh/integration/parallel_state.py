@@ -24,8 +24,9 @@ Nothing else changes: stage placement, embedding groups and data-parallel groups
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,10 @@ def megatron_group_options(distributed_timeout_minutes: Optional[float] = None,
                            high_priority_stream_groups: Optional[Sequence[str]] = None,
                            pipeline_model_parallel_comm_backend: Optional[str] = None, **_ignored) -> dict:
     """Keyword arguments for the link groups, as Megatron's ``initialize_model_parallel`` builds its
-    ``pp`` group from the same arguments (extra arguments of that call are ignored)."""
+    ``pp`` group from the same arguments (extra arguments of that call are ignored). ``pg_options`` is a
+    factory (None without NCCL options): torch writes each group's ranks and name into the options object
+    it is given, so every link group needs its own (a shared one would make NCCL's watchdog and flight
+    recorder describe the last group created)."""
     from megatron.core import parallel_state
 
     configs: dict = {}
@@ -77,7 +81,8 @@ def megatron_group_options(distributed_timeout_minutes: Optional[float] = None,
     return {
         "timeout": None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes),
         "backend": backend,
-        "pg_options": None if backend == "ucc" else parallel_state.get_nccl_options("pp", configs),
+        "pg_options": None if backend == "ucc" or "pp" not in configs else
+        functools.partial(parallel_state.get_nccl_options, "pp", configs),
     }
 
 
@@ -100,11 +105,17 @@ def _warm_up(groups: Dict[LinkKey, dist.ProcessGroup], order: Sequence[LinkKey])
                 raise RuntimeError(f"rank {me}: PipeMesh link warm-up on {key} received {buffer.item()} instead of {src}")
 
 
-def create_pipemesh_groups(timeout: Optional[timedelta] = None, backend: Optional[str] = None, pg_options=None,
+def create_pipemesh_groups(timeout: Optional[timedelta] = None, backend: Optional[str] = None,
+                           pg_options: Optional[Callable[[], object]] = None,
                            warm_up: bool = True) -> Dict[LinkKey, dist.ProcessGroup]:
     """Create (and warm up) the per-link groups: a collective call, every rank of the world calls it once
     after Megatron's ``initialize_model_parallel``. ``timeout``/``backend``/``pg_options`` as from
-    :func:`megatron_group_options`; None leaves torch's defaults (and the backend of the world)."""
+    :func:`megatron_group_options` (``pg_options`` makes a fresh options object for each group); None
+    leaves torch's defaults (and the backend of the world)."""
+    if pg_options is not None and not callable(pg_options):
+        raise TypeError("create_pipemesh_groups(pg_options=...) takes a factory of options objects (one per link "
+                        f"group: torch writes each group's ranks into its own), not {type(pg_options).__name__}; "
+                        "pass megatron_group_options(...)['pg_options'] or lambda: make_options()")
     global _P2P_GROUPS, _FOR_PP_GROUP
     from megatron.core import parallel_state
 
@@ -116,7 +127,8 @@ def create_pipemesh_groups(timeout: Optional[timedelta] = None, backend: Optiona
     groups: Dict[LinkKey, dist.ProcessGroup] = {}
     for key in order:  # every rank creates every group, in the same order
         _, src, dst = key
-        group = parallel_state.create_group([src, dst], timeout=timeout, backend=backend, pg_options=pg_options,
+        group = parallel_state.create_group([src, dst], timeout=timeout, backend=backend,
+                                            pg_options=pg_options() if pg_options is not None else None,
                                             group_desc=f"PIPEMESH_LINK_{key[0]}_{src}_{dst}")
         if me in (src, dst):
             groups[key] = group

@@ -12,10 +12,8 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -50,18 +48,6 @@ def training_config(args, plan: RunPlan) -> ScheduleConfig:
                            microbatches_per_iteration(args), getattr(args, "microbatch_group_size_per_vp_stage", None))
 
 
-def _cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
-    """Achieved fp32 matmul rate of this process's CPU threads (TFLOP/s), for predictions on CPU."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mm(a, b)
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
-
-
 @dataclass
 class Prediction:
     """Simulated iteration of the plan and of the stock orders, from analytic costs."""
@@ -78,20 +64,14 @@ class Prediction:
 
 def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> Optional[Prediction]:
     """Predict ``config`` (with its recomputation) for this run; None when the model shape is unknown."""
-    from .auto_plan import _device_defaults, model_and_cluster
+    from .auto_plan import costs_source, device_rate, model_and_cluster
 
-    tflops = getattr(args, "pipemesh_device_tflops", None) or _device_defaults(args)[0]
-    source = "analytic costs"
     model_args = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
     if any(getattr(args, name, None) is None for name in model_args):
         return None
-    if tflops is None:
-        tflops = _cpu_matmul_tflops()
-        source = f"analytic costs at a measured CPU matmul rate of {tflops * 1e3:.1f} GFLOP/s"
-        model, cluster = model_and_cluster(args, tflops)
-        cluster = dataclasses.replace(cluster, mfu=1.0)
-    else:
-        model, cluster = model_and_cluster(args, tflops)
+    rate = device_rate(args, "the predicted iteration")
+    source = costs_source(rate)
+    model, cluster = model_and_cluster(args, rate)
     costs = analytic_costs(model, cluster, config)
     result = simulate(config, costs, recompute or {})
     placed = ScheduleCosts(config, costs, recompute or {})
@@ -109,13 +89,13 @@ def sharding_summary(args, config: ScheduleConfig, levels) -> str:
     """The levels and the model's weights + grads + optimizer bytes per pipeline rank for them and for ZeRO-1
     everywhere (the runtime prints the measured bytes next to its own prediction at iteration 2)."""
     from ..planning.sharding import ShardingSpec, rank_splits
-    from .auto_plan import model_and_cluster
+    from .auto_plan import DeviceRate, model_and_cluster
 
     scope = getattr(args, "pipemesh_shard_scope", "data-parallel")
     text = f"sharding {' '.join(levels)}" + (f" (scope node, ranks per node: {args.pipemesh_ranks_per_node})"
                                              if scope == "node" else "")
     try:
-        model, cluster = model_and_cluster(args, 1.0)
+        model, cluster = model_and_cluster(args, DeviceRate(1.0, 1.0))
         mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels), scope))
         zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp, scope))
     except Exception as error:  # a report must not stop training

@@ -69,6 +69,7 @@ on the local spec, measured), RoPE (the rotated q and k and the cos/sin tables, 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, Optional, Tuple
@@ -315,3 +316,12 @@ def chunk_bytes(shape: ActivationShape, num_layers: int, pp: int, vpp: int, rank
     if keep_outputs:
         total += output_bytes(shape, last_stage=last)
     return total
+
+
+def host_block_bytes(nbytes: float) -> int:
+    """Host memory one chunk-micro-batch placed on the host takes for ``nbytes`` of activations: one pinned
+    block, rounded up to a power of two. Torch's caching host allocator rounds every pinned block that way
+    (to index its free lists), so the runtime's pool (``runtime/offload.py``) asks for exactly this size, and
+    the planner holds its host budget to these bytes, not the activations' (up to twice as many)."""
+    size = math.ceil(nbytes)
+    return 0 if size <= 0 else 1 << (size - 1).bit_length()

@@ -37,7 +37,7 @@ from ..schedule.lower import lower
 from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
-from .memory import selective_levels
+from .memory import host_block_bytes, selective_levels
 from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
@@ -60,14 +60,15 @@ class Plan:
     sharding: object = None
     """The :class:`.sharding.ShardingModel` the plan was simulated with (None: no mixed sharding)."""
     host_budget_bytes: Optional[float] = None
-    """Host memory per rank offloaded activations may hold; None = unlimited."""
+    """Host memory per rank offloaded activations may hold, in pinned blocks (each chunk-micro-batch's bytes
+    rounded up to a power of two: :func:`.memory.host_block_bytes`); None = unlimited."""
     reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD
     """Compute ops between a RELOAD and its backward in the lowered program the plan was simulated with."""
 
     @property
     def fits(self) -> bool:
         host = float("inf") if self.host_budget_bytes is None else self.host_budget_bytes
-        return all(r.peak_memory_bytes <= self.budget_bytes and r.peak_host_bytes <= host for r in self.result.ranks)
+        return all(r.peak_memory_bytes <= self.budget_bytes and r.peak_pinned_bytes <= host for r in self.result.ranks)
 
     def placement_counts(self) -> List[Dict[str, int]]:
         """Per rank: chunk-micro-batches kept on the device whole, on the host, recomputed selectively or fully."""
@@ -155,7 +156,8 @@ class PlannerOptions:
     """'recompute-only' (recomputation is the only memory lever), 'auto' (host offload and recomputation
     per chunk-micro-batch, :func:`fit_with_placement`) or 'device' (no lever: a plan over budget does not fit)."""
     host_budget_bytes: Optional[float] = None
-    """Host memory per rank offloaded activations may hold (None = unlimited)."""
+    """Host memory per rank offloaded activations may hold, in pinned blocks (each chunk-micro-batch's bytes
+    rounded up to a power of two: :func:`.memory.host_block_bytes`; None = unlimited)."""
     reload_lookahead: Optional[int] = None
     """Compute ops between a RELOAD's launch and its backward; None: enough forwards to hide one copy
     (:func:`reload_lookahead_for`)."""
@@ -381,10 +383,11 @@ class _RankModel:
         return {k: tuple(v) for k, v in times.items()}, exposed
 
     def host_peak(self, windows) -> float:
-        """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end)."""
+        """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end), in
+        host blocks (:func:`.memory.host_block_bytes`: what the pinned allocator takes, which the budget limits)."""
         deltas = []
         for (chunk, _), (off_start, _, _, rel_end) in windows.items():
-            size = self.adapter.bytes_at(self.rank, chunk, DEVICE)
+            size = host_block_bytes(self.adapter.bytes_at(self.rank, chunk, DEVICE))
             deltas += [(off_start, size), (rel_end, -size)]
         return _peak(deltas)[1]
 
@@ -530,7 +533,7 @@ def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: Recomp
         if excess <= 0:
             break
         plan[(rank,) + key] = smallest
-        excess -= adapter.bytes_at(rank, key[0], DEVICE)
+        excess -= host_block_bytes(adapter.bytes_at(rank, key[0], DEVICE))
         changed = True
     return changed
 
@@ -684,8 +687,8 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
         adapter = sharding.adapter(config, costs, plan) if sharding is not None else ScheduleCosts(config, costs, plan)
         changed = False
         for r in result.ranks:
-            if r.peak_host_bytes > host_budget:
-                changed |= _relieve_host(result, adapter, plan, r.rank, r.peak_host_bytes - host_budget, allowed)
+            if r.peak_pinned_bytes > host_budget:
+                changed |= _relieve_host(result, adapter, plan, r.rank, r.peak_pinned_bytes - host_budget, allowed)
         for r in result.ranks:
             if r.peak_memory_bytes > budget_bytes:
                 changed |= _place_rank(result, adapter, plan, r.rank, budget_bytes, allowed, options)

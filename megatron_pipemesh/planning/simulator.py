@@ -10,6 +10,7 @@ timeline per rank counts the host memory it holds from the OFFLOAD's start to th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -18,6 +19,7 @@ from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, Lowering
 from ..schedule.ops import OpKind
 from ..schedule.timeline import Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
+from .memory import host_block_bytes
 
 RecomputePlan = Dict[Tuple[int, int, int], str]
 """(rank, chunk, micro-batch) -> lever (:class:`..schedule.levers.Lever` or its name); missing means 'none'."""
@@ -47,6 +49,9 @@ class RankResult:
     """Peak host memory held by this rank's offloaded activations."""
     host_placed: int = 0
     """Chunk-micro-batches whose activations this rank offloads to host memory."""
+    peak_pinned_bytes: float = 0.0
+    """Peak of the host blocks holding them (each chunk-micro-batch's bytes rounded up to a power of two, as the
+    pinned allocator takes them: :func:`.memory.host_block_bytes`); what the host budget limits."""
 
 
 @dataclass
@@ -180,16 +185,17 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
             peak_act = max(peak_act, act)
             peak_total = max(peak_total, static + act + buffers)
             steps.append((t, static + act + buffers))
-        host = peak_host = 0.0
+        host = peak_host = pinned = peak_pinned = 0.0
         host_steps = []
         for t, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):
             host += size
-            peak_host = max(peak_host, host)
+            pinned += math.copysign(host_block_bytes(abs(size)), size)
+            peak_host, peak_pinned = max(peak_host, host), max(peak_pinned, pinned)
             host_steps.append((t, host))
         memory.append(steps)
         host_memory.append(host_steps)
         exposed = waits_p2p + exposed_dp + waits_host
         ranks.append(RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - exposed),
                                 peak_act, peak_total, peak_live, recompute_s, waits_host, peak_host,
-                                sum(1 for c in copies[rank] if c.op.kind is OpKind.OFFLOAD)))
+                                sum(1 for c in copies[rank] if c.op.kind is OpKind.OFFLOAD), peak_pinned))
     return SimulationResult(config, end, ranks, timeline, memory, host_memory)

@@ -53,7 +53,7 @@ from ..schedule.ops import F, Op, OpKind
 from ..schedule.plan import RunPlan
 from ..schedule.validate import validate
 from .errors import PipeMeshRuntimeError
-from .memory import ambient_meter, make_memory_meter, model_tensors
+from .memory import SavedTensorMeter, ambient_meter, make_memory_meter, model_tensors
 from .offload import ActivationOffloader
 from .recompute import recompute_scope
 from .stats import OpClock, OpRecord, RuntimeStats
@@ -445,6 +445,7 @@ class _Run:
         stats.total_s = time.perf_counter() - begin
         if self.offloader is not None:
             stats.peak_host_bytes = int(self.offloader.peak_host_bytes)
+            stats.peak_block_bytes = int(self.offloader.peak_block_bytes)
             stats.offloaded_bytes = dict(self.offloaded)
             self.offloader.clear()
         if self.meter is not None:
@@ -480,7 +481,7 @@ class _Run:
             forward = op.compute
             keep, swap = (outputs.get(forward),), (inputs.get(forward),)
             self.offloaded[(op.chunk, op.microbatch)] = self._host_step(
-                step, op, lambda key: self.offloader.offload(key, keep, swap))
+                step, op, lambda key: self.offloader.offload(key, keep, swap, roots=keep))
         else:
             self._host_step(step, op, self.offloader.reload)
 
@@ -489,10 +490,11 @@ class _Run:
         last = chunk == self.vpp - 1 and self.pp_rank == self.pp - 1
         hooks = self._host_step(step, op, self.offloader.hooks) if self._host_placed(op) else None
         meter = self.meter if self.meter is not None else (self.host_meter if hooks else None)
-        if meter is not None:
-            saved = meter.record((chunk, microbatch), inner=hooks)
-        else:
-            saved = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+        # Host-placed saved tensors get per-tensor hooks at OFFLOAD (see .offload: default hooks would hand the
+        # backward new objects for saved Parameters); only a saved-tensor meter, whose default hooks hide the
+        # tensors from per-tensor ones, runs the offloader's hooks inside its own.
+        inner = hooks if meter is not None and meter.kind == SavedTensorMeter.kind else None
+        saved = meter.record((chunk, microbatch), inner=inner) if meter is not None else contextlib.nullcontext()
         with self._recompute(op), saved:
             output, num_tokens = self._forward_step(op, received, forward_data_store, last)
         if self.meter is not None and not last:

@@ -1,6 +1,7 @@
 """Measured cost inputs for the planner: per-op compute times from the runtime's timers of the
 first iterations (GPU times from CUDA events on CUDA, see :mod:`.stats`), plus short
-micro-benchmarks of a pipeline transfer and a data-parallel all-reduce on the real process groups.
+micro-benchmarks of a pipeline transfer and a data-parallel all-reduce on the real process groups (the
+per-link groups the runtime sends on; a bounded all-reduce buffer, scaled to the chunk's size).
 
 Every rank measures locally; :func:`measure_costs` then gathers all ranks' numbers so that every
 rank builds the same :class:`~megatron_pipemesh.planning.costs.OpCosts` (the planner is
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .stats import RuntimeStats
+from .transport import LinkKey
 
 
 def _median(values: Sequence[float]) -> float:
@@ -38,16 +40,19 @@ def compute_medians(history: Sequence[RuntimeStats], vpp: int, pp_rank: int, pp:
     return {key: _median(values) for key, values in buckets.items()}
 
 
-def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> float:
-    """Median seconds to pass one activation to the next pipeline rank (all ranks at once).
-
-    Each rank's send to the next rank and receive from the previous one go out as one
-    ``batch_isend_irecv`` (one NCCL group call), so no rank waits for its send to complete before
-    posting its receive: the unbatched order deadlocks for large messages, which Megatron avoids the
-    same way (or by even/odd ordering).
-    """
+def time_pipeline_transfer(shape, dtype, device, pp_group, p2p_groups: Mapping[LinkKey, object],
+                           repeats: int = 5) -> float:
+    """Median seconds to pass one activation to the next pipeline rank (all ranks at once), on the per-link
+    groups the runtime sends on (:func:`..integration.parallel_state.get_pipemesh_p2p_groups`): each rank
+    receives on the link from the previous rank and sends on the link to the next one, two communicators,
+    so neither waits for the other (as in the runtime, where each link's transfers are ordered among
+    themselves only). ``pp_group`` (Megatron's pipeline group) only lines the ranks up between repeats."""
     pp, rank = pp_group.size(), pp_group.rank()
+    if pp < 2:
+        return 0.0
     ranks = dist.get_process_group_ranks(pp_group)
+    me, after, before = ranks[rank], ranks[(rank + 1) % pp], ranks[(rank - 1) % pp]
+    outgoing, incoming = p2p_groups[("F", me, after)], p2p_groups[("F", before, me)]
     send = torch.ones(shape, dtype=dtype, device=device)
     recv = torch.empty(shape, dtype=dtype, device=device)
     times = []
@@ -56,8 +61,7 @@ def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, ranks[(rank + 1) % pp], group=pp_group),
-                                        dist.P2POp(dist.irecv, recv, ranks[(rank - 1) % pp], group=pp_group)])
+        works = [dist.irecv(recv, src=before, group=incoming), dist.isend(send, dst=after, group=outgoing)]
         for work in works:
             work.wait()
         if device.type == "cuda":  # wall time of the transfer itself, not of its launch
@@ -66,11 +70,19 @@ def time_pipeline_transfer(shape, dtype, device, pp_group, repeats: int = 5) -> 
     return _median(times[1:])
 
 
-def time_allreduce(numel: int, dtype, device, group, repeats: int = 3) -> float:
-    """Median seconds of an all-reduce of ``numel`` elements over ``group`` (0 for one rank)."""
+ALLREDUCE_SAMPLE_NUMEL = 1 << 22
+"""Elements the all-reduce micro-benchmark moves at most (16 MiB in fp32): enough to be bandwidth-bound on the
+links the planner targets, small enough to allocate mid-training on a tight plan; longer reductions are scaled."""
+
+
+def time_allreduce(numel: int, dtype, device, group, repeats: int = 3,
+                   sample_numel: int = ALLREDUCE_SAMPLE_NUMEL) -> float:
+    """Median seconds of an all-reduce of ``numel`` elements over ``group`` (0 for one rank), measured on at most
+    ``sample_numel`` elements and scaled linearly (a whole chunk's fp32 buffer would be GBs on 7-13B models)."""
     if group is None or group.size() == 1 or numel == 0:
         return 0.0
-    buffer = torch.zeros(numel, dtype=dtype, device=device)
+    sample = min(numel, sample_numel)
+    buffer = torch.zeros(sample, dtype=dtype, device=device)
     times = []
     for _ in range(repeats + 1):
         dist.barrier(group=group)
@@ -79,19 +91,21 @@ def time_allreduce(numel: int, dtype, device, group, repeats: int = 3) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return _median(times[1:])
+    return _median(times[1:]) * numel / sample
 
 
-def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, dp_group, shape, dtype, device,
-                  chunk_params: int, grad_bytes: int, distributed_optimizer: bool) -> Dict[str, float]:
-    """Measure on this rank, gather every rank's numbers and combine them identically everywhere.
+def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, p2p_groups: Mapping[LinkKey, object],
+                  dp_group, shape, dtype, device, chunk_params: int, grad_bytes: int,
+                  distributed_optimizer: bool) -> Dict[str, float]:
+    """Measure on this rank, gather every rank's numbers and combine them identically everywhere
+    (``p2p_groups``: the per-link groups the runtime sends on).
 
     Returns seconds per chunk-micro-batch: forward, backward, first/last-stage extras, p2p
     transfer, data-parallel gradient reduction and parameter gather per chunk.
     """
     pp_rank, pp = pp_group.rank(), pp_group.size()
     local = compute_medians(history, vpp, pp_rank, pp)
-    local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group)
+    local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group, p2p_groups)
     grad_dtype = torch.float32 if grad_bytes == 4 else torch.bfloat16
     allreduce = time_allreduce(chunk_params, grad_dtype, device, dp_group)
     d = dp_group.size() if dp_group is not None else 1

@@ -15,7 +15,9 @@ and this module frees and re-allocates the *storage* of its buffers around the s
   (``start_param_sync``); the chunk's next compute op waits on them (``finish_param_sync``).
   ``RELEASE c.k`` keeps the shard and frees the rest. At the end of the program the buffer comes
   back with the shard in place (zeros elsewhere) for the optimizer step, which updates the shard
-  in place; the next program starts by releasing it again.
+  in place; the next program starts by releasing it again -- after any all-gather Megatron launched into
+  it finished: with ``--overlap-param-gather-with-optimizer-step`` the optimizer step gathers the first
+  chunk itself, and the program then keeps that gathered buffer for the chunk's first GATHER.
 * ``optim_grads`` (ZeRO-2, also ZeRO-3): the gradient buffer's storage is freed at the start of the
   program (it was zeroed) and re-allocated (zeroed) at the first backward of each backward group;
   ``REDUCE c.k`` scales each bucket by Megatron's ``gradient_scaling_factor`` and reduce-scatters it
@@ -133,14 +135,17 @@ class ChunkSharding:
         self.buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
         self.bucket_groups = list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
         self.buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
-        self.group = self.buffers[0].data_parallel_group
-        self.size, self.rank = self.group.size(), self.group.rank()
+        # Each bucket is sharded over its own buffer's group: Megatron's distributed-optimizer instance, the
+        # expert data-parallel one for expert buffers (a different size under expert parallelism).
+        self.groups = [buffer.data_parallel_group for buffer in self.buffers for _ in buffer.buckets]
         # Shard tensors, allocated once; their storage is freed while the whole buffer holds the shard.
-        self.param_shards = ([torch.empty_like(_shard(b.param_data, self.size, self.rank)) for b in self.buckets]
+        self.param_shards = ([torch.empty_like(self._mine(i, b.param_data)) for i, b in enumerate(self.buckets)]
                              if self.zero3 else [])
-        self.grad_accum = [torch.zeros_like(_shard(b.grad_data, self.size, self.rank)) for b in self.buckets]
+        self.grad_accum = [torch.zeros_like(self._mine(i, b.grad_data)) for i, b in enumerate(self.buckets)]
         self.params_out = self.grads_out = False
         self.gathering = False
+        self.current = False
+        """The whole buffer holds the current parameters, gathered by Megatron's optimizer step."""
         self.pending: List[Tuple[object, int]] = []
         self.to_add: set = set()
         """Bucket groups whose final reduction still has to carry the accumulated shards of earlier groups."""
@@ -151,15 +156,27 @@ class ChunkSharding:
         for index, bucket_group in enumerate(self.bucket_groups):
             bucket_group.start_grad_sync = self._folding_start(index, bucket_group, bucket_group.start_grad_sync)
 
+    def _mine(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slot of bucket ``index``'s ``tensor`` (its parameter or gradient data)."""
+        group = self.groups[index]
+        return _shard(tensor, group.size(), group.rank())
+
     # Parameters (ZeRO-3) -----------------------------------------------------------------------
-    def release_params(self) -> None:
-        """Keep only this rank's shard of the parameters."""
+    def release_params(self, keep_current: bool = False) -> None:
+        """Keep only this rank's shard of the parameters, once every all-gather into the buffer finished (ours and
+        Megatron's). ``keep_current`` (program start): when Megatron's optimizer step gathered the whole chunk
+        (``--overlap-param-gather-with-optimizer-step`` does for the first chunk), the buffer holds the current
+        parameters: keep it for the first GATHER instead of freeing it and gathering again."""
         if self.params_out:
             return
         self.wait_gather()
-        for shard, bucket in zip(self.param_shards, self.buckets):
+        if self._finish_megatron_gathers() and keep_current:
+            self.current = True
+            return
+        self.current = False
+        for index, (shard, bucket) in enumerate(zip(self.param_shards, self.buckets)):
             _alloc(shard)
-            shard.copy_(_shard(bucket.param_data, self.size, self.rank))
+            shard.copy_(self._mine(index, bucket.param_data))
         for buffer in self.buffers:
             _free(buffer.param_data)
         self.params_out = True
@@ -171,17 +188,30 @@ class ChunkSharding:
         for buffer in self.buffers:
             _alloc(buffer.param_data)
             buffer.param_data.zero_()
-        for shard, bucket in zip(self.param_shards, self.buckets):
-            _shard(bucket.param_data, self.size, self.rank).copy_(shard)
+        for index, (shard, bucket) in enumerate(zip(self.param_shards, self.buckets)):
+            self._mine(index, bucket.param_data).copy_(shard)
             _free(shard)
         self.params_out = False
 
+    def _finish_megatron_gathers(self) -> bool:
+        """Wait for the all-gathers Megatron launched into this chunk's buffer itself (the optimizer step's, see
+        :meth:`release_params`): freeing the storage under one would let it write freed memory, and the next
+        GATHER would trip Megatron's assertion on the handle in flight. True if every bucket group had one."""
+        launched = [group for group in self.bucket_groups if getattr(group, "param_gather_handle", None) is not None]
+        for bucket_group in launched:
+            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+        return bool(launched) and len(launched) == len(self.bucket_groups)
+
     def gather(self) -> int:
-        """GATHER: restore the buffer and launch Megatron's bucket all-gathers; returns the bytes gathered."""
-        self.restore_params()
-        for bucket_group in self.bucket_groups:
-            bucket_group.start_param_sync()
-        self.gathering = True
+        """GATHER: restore the buffer and launch Megatron's bucket all-gathers (none when the buffer was kept
+        current at the program's start); returns the bytes gathered."""
+        if self.current:
+            self.current = False
+        else:
+            self.restore_params()
+            for bucket_group in self.bucket_groups:
+                bucket_group.start_param_sync()
+            self.gathering = True
         return sum(b.param_data.numel() * b.param_data.element_size() for b in self.buckets)
 
     def wait_gather(self) -> None:
@@ -217,8 +247,8 @@ class ChunkSharding:
             for index, bucket in enumerate(self.buckets):
                 if bucket.gradient_scaling_factor != 1.0:
                     bucket.grad_data *= bucket.gradient_scaling_factor
-                work = dist.reduce_scatter_tensor(_shard(bucket.grad_data, self.size, self.rank), bucket.grad_data,
-                                                  op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                work = dist.reduce_scatter_tensor(self._mine(index, bucket.grad_data), bucket.grad_data,
+                                                  op=dist.ReduceOp.SUM, group=self.groups[index], async_op=True)
                 self.pending.append((work, index))
                 total += bucket.grad_data.numel() * bucket.grad_data.element_size()
         return total
@@ -231,7 +261,7 @@ class ChunkSharding:
             work.wait()
         with torch.no_grad():
             for _, index in self.pending:
-                self.grad_accum[index] += _shard(self.buckets[index].grad_data, self.size, self.rank)
+                self.grad_accum[index] += self._mine(index, self.buckets[index].grad_data)
         self.pending = []
         self.to_add = set(range(len(self.bucket_groups)))
         self.release_grads()
@@ -255,7 +285,7 @@ class ChunkSharding:
                 for index, bucket in zip(indices, buckets):
                     if bucket.gradient_scaling_factor != 1.0:
                         bucket.grad_data *= bucket.gradient_scaling_factor
-                    _shard(bucket.grad_data, self.size, self.rank).add_(self.grad_accum[index])
+                    self._mine(index, bucket.grad_data).add_(self.grad_accum[index])
                     self.grad_accum[index].zero_()
                     bucket.gradient_scaling_factor = 1.0
             try:
@@ -309,7 +339,7 @@ class ProgramSharding:
         for state in self.states.values():
             state.release_grads()
             if state.zero3:
-                state.release_params()
+                state.release_params(keep_current=True)
         if measure:
             held = 0
             for chunk, ddp in enumerate(self.model):

@@ -75,6 +75,9 @@ class RuntimeStats:
     """Bytes of each (chunk, micro-batch) output the runtime held beyond its saved tensors (CPU meter)."""
     peak_host_bytes: int = 0
     """Peak bytes of activations in host memory (host placement; measured with or without the meter)."""
+    peak_block_bytes: int = 0
+    """Peak bytes of the host blocks holding them (the real, rounded, pinned memory; the planner's
+    ``peak_pinned_bytes``)."""
     offloaded_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
     """Bytes each host-placed (chunk, micro-batch) moved to host memory (OFFLOAD)."""
     time_source: str = "host"

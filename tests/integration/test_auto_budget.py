@@ -108,9 +108,34 @@ def test_plan_prices_the_collectives_of_the_backend_megatron_uses(monkeypatch):
     CUDA and gloo without."""
     args = _args(data_parallel_size=2, use_distributed_optimizer=True)
     monkeypatch.setattr(auto, "_on_cuda", lambda: False)
-    assert auto.model_and_cluster(args, 1.0)[1].collectives == "gloo"
+    assert auto.model_and_cluster(args, auto.DeviceRate(1.0, 1.0))[1].collectives == "gloo"
     monkeypatch.setattr(auto, "_on_cuda", lambda: True)
-    assert auto.model_and_cluster(args, 1.0)[1].collectives == "nccl"
-    assert auto.model_and_cluster(_args(distributed_backend="gloo"), 1.0)[1].collectives == "gloo"
+    assert auto.model_and_cluster(args, auto.DeviceRate(1.0, 1.0))[1].collectives == "nccl"
+    assert auto.model_and_cluster(_args(distributed_backend="gloo"), auto.DeviceRate(1.0, 1.0))[1].collectives == "gloo"
     monkeypatch.setattr(auto, "_on_cuda", lambda: False)
-    assert auto.model_and_cluster(_args(distributed_backend="nccl"), 1.0)[1].collectives == "nccl"
+    assert auto.model_and_cluster(_args(distributed_backend="nccl"), auto.DeviceRate(1.0, 1.0))[1].collectives == "nccl"
+
+
+def test_without_a_rate_auto_plans_at_the_measured_cpu_rate_and_ranks_agree_on_the_slowest(monkeypatch):
+    """No --pipemesh-device-tflops and no CUDA: the plan uses this CPU's measured matmul rate (at MFU 1, an achieved
+    rate), says so, and at the first call a rank that measured a faster rate re-plans with the slowest one."""
+    monkeypatch.setattr(auto, "measured_cpu_tflops", lambda: 0.04)
+    monkeypatch.setattr(auto, "_device_defaults", lambda args: (None, None))
+    plan, summary, replan = auto.auto_plan(_args(pipemesh_device_tflops=None, pipemesh_memory_budget_gb=1.0), 4, 2, 12)
+    assert "analytic costs at a measured CPU matmul rate of 40.0 GFLOP/s" in summary
+    assert replan.agree_on_rate and (replan.cluster.device_tflops, replan.cluster.mfu) == (0.04, 1.0)
+    FakeWorld(monkeypatch, [1, 1])  # budgets agree
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, mine / 100]))
+    made = []
+
+    def make_schedule(new):
+        made.append(new)
+        return StandInSchedule()
+    replanner = MeasuredReplanner(StandInSchedule(), make_schedule, plan, replan)
+    replanner()
+    replanner()
+    assert replanner.cluster.device_tflops == pytest.approx(0.0004) and len(made) == 1
+    slow = auto.analytic_costs(replan.model, replanner.cluster, plan.schedule)
+    fast = auto.analytic_costs(replan.model, replan.cluster, plan.schedule)
+    assert slow.forward_s == pytest.approx(100 * fast.forward_s)

@@ -73,7 +73,7 @@ def test_ranks_agree_on_the_slowest_host_link(monkeypatch):
     monkeypatch.setattr(auto, "_device_defaults", lambda args: (None, None))
     monkeypatch.setattr(host_link, "startup_host_link", lambda: host_link.HostLink(400.0, 400.0, 1))
     resolved = Resolved(*auto.auto_plan(_placement_args("auto"), 4, 2, 12))
-    assert resolved.replan.agree_on_host and resolved.replan.host_link_gbps == 400.0
+    assert resolved.replan.agree_on_host and resolved.replan.cluster.host_link_gbps == 400.0
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, (0.5, mine[1])]))
@@ -86,6 +86,6 @@ def test_ranks_agree_on_the_slowest_host_link(monkeypatch):
     replanner = MeasuredReplanner(StandInSchedule(), make_schedule, resolved.plan, resolved.replan)
     replanner()
     replanner()
-    assert replanner.host_link_gbps == 0.5 and len(made) == 1
+    assert replanner.cluster.host_link_gbps == 0.5 and len(made) == 1
     # at 0.5 Gbit/s copies cannot hide behind compute: the agreed plan offloads less than the 400 Gbit/s one
     assert sum(v == "host" for v in made[0].values()) < sum(v == "host" for v in resolved.plan.placement.values())

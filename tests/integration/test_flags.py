@@ -207,3 +207,15 @@ def test_sharding_auto_plans_levels_with_the_groups():
     levels = settings.plan.sharding
     assert len(levels) == 2 and set(levels) <= {"optim", "optim_grads", "optim_grads_params"}
     assert f"sharding {' '.join(levels)}" in settings.summary
+
+
+def test_saved_tensor_meter_with_fused_wgrad_and_overlapped_reduction_is_refused():
+    """Without CUDA --pipemesh-measure-memory counts saved tensors with default saved-tensor hooks, which hand
+    Megatron's fused-wgrad backward a copy of each weight (DDP's --overlap-grad-reduce hook then asserts): refused at
+    parse time naming the way out; fine with either the fusion or the overlap off."""
+    meter = dict(pipemesh_measure_memory=True, gradient_accumulation_fusion=True, overlap_grad_reduce=True)
+    with pytest.raises(PipeMeshArgumentError, match="--pipemesh-measure-memory without CUDA") as info:
+        check_pipemesh_args(_args(**meter))
+    assert "--no-gradient-accumulation-fusion" in str(info.value)
+    assert check_pipemesh_args(_args(**dict(meter, gradient_accumulation_fusion=False))).enabled
+    assert check_pipemesh_args(_args(**dict(meter, overlap_grad_reduce=False))).enabled

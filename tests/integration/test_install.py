@@ -3,6 +3,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.megatron_harness import REPO_ROOT
 
 TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -185,3 +187,17 @@ def test_yaml_cfg_activates_pipemesh_through_megatrons_parser():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "yaml schedule (8, 4) (6, 6)" in proc.stdout
+
+
+def test_version_gate_accepts_warns_and_refuses():
+    """0.19.x runs silently; a newer megatron-core (Megatron-LM main says 0.20.0) runs with a warning naming the
+    tested versions; an older one is refused with the reason."""
+    from megatron_pipemesh.integration.install import TESTED, check_version
+
+    assert check_version("0.19.2") is None and check_version("0.19.0") is None and check_version("0.19.3") is None
+    warning = check_version("0.20.0")
+    assert "0.20.0 is newer than the supported 0.19.x" in warning
+    assert all(version in warning for version in TESTED) and "Megatron-LM main" in warning
+    assert "0.21.0rc1 is newer" in check_version("0.21.0rc1")
+    with pytest.raises(RuntimeError, match="needs megatron-core >= 0.19 but found 0.18.1: older releases lack"):
+        check_version("0.18.1")

@@ -71,3 +71,45 @@ def test_group_options_follow_megatron_arguments():
                                      tensor_model_parallel_size=2, some_future_argument=True)
     assert options == {"timeout": timedelta(minutes=7), "backend": None, "pg_options": None}
     assert megatron_group_options(pipeline_model_parallel_comm_backend="ucc")["pg_options"] is None
+
+
+def test_every_link_group_gets_its_own_nccl_options(monkeypatch):
+    """torch writes each group's ranks and name into the options object it is given, so each link group must get
+    a fresh ``ProcessGroupNCCL.Options``. Checked without NCCL: Megatron's options builder and the group creation
+    are stand-ins recording what each of the four link groups of a two-rank pipeline is created with."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
+    prepare_megatron_import()
+    from megatron.core import parallel_state as ps
+
+    from megatron_pipemesh.integration.parallel_state import create_pipemesh_groups
+
+    built, created = [], []
+
+    def get_nccl_options(name, configs):  # Megatron's builds a new object per call (parallel_state.py:168)
+        built.append(SimpleNamespace(name=name, **configs[name]))
+        return built[-1]
+
+    def create_group(ranks, pg_options=None, group_desc=None, **_):
+        created.append((tuple(ranks), pg_options))
+        return group_desc
+
+    def all_gather_object(out, obj):
+        out[:] = [obj] * len(out)
+
+    monkeypatch.setattr(ps, "get_nccl_options", get_nccl_options)
+    monkeypatch.setattr(ps, "create_group", create_group)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_group", lambda: "pp")
+    for name, value in (("get_world_size", lambda *a: 2), ("get_rank", lambda *a: 0),
+                        ("get_process_group_ranks", lambda group: [0, 1]), ("all_gather_object", all_gather_object)):
+        monkeypatch.setattr(dist, name, value)
+    groups = create_pipemesh_groups(**megatron_group_options(high_priority_stream_groups=["pp"]), warm_up=False)
+    assert sorted(groups) == [("B", 0, 1), ("B", 1, 0), ("F", 0, 1), ("F", 1, 0)]
+    options = [opts for _, opts in created]
+    assert len(options) == 4 and len({id(opts) for opts in options}) == 4, options
+    assert all(opts.is_high_priority_stream for opts in options)
+    with pytest.raises(TypeError, match="factory of options objects"):
+        create_pipemesh_groups(pg_options=built[0], warm_up=False)

@@ -153,3 +153,19 @@ def test_rank_model_predicts_the_simulated_peak_and_copies():
             assert model.device_peak(plan, windows)[1] == pytest.approx(placed.ranks[0].peak_memory_bytes)
         else:  # B0.0 waits 4 s; B0.1, shifted by them, 8 s more (the simulator: 7.8 s, B1.3 moves too)
             assert exposed == pytest.approx(12.0) and placed.ranks[0].exposed_host_s == pytest.approx(11.8)
+
+
+def test_host_budget_counts_the_pinned_blocks():
+    """A chunk-micro-batch's host copy takes a pinned block of its bytes rounded up to a power of two (torch's caching
+    host allocator; 1e8 bytes -> 2**27 = 1.34e8): a host budget of 1.2e8 fits its activations but not its block, so
+    nothing is offloaded; a budget of exactly one block offloads one; the plan reports both sizes."""
+    costs = _costs(0.1)
+    block = 1 << 27
+    short = fit_with_recompute(CFG, costs, 6.5 * BYTES, PlannerOptions(activation_placement="auto",
+                                                                      host_budget_bytes=1.2 * BYTES))
+    assert short.fits and HOST not in _levels(short, 0) and _levels(short, 0)
+    assert all(r.peak_pinned_bytes == 0 for r in short.result.ranks)
+    one = fit_with_recompute(CFG, costs, 6.5 * BYTES,
+                             PlannerOptions(activation_placement="auto", host_budget_bytes=block))
+    assert one.fits and _levels(one, 0) == [HOST]
+    assert one.result.ranks[0].peak_host_bytes == BYTES and one.result.ranks[0].peak_pinned_bytes == block

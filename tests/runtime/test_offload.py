@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_pipemesh.runtime.memory import SavedTensorMeter
-from megatron_pipemesh.runtime.offload import ActivationOffloader, OffloadError
+from megatron_pipemesh.runtime.offload import ActivationOffloader, HostBufferPool, OffloadError
 
 
 def _layer():
@@ -58,7 +58,7 @@ def test_kept_tensors_stay_on_the_device():
 
 
 def test_pool_reuses_host_buffers_across_iterations():
-    """After the first iteration no host buffer is allocated again."""
+    """After the first iteration no host buffer is allocated again (one block per chunk-micro-batch)."""
     linear, x = _layer()
     offloader = ActivationOffloader(torch.device("cpu"))
     allocations = []
@@ -74,7 +74,7 @@ def test_pool_reuses_host_buffers_across_iterations():
             losses[key].backward()
             offloader.release(key)
         allocations.append(offloader.pool.allocations)
-    assert allocations[0] == 6 and allocations == [6, 6, 6]
+    assert allocations[0] == 2 and allocations == [2, 2, 2]
 
 
 def test_wrong_order_and_unknown_keys_raise():
@@ -116,3 +116,89 @@ def test_swapped_input_leaves_with_its_storage_and_comes_back():
     assert x.shape == (16, 32)
     loss.backward()
     assert torch.equal(x.grad, reference)
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """Megatron's gradient-accumulation fusion in miniature: saves the weight Parameter and, in the backward,
+    accumulates its gradient into ``weight.main_grad`` (and returns none), as ``LinearWithGradAccumulation...``
+    and Transformer Engine's linears do."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        _FusedWgrad.seen = weight
+        weight.main_grad += grad.t() @ x  # AttributeError on anything but the Parameter
+        return grad @ weight, None
+
+
+def test_saved_parameter_reaches_the_backward_as_itself():
+    """A Parameter saved by a host-placed forward comes back to the backward as the same object with its
+    attributes (``main_grad``), through OFFLOAD and RELOAD, and is never copied to the host; the activation
+    does travel and the gradient is right. (Under default saved-tensor hooks autograd hands the backward a new
+    plain tensor instead: the offloader hooks only the saved tensors it moves, found in the output's graph.)"""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    weight.main_grad = torch.zeros(8, 4)
+    x = torch.randn(5, 4, requires_grad=True)
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin([weight])
+    offloader.hooks("a")  # the executor's capture of a host-placed key: no default hooks around the forward
+    out = _FusedWgrad.apply(x * 2, weight)
+    assert offloader.offload("a", keep=(out,), roots=(out,)) == 5 * 4 * 4  # x * 2 only
+    offloader.reload("a")
+    offloader.wait("a")
+    (out * out).sum().backward()
+    assert _FusedWgrad.seen is weight and isinstance(_FusedWgrad.seen, torch.nn.Parameter)
+    assert torch.allclose(weight.main_grad, (2 * out).t() @ (x.detach() * 2))
+
+
+def test_parameter_storage_reallocated_after_begin_stays_on_the_device():
+    """A ZeRO-3 chunk's parameter buffer is freed and re-allocated (a new address) after ``begin`` by the
+    sharding runtime: a saved view of it (here ``weight.t()``, which a matmul saves) must still not be copied."""
+    buffer = torch.arange(32, dtype=torch.float32)
+    weight = torch.nn.Parameter(buffer[:32].view(8, 4))
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin([weight])
+    storage = weight.untyped_storage()
+    address = storage.data_ptr()
+    storage.resize_(0)                 # RELEASE at the program's start
+    storage.resize_(32 * 4)            # GATHER: the same storage at a new address
+    weight.data.copy_(torch.arange(32, dtype=torch.float32).view(8, 4))
+    x = torch.randn(5, 4, requires_grad=True)
+    offloader.hooks("a")
+    loss = (torch.mm(x, weight.t()) ** 2).sum()
+    print("parameter buffer address before/after the re-allocation", address, storage.data_ptr())
+    moved = offloader.offload("a", keep=(loss,), roots=(loss,))
+    offloader.reload("a")
+    loss.backward()
+    assert moved == 5 * 4 * 4 + 5 * 8 * 4  # x and the product, never the 128-byte parameter buffer
+
+
+def test_host_blocks_are_counted_at_the_size_the_pinned_allocator_takes():
+    """Torch's caching host allocator rounds every pinned block up to a power of two: the pool asks for exactly that
+    size (so its count is the real pinned memory), serves any request of the class from it, and the offloader
+    packs a key's storages into one such block and counts it. (Pinning needs CUDA; the size policy is the same.)"""
+    pool = HostBufferPool(pin=False)
+    block, event = pool.acquire(3000)
+    assert block.numel() == 4096 and event is None and pool.allocated_bytes == 4096
+    pool.release(block, "copy done")
+    again, event = pool.acquire(2500)  # the same class: the same block, with the event of its last reader
+    assert again is block and event == "copy done" and (pool.allocations, pool.allocated_bytes) == (1, 4096)
+    pool.acquire(4097)
+    assert pool.allocated_bytes == 4096 + 8192
+
+    linear, x = _layer()
+    offloader = ActivationOffloader(torch.device("cpu"))
+    offloader.begin(linear.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(*offloader.hooks("a")):
+        loss = _forward(linear, x)
+    assert offloader.offload("a") == 3 * 16 * 32 * 4  # 6144 bytes of activations ...
+    assert offloader.block_bytes == offloader.peak_block_bytes == offloader.pool.allocated_bytes == 8192  # ... in 8 KiB
+    offloader.reload("a")
+    loss.backward()
+    assert offloader.block_bytes == 0 and offloader.peak_block_bytes == 8192

@@ -99,6 +99,9 @@ def test_auto_placement_under_a_tight_budget_offloads_and_meets_the_prediction(p
         assert abs(auto["measured_peak"] - auto["predicted_peak"]) <= 0.10 * auto["predicted_peak"], auto
         if auto["predicted_host_peak"]:
             assert abs(auto["measured_host_peak"] - auto["predicted_host_peak"]) <= 0.10 * auto["predicted_host_peak"], auto
+            print("host peak: activations", auto["measured_host_peak"], auto["predicted_host_peak"],
+                  "blocks", auto["measured_block_peak"], auto["predicted_block_peak"])
+            assert auto["measured_block_peak"] == auto["predicted_block_peak"], auto  # the real pinned bytes
 
 
 def test_failing_host_copy_names_rank_step_and_op(pp2):

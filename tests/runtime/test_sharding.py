@@ -162,3 +162,67 @@ def test_program_counts_and_waits():
     program.end()
     assert ddp1.buffers[0].param_data.untyped_storage().nbytes() == 12 * 4
     assert program.traffic == {("gather", 0): 48, ("gather", 1): 48}
+
+
+@pytest.mark.parametrize("level", ["optim_grads", "optim_grads_params"])
+def test_each_buffer_shards_over_its_own_group(level):
+    """Two ranks, a dense buffer sharded over both and an expert buffer over its expert data-parallel group (one
+    rank: each rank holds its own experts): ZeRO-3 keeps and gathers each buffer's shard over its own group, and
+    the ZeRO-2 reductions reduce-scatter each bucket on its own group (expert gradients are not summed across
+    the ranks), folded into Megatron's final reduction."""
+    from tests import megatron_harness as h
+
+    results = h.run_worker("tests.runtime.sharding_workers:expert_and_dense", nproc=2, kwargs={"level": level})
+    for rank, got in enumerate(results):
+        experts = [100.0 * (rank + 1) + i for i in range(6)]
+        if level == "optim_grads_params":
+            assert got["shards"] == [[4.0 * rank + i for i in range(4)], experts], (rank, got)
+            assert got["gathered"] == [[float(i) for i in range(8)], experts], (rank, got)
+        # Dense: (1 + 2) x 0.5 summed over both ranks; experts: this rank's own 10 (rank + 1) x 0.5.
+        assert got["accumulated"] == [[1.5] * 4, [5.0 * (rank + 1)] * 6], (rank, got)
+        assert got["reduced"] == [[3.0] * 4, [10.0 * (rank + 1)] * 6], (rank, got)
+
+
+class _MegatronHandles(_BucketGroup):
+    """A bucket group with Megatron's handle rules: ``start_param_sync`` asserts no gather is in flight and leaves
+    one (async), ``finish_param_sync`` waits for it."""
+
+    def start_param_sync(self, force_sync=False):
+        assert self.param_gather_handle is None  # param_and_grad_buffer.py:400
+        self.param_gather_handle = [dist.all_gather_into_tensor(b.param_data, b.param_data.clone(), async_op=True)
+                                    for b in self.buckets]
+        self.calls.append("start_param_sync")
+
+    def finish_param_sync(self, skip_next_bucket_dispatch=False):
+        for work in self.param_gather_handle or ():
+            work.wait()
+        self.param_gather_handle = None
+        self.calls.append("finish_param_sync")
+
+
+def test_a_gather_launched_by_the_optimizer_step_is_finished_and_used():
+    """--overlap-param-gather-with-optimizer-step: Megatron's optimizer step starts the first chunk's all-gather
+    itself. The program's start waits for it (never frees storage a gather writes) and keeps the gathered buffer
+    for the first GATHER, which launches nothing; later GATHERs launch again."""
+    ddp, weight = _ddp()
+    group = ddp.bucket_groups[0] = _MegatronHandles(ddp.bucket_groups[0].buckets)
+    state = ChunkSharding(0, ddp, "optim_grads_params")
+    program = ProgramSharding([ddp], ("optim_grads_params",), {0: state})
+    before = weight.clone()
+    group.start_param_sync()           # the optimizer step of the previous iteration
+    program.begin()
+    assert group.param_gather_handle is None and group.calls == ["start_param_sync", "finish_param_sync"]
+    assert ddp.buffers[0].param_data.untyped_storage().nbytes() == 12 * 4
+    program.run(Op(OpKind.GATHER, 0, 0))
+    assert group.calls[-1] == "finish_param_sync" and torch.equal(weight, before)  # launched nothing
+    program.before(Op(OpKind.FORWARD, 0, 0))
+    program.run(Op(OpKind.RELEASE, 0, 0))
+    assert ddp.buffers[0].param_data.untyped_storage().nbytes() == 0
+    program.run(Op(OpKind.GATHER, 0, 1))
+    program.before(Op(OpKind.FORWARD, 0, 1))
+    assert group.calls[-2:] == ["start_param_sync", "finish_param_sync"] and torch.equal(weight, before)
+    assert program.traffic == {("gather", 0): 2 * 12 * 4}
+    program.end()
+    program.begin()                    # no gather in flight: released as usual
+    assert ddp.buffers[0].param_data.untyped_storage().nbytes() == 0
+    program.end()

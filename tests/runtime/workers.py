@@ -292,6 +292,7 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
             "measured_peak": schedule.last_stats.peak_activation_bytes,
             "predicted_peak": mine.peak_memory_bytes, "predicted_host_peak": mine.peak_host_bytes,
             "measured_host_peak": schedule.last_stats.peak_host_bytes,
+            "predicted_block_peak": mine.peak_pinned_bytes, "measured_block_peak": schedule.last_stats.peak_block_bytes,
             "plain_measured_peak": plain_peak,
             "recomputed": sum(1 for v in best.recompute.values() if v not in ("none", "host")),
             "hosted": sum(1 for v in best.recompute.values() if v == "host"),

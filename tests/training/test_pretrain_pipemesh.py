@@ -126,6 +126,17 @@ def test_checkpoint_under_pipemesh_resumes_under_pipemesh_and_default(base_args,
         assert resumed_pipemesh[0][i][0] == uninterrupted[0][i][0]
 
 
+def test_auto_plan_without_a_device_rate_plans_at_the_measured_cpu_rate(base_args, uninterrupted):
+    """--forward-groups auto on CPU without --pipemesh-device-tflops plans with each rank's measured matmul rate, says
+    so in the plan line, and the ranks agree on the slowest rate before the first iteration (same losses)."""
+    _, args = base_args
+    out = _train(args + ["--pipeline-schedule", "pipemesh", "--forward-groups", "auto", "--backward-groups", "auto",
+                         "--pipemesh-memory-budget-gb", "1"])
+    assert re.search(r"PipeMesh plan \(auto, analytic costs at a measured CPU matmul rate of [0-9.]+ GFLOP/s", out), out
+    assert re.search(r"PipeMesh plan: .*\[analytic costs at a measured CPU matmul rate of [0-9.]+ GFLOP/s\]", out)
+    assert _log(out) == uninterrupted
+
+
 def test_auto_plan_measures_replans_and_keeps_the_losses(base_args, uninterrupted):
     """auto: analytic plan at start-up, measured re-plan after 2 iterations, profile reused later;
     the switch of plan mid-run does not change the training trajectory."""
