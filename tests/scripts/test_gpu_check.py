@@ -50,10 +50,11 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     assert summary["seconds"] < 480
 
 
-def test_bench_is_skipped_unless_asked():
+def test_bench_is_skipped_unless_asked(tmp_path):
     """Without --bench the 8-rank benchmark does not run (it could take the whole budget); --only runs one check."""
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--only", "bench,recompute"], cwd=str(REPO),
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--only", "bench,recompute", "--out",
+                           str(tmp_path / "summary.json")], cwd=str(REPO), env=_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads(proc.stdout)["checks"]
     assert set(checks) == {"bench", "recompute"} and checks["bench"]["reason"] == "--bench skip"
