@@ -248,8 +248,11 @@ completed (it checks them when it next allocates)."""
 
 
 def cuda_memory_stats(device: Optional[torch.device]) -> Dict[str, int]:
-    """The caching allocator's counters (``torch.cuda.memory_stats``; host bookkeeping, no synchronisation)."""
-    return torch.cuda.memory_stats(device)
+    """The two counters the meter reads (host bookkeeping, no synchronisation). From the allocator's nested
+    statistics: ``torch.cuda.memory_stats`` flattens all of them in Python, a cost on every op boundary."""
+    nested = torch.cuda.memory_stats_as_nested_dict(device)
+    return {name: nested.get(group, {}).get("all", {}).get("current", 0)
+            for name, group in ((ALLOCATED, "allocated_bytes"), (ACTIVE, "active_bytes"))}
 
 
 class AllocatorMeter:
@@ -266,7 +269,7 @@ class AllocatorMeter:
     largest such sum where activations grow (the end of every recorded forward, every reload). Model state,
     receive buffers not yet consumed, gradients and ZeRO gathers belong to no key and never count. The meter never
     resets the allocator's peak counters: Megatron's memory report (``max_memory_allocated``) stays what it is.
-    ``stats``: the counters' source (``torch.cuda.memory_stats`` of ``device``; tests pass a stand-in)."""
+    ``stats``: the counters' source (:func:`cuda_memory_stats` of ``device``; tests may pass their own)."""
 
     kind = "cuda-allocator"
 

@@ -168,8 +168,8 @@ class FakeCudaAllocator:
     def __init__(self, monkeypatch):
         self.allocated = self.active = self.peak = self.resets = 0
         self.pending = []
-        for name in ("memory_stats", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
-                     "synchronize"):
+        for name in ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+                     "reset_peak_memory_stats", "synchronize"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def malloc(self, nbytes: int) -> int:
@@ -192,6 +192,10 @@ class FakeCudaAllocator:
     def memory_stats(self, device=None):
         return {"allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peak,
                 "active_bytes.all.current": self.active}
+
+    def memory_stats_as_nested_dict(self, device=None):
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+                "active_bytes": {"all": {"current": self.active}}}
 
     def memory_allocated(self, device=None):
         return self.allocated
