@@ -138,16 +138,11 @@ def metering(meter, ambient: bool = False) -> Iterator[None]:
     their own hooks hide from outer ones. The saved-tensor meter records the whole call as one key; the allocator
     meter takes Megatron's op boundaries (:func:`op_boundaries`)."""
     meter.begin()
-    with contextlib.ExitStack() as stack:
-        if ambient:
-            stack.enter_context(measuring(meter))
-        if isinstance(meter, AllocatorMeter):
-            stack.enter_context(op_boundaries(meter))
-            yield
-        else:
-            stack.enter_context(meter.record(CALL_KEY))
-            yield
-    if not isinstance(meter, AllocatorMeter):
+    whole_call = not isinstance(meter, AllocatorMeter)
+    with meter.record(CALL_KEY) if whole_call else op_boundaries(meter), \
+            measuring(meter) if ambient else contextlib.nullcontext():
+        yield
+    if whole_call:
         meter.release(CALL_KEY)
 
 
