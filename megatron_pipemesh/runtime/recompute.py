@@ -155,8 +155,12 @@ def _watch_registrations() -> None:
 
 
 def _decoder_layer_ids(decoder: Optional[torch.nn.Module]) -> Tuple[int, ...]:
+    """``id`` of each entry of the decoder's layer list (its layers stay alive in the cache, so no id is reused)."""
     layers = getattr(decoder, "layers", None) if decoder is not None else None
-    return tuple(id(layer) for layer in layers) if isinstance(layers, torch.nn.Module) else ()
+    try:
+        return tuple(id(layer) for layer in layers)
+    except TypeError:  # no layer list
+        return ()
 
 
 def _find_sites(module: torch.nn.Module) -> SwitchSites:
