@@ -155,7 +155,7 @@ def _watch_registrations() -> None:
 
 
 def _decoder_layer_ids(decoder: Optional[torch.nn.Module]) -> Tuple[int, ...]:
-    """``id`` of each entry of the decoder's layer list (its layers stay alive in the cache, so no id is reused)."""
+    """``id`` of each entry of the decoder's layer list (the cache holds the layers it found: their ids stay theirs)."""
     layers = getattr(decoder, "layers", None) if decoder is not None else None
     try:
         return tuple(id(layer) for layer in layers)
