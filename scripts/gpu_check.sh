@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One-GPU check of PipeMesh's GPU path, <= 8 minutes on one GPU with 16 CPU cores and no network:
-# the executor's CUDA path for every pipeline rank role in one process, the CUDA allocator meter vs the
-# activation model, Megatron's recomputation switches on CUDA, CUDA-event op timing vs wall time, then
-# the memory-fair CPU benchmark with 8 ranks. Writes a JSON summary ($OUT/gpu_check.json when $OUT is
-# set, else ./gpu_check.json, or --out PATH) and prints it; exit status 0 when every check passed or was
-# skipped. --cpu-only runs every check on the CPU (no GPU needed); --bench {auto,run,skip}.
+# the executor's CUDA path for every pipeline rank role in one process (thread-ranks on their own streams,
+# loopback copies on communication streams, also with delayed side-stream copies and without the caching
+# allocator), PipeMesh on Megatron's default GPU path (NCCL, bf16, TE spec when TE imports, DDP with
+# overlapped reduction and gathers, distributed optimizer, fused wgrad, host placement, ZeRO-2/3), the CUDA
+# allocator meter vs the activation model, Megatron's recomputation switches, the pinned host link,
+# CUDA-event op timing vs wall time. Writes a JSON summary ($OUT/gpu_check.json when $OUT is set, else
+# ./gpu_check.json, or --out PATH) and prints it; exit status 0 when every check passed or was skipped.
+# --cpu-only runs every check on the CPU (CUDA-only ones say "skipped: needs CUDA"); --bench
+# {skip,run,auto} (default skip) adds the 8-rank CPU benchmark; --only NAME[,NAME] runs those checks.
 # Python: $PYTHON, else .venv/bin/python, else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."

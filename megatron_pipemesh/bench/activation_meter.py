@@ -11,8 +11,10 @@ metering (:func:`megatron_pipemesh.runtime.call_meter.metering`, which also serv
   and backwards, so that a recomputation's re-saved tensors count while its backward holds them).
   Every storage autograd saves counts from its save until the last saved alias of it dies (the graph
   node that held it was freed by its backward); parameters and buffers never count;
-* CUDA: :class:`~megatron_pipemesh.runtime.memory.AllocatorMeter`: the allocator's peak over the call
-  above what was allocated when the call began.
+* CUDA: :class:`~megatron_pipemesh.runtime.memory.AllocatorMeter`: the same activation bytes from the
+  allocator's counters at Megatron's op boundaries (each ``forward_step`` to the ``backward_step`` of its output,
+  :func:`~megatron_pipemesh.runtime.call_meter.op_boundaries`): the temporaries of an op do not count, and the
+  allocator's own peak counters are never reset.
 
 Each rank prints one line per training iteration, parsed by :func:`parse_activation_peaks`::
 
@@ -32,7 +34,8 @@ the bench's hooks). S is the least model state held while the schedule ran (for 
 outside their groups); T the peak of model state + activations, at least S + the activation peak: it
 also holds gathered ZeRO-3 weights and ZeRO-2/3 gradient buffers while their groups run, and the whole
 buffers the optimizer step uses (the state sampled before the call). On CUDA S is the state before the
-call and T the allocator's peak.
+call and T what the allocator held when the call began plus the activation peak (the same quantity, without
+temporaries).
 """
 from __future__ import annotations
 
@@ -160,9 +163,9 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
         if hasattr(meter, "sample"):
             _SAMPLER["current"] = meter.sample
         try:
-            # The ambient meter only on CPU: the saved-tensor meter needs host-placed saves handed to it, the
-            # allocator sees them anyway.
-            with metering(meter, ambient=meter.kind == "saved-tensors"):
+            # Ambient: host placement reports to it what left the device (the saved-tensor meter also needs the
+            # host-placed saves handed to it).
+            with metering(meter, ambient=True):
                 result = func(*args, **kwargs)
         finally:
             _SAMPLER.pop("current", None)
@@ -173,7 +176,7 @@ def measure_forward_backward(func: Callable, report: Callable[[str], None] = pri
             if hasattr(meter, "peak_total_bytes"):
                 least = meter.least_state_bytes if meter.least_state_bytes is not None else before
                 total = max(before, meter.peak_total_bytes)
-            else:  # CUDA: the allocator's absolute peak holds state and activations
+            else:  # CUDA: what the allocator held at the call's start (the state) plus the activation peak
                 least, total = before, meter.baseline + meter.peak_bytes
             memory = f" state {int(least)} total {int(total)}"
         report(f"[pipemesh-bench] activation peak: rank {rank} iteration {state['iteration']} "

@@ -499,6 +499,8 @@ class _Run:
             output, num_tokens = self._forward_step(op, received, forward_data_store, last)
         if self.meter is not None and not last:
             self.meter.track((chunk, microbatch), output)  # kept for the send and the backward
+        if meter is not None:
+            meter.hold_input((chunk, microbatch), received)  # kept until the backward (counted on CUDA)
         return output, num_tokens
 
     def _forward_step(self, op: Op, received, forward_data_store, last: bool):

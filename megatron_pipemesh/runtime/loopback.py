@@ -4,8 +4,15 @@ A :class:`LoopbackWorld` stands in for the processes and their link groups (NCCL
 GPU, and a test of the executor should not need processes). Each rank thread gives the executor its own
 :class:`LoopbackTransport` (``PipeMeshSchedule(..., transport=world.transport(rank))``) and passes
 ``world.pipeline_group`` as the pipeline group. A send and its receive (same link, same tag, in FIFO order)
-meet in the world, and the later of the two copies the tensor; on CUDA the waiting rank's current stream
-waits for the copy's event, so the host does not wait for the data (as with NCCL).
+meet in the world, and the later of the two launches the copy (:class:`CopyEngine`). On CUDA it behaves like
+NCCL's point-to-point kernels (:class:`CudaCopyEngine`): each post records an event on the poster's current
+stream (a thread-rank can run on a compute stream of its own), the copy runs on the link's own communication
+stream after both events, and a wait makes the waiting rank's current stream wait for the copy's event (the
+host never waits for the data); a transfer counts as completed once that event has. The world holds no
+reference to a tensor after the match, so a rank that frees a send tensor or a receive buffer before its
+transfer completed gets what NCCL would give it: a block the caching allocator hands to its next kernel while
+the copy may still read or write it. ``copy_delay_cycles`` makes every copy wait that many GPU cycles on its
+stream first (``torch.cuda._sleep``), so such a missing wait is caught instead of usually winning the race.
 
 ``backend`` chooses the policy the transport applies: ``'gloo'`` (timed waits) or ``'nccl'`` (untimed waits;
 receives a failed call left posted break their links), so the CPU checks both. Every wait's arguments are
@@ -39,14 +46,71 @@ class LoopbackGroup:
     """Global ranks, in group-rank order."""
 
 
+class CopyEngine:
+    """How a matched transfer's copy runs: here on the host, at once (CPU tensors); events are None."""
+
+    def ready(self, tensor: torch.Tensor) -> Any:
+        """At post time, on the poster's thread: what the copy must wait for (the poster's work on ``tensor``)."""
+        return None
+
+    def copy(self, link: Any, source: torch.Tensor, target: torch.Tensor, ready: Tuple[Any, Any]) -> Any:
+        """Copy ``source`` into ``target`` after ``ready`` (the sender's and the receiver's); returns its event."""
+        with torch.no_grad():
+            target.copy_(source)
+        return None
+
+    def wait(self, event: Any) -> None:
+        """On the waiting thread: order its later work after the copy."""
+
+    def done(self, event: Any) -> bool:
+        """Whether the copy behind ``event`` finished."""
+        return True
+
+
+class CudaCopyEngine(CopyEngine):
+    """NCCL's way (see the module doc): poster events, one communication stream per link, event waits."""
+
+    def __init__(self, delay_cycles: int = 0):
+        self.delay_cycles = delay_cycles
+        """GPU cycles each copy sleeps on its stream before it starts (0: none)."""
+        self._streams: Dict[Any, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, link: Any, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            if link not in self._streams:
+                self._streams[link] = torch.cuda.Stream(device=device)
+            return self._streams[link]
+
+    def ready(self, tensor: torch.Tensor) -> Any:
+        return torch.cuda.current_stream(tensor.device).record_event()
+
+    def copy(self, link: Any, source: torch.Tensor, target: torch.Tensor, ready: Tuple[Any, Any]) -> Any:
+        stream = self._stream(link, target.device)
+        for event in ready:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream), torch.no_grad():
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            target.copy_(source)
+            return stream.record_event()
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream().wait_event(event)
+
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
+
+
 class LoopbackWork:
     """A posted loopback transfer (the c10d ``Work`` calls the executor makes)."""
 
     def __init__(self, world: "LoopbackWorld"):
         self._world, self._matched, self._event = world, threading.Event(), None
+        self._engine: CopyEngine = world.host_engine
 
-    def _complete(self, event: Optional[torch.cuda.Event]) -> None:
-        self._event = event
+    def _complete(self, event: Any, engine: CopyEngine) -> None:
+        self._event, self._engine = event, engine
         self._matched.set()
 
     def wait(self, *args) -> bool:
@@ -60,18 +124,19 @@ class LoopbackWork:
                 return False
             raise RuntimeError(f"loopback transfer not matched within {self._world.host_timeout_s} s")
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            self._engine.wait(self._event)
         return True
 
     def is_completed(self) -> bool:
-        return self._matched.is_set() and (self._event is None or self._event.query())
+        return self._matched.is_set() and (self._event is None or self._engine.done(self._event))
 
 
 class LoopbackWorld:
     """The thread-ranks ``0..size-1`` of one pipeline and their links."""
 
     def __init__(self, size: int, backend: str = "gloo", host_timeout_s: float = 120.0,
-                 links: Optional[Iterable[LinkKey]] = None):
+                 links: Optional[Iterable[LinkKey]] = None, copy_delay_cycles: int = 0,
+                 engine: Optional[CopyEngine] = None):
         self.size = size
         """Number of ranks (threads)."""
         self.backend = backend
@@ -84,8 +149,15 @@ class LoopbackWorld:
         """The pipeline group to pass to the executor (``pg_collection.pp``)."""
         self.waits: List[tuple] = []
         """Arguments of every wait, in order: ``(timedelta,)`` timed, ``()`` untimed."""
+        self.host_engine = CopyEngine()
+        """Copies of CPU tensors."""
+        self.engine = engine
+        """Copies of every tensor when given (tests); else CPU tensors take :attr:`host_engine` and CUDA tensors a
+        :class:`CudaCopyEngine` with ``copy_delay_cycles``, made on first use."""
+        self.copy_delay_cycles = copy_delay_cycles
+        """GPU cycles each CUDA copy waits on its stream first (0: none)."""
         self._lock = threading.Lock()
-        self._queues: Dict[tuple, Dict[str, Deque[Tuple[torch.Tensor, LoopbackWork]]]] = {}
+        self._queues: Dict[tuple, Dict[str, Deque[Tuple[torch.Tensor, LoopbackWork, Any]]]] = {}
         self._gathered: List[Any] = [None] * size
         self._barrier = threading.Barrier(size, timeout=host_timeout_s)
 
@@ -93,25 +165,38 @@ class LoopbackWorld:
         """The transport of thread-rank ``rank`` (one per rank and schedule)."""
         return LoopbackTransport(self, rank)
 
+    def _engine_for(self, tensor: torch.Tensor) -> CopyEngine:
+        if self.engine is not None:
+            return self.engine
+        if not tensor.is_cuda:
+            return self.host_engine
+        with self._lock:
+            if not isinstance(self.engine_cuda, CudaCopyEngine):
+                self.engine_cuda = CudaCopyEngine(self.copy_delay_cycles)
+            return self.engine_cuda
+
+    engine_cuda: Optional[CopyEngine] = None
+    """The CUDA copies' engine, once a CUDA tensor was posted."""
+
     def _post(self, kind: str, tensor: torch.Tensor, key: tuple) -> LoopbackWork:
-        """Post a 'send' or 'recv' under ``key`` = (link, tag); the second of a pair copies the data."""
+        """Post a 'send' or 'recv' under ``key`` = (link, tag); the second of a pair launches the copy."""
         work = LoopbackWork(self)
+        engine = self._engine_for(tensor)
+        ready = engine.ready(tensor)  # on the poster's thread: its current stream
         with self._lock:
             queues = self._queues.setdefault(key, {"send": collections.deque(), "recv": collections.deque()})
             other = queues["recv" if kind == "send" else "send"]
             if not other:
-                queues[kind].append((tensor, work))
+                queues[kind].append((tensor, work, ready))
                 return work
-            peer_tensor, peer_work = other.popleft()
-        source, target = (tensor, peer_tensor) if kind == "send" else (peer_tensor, tensor)
-        with torch.no_grad():
-            target.copy_(source)
-        event = None
-        if target.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        work._complete(event)
-        peer_work._complete(event)
+            peer_tensor, peer_work, peer_ready = other.popleft()
+        if kind == "send":
+            source, target, events = tensor, peer_tensor, (ready, peer_ready)
+        else:
+            source, target, events = peer_tensor, tensor, (peer_ready, ready)
+        done = engine.copy(key[0], source, target, tuple(e for e in events if e is not None))
+        work._complete(done, engine)
+        peer_work._complete(done, engine)
         return work
 
     def _all_gather(self, rank: int, obj) -> List[Any]:

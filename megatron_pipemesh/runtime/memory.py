@@ -10,26 +10,37 @@ Two meters with one interface, chosen by :func:`make_memory_meter` from the devi
   that key's backward finished). The pack hook stores a *detached* alias, never the tensor itself:
   returning the tensor would create a reference cycle through its ``grad_fn`` for saved outputs and
   keep them alive after the backward (the meter must not change what it measures).
-* :class:`AllocatorMeter` (CUDA): ``torch.cuda.memory_allocated()`` before/after each forward and
-  ``max_memory_allocated()`` over the iteration, relative to the allocation at :meth:`begin`. A
-  forward's delta includes everything it left allocated (saved tensors and its output).
+* :class:`AllocatorMeter` (CUDA): the same quantity from the caching allocator's counters
+  (``torch.cuda.memory_stats``), read at op boundaries: a key holds what its forward left allocated
+  (after minus before the op: temporaries freed inside the op never count) and its input, until its
+  backward. Freed blocks the allocator may not reuse yet (``record_stream`` pending: an offloaded
+  storage until its device-to-host copy finished) count too. It never resets the allocator's peak
+  counters (Megatron reports ``max_memory_allocated`` itself).
+
+What "activation bytes" means (both meters): the device bytes the schedule holds for chunk-micro-batches
+between a forward and its backward -- saved tensors, the input, the output until it is freed after its
+send; model state, gradients, receive buffers not yet consumed, ZeRO gathers and every temporary of an op
+(logits and loss terms, sequence-parallel gathers, a backward's recomputation) are not. ``peak_bytes`` is
+the largest sum over the call. Known differences: the CPU meter sees each save as it happens (a peak
+inside a forward, and, metering a whole call, a backward's recomputed saves), the CUDA meter sees op
+boundaries only; the CPU meter counts the input where it is saved, the CUDA meter always.
 
 Both also account tensors the runtime itself keeps alive for a key (:meth:`track` / :meth:`untrack`:
 the chunk's output held until its backward, freed early when Megatron's ``deallocate_output_tensor``
-runs after the send); on CUDA these are already inside the allocator numbers and ignored.
+runs after the send; on CUDA the output is inside the forward's delta and ``untrack`` subtracts it).
 
 Host placement (:mod:`.offload`): ``record(key, inner=hooks)`` composes the offloader's saved-tensor
 hooks with the meter's (only the innermost hooks of a stack see the tensors), and the offloader
 reports the storages it moves (:meth:`offloaded` / :meth:`reloaded`). ``live_bytes`` / ``peak_bytes``
 are *device-resident* bytes (an offloaded storage stops counting once it left the device; on CUDA
-the allocator sees it freed once the copy finished); ``host_bytes`` / ``peak_host_bytes`` count the
-activations in host memory.
+once its copy finished and the allocator may reuse the block); ``host_bytes`` / ``peak_host_bytes``
+count the activations in host memory.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Dict, Hashable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -179,6 +190,9 @@ class SavedTensorMeter:
             if ptr not in self._tracked.get(key, {}):
                 self._drop(key, ptr)
 
+    def hold_input(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
+        """Nothing to add: the input counts where autograd saves it (a Megatron chunk's first layer always does)."""
+
     def track(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
         """Count a tensor the runtime keeps for ``key`` (e.g. a chunk output until its backward)."""
         found = self._countable(tensor) if tensor is not None else None
@@ -225,68 +239,168 @@ class SavedTensorMeter:
         return tuple(self._held)
 
 
+ALLOCATED = "allocated_bytes.all.current"
+"""``torch.cuda.memory_stats`` key: bytes of live allocations (drops at ``free()``, record_stream or not)."""
+ACTIVE = "active_bytes.all.current"
+"""``torch.cuda.memory_stats`` key: bytes of live allocations and of freed blocks still waiting for the events of
+the streams they were recorded on (``record_stream``): the caching allocator reuses those only after the events
+completed (it checks them when it next allocates)."""
+
+
+def cuda_memory_stats(device: Optional[torch.device]) -> Dict[str, int]:
+    """The two counters the meter reads (host bookkeeping, no synchronisation). From the allocator's nested
+    statistics: ``torch.cuda.memory_stats`` flattens all of them in Python, a cost on every op boundary."""
+    nested = torch.cuda.memory_stats_as_nested_dict(device)
+    return {name: nested.get(group, {}).get("all", {}).get("current", 0)
+            for name, group in ((ALLOCATED, "allocated_bytes"), (ACTIVE, "active_bytes"))}
+
+
 class AllocatorMeter:
-    """CUDA caching-allocator deltas per key; peak over the iteration relative to :meth:`begin`."""
+    """Activation bytes per key from the CUDA caching allocator's counters read at op boundaries.
+
+    What counts (the semantics of :class:`SavedTensorMeter`, measured from the allocator): for each key, the bytes
+    its forward left allocated (``allocated`` after minus before the :meth:`record` block, so temporaries freed
+    inside the op -- logits, loss terms, sequence-parallel gathers, recomputation scratch -- never count), plus its
+    input (:meth:`hold_input`: allocated by the receive, kept until the backward), less its output once the runtime
+    freed it (:meth:`untrack`) and what host placement moved out (:meth:`offloaded`), plus what the reload brought
+    back (:meth:`reloaded`), until its backward ended (:meth:`release`). Freed blocks the allocator cannot reuse yet
+    (``active - allocated``: storages freed with ``record_stream`` whose side-stream copy has not finished, above all
+    an offloaded storage until its device-to-host copy is done) count as device memory too. ``peak_bytes`` is the
+    largest such sum where activations grow (the end of every recorded forward, every reload). Model state,
+    receive buffers not yet consumed, gradients and ZeRO gathers belong to no key and never count. The meter never
+    resets the allocator's peak counters: Megatron's memory report (``max_memory_allocated``) stays what it is.
+    ``stats``: the counters' source (:func:`cuda_memory_stats` of ``device``; tests may pass their own)."""
 
     kind = "cuda-allocator"
 
-    def __init__(self, device: Optional[torch.device] = None):
+    def __init__(self, device: Optional[torch.device] = None,
+                 stats: Optional[Callable[[Optional[torch.device]], Dict[str, int]]] = None):
         self.device = device
+        self._stats = stats or cuda_memory_stats
         self.baseline = 0
+        """Bytes allocated at :meth:`begin` (model state and whatever else was live then)."""
         self.saved_bytes: Dict[Key, int] = {}
-        """Bytes each key's forward left allocated (saved tensors + output; may include caches)."""
+        """Bytes each key's forward left allocated (saved tensors, output, one-off caches of a first forward) plus
+        its held input."""
         self.tracked_bytes: Dict[Key, int] = {}
+        """Empty: the outputs the runtime holds are inside ``saved_bytes`` already (kept for interface parity)."""
         self.peak_bytes = 0
+        self._held: Dict[Key, int] = {}
+        """Live keys -> device bytes they hold now."""
+        self._outputs: Dict[Key, int] = {}
+        """Bytes of each key's output the runtime still holds (subtracted when it is freed)."""
+        self._inputs: Dict[Key, set] = {}
+        """Storage pointers of each key's held inputs (each counted once)."""
+        self._frames: List[list] = []
+        """Open :meth:`record` blocks: [key, allocated at entry, bytes of nested blocks]."""
         self._host: Dict[Key, int] = {}
         self.host_bytes = 0
         self.peak_host_bytes = 0
         self.offloaded_bytes: Dict[Key, int] = {}
 
-    def begin(self) -> None:
-        torch.cuda.synchronize(self.device)
-        self.baseline = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Allocated before :meth:`begin`, so already in the baseline."""
+    # Reading the allocator -------------------------------------------------------------------------
+    def _read(self) -> Tuple[int, int]:
+        """(allocated, freed-but-not-reusable) bytes now."""
+        stats = self._stats(self.device)
+        allocated = int(stats.get(ALLOCATED, 0))
+        return allocated, max(int(stats.get(ACTIVE, allocated)) - allocated, 0)
 
     @property
     def live_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device) - self.baseline
+        """Bytes the live keys hold plus freed blocks not reusable yet."""
+        return sum(self._held.values()) + self._read()[1]
 
-    def _update_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+    def _sample_peak(self) -> None:
+        """Where activations grow: the keys' bytes plus the blocks still waiting for their copies. (Not sampled where
+        they shrink: the allocator checks pending events only when it next allocates, so a block whose copy finished
+        would still look pending there.)"""
+        self.peak_bytes = max(self.peak_bytes, sum(self._held.values()) + self._read()[1])
 
+    # Set-up -----------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start of a call: forget the previous call's keys (no allocator counter is reset)."""
+        self.baseline = self._read()[0]
+        self.peak_bytes = 0
+        self._held, self._outputs, self._inputs, self._frames = {}, {}, {}, []
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Allocated before :meth:`begin`: in the baseline, never in a key's delta."""
+
+    # Accounting -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def record(self, key: Key, inner: Optional[Tuple[Callable, Callable]] = None) -> Iterator[None]:
-        before = torch.cuda.memory_allocated(self.device)
+        """Account what the block (one forward of ``key``) leaves allocated to ``key``; ``inner``: (pack, unpack)
+        saved-tensor hooks to install around it (host placement's). A block inside another block of the same key
+        adds nothing (the outer one counts it); inside another key's block it counts for its own key only."""
+        if any(frame[0] == key for frame in self._frames):
+            with torch.autograd.graph.saved_tensors_hooks(*inner) if inner else contextlib.nullcontext():
+                yield
+            return
+        frame = [key, self._read()[0], 0]
+        self._frames.append(frame)
         try:
             with torch.autograd.graph.saved_tensors_hooks(*inner) if inner else contextlib.nullcontext():
                 yield
         finally:
-            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + torch.cuda.memory_allocated(self.device) - before
-            self._update_peak()
+            assert self._frames[-1] is frame  # blocks nest (one meter per thread)
+            self._frames.pop()
+            delta = self._read()[0] - frame[1]
+            own = delta - frame[2]
+            if self._frames:
+                self._frames[-1][2] += delta
+            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + own
+            self._held[key] = self._held.get(key, 0) + own
+            self._sample_peak()
+
+    def hold_input(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
+        """``key``'s input, allocated before its forward (the receive's buffer), is kept until its backward."""
+        found = _storage(tensor) if isinstance(tensor, torch.Tensor) else None
+        if found is None or found[0] in self._inputs.setdefault(key, set()):
+            return
+        self._inputs[key].add(found[0])
+        self.saved_bytes[key] = self.saved_bytes.get(key, 0) + found[1]
+        self._held[key] = self._held.get(key, 0) + found[1]
+        self._sample_peak()
 
     def track(self, key: Key, tensor: Optional[torch.Tensor]) -> None:
-        """Already counted by the allocator."""
+        """``key``'s output, which its forward allocated (already counted): remembered to subtract at :meth:`untrack`."""
+        found = _storage(tensor) if isinstance(tensor, torch.Tensor) else None
+        if found is not None:
+            self._outputs[key] = found[1]
 
     def untrack(self, key: Key) -> None:
-        """Already counted by the allocator."""
+        """The runtime freed ``key``'s output (Megatron's ``deallocate_output_tensor`` after the send)."""
+        freed = self._outputs.pop(key, 0)
+        if key in self._held:
+            self._held[key] = max(self._held[key] - freed, 0)
 
     def offloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
-        """Host bytes only: the allocator sees the device copies freed once the copy finished."""
+        """Host placement moved ``key``'s storages to host memory and freed their device copies. Those stop counting
+        for the key, but stay device memory until their copy's event completed: the allocator shows them as freed yet
+        not reusable (``active - allocated``), which every later sample adds."""
         moved = sum(nbytes for _, nbytes in storages)
+        if key in self._held:
+            self._held[key] = max(self._held[key] - moved, 0)
         self._host[key] = self._host.get(key, 0) + moved
         self.offloaded_bytes[key] = self.offloaded_bytes.get(key, 0) + moved
         self.host_bytes += moved
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
 
     def reloaded(self, key: Key, storages: Iterable[Tuple[int, int]]) -> None:
+        """The reload allocated ``key``'s storages on the device again (until its :meth:`release`)."""
+        self._held[key] = self._held.get(key, 0) + sum(nbytes for _, nbytes in storages)
         self.host_bytes -= self._host.pop(key, 0)
+        self._sample_peak()
 
     def release(self, key: Key) -> None:
+        """``key``'s backward finished: everything it held is free (a second release does nothing)."""
         self.host_bytes -= self._host.pop(key, 0)
-        self._update_peak()
+        self._held.pop(key, None)
+        self._outputs.pop(key, None)
+        self._inputs.pop(key, None)
+
+    def live_keys(self) -> Tuple[Key, ...]:
+        return tuple(self._held)
 
 
 def model_tensors(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:

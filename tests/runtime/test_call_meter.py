@@ -40,3 +40,60 @@ def test_metering_is_ambient_only_when_asked():
             _schedule(model=[layer])
         assert seen == [meter if ambient else None] and ambient_meter() is None
         assert meter.peak_bytes == 16384 and meter.live_bytes == 0
+
+
+def test_a_whole_call_on_cuda_counts_what_the_schedule_holds_between_ops(monkeypatch):
+    """Metering a whole call with the allocator meter (the stock schedule on CUDA, the bench): each Megatron
+    ``forward_step`` is one key until the ``backward_step`` of its output, its temporaries do not count, a sent
+    output stops counting when ``deallocate_output_tensor`` frees it, and the allocator's peak is not reset."""
+    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_pipemesh.runtime import call_meter
+    from megatron_pipemesh.runtime.memory import AllocatorMeter
+    from tests.runtime.test_memory import FakeCudaAllocator
+
+    cuda = FakeCudaAllocator(monkeypatch)
+    saved, out = 256, 64  # bytes per forward; torch.empty(16) below is the 64-byte output
+
+    def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                     config, cp_group_size, current_microbatch=None, vp_stage=None, **_):
+        cuda.free(cuda.malloc(1 << 20))  # logits and loss terms: freed inside the op
+        cuda.malloc(saved + out)
+        return torch.empty(16), 1
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+        cuda.free(cuda.malloc(1 << 19))
+        cuda.free(saved)
+
+    def deallocate_output_tensor(out_tensor, deallocate_pipeline_outputs=False):
+        if deallocate_pipeline_outputs:
+            cuda.free(out)
+
+    for name, fake in (("forward_step", forward_step), ("backward_step", backward_step),
+                       ("deallocate_output_tensor", deallocate_output_tensor)):
+        monkeypatch.setattr(schedules, name, fake)
+    monkeypatch.setattr(call_meter, "_WRAPPED", [], raising=False)  # wrap the fakes (monkeypatch restores Megatron's own)
+
+    def stock(**_):  # two micro-batches in flight: F0 F1 B0 B1, the outputs deallocated after their sends
+        outputs = []
+        for j in range(2):
+            output, _ = schedules.forward_step(None, None, None, 2, None, [], None, 1, current_microbatch=j)
+            schedules.deallocate_output_tensor(output, True)
+            outputs.append(output)
+        for output in outputs:
+            schedules.backward_step(None, output, None, None)
+        return []
+
+    cuda.malloc(4000)  # model state
+    meter = AllocatorMeter(torch.device("cuda", 0))
+    with call_meter.metering(meter):
+        stock()
+    assert meter.peak_bytes == 2 * saved + out, "F1's end: both saved sets and F1's output before its send"
+    assert meter.live_bytes == 0 and meter.baseline == 4000 and cuda.resets == 0
+    outside = AllocatorMeter(torch.device("cuda", 0))  # no call metered: the wrappers pass through
+    outside.begin()
+    stock()
+    assert outside.peak_bytes == 0

@@ -149,3 +149,141 @@ def test_make_memory_meter_picks_by_device():
         assert meter.saved_bytes["a"] >= keep.numel() * 4
     else:  # a CUDA device named without CUDA falls back instead of crashing
         assert isinstance(make_memory_meter(torch.device("cuda")), SavedTensorMeter)
+
+
+# The CUDA meter, against a stand-in of the caching allocator's counters -------------------------------------
+class Copy:
+    """A side-stream copy's completion event."""
+
+    def __init__(self):
+        self.done = False
+
+
+class FakeCudaAllocator:
+    """``torch.cuda``'s allocator statistics as the caching allocator keeps them: ``allocated`` drops at ``free()``;
+    a block freed after ``record_stream`` stays active (not reusable) until its event completed and the allocator
+    next allocates (``process_events`` runs in ``malloc``); peak counters only rise unless
+    ``reset_peak_memory_stats``."""
+
+    def __init__(self, monkeypatch):
+        self.allocated = self.active = self.peak = self.resets = 0
+        self.pending = []
+        for name in ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+                     "reset_peak_memory_stats", "synchronize"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def malloc(self, nbytes: int) -> int:
+        for entry in [e for e in self.pending if e[1].done]:
+            self.pending.remove(entry)
+            self.active -= entry[0]
+        self.allocated += nbytes
+        self.active += nbytes
+        self.peak = max(self.peak, self.allocated)
+        return nbytes
+
+    def free(self, nbytes: int, copy: Copy = None) -> None:
+        self.allocated -= nbytes
+        if copy is None:
+            self.active -= nbytes
+        else:
+            self.pending.append((nbytes, copy))
+
+    # The torch.cuda functions the meters call.
+    def memory_stats(self, device=None):
+        return {"allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peak,
+                "active_bytes.all.current": self.active}
+
+    def memory_stats_as_nested_dict(self, device=None):
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+                "active_bytes": {"all": {"current": self.active}}}
+
+    def memory_allocated(self, device=None):
+        return self.allocated
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None):
+        self.resets += 1
+        self.peak = self.allocated
+
+    def synchronize(self, device=None):
+        pass
+
+
+def test_cuda_meter_does_not_count_the_temporaries_of_a_forward(monkeypatch):
+    """A forward that allocates a large temporary (logits, a gather) and frees it before it ends holds only what it
+    saved: the peak is the saved bytes, not the allocator's high-water mark."""
+    cuda = FakeCudaAllocator(monkeypatch)
+    cuda.malloc(10_000)  # model state
+    meter = AllocatorMeter(torch.device("cuda", 0))
+    meter.begin()
+    with meter.record((0, 0)):
+        temporary = cuda.malloc(4096)
+        saved = cuda.malloc(256)
+        cuda.free(temporary)
+    assert meter.saved_bytes[(0, 0)] == saved and meter.peak_bytes == saved and meter.live_bytes == saved
+    cuda.free(saved)
+    meter.release((0, 0))
+    assert meter.live_bytes == 0 and meter.peak_bytes == saved
+
+
+def test_cuda_meter_counts_an_offloaded_storage_until_its_copy_finished(monkeypatch):
+    """OFFLOAD frees the device copy at once (``allocated`` drops) but the block waits for its device-to-host copy
+    (record_stream): the next forward runs with both on the device. Once the copy's event completed (and the
+    allocator processed it), the storage no longer counts."""
+    cuda = FakeCudaAllocator(monkeypatch)
+    meter = AllocatorMeter(torch.device("cuda", 0))
+    meter.begin()
+    with meter.record((0, 0)):
+        first = cuda.malloc(256)
+    copy = Copy()
+    cuda.free(first, copy)  # what the offloader's last reference drop does after source.record_stream(d2h)
+    meter.offloaded((0, 0), [(1, first)])
+    assert meter.live_bytes == first and meter.host_bytes == first
+    with meter.record((0, 1)):
+        second = cuda.malloc(256)
+    assert meter.peak_bytes == first + second, "the offloaded block is still on the device"
+    copy.done = True
+    with meter.record((0, 2)):
+        third = cuda.malloc(256)  # the allocator processes the finished copy's event here
+    assert meter.live_bytes == second + third and meter.peak_bytes == first + second
+    meter.reloaded((0, 0), [(2, cuda.malloc(first))])
+    assert meter.peak_bytes == first + second + third and meter.host_bytes == 0
+    for key in ((0, 0), (0, 1), (0, 2)):
+        meter.release(key)
+    assert meter.live_bytes == 0
+
+
+def test_cuda_meter_leaves_megatrons_peak_statistics_alone(monkeypatch):
+    """Megatron reports ``max_memory_allocated`` itself: metering calls never reset the peak counters."""
+    cuda = FakeCudaAllocator(monkeypatch)
+    cuda.free(cuda.malloc(50_000))  # e.g. the first iteration's optimizer step
+    for _ in range(3):
+        meter = AllocatorMeter(torch.device("cuda", 0))
+        meter.begin()
+        with meter.record("a"):
+            kept = cuda.malloc(1000)
+        cuda.free(kept)
+        meter.release("a")
+        assert meter.peak_bytes == kept
+    assert cuda.resets == 0 and torch.cuda.max_memory_allocated() == 50_000
+
+
+def test_cuda_meter_tracks_outputs_and_held_inputs(monkeypatch):
+    """The output is inside the forward's delta (tracked only to subtract it when the runtime frees it); the input,
+    allocated by the receive before the forward, is added once."""
+    cuda = FakeCudaAllocator(monkeypatch)
+    meter = AllocatorMeter(torch.device("cuda", 0))
+    received, output = torch.empty(32), torch.empty(16)  # 128 and 64 bytes
+    cuda.malloc(128)
+    meter.begin()
+    with meter.record("a"):
+        cuda.malloc(256 + 64)
+    meter.track("a", output)
+    meter.hold_input("a", received)
+    meter.hold_input("a", received)
+    assert meter.saved_bytes["a"] == 256 + 64 + 128 == meter.live_bytes and meter.tracked_bytes == {}
+    cuda.free(64)
+    meter.untrack("a")
+    assert meter.live_bytes == 256 + 128 and meter.peak_bytes == 256 + 64 + 128

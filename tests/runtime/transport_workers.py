@@ -40,7 +40,9 @@ def _stage_models(spec: h.TinyGPT, stages: int):
 
     models = []
     for stage in range(stages):
-        model = GPTModel(config=h.make_config(spec, num_layers=1), transformer_layer_spec=get_gpt_layer_local_spec(),
+        # No DDP wrapper, so no main_grad: the fused wgrad would have nowhere to accumulate (as h.build_model).
+        config = h.make_config(spec, num_layers=1, gradient_accumulation_fusion=False)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                          vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length, pre_process=stage == 0,
                          post_process=stage == stages - 1, share_embeddings_and_output_weights=False,
                          position_embedding_type=spec.position_embedding_type)
