@@ -19,6 +19,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 
 QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
@@ -99,6 +100,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                      help="'per-rank' (default): every rank in its own namespace behind its own NIC, shaped at --rate "
                           "each way, like one VM per rank on a switched network; 'shared': all ranks on one loopback "
                           "shaped as one token bucket of --rate for every link and direction")
+    net.add_argument("--nic-queue", choices=NIC_QUEUES, default=None,
+                     help="how concurrent flows share a rank's NIC (--network per-rank): 'fair' (default) gives every "
+                          "peer of the rank its own htb class, an equal guaranteed share with the whole rate as "
+                          "ceiling, so flows to different peers share the NIC equally and a lone flow gets all of it; "
+                          "'fifo' is one tbf queue for every flow (the bench before fair classes)")
     net.add_argument("--rate", default=None, help=f"bandwidth of each rank's NIC each way (--network per-rank) or of the "
                                                   f"one shared loopback (--network shared), e.g. 200mbit, 1gbit "
                                                   f"(default {DEFAULT_RATE}; --quick: {QUICK['rate']})")
@@ -174,6 +180,19 @@ def parse_budget(text: Optional[str], flag: str = "--activation-budget-mb"):
     return value
 
 
+def network_shaping(args: argparse.Namespace, rate_mbit: float, burst: int):
+    """The :class:`~.netns.Shaping` of ``--network`` / ``--nic-queue`` / ``--delay-ms`` / ``--queue-ms`` at the
+    rate; UsageError when ``--nic-queue fair`` is asked of the shared loopback."""
+    from .netns import Shaping
+
+    per_rank = (args.network or "per-rank") == "per-rank"
+    if args.nic_queue == "fair" and not per_rank:
+        raise UsageError("--nic-queue fair is invalid with --network shared: every rank talks over one loopback "
+                         "address there, so there is no peer to give a class. Example: --network per-rank "
+                         "--nic-queue fair (or --network shared alone, one FIFO)")
+    return Shaping(rate_mbit, args.delay_ms, burst, args.queue_ms, per_rank=per_rank, nic_queue=args.nic_queue)
+
+
 def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) -> None:
     """``--sharding`` / ``--memory-budget-mb`` / ``--activation-budget-mb``: which budget goes with which mode,
     and data parallelism for every configuration (UsageError naming the flag, the rule and an example)."""
@@ -234,11 +253,11 @@ def resolve(args: argparse.Namespace) -> dict:
     rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
     shaping = None
     if args.unshaped:
-        if args.rate or args.delay_ms or args.network:
-            raise UsageError(f"--unshaped with --rate/--delay-ms/--network is contradictory: --unshaped runs over the "
-                             f"plain loopback. Drop one of them. Example: --rate {rate_text}")
+        if args.rate or args.delay_ms or args.network or args.nic_queue:
+            raise UsageError(f"--unshaped with --rate/--delay-ms/--network/--nic-queue is contradictory: --unshaped runs "
+                             f"over the plain loopback. Drop one of them. Example: --rate {rate_text}")
     else:
-        from .netns import MAX_RANKS, MIN_BURST_BYTES, Shaping, parse_rate_mbit
+        from .netns import MAX_RANKS, MIN_BURST_BYTES, parse_rate_mbit
 
         try:
             rate = parse_rate_mbit(rate_text)
@@ -248,7 +267,7 @@ def resolve(args: argparse.Namespace) -> dict:
         if burst < MIN_BURST_BYTES:
             raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
-        shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms, per_rank=(args.network or "per-rank") == "per-rank")
+        shaping = network_shaping(args, rate, burst)
         too_big = [c.name for c in configs if c.world > MAX_RANKS]
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
@@ -441,6 +460,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "delay_ms": shaping.delay_ms if shaping else 0.0,
                                         "topology": (("per-rank" if shaping.per_rank else "shared") if shaping
                                                      else None),
+                                        "nic_queue": shaping.nic_queue if shaping else None,
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
         "model": {**model.to_dict(), "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
         "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}

@@ -38,6 +38,8 @@ def _args(*argv):
     (["--mfu", "2"], "fractions"),
     (["--unshaped", "--rate", "100mbit"], "contradictory"),
     (["--unshaped", "--network", "shared"], "contradictory"),
+    (["--unshaped", "--nic-queue", "fifo"], "contradictory"),
+    (["--network", "shared", "--nic-queue", "fair"], "no peer to give a class"),
     (["--configs", "pp2xdp200"], "holds 250 ranks"),
     (["--configs", "pp4", "--microbatches", "2"], "at least the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "1", "7"], "smaller than the pipeline size"),
@@ -65,10 +67,12 @@ def test_quick_defaults():
     assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
     assert (setup["model"].chunk.hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
     assert setup["shaping"].rate_mbit == 250 and setup["shaping"].burst_bytes >= 4 * 65536
-    assert setup["shaping"].per_rank and setup["auto"].per_rank_network
+    assert setup["shaping"].per_rank and setup["auto"].per_rank_network and setup["shaping"].nic_queue == "fair"
+    assert bench_cli.resolve(_args("--quick", "--nic-queue", "fifo"))["shaping"].nic_queue == "fifo"
     assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 1.0 and args.pin_cores and args.no_limit
     shared = bench_cli.resolve(_args("--quick", "--network", "shared", "--link-share", "0.5"))
     assert not shared["shaping"].per_rank and not shared["auto"].per_rank_network and shared["link_share"] == 0.5
+    assert shared["shaping"].nic_queue == "fifo"
     assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
     assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].chunk.hidden_size == 128
     plain = bench_cli.resolve(_args())

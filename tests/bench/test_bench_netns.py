@@ -50,7 +50,7 @@ def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
     """Per rank: a bridge in the hub, a namespace per rank whose eth0 (its address SUBNET.r+1) is a veth to a bridge
     port; tbf at the rate on both ends (uplink behind the netem delay, downlink without it); teardown removes
     every rank namespace, then the hub."""
-    shaping = Shaping(100.0, delay_ms=1.0)
+    shaping = Shaping(100.0, delay_ms=1.0, nic_queue="fifo")
     cmds = setup_commands("h", shaping, ranks=2)
     text = [" ".join(c) for c in cmds]
     assert "ip netns exec h ip link add pmbr0 type bridge" in text
@@ -72,6 +72,56 @@ def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
                                          ["ip", "netns", "delete", "h"]]
     with pytest.raises(ValueError, match="1..250 ranks"):
         setup_commands("h", shaping, ranks=0)
+
+
+def test_per_rank_nic_is_fair_by_default():
+    """Per rank, fair (the default): on each NIC an htb root class at the rate, one class per peer rank and one default
+    class (the hub, ARP), each guaranteed rate / classes with the whole rate as ceiling and equal quanta, each with a
+    byte FIFO as deep as the tbf's queue; a u32 filter sends a peer's packets to its class, by destination on the
+    rank's uplink (eth0) and by source on its downlink (the bridge port)."""
+    cmds = [" ".join(c) for c in setup_commands("h", Shaping(120.0), ranks=3)]
+    assert Shaping(120.0).nic_queue == "fair"
+    sizes = "burst 262144 cburst 262144 quantum 131072"
+    limit = 120e6 / 8 * 0.2 + 262144
+    for rank, ns, dev, match in [(0, "h-r0", "eth0", "dst"), (1, "h", "v1", "src")]:
+        tc = f"ip netns exec {ns} tc"
+        own = [c for c in cmds if c.startswith(f"{tc} ") and f" dev {dev} " in c]
+        peers = [q for q in range(3) if q != rank]
+        assert own[:2] == [f"{tc} qdisc add dev {dev} root handle 10: htb default 2",
+                           f"{tc} class add dev {dev} parent 10: classid 10:1 htb rate 120000kbit ceil 120000kbit {sizes}"]
+        for minor in [2] + [0x10 + q for q in peers]:
+            assert (f"{tc} class add dev {dev} parent 10:1 classid 10:{minor:x} htb rate 40000kbit ceil 120000kbit "
+                    f"{sizes}") in own
+            assert f"{tc} qdisc add dev {dev} parent 10:{minor:x} bfifo limit {int(limit)}" in own
+        for q in peers:
+            assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip {match} "
+                    f"10.213.0.{q + 1}/32 flowid 10:{0x10 + q:x}") in own
+        assert len(own) == 2 + 2 * 3 + 2  # root qdisc + root class, 3 classes with their FIFOs, 2 peer filters
+    assert not any("tbf" in c for c in cmds)
+
+
+def test_fair_nic_sits_behind_the_delay():
+    """With a one-way delay the uplink's netem is the root and htb its child; the downlink has no delay."""
+    cmds = [" ".join(c) for c in setup_commands("h", Shaping(100.0, delay_ms=2.0), ranks=2)]
+    assert "ip netns exec h-r0 tc qdisc add dev eth0 root handle 1: netem delay 2ms" in cmds
+    assert "ip netns exec h-r0 tc qdisc add dev eth0 parent 1:1 handle 10: htb default 2" in cmds
+    assert "ip netns exec h tc qdisc add dev v0 root handle 10: htb default 2" in cmds
+
+
+def test_nic_queue_rules():
+    """fair needs the per-rank network (the shared loopback has one address for every rank); the shared loopback
+    defaults to fifo; unknown disciplines and a bad match direction are refused."""
+    from megatron_pipemesh.bench.nic_queue import fair_commands
+
+    assert Shaping(100.0, per_rank=False).nic_queue == "fifo"
+    with pytest.raises(ValueError, match="per-rank network"):
+        Shaping(100.0, per_rank=False, nic_queue="fair")
+    with pytest.raises(ValueError, match="fair, fifo"):
+        Shaping(100.0, nic_queue="sfq")
+    with pytest.raises(ValueError, match="'dst' .* 'src'"):
+        fair_commands("n", "eth0", 100.0, MIN_BURST_BYTES, 200.0, {1: "10.213.0.2"}, "to")
+    assert "fair share per peer" in Shaping(100.0).describe()
+    assert "one FIFO" in Shaping(100.0, nic_queue="fifo").describe()
 
 
 def test_rank_worker_enters_its_namespace():
