@@ -75,10 +75,11 @@ def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
 
 
 def test_per_rank_nic_is_fair_by_default():
-    """Per rank, fair (the default): on each NIC an htb root class at the rate, one class per peer rank and one default
-    class (the hub, ARP), each guaranteed rate / classes with the whole rate as ceiling and equal quanta, each with a
-    byte FIFO as deep as the tbf's queue; a u32 filter sends a peer's packets to its class, by destination on the
-    rank's uplink (eth0) and by source on its downlink (the bridge port)."""
+    """Per rank, fair (the default): on each NIC an htb root class at the rate, one class per peer rank, one for pure
+    TCP acknowledgements and one default class (the hub, ARP), each guaranteed rate / classes with the whole rate as
+    ceiling and equal quanta, each with a byte FIFO as deep as the tbf's queue; u32 filters send acknowledgements to
+    their class first, then a peer's packets to its class, by destination on the rank's uplink (eth0) and by source
+    on its downlink (the bridge port)."""
     cmds = [" ".join(c) for c in setup_commands("h", Shaping(120.0), ranks=3)]
     assert Shaping(120.0).nic_queue == "fair"
     sizes = "burst 262144 cburst 262144 quantum 131072"
@@ -89,14 +90,16 @@ def test_per_rank_nic_is_fair_by_default():
         peers = [q for q in range(3) if q != rank]
         assert own[:2] == [f"{tc} qdisc add dev {dev} root handle 10: htb default 2",
                            f"{tc} class add dev {dev} parent 10: classid 10:1 htb rate 120000kbit ceil 120000kbit {sizes}"]
-        for minor in [2] + [0x10 + q for q in peers]:
-            assert (f"{tc} class add dev {dev} parent 10:1 classid 10:{minor:x} htb rate 40000kbit ceil 120000kbit "
+        for minor in [2, 3] + [0x10 + q for q in peers]:
+            assert (f"{tc} class add dev {dev} parent 10:1 classid 10:{minor:x} htb rate 30000kbit ceil 120000kbit "
                     f"{sizes}") in own
             assert f"{tc} qdisc add dev {dev} parent 10:{minor:x} bfifo limit {int(limit)}" in own
+        assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip protocol 6 0xff match u8 0x05 "
+                "0x0f at 0 match u16 0x0000 0xff80 at 2 match u8 0x10 0xff at 33 flowid 10:3") in own
         for q in peers:
-            assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip {match} "
+            assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 2 u32 match ip {match} "
                     f"10.213.0.{q + 1}/32 flowid 10:{0x10 + q:x}") in own
-        assert len(own) == 2 + 2 * 3 + 2  # root qdisc + root class, 3 classes with their FIFOs, 2 peer filters
+        assert len(own) == 2 + 2 * 4 + 1 + 2  # root qdisc + class, 4 classes + their FIFOs, ACK + 2 peer filters
     assert not any("tbf" in c for c in cmds)
 
 
