@@ -61,6 +61,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="PP=2 x DP=2, V=4, m=4, 250 Mbit/s per rank, 1 repeat of 1 warm-up + 2 measured iterations "
                         "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
                         "budget)")
+    p.add_argument("--network-check", action="store_true",
+                   help="instead of training runs, measure real gloo flows on the per-rank network (one flow alone, one "
+                        "rank sending to two peers, a data-parallel ring all-reduce with a pipeline send each way; "
+                        "100 and 400 Mbit/s, 8 and 32 MiB) against the simulator's fair-share network model, and print "
+                        "both (about 2 minutes; exit 1 when a prediction is more than 10%% off). Takes --nic-queue, "
+                        "--burst, --queue-ms, --json, --out-dir")
     run = p.add_argument_group("what to run")
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
@@ -180,10 +186,16 @@ def parse_budget(text: Optional[str], flag: str = "--activation-budget-mb"):
     return value
 
 
-def network_shaping(args: argparse.Namespace, rate_mbit: float, burst: int):
-    """The :class:`~.netns.Shaping` of ``--network`` / ``--nic-queue`` / ``--delay-ms`` / ``--queue-ms`` at the
-    rate; UsageError when ``--nic-queue fair`` is asked of the shared loopback."""
-    from .netns import Shaping
+def network_shaping(args: argparse.Namespace, rate_mbit: float):
+    """The :class:`~.netns.Shaping` of ``--network`` / ``--nic-queue`` / ``--burst`` / ``--delay-ms`` /
+    ``--queue-ms`` at the rate; UsageError for a burst under 4 x the loopback MTU or ``--nic-queue fair`` on the
+    shared loopback."""
+    from .netns import MIN_BURST_BYTES, Shaping
+
+    burst = args.burst if args.burst is not None else MIN_BURST_BYTES
+    if burst < MIN_BURST_BYTES:
+        raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
+                         f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
 
     per_rank = (args.network or "per-rank") == "per-rank"
     if args.nic_queue == "fair" and not per_rank:
@@ -191,6 +203,24 @@ def network_shaping(args: argparse.Namespace, rate_mbit: float, burst: int):
                          "address there, so there is no peer to give a class. Example: --network per-rank "
                          "--nic-queue fair (or --network shared alone, one FIFO)")
     return Shaping(rate_mbit, args.delay_ms, burst, args.queue_ms, per_rank=per_rank, nic_queue=args.nic_queue)
+
+
+NETWORK_CHECK_CONFLICTS = (("quick", "--quick"), ("unshaped", "--unshaped"), ("sharding", "--sharding"),
+                           ("rate", "--rate"), ("delay_ms", "--delay-ms"), ("plot", "--plot"))
+"""Flags ``--network-check`` refuses: it runs no training and measures at its own rates, without netem."""
+
+
+def network_check_shaping(args: argparse.Namespace):
+    """The network ``--network-check`` measures on (its rates replace this one's): the per-rank network with
+    ``--nic-queue``, ``--burst`` and ``--queue-ms``; UsageError for a flag it cannot honour."""
+    given = [flag for name, flag in NETWORK_CHECK_CONFLICTS if getattr(args, name)]
+    if given or args.network == "shared":
+        flags = " ".join(given + (["--network shared"] if args.network == "shared" else []))
+        raise UsageError(f"--network-check with {flags} is invalid: the check runs no training and measures the "
+                         "per-rank network at its own rates (100 and 400 Mbit/s) without delay. Drop them. Example: "
+                         "pipemesh bench --network-check --json net.json")
+    check_number("--queue-ms", args.queue_ms, "200", positive=True, required=True)
+    return network_shaping(args, 1.0)
 
 
 def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) -> None:
@@ -257,17 +287,13 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--unshaped with --rate/--delay-ms/--network/--nic-queue is contradictory: --unshaped runs "
                              f"over the plain loopback. Drop one of them. Example: --rate {rate_text}")
     else:
-        from .netns import MAX_RANKS, MIN_BURST_BYTES, parse_rate_mbit
+        from .netns import MAX_RANKS, parse_rate_mbit
 
         try:
             rate = parse_rate_mbit(rate_text)
         except ValueError as error:
             raise UsageError(f"--rate {rate_text}: {error}") from error
-        burst = args.burst if args.burst is not None else MIN_BURST_BYTES
-        if burst < MIN_BURST_BYTES:
-            raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
-                         f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
-        shaping = network_shaping(args, rate, burst)
+        shaping = network_shaping(args, rate)
         too_big = [c.name for c in configs if c.world > MAX_RANKS]
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
@@ -376,6 +402,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
                          training_args)
 
+    if args.network_check:
+        from .network_check import cmd_network_check
+
+        shaping = network_check_shaping(args)
+        _terminate_as_interrupt()
+        try:
+            return cmd_network_check(args, shaping)
+        except KeyboardInterrupt:
+            print("pipemesh bench --network-check: interrupted; the namespaces are removed", file=sys.stderr)
+            return 130
     setup = resolve(args)
     if args.plot:
         require_matplotlib("--plot")  # before the runs, not after them

@@ -6,8 +6,10 @@
 round-robin) and ``timeout_s``. Every distinct pair of a send and every ring gets its own process group (its own TCP
 connections), like Megatron's pipeline and data-parallel groups. Each run starts after a barrier; a send is done
 when its receiver has the last byte, the all-reduce when its last rank returns. Rank 0 prints one line per measured
-run: ``[pipemesh-netcheck] {"scenario": ..., "repeat": ..., "seconds": {measure: s}}`` (one clock for all ranks:
-they share the machine's monotonic clock).
+run: ``[pipemesh-netcheck] {"scenario": ..., "repeat": ..., "seconds": {...}}``, seconds from the first rank's start
+to each measure, to each transfer's completion (``receive 0->2``, ``send 0->2``: the sender's buffer handed off,
+``all-reduce over (0, 1)``) and to each rank's start (one clock for all ranks: they share the machine's monotonic
+clock).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def group_keys(scenarios: Sequence[Scenario]) -> List[Tuple[str, Tuple[int, ...]
 
 def run_scenario(scenario: Scenario, rank: int, groups: Dict, timeout_s: float) -> Tuple[Optional[float], Dict[str, float]]:
     """Start this rank's part of ``scenario`` and wait for it: (start time or None when the rank takes no part,
-    measure -> the time this rank's last transfer of that measure completed)."""
+    {measure or transfer: when this rank's last transfer of that measure, or that transfer, completed})."""
     import torch
     import torch.distributed as dist
 
@@ -89,12 +91,19 @@ def run_scenario(scenario: Scenario, rank: int, groups: Dict, timeout_s: float) 
 
 
 def combine(scenario: str, repeat: int, parts: Sequence[Tuple[Optional[float], Dict[str, float]]]) -> MeasuredScenario:
-    """Every rank's (start, completions) of one run -> seconds per measure from the first rank's start."""
+    """Every rank's (start, completions) of one run -> seconds from the first rank's start to each measure and
+    transfer (the last rank's), and to each rank's start."""
     start = min(s for s, _ in parts if s is not None)
     measures = {m for _, done in parts for m in done}
     seconds = {m: max(done[m] for _, done in parts if m in done) - start for m in sorted(measures)}
     seconds.update({f"start rank {rank}": s - start for rank, (s, _) in enumerate(parts) if s is not None})
     return MeasuredScenario(scenario, repeat, seconds)
+
+
+def parse_runs(text: str) -> List[dict]:
+    """The measured runs rank 0 printed into a log (``scenario``, ``repeat``, ``seconds`` per measure, per op and
+    per rank's start)."""
+    return [json.loads(line[len(LINE_PREFIX):]) for line in text.splitlines() if line.startswith(LINE_PREFIX)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -113,4 +113,4 @@ class MeasuredScenario:
     repeat: int
     """Which run (0-based, after the warm-up runs)."""
     seconds: Dict[str, float] = field(default_factory=dict)
-    """Measure (:data:`MEASURES`) -> seconds."""
+    """Measure (:data:`MEASURES`), transfer (``receive 0->2``, ...) or ``start rank R`` -> seconds."""

@@ -319,3 +319,18 @@ def test_real_gloo_reduce_scatter_costs_an_all_reduce(tmp_path):
     ring_pass = nbytes / 2 * 8 / (rate_mbit * 1e6 * netns.VETH_PAYLOAD_FRACTION)  # (n-1)/n of the buffer, n = 2
     assert seconds["reduce_scatter"] >= 0.8 * seconds["all_reduce"], seconds
     assert seconds["reduce_scatter"] == pytest.approx(REDUCE_SCATTER_STEPS["gloo"] * ring_pass, rel=0.3), seconds
+
+
+@pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
+def test_real_fair_nic_classes_are_accepted_by_the_kernel():
+    """With root, the fair NIC's htb classes and u32 filters exist on both ends of every rank's NIC (the network
+    check measures how they share; this only checks that the kernel took them)."""
+    with ShapedNamespace(Shaping(200.0), ranks=2) as ns:
+        for where, dev in ((f"{ns.name}-r0", "eth0"), (ns.name, "v1")):
+            show = lambda *what: subprocess.run(exec_prefix(where) + ["tc", *what, "show", "dev", dev],  # noqa: E731
+                                                capture_output=True, text=True).stdout
+            classes = show("class")
+            assert "class htb 10:1 root rate 200Mbit ceil 200Mbit" in classes
+            peer = "10:11" if dev == "eth0" else "10:10"
+            assert f"class htb {peer} parent 10:1" in classes and "class htb 10:3 parent 10:1" in classes
+            assert show("filter").count("flowid") == 2  # the acknowledgements and the one peer
