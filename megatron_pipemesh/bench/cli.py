@@ -528,7 +528,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed == len(results) else 0
 
 
-COMPACT_KEYS = ("name", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
+COMPACT_KEYS = ("name", "default", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
                 "tokens_per_s_spread", "tokens_per_s_runs", "stock_flags", "setting", "groups",
                 "recomputed_chunk_microbatches")
 SHARDING_KEYS = ("sharding", "model_state_bytes", "peak_memory_bytes", "predicted_model_state_bytes",
@@ -538,16 +538,18 @@ per rank, and their predictions."""
 
 
 def compact_row(entry: dict, row: dict) -> dict:
-    """One schedule row of the JSON's flat ``rows`` list: the keys above, its configuration and budget, and
-    for PipeMesh rows ``ratio_to_best_stock`` (to the configuration's fastest stock row that fits); with
+    """One schedule row of the JSON's flat ``rows`` list: the keys above (``default``: a row of Megatron's default
+    command), its configuration and budget, and for PipeMesh rows ``ratio_to_best_stock`` and
+    ``ratio_to_best_default`` (to the configuration's fastest stock row, and fastest default row, that fits); with
     ``--sharding`` also :data:`SHARDING_KEYS` and the memory budget."""
     out = {"config": entry["config"], "activation_budget_bytes": entry.get("activation_budget_bytes"),
            **{k: row.get(k) for k in COMPACT_KEYS}}
     if entry.get("sharding"):
         out.update({"memory_budget_bytes": entry.get("memory_budget_bytes"), **{k: row.get(k) for k in SHARDING_KEYS}})
     if not row["stock"]:
-        out["ratio_to_best_stock"] = row.get("ratio_to_best_stock")
-        out["best_stock"] = entry.get("best_stock")
+        for key in ("best_stock", "best_default"):
+            out[f"ratio_to_{key}"] = row.get(f"ratio_to_{key}")
+            out[key] = entry.get(key)
     return out
 
 
