@@ -277,13 +277,13 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                 v = row.get(variant) or {}
                 if v.get("failed_runs"):
                     lines.append(f"   {variant}: {v['failed_runs']} run(s) failed" + (f": {v['errors'][0]}" if v.get("errors") else ""))
-        for key, what in (("best_stock", "best stock"), ("best_default", "best default (Megatron's default command)")):
+        for key, what in (("best_stock", "best stock"), ("best_default", "best default command")):
             best = entry.get(key)
             if best:
                 ratios = ", ".join(f"{r['name']} {_fmt(r.get(f'ratio_to_{key}'), '.3f')}"
                                    for r in entry["schedules"] if not r["stock"])
                 lines.append(f"{what} (fastest that fits): {best} [{entry.get(f'{key}_setting')}]; "
-                             f"PipeMesh / {what.split(' (')[0]}: {ratios}")
+                             f"PipeMesh / {what}: {ratios}")
             else:
                 lines.append(f"{what}: no such row fits the budget")
         for variant in ("shaped", "unshaped"):

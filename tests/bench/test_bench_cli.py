@@ -130,6 +130,7 @@ def test_training_args_per_row():
     assert _flag(one, "--num-layers") == "4" and _flag(one, "--global-batch-size") == "16"
     assert _flag(one, "--timing-log-level") == "2" and _flag(one, "--timing-log-option") == "all"
     assert _flag(one, "--hidden-dropout") == "0" and _flag(one, "--attention-dropout") == "0"
+    assert "--no-gradient-accumulation-fusion" in one  # the CPU layer's fused wgrad breaks --overlap-grad-reduce
     setting = StockSetting(2, 2, 8, 4, StockRecompute("full", method="block", num_layers=1))
     inter = training_args(model, config, RunSpec("interleaved-V2-g4", "interleaved", setting), data, "/r")
     assert _flag(inter, "--num-virtual-stages-per-pipeline-rank") == "2"
@@ -164,7 +165,7 @@ def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):
     return ParsedLog(its, warm + n)
 
 
-SPECS = [RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)),
+SPECS = [RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8), default=True),
          RunSpec("interleaved-V2-g2", "interleaved", StockSetting(2, 2, 8, 2)),
          RunSpec("interleaved-V2-g8", "interleaved", StockSetting(2, 2, 8, 8)),
          RunSpec("pipemesh", "pipemesh", groups=((6, 2), (4, 4)), plan_path="/p.json", recomputed=3)]
@@ -218,17 +219,25 @@ def test_summary_table_json_and_plot(tmp_path):
     assert rows["pipemesh"]["ratio_to_best_stock"] == pytest.approx(pm_tps / shaped_tps)
     assert entry["pipemesh_vs_best_stock_shaped"]["pipemesh"] == pytest.approx(pm_tps / shaped_tps)
     assert "ratio_to_best_stock" not in inter
+    # the default command's row (here only 1F1B is marked) is the baseline of ratio_to_best_default
+    assert entry["best_default"] == "1f1b" and rows["1f1b"]["default"] and not inter["default"]
+    default_tps = (tokens / 0.9 + tokens / 0.91) / 2
+    assert rows["pipemesh"]["ratio_to_best_default"] == pytest.approx(pm_tps / default_tps)
     cal = inter["calibration"]
     assert cal["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)  # the fitted overhead reproduces it
     assert entry["fitted_transfer_overhead_ms"] > 0 and entry["overhead_fitted_on"] == "interleaved-V2-g2"
     text = format_table(summary, "200 Mbit/s")
-    assert "best stock (fastest that fits): interleaved-V2-g2" in text
+    assert "best stock (fastest that fits): interleaved-V2-g2" in text and "1f1b*" in text
+    assert "best default command (fastest that fits): 1f1b" in text
+    assert f"PipeMesh / best default command: pipemesh {pm_tps / default_tps:.3f}" in text
     assert f"pipemesh {pm_tps / shaped_tps:.3f}" in text and "interleaved-V2-g8 NO" in text
     assert "1 run(s) failed: exit 1: boom" in text and "simulator calibration" in text
     flat = [bench_cli.compact_row(entry, row) for row in entry["schedules"]]
     for row in flat:
         assert {"name", "fits", "peak_activation_bytes", "tokens_per_s", "tokens_per_s_spread", "stock_flags"} <= set(row)
     assert ("ratio_to_best_stock" in flat[-1]) and all("ratio_to_best_stock" not in r for r in flat[:-1])
+    assert flat[-1]["ratio_to_best_default"] == pytest.approx(pm_tps / default_tps) and flat[-1]["best_default"] == "1f1b"
+    assert [r["default"] for r in flat] == [True, False, False, False]
     json.dumps(summary)
     png = tmp_path / "bench.png"
     plot_summary(summary, str(png), "200 Mbit/s")
