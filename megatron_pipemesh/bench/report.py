@@ -254,7 +254,8 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                          "compute times are inflated and noisy)")
         memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
                   else "")
-        header = (f"{'schedule':<17} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
+        width = max([17] + [len(row["name"]) + 1 for row in entry["schedules"]])  # the name and its default mark
+        header = (f"{'schedule':<{width}} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
                   f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
         lines.append(header)
         lines.append("-" * len(header))
@@ -268,7 +269,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                 state = f"{_mib(row.get('model_state_bytes'))} ({_mib(row.get('predicted_model_state_bytes'))})"
                 peaks = f"{total:<35} {state:<35} {peaks}"
             lines.append(
-                f"{row['name'] + ('*' if row.get('default') else ''):<17} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
+                f"{row['name'] + ('*' if row.get('default') else ''):<{width}} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
                 f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
                 f"{_fmt(main.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
                 f"{_fmt(100 * row['comm_share'] if row.get('comm_share') is not None else None, '.0f'):>6}  "
@@ -309,7 +310,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                                      f"({100 * x['error']:+.1f}%)")
                 if c.get("error"):
                     parts.append(c["error"])
-                lines.append(f"   {name:<17} " + "; ".join(parts))
+                lines.append(f"   {name:<{width}} " + "; ".join(parts))
         lines.append("")
     fits_text = ("fits: every rank's measured peak of model state (weights + gradients + optimizer state, with "
                  "gathered ZeRO-3 weights, ZeRO-2/3 gradient buffers and the optimizer step's whole buffers) + "
