@@ -26,7 +26,7 @@ def test_node_shape_sets_the_data_parallel_rate():
     assert server.dp_route(1).lone_bytes_per_s == INTRA_NODE_GBPS["commodity"] * GBIT
     assert vm.dp_route(1).lone_bytes_per_s == vm.p2p_route(1, 2).lone_bytes_per_s == 6.25 * GBIT
     nic = {r for r, _ in vm.dp_route(1).demands} & {r for r, _ in vm.p2p_route(1, 2).demands}
-    assert [vm.names[r] for r in sorted(nic)] == ["nic-out 1"]
+    assert [vm.names[r] for r in sorted(nic)] == ["nic-out 1", "d2h 1"]  # staged through host memory
 
 
 def test_headroom_is_best_stock_over_the_bound():
