@@ -105,12 +105,38 @@ class _Active:
 
     __slots__ = ("token", "route", "left", "since", "pace", "version")
 
-    def __init__(self, token: Hashable, route: Route, work_s: float, now: float):
+    def __init__(self, token: Hashable, route: int, work_s: float, now: float):
         self.token, self.route = token, route
         self.left, self.since = work_s, now
-        self.pace = 1.0
-        """Fraction of its lone rate the flow now gets."""
+        self.pace = 0.0
+        """Fraction of its lone rate the flow gets (0 until rated)."""
         self.version = 0
+        """The sequence number of its latest end on the heap (0: none yet); flows reuse tokens, so ends are
+        matched by this, never by token alone."""
+
+
+Paces = Dict[int, float]
+"""Route id -> the fraction of its lone rate each of its flows gets."""
+
+
+class RateCache:
+    """Fair-share paces per mix of routes (how many flows of each run), with the route ids they are keyed by:
+    one per set of resources, shared by every network on them (:class:`.topology.Topology` keeps one)."""
+
+    LIMIT = 200_000
+    """Mixes kept at most (a bound on memory; past it new mixes are computed each time)."""
+
+    def __init__(self) -> None:
+        self.ids: Dict[Route, int] = {}
+        self.routes: List[Route] = []
+        self.paces: Dict[tuple, Paces] = {}
+
+    def route_id(self, route: Route) -> int:
+        rid = self.ids.get(route)
+        if rid is None:
+            rid = self.ids[route] = len(self.routes)
+            self.routes.append(route)
+        return rid
 
 
 class FairShareNetwork:
@@ -118,16 +144,26 @@ class FairShareNetwork:
     next completions (advancing the clock), or :meth:`advance` the clock to another event first.
 
     A flow's size is its *work*: the seconds it would take alone (its bytes over its route's lone rate), so
-    that a flow alone on its resources ends exactly ``work`` after its start."""
+    that a flow alone on its resources ends exactly ``work`` after its start.
 
-    def __init__(self, capacity: Sequence[float]):
+    Speed (the simulator's inner loop): flows of one route are alike, so the rates depend only on how many
+    flows of each route run; they are computed once per such mix and kept in ``cache`` (pass one
+    :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), and only the
+    flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock next moves."""
+
+    def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
         if any(not c > 0 for c in capacity):
             raise ValueError(f"every resource needs a capacity > 0 bytes/s, got {list(capacity)}")
         self.capacity = tuple(float(c) for c in capacity)
         self.now = 0.0
-        self._on: List[Dict[Hashable, _Active]] = [dict() for _ in self.capacity]
+        self._cache = RateCache() if cache is None else cache
+        self._routes = self._cache.routes
         self._flows: Dict[Hashable, _Active] = {}
-        self._ends: List[Tuple[float, int, int, Hashable]] = []  # (end, seq, version, token), stale ones skipped
+        self._of_route: Dict[int, Dict[Hashable, _Active]] = {}
+        self._paces: Paces = {}
+        self._fresh: List[_Active] = []  # started since the last rating
+        self._dirty = False
+        self._ends: List[Tuple[float, int, Hashable]] = []  # (end, seq, token); stale when seq != the flow's version
         self._seq = 0
 
     def __len__(self) -> int:
@@ -147,17 +183,25 @@ class FairShareNetwork:
             raise ValueError(f"flow {token!r} is already running")
         if not work_s >= 0:
             raise ValueError(f"flow {token!r}: work must be >= 0 seconds, got {work_s}")
-        flow = _Active(token, route, float(work_s), self.now)
+        rid = self._cache.ids.get(route)
+        if rid is None:
+            for r, _ in route.demands:
+                if not 0 <= r < len(self.capacity):
+                    raise ValueError(f"route {route} names resource {r}; the network has {len(self.capacity)}")
+            rid = self._cache.route_id(route)
+        flow = _Active(token, rid, float(work_s), self.now)
         self._flows[token] = flow
-        for r, _ in route.demands:
-            self._on[r][token] = flow
-        self._rerate([r for r, _ in route.demands])
+        self._of_route.setdefault(rid, {})[token] = flow
+        self._fresh.append(flow)
+        self._dirty = True
 
     def next_time(self) -> float:
         """When the next flow ends (inf: none runs)."""
+        if self._dirty:
+            self._rate()
         ends = self._ends
         while ends:
-            end, _, version, token = ends[0]
+            end, version, token = ends[0]
             flow = self._flows.get(token)
             if flow is not None and flow.version == version:
                 return end
@@ -171,56 +215,58 @@ class FairShareNetwork:
             raise ValueError("no flow is running")
         self.now = t
         done: List[Hashable] = []
-        freed: List[int] = []
-        while self._ends and self._ends[0][0] <= t:
-            _, _, version, token = heapq.heappop(self._ends)
-            flow = self._flows.get(token)
+        ends, flows = self._ends, self._flows
+        while ends and ends[0][0] <= t:
+            _, version, token = heapq.heappop(ends)
+            flow = flows.get(token)
             if flow is None or flow.version != version:
                 continue
-            del self._flows[token]
-            for r, _ in flow.route.demands:
-                del self._on[r][token]
-                freed.append(r)
+            del flows[token]
+            same = self._of_route[flow.route]
+            del same[token]
+            if not same:
+                del self._of_route[flow.route]
             done.append(token)
-        self._rerate(freed)
+        self._dirty = True
         return t, done
 
-    def _component(self, resources: Iterable[int]) -> List[_Active]:
-        """The running flows connected to ``resources`` through shared resources."""
-        seen_r, seen_f, out = set(), set(), []
-        stack = list(resources)
-        while stack:
-            r = stack.pop()
-            if r in seen_r:
+    def _rate(self) -> None:
+        """Paces for the flows now running: from the cache for this mix of routes, else by progressive filling;
+        the flows whose pace changes have their work left brought to now and a new end."""
+        self._dirty = False
+        mix = tuple(sorted((rid, len(flows)) for rid, flows in self._of_route.items()))
+        paces = self._cache.paces.get(mix)
+        if paces is None:
+            routes = [self._routes[rid] for rid, _ in mix]
+            rates = max_min_rates([[(r, w * n) for r, w in route.demands] for route, (_, n) in zip(routes, mix)],
+                                  self.capacity)
+            paces = {}
+            for (rid, _), route, rate in zip(mix, routes, rates):
+                pace = rate / route.lone_bytes_per_s
+                paces[rid] = 1.0 if pace > 1.0 - 1e-12 else pace  # alone on its bottleneck: exactly its lone rate
+            if len(self._cache.paces) < RateCache.LIMIT:
+                self._cache.paces[mix] = paces
+        now, ends = self.now, self._ends
+        old = self._paces
+        for rid, pace in paces.items():
+            if old.get(rid) == pace:
                 continue
-            seen_r.add(r)
-            for token, flow in self._on[r].items():
-                if token not in seen_f:
-                    seen_f.add(token)
-                    out.append(flow)
-                    stack.extend(q for q, _ in flow.route.demands if q not in seen_r)
-        return out
-
-    def _rerate(self, resources: Iterable[int]) -> None:
-        """New paces for the flows connected to ``resources`` (their work left brought to now)."""
-        flows = self._component(resources)
-        if not flows:
-            return
-        now = self.now
-        if len(flows) == 1:
-            paces = [1.0]
-        else:
-            rates = max_min_rates([f.route.demands for f in flows], self.capacity)
-            paces = [min(1.0, rate / f.route.lone_bytes_per_s) for rate, f in zip(rates, flows)]
-        for flow, pace in zip(flows, paces):
-            if flow.since != now:
-                flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
-                flow.since = now
-            if flow.pace == pace and flow.version:
-                continue  # same pace: its end stands
-            flow.pace, flow.version = pace, flow.version + 1
-            self._seq += 1
-            heapq.heappush(self._ends, (now + flow.left / pace, self._seq, flow.version, flow.token))
+            for flow in self._of_route[rid].values():
+                if flow.pace:
+                    flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
+                    flow.since = now
+                flow.pace = pace
+                self._seq += 1
+                flow.version = self._seq
+                heapq.heappush(ends, (now + flow.left / pace, self._seq, flow.token))
+        for flow in self._fresh:  # new flows of a route whose pace did not change
+            if flow.version == 0 and flow.token in self._flows:
+                flow.pace = paces[flow.route]
+                self._seq += 1
+                flow.version = self._seq
+                heapq.heappush(ends, (now + flow.left / flow.pace, self._seq, flow.token))
+        self._fresh = []
+        self._paces = paces
 
 
 def _rank_resources(egress: Mapping[int, float], ingress: Mapping[int, float]

@@ -94,3 +94,16 @@ def test_bad_input_is_refused_clearly():
         FairShareNetwork([0.0])
     with pytest.raises(ValueError, match="weight"):
         make_route([(0, 0.0)], [1.0])
+
+
+def test_a_reused_token_is_not_ended_by_its_predecessors_stale_end():
+    """'a' shares with 'b' (end due at 8), runs alone after b ends and ends at 5; a new flow named 'a' then
+    runs 10 s alone: it ends at 15, not at the first flow's stale 8."""
+    net = FairShareNetwork([1.0])
+    route = make_route([(0, 1)], net.capacity)
+    net.start("a", route, 4.0)
+    net.start("b", route, 1.0)
+    assert net.pop() == (2.0, ["b"])
+    assert net.pop() == (5.0, ["a"])
+    net.start("a", route, 10.0)
+    assert net.pop() == (15.0, ["a"])
