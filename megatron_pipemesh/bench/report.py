@@ -254,7 +254,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                          "compute times are inflated and noisy)")
         memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
                   else "")
-        width = max([17] + [len(row["name"]) + 1 for row in entry["schedules"]])  # the name and its default mark
+        width = max([17] + [len(row["name"]) + bool(row.get("default")) for row in entry["schedules"]])  # with its mark
         header = (f"{'schedule':<{width}} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
                   f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
         lines.append(header)

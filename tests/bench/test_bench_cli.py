@@ -230,7 +230,7 @@ def test_summary_table_json_and_plot(tmp_path):
     assert "best stock (fastest that fits): interleaved-V2-g2" in text and "1f1b*" in text
     assert "best default command (fastest that fits): 1f1b" in text
     assert f"PipeMesh / best default command: pipemesh {pm_tps / default_tps:.3f}" in text
-    assert f"pipemesh {pm_tps / shaped_tps:.3f}" in text and "interleaved-V2-g8  NO" in text
+    assert f"pipemesh {pm_tps / shaped_tps:.3f}" in text and "interleaved-V2-g8 NO" in text
     assert "1 run(s) failed: exit 1: boom" in text and "simulator calibration" in text
     flat = [bench_cli.compact_row(entry, row) for row in entry["schedules"]]
     for row in flat:
