@@ -9,10 +9,11 @@ Rows (one training run per row and repeat):
   stack, full uniform/block with each k); where nothing is predicted to fit, the setting with the
   smallest predicted peak (measured, and then marked as not fitting);
 * Megatron's default command (``default``: what users run): 1F1B, and interleaved with the default group size
-  g = p at every V, each with the cheapest of none, ``--recompute-granularity selective`` (Megatron's default
-  core_attn) and full block recomputation with the smallest k predicted to fit, no offloading
-  (:func:`default_recompute`). Where that is the row's setting already, the row is marked ``default``; else the
-  default setting runs as a row of its own, ``<row>-default``;
+  g = p at every V, each with the first of none, ``--recompute-granularity selective`` (Megatron's default
+  core_attn) and full block recomputation with the fewest layers predicted to fit, no offloading (the ladder of
+  :func:`megatron_pipemesh.planning.stock.default_recompute_ladder`, the study's ``default``). Where that is the
+  row's setting already, the row is marked ``default``; else the default setting runs as a row of its own,
+  ``<row>-default``;
 * ``pipemesh``: the given groups with the planner's pipeline-aware recomputation for the budget;
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
@@ -42,8 +43,8 @@ from typing import List, Optional, Sequence, Tuple
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from ..planning.memory import recomputable_modules
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, rank_splits
-from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
-                              schedule_options)
+from ..planning.stock import (StockRecompute, StockResult, StockSetting, default_recompute_ladder, evaluate,
+                              order_peaks, recompute_options, schedule_options)
 from ..schedule.config import ScheduleConfig
 from .calibrate import network_cluster
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
@@ -84,8 +85,8 @@ class RunSpec:
     sharding: Optional[Tuple[str, ...]] = None
     """``--sharding``: the ZeRO level of each virtual chunk (stock: ``optim`` everywhere); None without it."""
     default: bool = False
-    """Megatron's default command at this row's V: 1F1B or g = p, with the cheapest default recomputation predicted
-    to fit (:func:`default_recompute`)."""
+    """Megatron's default command at this row's V: 1F1B or g = p, with the first rung of the default recomputation
+    ladder predicted to fit (:func:`choose_stock` with ``default_only``)."""
     predicted_state_bytes: Optional[Tuple[float, ...]] = None
     """``--sharding``: predicted weights + gradients + optimizer state per pipeline rank outside any group."""
     predicted_peak_memory_bytes: Optional[Tuple[float, ...]] = None
@@ -222,24 +223,19 @@ def runnable_options(layers_per_chunk: int, model: ModelSpec) -> List[StockRecom
     return [o for o in recompute_options(layers_per_chunk, model.layer_spec) if set(o.modules) <= runnable]
 
 
-def default_recompute(option: StockRecompute) -> bool:
-    """Whether Megatron's default command would use ``option``: none, ``--recompute-granularity selective`` with
-    Megatron's default module (core_attn), or ``full`` with ``--recompute-method block`` (and the smallest k that
-    fits, which :func:`choose_stock` picks: the least recomputation time); no module sets, no uniform method."""
-    return (option.granularity == "none" or (option.granularity == "selective" and not option.modules)
-            or option.method == "block")
-
-
 def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
                  budget: Optional[float], static: Optional[Sequence[float]] = None,
                  default_only: bool = False) -> Tuple[StockResult, bool]:
     """(simulated setting, predicted to fit) of one stock schedule: the fitting runnable recomputation with the
     least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
     none fits, the one with the smallest peak (largest rank). ``static``: model state per pipeline rank that
-    shares the budget with the activations (``--sharding``; none otherwise). ``default_only``: only the options of
-    Megatron's default command (:func:`default_recompute`)."""
-    options = [o for o in runnable_options(spec.num_layers // (pp * vpp), spec)
-               if default_recompute(o) or not default_only]
+    shares the budget with the activations (``--sharding``; none otherwise). ``default_only``: Megatron's default
+    command, the first runnable rung of :func:`~megatron_pipemesh.planning.stock.default_recompute_ladder` that fits
+    (none, selective, full block with the fewest layers)."""
+    layers_per_chunk = spec.num_layers // (pp * vpp)
+    options = runnable_options(layers_per_chunk, spec)
+    if default_only:
+        options = [o for o in default_recompute_ladder(layers_per_chunk) if o in options]
     probe = StockSetting(pp, vpp, m, g)
     costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
     peaks = order_peaks(probe.config(), costs, [o.level for o in options])
@@ -247,7 +243,7 @@ def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: in
     total = lambda option: max(a + s for a, s in zip(peaks[option.level], static))  # noqa: E731
     fitting = [o for o in options if budget is None or total(o) <= budget]
     if fitting:
-        choice = min(fitting, key=lambda o: costs.recompute_s[o.level])
+        choice = fitting[0] if default_only else min(fitting, key=lambda o: costs.recompute_s[o.level])
     else:
         choice = min(options, key=lambda o: (total(o), costs.recompute_s[o.level]))
     return evaluate(replace(probe, recompute=choice), spec, cluster), bool(fitting)

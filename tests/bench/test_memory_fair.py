@@ -3,10 +3,11 @@ import json
 
 import pytest
 
-from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, fits, pipemesh_spec, stock_specs)
+from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, cluster_spec, fits, pipemesh_spec,
+                                                 stock_specs)
 from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 from megatron_pipemesh.integration.auto_plan import load_plan
-from megatron_pipemesh.planning.stock import group_sizes
+from megatron_pipemesh.planning.stock import StockRecompute, default_settings, group_sizes
 
 MODEL = ModelSetup(bench_gpt(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1), microbatches=4, vpp=2)
 CONFIG = ParallelConfig(2, 2)
@@ -68,8 +69,12 @@ def test_default_rows_are_megatrons_default_command():
     rows = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS)}
     assert [n for n, r in rows.items() if r.default] == ["1f1b", "interleaved-V2-g2"]
     tight = 0.8 * max(rows["interleaved-V2-g2"].predicted_peak_bytes)
-    row = {r.name: r for r in stock_specs(MODEL, CONFIG, tight, AUTO, GBPS)}["interleaved-V2-g2"]
+    tight_rows = stock_specs(MODEL, CONFIG, tight, AUTO, GBPS)
+    row = {r.name: r for r in tight_rows}["interleaved-V2-g2"]
     assert row.default and row.setting.recompute.granularity != "none" and row.setting.recompute.method in (None, "block")
+    # the same settings as the study's baseline (planning.stock.default_settings) on the bench's network
+    study = default_settings(MODEL.model_spec(2), cluster_spec(CONFIG, AUTO, GBPS), 2, 4, tight)
+    assert sorted(r.setting.describe() for r in study) == sorted(r.setting.describe() for r in tight_rows if r.default)
 
 
 def test_a_default_setting_other_than_the_best_runs_as_its_own_row(monkeypatch):
@@ -78,7 +83,7 @@ def test_a_default_setting_other_than_the_best_runs_as_its_own_row(monkeypatch):
     narrowed to no recomputation, the least-memory default setting, predicted not to fit."""
     from megatron_pipemesh.bench import memory_fair
 
-    monkeypatch.setattr(memory_fair, "default_recompute", lambda option: option.granularity == "none")
+    monkeypatch.setattr(memory_fair, "default_recompute_ladder", lambda layers: [StockRecompute()])
     budget = 0.8 * max(stock_specs(MODEL, CONFIG, None, AUTO, GBPS)[1].predicted_peak_bytes)
     rows = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS, families=("interleaved",),
                                            group_sizes=[2])}
