@@ -257,8 +257,9 @@ def test_overhead_is_fitted_on_the_shaped_run_without_unshaped_runs():
     assert "unshaped" not in rows["interleaved-V2-g2"]["calibration"]
     assert "fitted on the shaped interleaved-V2-g2 run" in format_table([entry], "200 Mbit/s")
     (plain,) = summarize(_results(), model, [ParallelConfig(2)], {"pp2": SPECS}, {"pp2": 1500}, 200e6 / 8, 0.0)
-    assert plain["overhead_fitted_variant"] == "unshaped"
-    assert plain["fitted_transfer_overhead_ms"] < entry["fitted_transfer_overhead_ms"]
+    assert plain["overhead_fitted_variant"] == "unshaped" and plain["fitted_transfer_overhead_ms"] > 0
+    plain_rows = {r["name"]: r for r in plain["schedules"]}
+    assert plain_rows["interleaved-V2-g2"]["calibration"]["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)
 
 
 def test_calibration_costs_and_fit():
