@@ -15,12 +15,14 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
   is not free);
   ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent flows;
 * data parallel: ring all-reduce of the chunk's fp32 gradients (Megatron's default optimizer: no
-  parameter gather), plus the tied-embedding all-reduce between the first and last pipeline rank at
-  the end of the iteration (both shaped), by :func:`allreduce_s` for the bench's topology
-  (:mod:`.netns`):
+  parameter gather; the first / last stage's also carry the embedding / output parameters), plus the
+  tied-embedding all-reduce between the first and last pipeline rank after the backward (a final collective of
+  the simulator), by :func:`allreduce_s` for the bench's topology (:mod:`.netns`):
 
   - **a NIC per rank** (``per_rank``, the default): each rank of a ring sends 2(d-1)/d x bytes through
-    its own NIC, and rings of other stages use other NICs;
+    its own NIC, and rings of other stages use other NICs; the costs carry the product's topology
+    (:func:`network_cluster`), so a rank's pipeline sends, ring and embedding all-reduce share its NIC max-min
+    fairly in the simulation, as ``--nic-queue fair`` shares it;
   - **one token bucket for every rank** (``--network shared``: the loopback of one namespace): the d ranks
     of a ring send at the same time, so 2(d-1) x bytes pass the bucket per ring all-reduce
     (:func:`shared_bucket_allreduce_s`; ``link_share`` divides the rate among the rings of different
@@ -39,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts
+from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, OpCosts
 from ..planning.simulator import simulate
 from ..planning.topology import topology
 from ..schedule.config import ScheduleConfig
