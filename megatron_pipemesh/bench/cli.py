@@ -196,7 +196,6 @@ def network_shaping(args: argparse.Namespace, rate_mbit: float):
     if burst < MIN_BURST_BYTES:
         raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
                          f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
-
     per_rank = (args.network or "per-rank") == "per-rank"
     if args.nic_queue == "fair" and not per_rank:
         raise UsageError("--nic-queue fair is invalid with --network shared: every rank talks over one loopback "

@@ -5,11 +5,11 @@ Two topologies (:attr:`Shaping.per_rank`):
 * **per rank** (default): one VM per rank. Every rank runs in its own namespace ``NAME-r<rank>`` whose only
   interface ``eth0`` is one end of a veth pair; the other ends hang on a bridge in the hub namespace ``NAME``
   (which holds the launcher and its rendezvous store at :data:`HUB_ADDRESS`). Each rank's NIC is shaped in both
-  directions at the rate: a token-bucket filter (``tbf``, behind a ``netem`` delay when one is asked for) on
-  ``eth0`` (its uplink) and a ``tbf`` on its bridge port (its downlink). Ranks do not share a bucket, as VMs on
-  a switched network do not; a rank's data-parallel ring and pipeline links do share its NIC. How concurrent
-  flows share it is :attr:`Shaping.nic_queue` (:mod:`.nic_queue`): by default fairly, one ``htb`` class per peer
-  (each NIC shaped at the rate as a whole), else one FIFO per direction (the ``tbf`` above).
+  directions at the rate, on ``eth0`` (its uplink, behind a ``netem`` delay when one is asked for) and on its
+  bridge port (its downlink). Ranks do not share a bucket, as VMs on a switched network do not; a rank's
+  data-parallel ring and pipeline links do share its NIC. How concurrent flows share it is
+  :attr:`Shaping.nic_queue` (:mod:`.nic_queue`): by default fairly, ``htb`` with one class per peer, else one
+  FIFO per direction (a ``tbf``).
 * **shared**: all ranks in one namespace talk over its ``lo``, which carries one ``tbf`` (behind the optional
   ``netem``): one token bucket for the *aggregate* traffic of every rank, link and direction.
 

@@ -320,7 +320,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                  "fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
                  "CPU, the CUDA allocator on GPU) within the budget")
     lines.append(fits_text + "; a row that does not fit never counts as best. *: Megatron's default command (1F1B, "
-                 "or interleaved with g = p; the cheapest of none / selective / full block k predicted to fit). "
+                 "or interleaved with g = p; the first of none / selective / full block k predicted to fit). "
                  "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
                  "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
                  "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")
