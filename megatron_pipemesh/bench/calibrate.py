@@ -15,12 +15,14 @@ Measured inputs (per schedule, from the unshaped run of that schedule):
   is not free);
   ``link_share`` (default 1: a link gets the whole rate) can divide the rate among concurrent flows;
 * data parallel: ring all-reduce of the chunk's fp32 gradients (Megatron's default optimizer: no
-  parameter gather), plus the tied-embedding all-reduce between the first and last pipeline rank at
-  the end of the iteration (both shaped), by :func:`allreduce_s` for the bench's topology
-  (:mod:`.netns`):
+  parameter gather; the first / last stage's also carry the embedding / output parameters), plus the
+  tied-embedding all-reduce between the first and last pipeline rank after the backward (a final collective of
+  the simulator), by :func:`allreduce_s` for the bench's topology (:mod:`.netns`):
 
   - **a NIC per rank** (``per_rank``, the default): each rank of a ring sends 2(d-1)/d x bytes through
-    its own NIC, and rings of other stages use other NICs;
+    its own NIC, and rings of other stages use other NICs; the costs carry the product's topology
+    (:func:`network_cluster`), so a rank's pipeline sends, ring and embedding all-reduce share its NIC max-min
+    fairly in the simulation, as ``--nic-queue fair`` shares it;
   - **one token bucket for every rank** (``--network shared``: the loopback of one namespace): the d ranks
     of a ring send at the same time, so 2(d-1) x bytes pass the bucket per ring all-reduce
     (:func:`shared_bucket_allreduce_s`; ``link_share`` divides the rate among the rings of different
@@ -39,8 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts
+from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, OpCosts
 from ..planning.simulator import simulate
+from ..planning.topology import topology
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS
 from .runner import PADDED_VOCAB, ModelSetup, ParallelConfig
@@ -79,21 +82,29 @@ def measured_costs(model: ModelSetup, config: ParallelConfig, sched: ScheduleCon
     layers_per_chunk = spec.num_layers // (pp * vpp)
     chunk_grad_bytes = layers_per_chunk * spec.layer_params() * FP32
     d = config.dp
-    latency = latency_s
-    gather = 0.0
-    if bytes_per_s:
-        rate = bytes_per_s * link_share
+    gather = first_dp = last_dp = 0.0
+    network = None
+    rate = bytes_per_s * link_share if bytes_per_s else None
+    if rate:
         p2p = act_bytes / rate
         reduce = allreduce_s(chunk_grad_bytes, d, rate, per_rank=per_rank)
+        # stage 0's bucket also holds the embedding (and position table), the last stage's its output layer
+        first_dp, last_dp = (allreduce_s(params * FP32, d, rate, per_rank=per_rank)
+                             for params in (spec.embedding_params(), spec.vocab_size * spec.hidden_size))
         if distributed_optimizer:  # an all-gather is one ring pass (fp32 weights); gloo's reduce-scatter an all-reduce
             ring_pass = reduce / 2
             gather, reduce = ring_pass, REDUCE_SCATTER_STEPS[COLLECTIVES] * ring_pass
+            # the extras split between reduction and gather as the chunk's own (the simulator's rule)
+            first_dp, last_dp = (x * (REDUCE_SCATTER_STEPS[COLLECTIVES] + 1) / 2 for x in (first_dp, last_dp))
+        if per_rank:  # every rank's NIC shared fairly by its pipeline sends, ring and embedding all-reduce
+            network = topology(network_cluster(d, rate * 8 / 1e9, True), pp)
     else:
         p2p = reduce = 0.0
     return OpCosts(forward_s=base_f, backward_s=base_b, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
-                   latency_s=latency, first_stage_extra_s=first_extra, last_stage_extra_s=last_extra,
-                   activation_bytes=dict.fromkeys(BASIC_LEVERS, 0.0),
-                   static_bytes=tuple(0.0 for _ in range(pp)))
+                   latency_s=latency_s, first_stage_extra_s=first_extra, last_stage_extra_s=last_extra,
+                   activation_bytes=dict.fromkeys(BASIC_LEVERS, 0.0), first_stage_dp_s=first_dp,
+                   last_stage_dp_s=last_dp, static_bytes=tuple(0.0 for _ in range(pp)), network=network,
+                   embedding_allreduce_s=embedding_allreduce_s(model, rate, d, per_rank))
 
 
 def shared_bucket_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, groups: int = 1) -> float:
@@ -121,11 +132,15 @@ def embedding_allreduce_s(model: ModelSetup, bytes_per_s: Optional[float], dp: i
 
 
 def network_cluster(dp: int, gbps: float, per_rank: bool, **fields) -> ClusterSpec:
-    """The bench's network as a :class:`ClusterSpec` (``fields``: the rest of it): pipeline links at ``gbps``;
-    a data-parallel ring at ``gbps`` per rank with a NIC per rank, else at ``gbps`` / d (each ring collective
-    moves (d-1) x its payload through the one shared bucket, :func:`allreduce_s`); gloo's collectives."""
-    return ClusterSpec(dp=dp, dp_gbps=gbps if per_rank else gbps / dp, p2p_gbps=gbps, collectives=COLLECTIVES,
-                       **fields)
+    """The bench's network as a :class:`ClusterSpec` (``fields``: the rest of it), with gloo's collectives. A NIC per
+    rank: every rank its own node whose NIC (``gbps`` each way) its pipeline sends, data-parallel ring and embedding
+    all-reduce share max-min fairly (:mod:`megatron_pipemesh.planning.topology`, as ``--nic-queue fair`` shares
+    it). One shared bucket: pipeline links at ``gbps``, a ring at ``gbps`` / d (each ring collective moves (d-1) x
+    its payload through the one bucket, :func:`allreduce_s`), each on a link of its own."""
+    if per_rank:
+        return ClusterSpec(dp=dp, dp_gbps=gbps, p2p_gbps=gbps, nic_gbps=gbps, devices_per_node=1,
+                           collectives=COLLECTIVES, **fields)
+    return ClusterSpec(dp=dp, dp_gbps=gbps / dp, p2p_gbps=gbps, collectives=COLLECTIVES, **fields)
 
 
 def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[str], bytes_per_s: Optional[float],
@@ -153,7 +168,7 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
                            per_rank)
     shards = sharding_model(model, config, sharding, bytes_per_s, link_share, per_rank) if sharding else None
     result = simulate(sched, costs, sharding=shards)
-    fb = result.iteration_s + embedding_allreduce_s(model, bytes_per_s, config.dp, per_rank)
+    fb = result.iteration_s
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
             "simulated_idle_fraction": result.idle_fraction,
             "simulated_exposed_comm_ms": result.exposed_comm_s * 1e3,

@@ -19,6 +19,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 
 QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
@@ -60,6 +61,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="PP=2 x DP=2, V=4, m=4, 250 Mbit/s per rank, 1 repeat of 1 warm-up + 2 measured iterations "
                         "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
                         "budget)")
+    p.add_argument("--network-check", action="store_true",
+                   help="instead of training runs, measure real gloo flows on the per-rank network (one flow alone, one "
+                        "rank sending to two peers, a data-parallel ring all-reduce with a pipeline send each way; "
+                        "100 and 400 Mbit/s, 8 and 32 MiB) against the simulator's fair-share network model, and print "
+                        "both (about 2 minutes; exit 1 when a prediction is more than 10%% off). Takes --nic-queue, "
+                        "--burst, --queue-ms, --json, --out-dir")
     run = p.add_argument_group("what to run")
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
@@ -99,6 +106,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                      help="'per-rank' (default): every rank in its own namespace behind its own NIC, shaped at --rate "
                           "each way, like one VM per rank on a switched network; 'shared': all ranks on one loopback "
                           "shaped as one token bucket of --rate for every link and direction")
+    net.add_argument("--nic-queue", choices=NIC_QUEUES, default=None,
+                     help="how concurrent flows share a rank's NIC (--network per-rank): 'fair' (default) gives every "
+                          "peer of the rank its own htb class, an equal guaranteed share with the whole rate as "
+                          "ceiling, so flows to different peers share the NIC equally and a lone flow gets all of it; "
+                          "'fifo' is one tbf queue for every flow (the bench before fair classes)")
     net.add_argument("--rate", default=None, help=f"bandwidth of each rank's NIC each way (--network per-rank) or of the "
                                                   f"one shared loopback (--network shared), e.g. 200mbit, 1gbit "
                                                   f"(default {DEFAULT_RATE}; --quick: {QUICK['rate']})")
@@ -174,6 +186,42 @@ def parse_budget(text: Optional[str], flag: str = "--activation-budget-mb"):
     return value
 
 
+def network_shaping(args: argparse.Namespace, rate_mbit: float):
+    """The :class:`~.netns.Shaping` of ``--network`` / ``--nic-queue`` / ``--burst`` / ``--delay-ms`` /
+    ``--queue-ms`` at the rate; UsageError for a burst under 4 x the loopback MTU or ``--nic-queue fair`` on the
+    shared loopback."""
+    from .netns import MIN_BURST_BYTES, Shaping
+
+    burst = args.burst if args.burst is not None else MIN_BURST_BYTES
+    if burst < MIN_BURST_BYTES:
+        raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
+                         f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
+    per_rank = (args.network or "per-rank") == "per-rank"
+    if args.nic_queue == "fair" and not per_rank:
+        raise UsageError("--nic-queue fair is invalid with --network shared: every rank talks over one loopback "
+                         "address there, so there is no peer to give a class. Example: --network per-rank "
+                         "--nic-queue fair (or --network shared alone, one FIFO)")
+    return Shaping(rate_mbit, args.delay_ms, burst, args.queue_ms, per_rank=per_rank, nic_queue=args.nic_queue)
+
+
+NETWORK_CHECK_CONFLICTS = (("quick", "--quick"), ("unshaped", "--unshaped"), ("sharding", "--sharding"),
+                           ("rate", "--rate"), ("delay_ms", "--delay-ms"), ("plot", "--plot"))
+"""Flags ``--network-check`` refuses: it runs no training and measures at its own rates, without netem."""
+
+
+def network_check_shaping(args: argparse.Namespace):
+    """The network ``--network-check`` measures on (its rates replace this one's): the per-rank network with
+    ``--nic-queue``, ``--burst`` and ``--queue-ms``; UsageError for a flag it cannot honour."""
+    given = [flag for name, flag in NETWORK_CHECK_CONFLICTS if getattr(args, name)]
+    if given or args.network == "shared":
+        flags = " ".join(given + (["--network shared"] if args.network == "shared" else []))
+        raise UsageError(f"--network-check with {flags} is invalid: the check runs no training and measures the "
+                         "per-rank network at its own rates (100 and 400 Mbit/s) without delay. Drop them. Example: "
+                         "pipemesh bench --network-check --json net.json")
+    check_number("--queue-ms", args.queue_ms, "200", positive=True, required=True)
+    return network_shaping(args, 1.0)
+
+
 def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) -> None:
     """``--sharding`` / ``--memory-budget-mb`` / ``--activation-budget-mb``: which budget goes with which mode,
     and data parallelism for every configuration (UsageError naming the flag, the rule and an example)."""
@@ -234,21 +282,17 @@ def resolve(args: argparse.Namespace) -> dict:
     rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
     shaping = None
     if args.unshaped:
-        if args.rate or args.delay_ms or args.network:
-            raise UsageError(f"--unshaped with --rate/--delay-ms/--network is contradictory: --unshaped runs over the "
-                             f"plain loopback. Drop one of them. Example: --rate {rate_text}")
+        if args.rate or args.delay_ms or args.network or args.nic_queue:
+            raise UsageError(f"--unshaped with --rate/--delay-ms/--network/--nic-queue is contradictory: --unshaped runs "
+                             f"over the plain loopback. Drop one of them. Example: --rate {rate_text}")
     else:
-        from .netns import MAX_RANKS, MIN_BURST_BYTES, Shaping, parse_rate_mbit
+        from .netns import MAX_RANKS, parse_rate_mbit
 
         try:
             rate = parse_rate_mbit(rate_text)
         except ValueError as error:
             raise UsageError(f"--rate {rate_text}: {error}") from error
-        burst = args.burst if args.burst is not None else MIN_BURST_BYTES
-        if burst < MIN_BURST_BYTES:
-            raise UsageError(f"--burst {burst} is invalid: it must be at least 4 x the loopback MTU (65536), else tbf "
-                         f"drops full-size packets. Example: --burst {MIN_BURST_BYTES}")
-        shaping = Shaping(rate, args.delay_ms, burst, args.queue_ms, per_rank=(args.network or "per-rank") == "per-rank")
+        shaping = network_shaping(args, rate)
         too_big = [c.name for c in configs if c.world > MAX_RANKS]
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
@@ -357,6 +401,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
                          training_args)
 
+    if args.network_check:
+        from .network_check import cmd_network_check
+
+        shaping = network_check_shaping(args)
+        _terminate_as_interrupt()
+        try:
+            return cmd_network_check(args, shaping)
+        except KeyboardInterrupt:
+            print("pipemesh bench --network-check: interrupted; the namespaces are removed", file=sys.stderr)
+            return 130
     setup = resolve(args)
     if args.plot:
         require_matplotlib("--plot")  # before the runs, not after them
@@ -441,6 +495,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                         "delay_ms": shaping.delay_ms if shaping else 0.0,
                                         "topology": (("per-rank" if shaping.per_rank else "shared") if shaping
                                                      else None),
+                                        "nic_queue": shaping.nic_queue if shaping else None,
                                         "burst_bytes": shaping.burst_bytes if shaping else None},
         "model": {**model.to_dict(), "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
         "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}
@@ -472,7 +527,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed == len(results) else 0
 
 
-COMPACT_KEYS = ("name", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
+COMPACT_KEYS = ("name", "default", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
                 "tokens_per_s_spread", "tokens_per_s_runs", "stock_flags", "setting", "groups",
                 "recomputed_chunk_microbatches")
 SHARDING_KEYS = ("sharding", "model_state_bytes", "peak_memory_bytes", "predicted_model_state_bytes",
@@ -482,16 +537,18 @@ per rank, and their predictions."""
 
 
 def compact_row(entry: dict, row: dict) -> dict:
-    """One schedule row of the JSON's flat ``rows`` list: the keys above, its configuration and budget, and
-    for PipeMesh rows ``ratio_to_best_stock`` (to the configuration's fastest stock row that fits); with
+    """One schedule row of the JSON's flat ``rows`` list: the keys above (``default``: a row of Megatron's default
+    command), its configuration and budget, and for PipeMesh rows ``ratio_to_best_stock`` and
+    ``ratio_to_best_default`` (to the configuration's fastest stock row, and fastest default row, that fits); with
     ``--sharding`` also :data:`SHARDING_KEYS` and the memory budget."""
     out = {"config": entry["config"], "activation_budget_bytes": entry.get("activation_budget_bytes"),
            **{k: row.get(k) for k in COMPACT_KEYS}}
     if entry.get("sharding"):
         out.update({"memory_budget_bytes": entry.get("memory_budget_bytes"), **{k: row.get(k) for k in SHARDING_KEYS}})
     if not row["stock"]:
-        out["ratio_to_best_stock"] = row.get("ratio_to_best_stock")
-        out["best_stock"] = entry.get("best_stock")
+        for key in ("best_stock", "best_default"):
+            out[f"ratio_to_{key}"] = row.get(f"ratio_to_{key}")
+            out[key] = entry.get(key)
     return out
 
 

@@ -8,6 +8,12 @@ Rows (one training run per row and repeat):
   (:func:`choose_stock`: none, selective with each ``--recompute-modules`` set that runs on this CPU
   stack, full uniform/block with each k); where nothing is predicted to fit, the setting with the
   smallest predicted peak (measured, and then marked as not fitting);
+* Megatron's default command (``default``: what users run): 1F1B, and interleaved with the default group size
+  g = p at every V, each with the first of none, ``--recompute-granularity selective`` (Megatron's default
+  core_attn) and full block recomputation with the fewest layers predicted to fit, no offloading (the ladder of
+  :func:`megatron_pipemesh.planning.stock.default_recompute_ladder`, the study's ``default``). Where that is the
+  row's setting already, the row is marked ``default``; else the default setting runs as a row of its own,
+  ``<row>-default``;
 * ``pipemesh``: the given groups with the planner's pipeline-aware recomputation for the budget;
   ``pipemesh-auto``: groups and recomputation chosen by the planner for the budget. Both are written
   as plan files and run with ``--pipemesh-plan``.
@@ -37,8 +43,8 @@ from typing import List, Optional, Sequence, Tuple
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from ..planning.memory import recomputable_modules
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels, rank_splits
-from ..planning.stock import (StockRecompute, StockResult, StockSetting, evaluate, order_peaks, recompute_options,
-                              schedule_options)
+from ..planning.stock import (StockRecompute, StockResult, StockSetting, default_recompute_ladder, evaluate,
+                              order_peaks, recompute_options, schedule_options)
 from ..schedule.config import ScheduleConfig
 from .calibrate import network_cluster
 from .runner import STOCK_FAMILIES, AutoPlanSettings, ModelSetup, ParallelConfig
@@ -78,6 +84,9 @@ class RunSpec:
     nothing is predicted to fit)."""
     sharding: Optional[Tuple[str, ...]] = None
     """``--sharding``: the ZeRO level of each virtual chunk (stock: ``optim`` everywhere); None without it."""
+    default: bool = False
+    """Megatron's default command at this row's V: 1F1B or g = p, with the first rung of the default recomputation
+    ladder predicted to fit (:func:`choose_stock` with ``default_only``)."""
     predicted_state_bytes: Optional[Tuple[float, ...]] = None
     """``--sharding``: predicted weights + gradients + optimizer state per pipeline rank outside any group."""
     predicted_peak_memory_bytes: Optional[Tuple[float, ...]] = None
@@ -215,12 +224,18 @@ def runnable_options(layers_per_chunk: int, model: ModelSpec) -> List[StockRecom
 
 
 def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: int, g: Optional[int],
-                 budget: Optional[float], static: Optional[Sequence[float]] = None) -> Tuple[StockResult, bool]:
+                 budget: Optional[float], static: Optional[Sequence[float]] = None,
+                 default_only: bool = False) -> Tuple[StockResult, bool]:
     """(simulated setting, predicted to fit) of one stock schedule: the fitting runnable recomputation with the
     least recomputation time (a fixed order is never faster with longer ops: see :mod:`..planning.stock`); when
     none fits, the one with the smallest peak (largest rank). ``static``: model state per pipeline rank that
-    shares the budget with the activations (``--sharding``; none otherwise)."""
-    options = runnable_options(spec.num_layers // (pp * vpp), spec)
+    shares the budget with the activations (``--sharding``; none otherwise). ``default_only``: Megatron's default
+    command, the first runnable rung of :func:`~megatron_pipemesh.planning.stock.default_recompute_ladder` that fits
+    (none, selective, full block with the fewest layers)."""
+    layers_per_chunk = spec.num_layers // (pp * vpp)
+    options = runnable_options(layers_per_chunk, spec)
+    if default_only:
+        options = [o for o in default_recompute_ladder(layers_per_chunk) if o in options]
     probe = StockSetting(pp, vpp, m, g)
     costs = analytic_costs(spec, cluster, probe.config(), levels=tuple(o.level for o in options))
     peaks = order_peaks(probe.config(), costs, [o.level for o in options])
@@ -228,18 +243,32 @@ def choose_stock(spec: ModelSpec, cluster: ClusterSpec, pp: int, vpp: int, m: in
     total = lambda option: max(a + s for a, s in zip(peaks[option.level], static))  # noqa: E731
     fitting = [o for o in options if budget is None or total(o) <= budget]
     if fitting:
-        choice = min(fitting, key=lambda o: costs.recompute_s[o.level])
+        choice = fitting[0] if default_only else min(fitting, key=lambda o: costs.recompute_s[o.level])
     else:
         choice = min(options, key=lambda o: (total(o), costs.recompute_s[o.level]))
     return evaluate(replace(probe, recompute=choice), spec, cluster), bool(fitting)
+
+
+def _stock_row(result: StockResult, fits_predicted: bool, family: str, static: Optional[Sequence[float]],
+               default: bool, suffix: str = "") -> RunSpec:
+    """The row of one simulated stock setting (``static``: its ZeRO-1 model state per rank with ``--sharding``)."""
+    peaks = tuple(result.peak_activation_bytes)
+    return RunSpec(name=_row_name(result.setting) + suffix, family=family, setting=result.setting,
+                   predicted_peak_bytes=peaks, predicted_iteration_s=result.iteration_s, predicted_fits=fits_predicted,
+                   sharding=(STOCK_LEVEL,) * result.setting.vpp if static is not None else None,
+                   predicted_state_bytes=static,
+                   predicted_peak_memory_bytes=tuple(a + s for a, s in zip(peaks, static)) if static is not None else None,
+                   default=default)
 
 
 def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[float], auto: AutoPlanSettings,
                 gbps: float, families: Sequence[str] = STOCK_FAMILIES, group_sizes: Optional[Sequence[int]] = None,
                 vpps: Optional[Sequence[int]] = None, sharding: bool = False) -> List[RunSpec]:
     """Every stock row (optionally only ``group_sizes`` / ``vpps`` of the interleaved ones), each with its
-    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget). ``sharding``:
-    Megatron's distributed optimizer, ZeRO-1 for every chunk, the budget covering model state + activations."""
+    fastest runnable setting predicted to fit ``budget`` (no recomputation without a budget); the rows of Megatron's
+    default command (1F1B and g = p) marked ``default`` when their setting is the default one, else followed by a
+    ``-default`` row with it. ``sharding``: Megatron's distributed optimizer, ZeRO-1 for every chunk, the budget
+    covering model state + activations."""
     spec, cluster = model.model_spec(config.pp), cluster_spec(config, auto, gbps, sharding)
     pp, m = config.pp, model.microbatches
     rows = []
@@ -249,13 +278,13 @@ def stock_specs(model: ModelSetup, config: ParallelConfig, budget: Optional[floa
                                                    or (vpps and vpp not in vpps))):
             continue
         static = stock_state_bytes(model, config, StockSetting(pp, vpp, m, g).config(), cluster) if sharding else None
-        result, fits_predicted = choose_stock(spec, cluster, pp, vpp, m, g, budget, static)
-        peaks = tuple(result.peak_activation_bytes)
-        rows.append(RunSpec(name=_row_name(result.setting), family=family, setting=result.setting,
-                            predicted_peak_bytes=peaks, predicted_iteration_s=result.iteration_s,
-                            predicted_fits=fits_predicted,
-                            sharding=(STOCK_LEVEL,) * vpp if sharding else None, predicted_state_bytes=static,
-                            predicted_peak_memory_bytes=tuple(a + s for a, s in zip(peaks, static)) if sharding else None))
+        best = choose_stock(spec, cluster, pp, vpp, m, g, budget, static)
+        default = choose_stock(spec, cluster, pp, vpp, m, g, budget, static, default_only=True) \
+            if vpp == 1 or g == pp else None
+        same = default is not None and default[0].setting == best[0].setting
+        rows.append(_stock_row(*best, family, static, default=same))
+        if default is not None and not same:
+            rows.append(_stock_row(*default, family, static, default=True, suffix="-default"))
     return rows
 
 
@@ -334,7 +363,9 @@ def fits(peaks: Optional[Sequence[Optional[float]]], budget: Optional[float]) ->
     return bool(peaks) and all(p is not None and p <= budget for p in peaks)
 
 
-def best_stock(rows: Sequence[dict]) -> Optional[dict]:
-    """The fastest stock row that fits (rows: ``stock``, ``fits``, ``tokens_per_s``); None if none does."""
-    candidates = [r for r in rows if r.get("stock") and r.get("fits") and r.get("tokens_per_s")]
+def best_stock(rows: Sequence[dict], default_only: bool = False) -> Optional[dict]:
+    """The fastest stock row that fits (rows: ``stock``, ``fits``, ``tokens_per_s``; ``default_only``: only rows of
+    Megatron's default command, ``default``); None if none does."""
+    candidates = [r for r in rows if r.get("stock") and r.get("fits") and r.get("tokens_per_s")
+                  and (r.get("default") or not default_only)]
     return max(candidates, key=lambda r: r["tokens_per_s"]) if candidates else None

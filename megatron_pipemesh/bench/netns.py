@@ -5,9 +5,11 @@ Two topologies (:attr:`Shaping.per_rank`):
 * **per rank** (default): one VM per rank. Every rank runs in its own namespace ``NAME-r<rank>`` whose only
   interface ``eth0`` is one end of a veth pair; the other ends hang on a bridge in the hub namespace ``NAME``
   (which holds the launcher and its rendezvous store at :data:`HUB_ADDRESS`). Each rank's NIC is shaped in both
-  directions at the rate: a token-bucket filter (``tbf``, behind a ``netem`` delay when one is asked for) on
-  ``eth0`` (its uplink) and a ``tbf`` on its bridge port (its downlink). Ranks do not share a bucket, as VMs on
-  a switched network do not; a rank's data-parallel ring and pipeline links do share its NIC.
+  directions at the rate, on ``eth0`` (its uplink, behind a ``netem`` delay when one is asked for) and on its
+  bridge port (its downlink). Ranks do not share a bucket, as VMs on a switched network do not; a rank's
+  data-parallel ring and pipeline links do share its NIC. How concurrent flows share it is
+  :attr:`Shaping.nic_queue` (:mod:`.nic_queue`): by default fairly, ``htb`` with one class per peer, else one
+  FIFO per direction (a ``tbf``).
 * **shared**: all ranks in one namespace talk over its ``lo``, which carries one ``tbf`` (behind the optional
   ``netem``): one token bucket for the *aggregate* traffic of every rank, link and direction.
 
@@ -25,6 +27,8 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
+
+from .nic_queue import NIC_QUEUES, fair_commands, fifo_commands
 
 LOOPBACK_MTU = 65536
 """Linux loopback MTU: a tbf burst below it drops every full-size packet."""
@@ -75,8 +79,19 @@ class Shaping:
     per_rank: bool = True
     """True: every rank has its own NIC shaped at the rate each way (one namespace per rank, see the module
     docstring); False: every rank shares the loopback of one namespace, one token bucket for all traffic."""
+    nic_queue: Optional[str] = None
+    """How concurrent flows share a NIC (:data:`~.nic_queue.NIC_QUEUES`): ``fair`` (one htb class per peer) or
+    ``fifo`` (one tbf); None: ``fair`` on the per-rank network, ``fifo`` on the shared loopback (one address for
+    every rank: no peer to class by)."""
 
     def __post_init__(self):
+        if self.nic_queue is None:
+            object.__setattr__(self, "nic_queue", "fair" if self.per_rank else "fifo")
+        if self.nic_queue not in NIC_QUEUES:
+            raise ValueError(f"NIC queue {self.nic_queue!r} is not one of {', '.join(NIC_QUEUES)}")
+        if self.nic_queue == "fair" and not self.per_rank:
+            raise ValueError("a fair NIC queue needs the per-rank network: on the shared loopback every rank has the "
+                             "same address, so there is no peer to give a class")
         if not self.rate_mbit > 0:
             raise ValueError(f"rate {self.rate_mbit} Mbit/s must be positive")
         if self.delay_ms < 0:
@@ -99,6 +114,8 @@ class Shaping:
 
     def describe(self) -> str:
         text = f"{self.rate_mbit:g} Mbit/s " + ("per rank each way" if self.per_rank else "shared by all ranks")
+        if self.per_rank:
+            text += ", fair share per peer" if self.nic_queue == "fair" else ", one FIFO"
         if self.delay_ms:
             text += f", +{self.delay_ms:g} ms delay"
         return text
@@ -107,10 +124,6 @@ class Shaping:
 def new_namespace_name(prefix: str = "pmbench") -> str:
     """A unique namespace name (pid + random suffix; at most 15 characters is not required for netns)."""
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def _rate_arg(mbit: float) -> str:
-    return f"{mbit * 1000:.0f}kbit"
 
 
 SUBNET = "10.213.0"
@@ -129,15 +142,22 @@ def rank_namespace(name: str, rank: int) -> str:
     return f"{name}-r{rank}"
 
 
-def _qdisc(namespace: str, dev: str, shaping: Shaping, delay: bool) -> List[List[str]]:
-    """tbf at the rate on ``dev`` of ``namespace``, behind a netem delay when ``delay`` and one is asked for."""
-    tc = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", dev]
-    tbf = ["tbf", "rate", _rate_arg(shaping.rate_mbit), "burst", str(shaping.burst_bytes),
-           "latency", f"{shaping.queue_ms:g}ms"]
-    if delay and shaping.delay_ms > 0:
-        return [tc + ["root", "handle", "1:", "netem", "delay", f"{shaping.delay_ms:g}ms"],
-                tc + ["parent", "1:1", "handle", "10:"] + tbf]
-    return [tc + ["root"] + tbf]
+def rank_address(rank: int) -> str:
+    """Rank ``rank``'s address on the per-rank network."""
+    return f"{SUBNET}.{rank + 1}"
+
+
+def _nic_commands(namespace: str, dev: str, shaping: Shaping, own: int, ranks: int, match: str,
+                  delay: bool) -> List[List[str]]:
+    """One direction of rank ``own``'s NIC (``dev`` in ``namespace``): its queue discipline at the rate, behind the
+    netem delay when ``delay`` and one is asked for; ``match`` says which address names the peer (``dst`` on the
+    uplink, ``src`` on the downlink)."""
+    delay_ms = shaping.delay_ms if delay else 0.0
+    if shaping.nic_queue == "fifo":
+        return fifo_commands(namespace, dev, shaping.rate_mbit, shaping.burst_bytes, shaping.queue_ms, delay_ms)
+    peers = {q: rank_address(q) for q in range(ranks) if q != own}
+    return fair_commands(namespace, dev, shaping.rate_mbit, shaping.burst_bytes, shaping.queue_ms, peers, match,
+                         delay_ms)
 
 
 def _ip(namespace: str, *args: str) -> List[str]:
@@ -151,7 +171,8 @@ def setup_commands(name: str, shaping: Optional[Shaping], ranks: int = 0) -> Lis
     if shaping is None:
         return cmds
     if not shaping.per_rank:
-        return cmds + _qdisc(name, "lo", shaping, delay=True)
+        return cmds + fifo_commands(name, "lo", shaping.rate_mbit, shaping.burst_bytes, shaping.queue_ms,
+                                    shaping.delay_ms)
     if not 1 <= ranks <= MAX_RANKS:
         raise ValueError(f"the per-rank network holds 1..{MAX_RANKS} ranks, not {ranks}")
     cmds += [_ip(name, "link", "add", BRIDGE, "type", "bridge"),
@@ -162,10 +183,11 @@ def setup_commands(name: str, shaping: Optional[Shaping], ranks: int = 0) -> Lis
                  # created in the hub, its peer moved into the rank's namespace at once
                  _ip(name, "link", "add", port, "type", "veth", "peer", "name", RANK_INTERFACE, "netns", own),
                  _ip(name, "link", "set", port, "master", BRIDGE), _ip(name, "link", "set", port, "up"),
-                 _ip(own, "addr", "add", f"{SUBNET}.{rank + 1}/24", "dev", RANK_INTERFACE),
+                 _ip(own, "addr", "add", f"{rank_address(rank)}/24", "dev", RANK_INTERFACE),
                  _ip(own, "link", "set", RANK_INTERFACE, "up")]
         # uplink (with the one-way delay) and downlink, each at the rate
-        cmds += _qdisc(own, RANK_INTERFACE, shaping, delay=True) + _qdisc(name, port, shaping, delay=False)
+        cmds += (_nic_commands(own, RANK_INTERFACE, shaping, rank, ranks, "dst", delay=True)
+                 + _nic_commands(name, port, shaping, rank, ranks, "src", delay=False))
     return cmds
 
 

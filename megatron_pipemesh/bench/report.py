@@ -120,7 +120,7 @@ def _row(spec: RunSpec, shaped: Optional[dict], unshaped: Optional[dict], budget
     per_global = lambda values: (None if values is None  # noqa: E731  (per pipeline rank -> per global rank)
                                  else [values[pipeline_rank(r, config)] for r in range(config.world)])
     predicted = per_global(spec.predicted_peak_bytes)
-    row = {"name": spec.name, "schedule": spec.name, "family": spec.family, "stock": spec.stock,
+    row = {"name": spec.name, "schedule": spec.name, "family": spec.family, "stock": spec.stock, "default": spec.default,
            "group_size": spec.group_size, "recompute": spec.recompute, "stock_flags": list(spec.stock_flags),
            "setting": spec.describe(), "predicted_fits": spec.predicted_fits, "plan_file": spec.plan_path,
            # --sharding: the budget holds model state + activations, so the measured peak of both decides
@@ -205,14 +205,15 @@ def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_
 
 
 def _ratios(entry: dict) -> None:
-    """Best stock row (fastest that fits) and each PipeMesh row's ratio to it; also per variant."""
+    """Best stock row and best row of Megatron's default command (fastest that fits) and each PipeMesh row's
+    ratio to each; best stock also per variant."""
     rows = entry["schedules"]
-    best = best_stock(rows)
-    entry["best_stock"] = best["name"] if best else None
-    entry["best_stock_setting"] = best["setting"] if best else None
-    for row in rows:
-        if not row["stock"]:
-            row["ratio_to_best_stock"] = (row["tokens_per_s"] / best["tokens_per_s"]
+    for key, best in (("best_stock", best_stock(rows)), ("best_default", best_stock(rows, default_only=True))):
+        entry[key] = best["name"] if best else None
+        entry[f"{key}_setting"] = best["setting"] if best else None
+        for row in rows:
+            if not row["stock"]:
+                row[f"ratio_to_{key}"] = (row["tokens_per_s"] / best["tokens_per_s"]
                                           if best and row["tokens_per_s"] else None)
     for variant in ("shaped", "unshaped"):
         view = [{**r, "tokens_per_s": (r.get(variant) or {}).get("tokens_per_s_median")} for r in rows]
@@ -253,7 +254,8 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                          "compute times are inflated and noisy)")
         memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
                   else "")
-        header = (f"{'schedule':<17} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
+        width = max([17] + [len(row["name"]) + bool(row.get("default")) for row in entry["schedules"]])  # with its mark
+        header = (f"{'schedule':<{width}} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
                   f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
         lines.append(header)
         lines.append("-" * len(header))
@@ -267,7 +269,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                 state = f"{_mib(row.get('model_state_bytes'))} ({_mib(row.get('predicted_model_state_bytes'))})"
                 peaks = f"{total:<35} {state:<35} {peaks}"
             lines.append(
-                f"{row['name']:<17} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
+                f"{row['name'] + ('*' if row.get('default') else ''):<{width}} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
                 f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
                 f"{_fmt(main.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
                 f"{_fmt(100 * row['comm_share'] if row.get('comm_share') is not None else None, '.0f'):>6}  "
@@ -276,14 +278,15 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                 v = row.get(variant) or {}
                 if v.get("failed_runs"):
                     lines.append(f"   {variant}: {v['failed_runs']} run(s) failed" + (f": {v['errors'][0]}" if v.get("errors") else ""))
-        best = entry.get("best_stock")
-        if best:
-            ratios = ", ".join(f"{r['name']} {_fmt(r.get('ratio_to_best_stock'), '.3f')}"
-                               for r in entry["schedules"] if not r["stock"])
-            lines.append(f"best stock (fastest that fits): {best} [{entry.get('best_stock_setting')}]; "
-                         f"PipeMesh / best stock: {ratios}")
-        else:
-            lines.append("best stock: no stock row fits the budget")
+        for key, what in (("best_stock", "best stock"), ("best_default", "best default command")):
+            best = entry.get(key)
+            if best:
+                ratios = ", ".join(f"{r['name']} {_fmt(r.get(f'ratio_to_{key}'), '.3f')}"
+                                   for r in entry["schedules"] if not r["stock"])
+                lines.append(f"{what} (fastest that fits): {best} [{entry.get(f'{key}_setting')}]; "
+                             f"PipeMesh / {what}: {ratios}")
+            else:
+                lines.append(f"{what}: no such row fits the budget")
         for variant in ("shaped", "unshaped"):
             ratios = entry.get(f"pipemesh_vs_best_stock_{variant}") or {}
             top = entry.get(f"best_stock_{variant}")
@@ -307,7 +310,7 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                                      f"({100 * x['error']:+.1f}%)")
                 if c.get("error"):
                     parts.append(c["error"])
-                lines.append(f"   {name:<17} " + "; ".join(parts))
+                lines.append(f"   {name:<{width}} " + "; ".join(parts))
         lines.append("")
     fits_text = ("fits: every rank's measured peak of model state (weights + gradients + optimizer state, with "
                  "gathered ZeRO-3 weights, ZeRO-2/3 gradient buffers and the optimizer step's whole buffers) + "
@@ -316,7 +319,8 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                  "schedule ran" if sharded else
                  "fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
                  "CPU, the CUDA allocator on GPU) within the budget")
-    lines.append(fits_text + "; a row that does not fit never counts as best. "
+    lines.append(fits_text + "; a row that does not fit never counts as best. *: Megatron's default command (1F1B, "
+                 "or interleaved with g = p; the first of none / selective / full block k predicted to fit). "
                  "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
                  "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
                  "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")

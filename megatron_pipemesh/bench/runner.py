@@ -163,6 +163,10 @@ def training_args(model: ModelSetup, config: ParallelConfig, spec, data_flags: S
         # No dropout: CPU dropout keeps fp32 masks where CUDA keeps bytes; without it both keep the same tensors
         # and the activation model predicts the meter exactly.
         "--hidden-dropout", "0", "--attention-dropout", "0",
+        # The CPU layer's fused-wgrad kernels return no weight gradient (megatron-core 0.19.2's DDP never sets
+        # grad_added_to_main_grad, so layers.py:692-723 gives None), and with --overlap-grad-reduce DDP's hook then
+        # fails on the last stage's output weight (distributed_data_parallel.py:487-489). Every row runs unfused.
+        "--no-gradient-accumulation-fusion",
     ]
     sharding = tuple(spec.sharding_flags)  # --sharding: the distributed optimizer (and levels)
     if config.dp > 1 and not sharding:

@@ -38,6 +38,8 @@ def _args(*argv):
     (["--mfu", "2"], "fractions"),
     (["--unshaped", "--rate", "100mbit"], "contradictory"),
     (["--unshaped", "--network", "shared"], "contradictory"),
+    (["--unshaped", "--nic-queue", "fifo"], "contradictory"),
+    (["--network", "shared", "--nic-queue", "fair"], "no peer to give a class"),
     (["--configs", "pp2xdp200"], "holds 250 ranks"),
     (["--configs", "pp4", "--microbatches", "2"], "at least the pipeline size"),
     (["--configs", "pp2", "--forward-groups", "1", "7"], "smaller than the pipeline size"),
@@ -65,10 +67,12 @@ def test_quick_defaults():
     assert setup["repeats"] == 1 and setup["model"].warmup_iters == 1 and setup["model"].measured_iters == 2
     assert (setup["model"].chunk.hidden_size, setup["model"].vpp, setup["model"].microbatches) == (384, 4, 4)
     assert setup["shaping"].rate_mbit == 250 and setup["shaping"].burst_bytes >= 4 * 65536
-    assert setup["shaping"].per_rank and setup["auto"].per_rank_network
+    assert setup["shaping"].per_rank and setup["auto"].per_rank_network and setup["shaping"].nic_queue == "fair"
+    assert bench_cli.resolve(_args("--quick", "--nic-queue", "fifo"))["shaping"].nic_queue == "fifo"
     assert setup["budget_mb"] == ("auto", 0.2) and setup["link_share"] == 1.0 and args.pin_cores and args.no_limit
     shared = bench_cli.resolve(_args("--quick", "--network", "shared", "--link-share", "0.5"))
     assert not shared["shaping"].per_rank and not shared["auto"].per_rank_network and shared["link_share"] == 0.5
+    assert shared["shaping"].nic_queue == "fifo"
     assert setup["groups"][("pp2xdp2", "pipemesh")] == ((4,), (2, 2))
     assert bench_cli.resolve(_args("--quick", "--hidden-size", "128"))["model"].chunk.hidden_size == 128
     plain = bench_cli.resolve(_args())
@@ -126,6 +130,7 @@ def test_training_args_per_row():
     assert _flag(one, "--num-layers") == "4" and _flag(one, "--global-batch-size") == "16"
     assert _flag(one, "--timing-log-level") == "2" and _flag(one, "--timing-log-option") == "all"
     assert _flag(one, "--hidden-dropout") == "0" and _flag(one, "--attention-dropout") == "0"
+    assert "--no-gradient-accumulation-fusion" in one  # the CPU layer's fused wgrad breaks --overlap-grad-reduce
     setting = StockSetting(2, 2, 8, 4, StockRecompute("full", method="block", num_layers=1))
     inter = training_args(model, config, RunSpec("interleaved-V2-g4", "interleaved", setting), data, "/r")
     assert _flag(inter, "--num-virtual-stages-per-pipeline-rank") == "2"
@@ -160,7 +165,7 @@ def _log(iter_ms, fwd, bwd, fb, warm=1, n=4):
     return ParsedLog(its, warm + n)
 
 
-SPECS = [RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8)),
+SPECS = [RunSpec("1f1b", "1f1b", StockSetting(2, 1, 8), default=True),
          RunSpec("interleaved-V2-g2", "interleaved", StockSetting(2, 2, 8, 2)),
          RunSpec("interleaved-V2-g8", "interleaved", StockSetting(2, 2, 8, 8)),
          RunSpec("pipemesh", "pipemesh", groups=((6, 2), (4, 4)), plan_path="/p.json", recomputed=3)]
@@ -214,17 +219,25 @@ def test_summary_table_json_and_plot(tmp_path):
     assert rows["pipemesh"]["ratio_to_best_stock"] == pytest.approx(pm_tps / shaped_tps)
     assert entry["pipemesh_vs_best_stock_shaped"]["pipemesh"] == pytest.approx(pm_tps / shaped_tps)
     assert "ratio_to_best_stock" not in inter
+    # the default command's row (here only 1F1B is marked) is the baseline of ratio_to_best_default
+    assert entry["best_default"] == "1f1b" and rows["1f1b"]["default"] and not inter["default"]
+    default_tps = (tokens / 0.9 + tokens / 0.91) / 2
+    assert rows["pipemesh"]["ratio_to_best_default"] == pytest.approx(pm_tps / default_tps)
     cal = inter["calibration"]
     assert cal["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)  # the fitted overhead reproduces it
     assert entry["fitted_transfer_overhead_ms"] > 0 and entry["overhead_fitted_on"] == "interleaved-V2-g2"
     text = format_table(summary, "200 Mbit/s")
-    assert "best stock (fastest that fits): interleaved-V2-g2" in text
+    assert "best stock (fastest that fits): interleaved-V2-g2" in text and "1f1b*" in text
+    assert "best default command (fastest that fits): 1f1b" in text
+    assert f"PipeMesh / best default command: pipemesh {pm_tps / default_tps:.3f}" in text
     assert f"pipemesh {pm_tps / shaped_tps:.3f}" in text and "interleaved-V2-g8 NO" in text
     assert "1 run(s) failed: exit 1: boom" in text and "simulator calibration" in text
     flat = [bench_cli.compact_row(entry, row) for row in entry["schedules"]]
     for row in flat:
         assert {"name", "fits", "peak_activation_bytes", "tokens_per_s", "tokens_per_s_spread", "stock_flags"} <= set(row)
     assert ("ratio_to_best_stock" in flat[-1]) and all("ratio_to_best_stock" not in r for r in flat[:-1])
+    assert flat[-1]["ratio_to_best_default"] == pytest.approx(pm_tps / default_tps) and flat[-1]["best_default"] == "1f1b"
+    assert [r["default"] for r in flat] == [True, False, False, False]
     json.dumps(summary)
     png = tmp_path / "bench.png"
     plot_summary(summary, str(png), "200 Mbit/s")
@@ -244,8 +257,9 @@ def test_overhead_is_fitted_on_the_shaped_run_without_unshaped_runs():
     assert "unshaped" not in rows["interleaved-V2-g2"]["calibration"]
     assert "fitted on the shaped interleaved-V2-g2 run" in format_table([entry], "200 Mbit/s")
     (plain,) = summarize(_results(), model, [ParallelConfig(2)], {"pp2": SPECS}, {"pp2": 1500}, 200e6 / 8, 0.0)
-    assert plain["overhead_fitted_variant"] == "unshaped"
-    assert plain["fitted_transfer_overhead_ms"] < entry["fitted_transfer_overhead_ms"]
+    assert plain["overhead_fitted_variant"] == "unshaped" and plain["fitted_transfer_overhead_ms"] > 0
+    plain_rows = {r["name"]: r for r in plain["schedules"]}
+    assert plain_rows["interleaved-V2-g2"]["calibration"]["unshaped"]["iteration_ms"] == pytest.approx(605, rel=0.02)
 
 
 def test_calibration_costs_and_fit():

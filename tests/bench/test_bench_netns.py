@@ -50,7 +50,7 @@ def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
     """Per rank: a bridge in the hub, a namespace per rank whose eth0 (its address SUBNET.r+1) is a veth to a bridge
     port; tbf at the rate on both ends (uplink behind the netem delay, downlink without it); teardown removes
     every rank namespace, then the hub."""
-    shaping = Shaping(100.0, delay_ms=1.0)
+    shaping = Shaping(100.0, delay_ms=1.0, nic_queue="fifo")
     cmds = setup_commands("h", shaping, ranks=2)
     text = [" ".join(c) for c in cmds]
     assert "ip netns exec h ip link add pmbr0 type bridge" in text
@@ -72,6 +72,59 @@ def test_per_rank_commands_give_every_rank_its_own_shaped_nic():
                                          ["ip", "netns", "delete", "h"]]
     with pytest.raises(ValueError, match="1..250 ranks"):
         setup_commands("h", shaping, ranks=0)
+
+
+def test_per_rank_nic_is_fair_by_default():
+    """Per rank, fair (the default): on each NIC an htb root class at the rate, one class per peer rank, one for pure
+    TCP acknowledgements and one default class (the hub, ARP), each guaranteed rate / classes with the whole rate as
+    ceiling and equal quanta, each with a byte FIFO as deep as the tbf's queue; u32 filters send acknowledgements to
+    their class first, then a peer's packets to its class, by destination on the rank's uplink (eth0) and by source
+    on its downlink (the bridge port)."""
+    cmds = [" ".join(c) for c in setup_commands("h", Shaping(120.0), ranks=3)]
+    assert Shaping(120.0).nic_queue == "fair"
+    sizes = "burst 262144 cburst 262144 quantum 131072"
+    limit = 120e6 / 8 * 0.2 + 262144
+    for rank, ns, dev, match in [(0, "h-r0", "eth0", "dst"), (1, "h", "v1", "src")]:
+        tc = f"ip netns exec {ns} tc"
+        own = [c for c in cmds if c.startswith(f"{tc} ") and f" dev {dev} " in c]
+        peers = [q for q in range(3) if q != rank]
+        assert own[:2] == [f"{tc} qdisc add dev {dev} root handle 10: htb default 2",
+                           f"{tc} class add dev {dev} parent 10: classid 10:1 htb rate 120000kbit ceil 120000kbit {sizes}"]
+        for minor in [2, 3] + [0x10 + q for q in peers]:
+            assert (f"{tc} class add dev {dev} parent 10:1 classid 10:{minor:x} htb rate 30000kbit ceil 120000kbit "
+                    f"{sizes}") in own
+            assert f"{tc} qdisc add dev {dev} parent 10:{minor:x} bfifo limit {int(limit)}" in own
+        assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip protocol 6 0xff match u8 0x05 "
+                "0x0f at 0 match u16 0x0000 0xff80 at 2 match u8 0x10 0xff at 33 flowid 10:3") in own
+        for q in peers:
+            assert (f"{tc} filter add dev {dev} parent 10: protocol ip prio 2 u32 match ip {match} "
+                    f"10.213.0.{q + 1}/32 flowid 10:{0x10 + q:x}") in own
+        assert len(own) == 2 + 2 * 4 + 1 + 2  # root qdisc + class, 4 classes + their FIFOs, ACK + 2 peer filters
+    assert not any("tbf" in c for c in cmds)
+
+
+def test_fair_nic_sits_behind_the_delay():
+    """With a one-way delay the uplink's netem is the root and htb its child; the downlink has no delay."""
+    cmds = [" ".join(c) for c in setup_commands("h", Shaping(100.0, delay_ms=2.0), ranks=2)]
+    assert "ip netns exec h-r0 tc qdisc add dev eth0 root handle 1: netem delay 2ms" in cmds
+    assert "ip netns exec h-r0 tc qdisc add dev eth0 parent 1:1 handle 10: htb default 2" in cmds
+    assert "ip netns exec h tc qdisc add dev v0 root handle 10: htb default 2" in cmds
+
+
+def test_nic_queue_rules():
+    """fair needs the per-rank network (the shared loopback has one address for every rank); the shared loopback
+    defaults to fifo; unknown disciplines and a bad match direction are refused."""
+    from megatron_pipemesh.bench.nic_queue import fair_commands
+
+    assert Shaping(100.0, per_rank=False).nic_queue == "fifo"
+    with pytest.raises(ValueError, match="per-rank network"):
+        Shaping(100.0, per_rank=False, nic_queue="fair")
+    with pytest.raises(ValueError, match="fair, fifo"):
+        Shaping(100.0, nic_queue="sfq")
+    with pytest.raises(ValueError, match="'dst' .* 'src'"):
+        fair_commands("n", "eth0", 100.0, MIN_BURST_BYTES, 200.0, {1: "10.213.0.2"}, "to")
+    assert "fair share per peer" in Shaping(100.0).describe()
+    assert "one FIFO" in Shaping(100.0, nic_queue="fifo").describe()
 
 
 def test_rank_worker_enters_its_namespace():
@@ -266,3 +319,18 @@ def test_real_gloo_reduce_scatter_costs_an_all_reduce(tmp_path):
     ring_pass = nbytes / 2 * 8 / (rate_mbit * 1e6 * netns.VETH_PAYLOAD_FRACTION)  # (n-1)/n of the buffer, n = 2
     assert seconds["reduce_scatter"] >= 0.8 * seconds["all_reduce"], seconds
     assert seconds["reduce_scatter"] == pytest.approx(REDUCE_SCATTER_STEPS["gloo"] * ring_pass, rel=0.3), seconds
+
+
+@pytest.mark.skipif(not _netns_works(), reason="needs root and a working `ip netns`")
+def test_real_fair_nic_classes_are_accepted_by_the_kernel():
+    """With root, the fair NIC's htb classes and u32 filters exist on both ends of every rank's NIC (the network
+    check measures how they share; this only checks that the kernel took them)."""
+    with ShapedNamespace(Shaping(200.0), ranks=2) as ns:
+        for where, dev in ((f"{ns.name}-r0", "eth0"), (ns.name, "v1")):
+            show = lambda *what: subprocess.run(exec_prefix(where) + ["tc", *what, "show", "dev", dev],  # noqa: E731
+                                                capture_output=True, text=True).stdout
+            classes = show("class")
+            assert "class htb 10:1 root rate 200Mbit ceil 200Mbit" in classes
+            peer = "10:11" if dev == "eth0" else "10:10"
+            assert f"class htb {peer} parent 10:1" in classes and "class htb 10:3 parent 10:1" in classes
+            assert show("filter").count("flowid") == 2  # the acknowledgements and the one peer

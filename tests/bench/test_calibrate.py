@@ -87,3 +87,27 @@ def test_distributed_optimizer_on_gloo_reduces_with_a_whole_all_reduce():
     zero1 = measured_costs(QUICK_MODEL, ParallelConfig(2, 2), sched, compute, RATE, distributed_optimizer=True)
     assert zero1.dp_reduce_s == pytest.approx(plain.dp_reduce_s) and plain.dp_reduce_s > 0
     assert zero1.dp_gather_s == pytest.approx(plain.dp_reduce_s / 2) and plain.dp_gather_s == 0.0
+
+
+def test_per_rank_network_shares_each_nic_in_the_simulator():
+    """On the per-rank network the calibration's costs carry the product's topology (every rank its own node, its
+    NIC shared by its pipeline sends, ring and the embedding all-reduce, as --nic-queue fair shares it), the
+    embedding / output parameters in the first / last stage's reductions and the tied embedding's all-reduce; a
+    prediction with the NIC shared is never shorter than the same costs with every transfer on its own link."""
+    from dataclasses import replace
+
+    from megatron_pipemesh.bench.calibrate import measured_costs, network_cluster
+    from megatron_pipemesh.planning.simulator import simulate
+
+    cluster = network_cluster(2, 0.25, True)
+    assert cluster.nic_gbps == 0.25 and cluster.devices_per_node == 1
+    assert network_cluster(2, 0.25, False).nic_gbps is None
+    compute = MeasuredCompute([100.0, 100.0], [200.0, 200.0], 0.0)
+    sched = ScheduleConfig.uniform(2, 4, 4, 2)
+    costs = measured_costs(QUICK_MODEL, ParallelConfig(2, 2), sched, compute, RATE)
+    assert costs.network is not None and costs.embedding_allreduce_s == pytest.approx(384 * 384 * 4 / RATE)
+    assert costs.first_stage_dp_s == pytest.approx(allreduce_s((384 + 64) * 384 * 4, 2, RATE))
+    assert costs.last_stage_dp_s == pytest.approx(allreduce_s(384 * 384 * 4, 2, RATE))
+    assert measured_costs(QUICK_MODEL, ParallelConfig(2, 2), sched, compute, RATE, per_rank=False).network is None
+    shared = simulate(sched, costs).iteration_s
+    assert shared >= simulate(sched, replace(costs, network=None)).iteration_s - 1e-9

@@ -3,10 +3,11 @@ import json
 
 import pytest
 
-from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, fits, pipemesh_spec, stock_specs)
+from megatron_pipemesh.bench.memory_fair import (auto_budget_bytes, best_stock, cluster_spec, fits, pipemesh_spec,
+                                                 stock_specs)
 from megatron_pipemesh.bench.runner import AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 from megatron_pipemesh.integration.auto_plan import load_plan
-from megatron_pipemesh.planning.stock import group_sizes
+from megatron_pipemesh.planning.stock import StockRecompute, default_settings, group_sizes
 
 MODEL = ModelSetup(bench_gpt(hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1), microbatches=4, vpp=2)
 CONFIG = ParallelConfig(2, 2)
@@ -58,6 +59,47 @@ def test_stock_rows_cover_every_schedule_and_fit_or_say_so():
     assert all(r.setting.recompute.granularity != "none" for r in tiny)
     only = stock_specs(MODEL, CONFIG, budget, AUTO, GBPS, families=("interleaved",), group_sizes=[4])
     assert [r.name for r in only] == ["interleaved-V2-g4"]
+
+
+def test_default_rows_are_megatrons_default_command():
+    """1F1B and g = p are Megatron's default command: marked default when their fastest fitting setting is one the
+    default command uses (none, selective with core_attn, full block k); g = m is not. With a tighter budget the
+    default interleaved row recomputes, still within that set."""
+    budget = auto_budget_bytes(MODEL, CONFIG, AUTO, GBPS)
+    rows = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS)}
+    assert [n for n, r in rows.items() if r.default] == ["1f1b", "interleaved-V2-g2"]
+    tight = 0.8 * max(rows["interleaved-V2-g2"].predicted_peak_bytes)
+    tight_rows = stock_specs(MODEL, CONFIG, tight, AUTO, GBPS)
+    row = {r.name: r for r in tight_rows}["interleaved-V2-g2"]
+    assert row.default and row.setting.recompute.granularity != "none" and row.setting.recompute.method in (None, "block")
+    # the same settings as the study's baseline (planning.stock.default_settings) on the bench's network
+    study = default_settings(MODEL.model_spec(2), cluster_spec(CONFIG, AUTO, GBPS), 2, 4, tight)
+    assert sorted(r.setting.describe() for r in study) == sorted(r.setting.describe() for r in tight_rows if r.default)
+
+
+def test_a_default_setting_other_than_the_best_runs_as_its_own_row(monkeypatch):
+    """Where the best stock setting of a g = p schedule is not one Megatron's default command uses, the row keeps
+    the best setting (not default) and a `-default` row runs the default command's: here, with the default set
+    narrowed to no recomputation, the least-memory default setting, predicted not to fit."""
+    from megatron_pipemesh.bench import memory_fair
+
+    monkeypatch.setattr(memory_fair, "default_recompute_ladder", lambda layers: [StockRecompute()])
+    budget = 0.8 * max(stock_specs(MODEL, CONFIG, None, AUTO, GBPS)[1].predicted_peak_bytes)
+    rows = {r.name: r for r in stock_specs(MODEL, CONFIG, budget, AUTO, GBPS, families=("interleaved",),
+                                           group_sizes=[2])}
+    assert list(rows) == ["interleaved-V2-g2", "interleaved-V2-g2-default"]
+    best, default = rows.values()
+    assert not best.default and best.predicted_fits and best.setting.recompute.granularity != "none"
+    assert default.default and not default.predicted_fits and default.setting.recompute.granularity == "none"
+    assert default.stock_flags == tuple(default.setting.flags()[2:])
+
+
+def test_best_default_is_the_fastest_fitting_default_row():
+    """best_stock(default_only=True) looks only at rows marked default."""
+    rows = [{"name": "g4", "stock": True, "default": False, "fits": True, "tokens_per_s": 300.0},
+            {"name": "g2", "stock": True, "default": True, "fits": True, "tokens_per_s": 200.0},
+            {"name": "1f1b", "stock": True, "default": True, "fits": False, "tokens_per_s": 250.0}]
+    assert best_stock(rows)["name"] == "g4" and best_stock(rows, default_only=True)["name"] == "g2"
 
 
 @pytest.mark.parametrize("family", ["pipemesh", "pipemesh-auto"])
