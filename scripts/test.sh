@@ -8,4 +8,5 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
   (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null 2>&1 || echo "note: could not install shellcheck"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# The slowest tests are listed so the suite's time (kept under 20 min on 2 cores) can be watched.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"

@@ -65,6 +65,23 @@ class WorkerError(RuntimeError):
     """A torchrun worker failed or timed out; the message carries the output tail."""
 
 
+#: Lines by which a rank that died natively says why (torchrun's summary only gives the signal).
+_NATIVE_FAULT = re.compile(r"Fatal Python error|terminate called|double free|corrupt|malloc\(\)|free\(\)|"
+                           r"Segmentation fault|EnforceNotMet")
+
+
+def failure_excerpt(out: str, tail: int = 8000) -> str:
+    """``out``'s lines that name a native fault with the Python stack after each (they are often far from the
+    end, which the other ranks' tracebacks fill), then the last ``tail`` characters."""
+    lines = out.splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        if _NATIVE_FAULT.search(line):
+            keep.extend(lines[i:i + 12])
+    head = ("native fault:\n" + "\n".join(keep[:120]) + "\n...\n") if keep else ""
+    return head + out[-tail:]
+
+
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     path = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -72,6 +89,8 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # A rank killed by a native fault (SIGSEGV, glibc's abort on heap corruption) prints every thread's Python stack.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if extra:
         env.update(extra)
     return env
@@ -210,7 +229,7 @@ def run_worker(
         target = [str(Path(__file__).resolve()), "--call", func, "--kwargs", json.dumps(kwargs or {})]
         cp = run_torchrun(target, nproc, timeout=timeout, env=extra, torchrun_args=torchrun_args)
         if cp.returncode != 0:
-            raise WorkerError(f"{func} failed with exit code {cp.returncode}:\n{cp.stdout[-8000:]}")
+            raise WorkerError(f"{func} failed with exit code {cp.returncode}:\n{failure_excerpt(cp.stdout)}")
         results = []
         for rank in range(nproc):
             path = Path(tmp) / f"rank{rank}.pt"

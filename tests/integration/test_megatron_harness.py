@@ -45,3 +45,13 @@ def test_interleaved_pp2_vp2_matches_no_pipelining(reference, wrap_ddp):
     assert len(diffs) == len(ref["grads"]) > 10
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= 1e-6, (worst, diffs[worst])
+
+
+def test_failure_excerpt_keeps_a_native_fault_far_from_the_end():
+    """A rank's heap-corruption abort printed early survives the other ranks' long tracebacks in the message."""
+    out = "\n".join(["setup"] * 10 + ["double free or corruption (out)", "Fatal Python error: Aborted",
+                                      '  File "executor.py", line 300 in execute'] + ["[rank2]: traceback"] * 2000)
+    excerpt = h.failure_excerpt(out, tail=200)
+    assert "double free or corruption (out)" in excerpt and 'File "executor.py", line 300' in excerpt
+    assert excerpt.endswith("[rank2]: traceback") and len(excerpt) < 2000
+    assert not h.failure_excerpt("all fine\n" * 5).startswith("native fault")
