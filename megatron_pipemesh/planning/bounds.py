@@ -1,41 +1,43 @@
-"""A lower bound on the iteration time of *any* pipeline schedule, under the planner's cost model.
+"""A lower bound on the iteration of *any* exact synchronous schedule of a layout, under the planner's costs.
 
-The study compares PipeMesh with the best stock schedule; this module answers the question behind
-its targets: how much faster than the best stock schedule could any schedule be, with the same
-costs? ``headroom = best stock time / bound`` is an upper bound on every schedule's ratio to best
-stock (PipeMesh's included), whatever its groups, recomputation, activation placement or V.
+``pipemesh study`` reports ``fraction_of_tight_bound`` = this bound / PipeMesh's time: how close PipeMesh
+comes to the limit of every schedule with the same costs, whatever its groups, recomputation, activation
+placement, sharding level (data-parallel scope: ZeRO-1's traffic is the least) or V (the bound is the least
+over V). Memory is ignored (valid, looser): recomputation and host copies only lengthen a schedule;
+:func:`bound_for` takes a plan's recomputation and exposed copies per rank to show what memory costs.
 
-For every V (the bound is the least over V) and every pipeline rank r, a schedule needs at least:
+Notation for one V: stage s = c*p + r runs on rank r (chunk c); f_s, b_s its forward and backward at no
+recomputation (tensor-parallel collectives included); h(s, s') the transfer between the stages' ranks alone
+(plus its latency); G the parameter gather of rank 0's chunk 0, R_rc the gradient reduction of rank r's chunk
+c, E the tied embedding's all-reduce after the backward, o_r rank r's optimizer step; every transfer at its
+lone time (sharing only slows it). An exact synchronous schedule needs at least:
 
-* **compute**: r forwards before rank r's first input exists (stage r waits for stages 0..r-1), or
-  the smallest parameter gather of its chunks if longer (its first forward waits for its chunk's
-  gather), then every forward and backward of its chunks on every micro-batch at no recomputation
-  (one compute stream per rank), then the smallest gradient reduction of its chunks and its
-  optimizer step (its last backward is its chunk's last, whose reduction follows it) or, if longer,
-  r backwards (its last op is the backward of its stage r for some micro-batch, whose backwards on
-  stages r-1..0 follow on the other ranks): the pipeline's fill and drain, (p-1)(f+b) of one chunk
-  on the ends;
-* **data parallel**: every parameter gather and gradient reduction of its chunks on its one
-  data-parallel channel (the timeline's model: one channel per rank, collectives in issue order),
-  then its optimizer step, which follows its last reduction. Every gather ends before any reduction
-  starts (a chunk's last backward needs every chunk's forwards, and a forward its chunk's gather); a
-  reduction starts after its chunk's m forwards and m backwards; the chunk gathered last still runs
-  its m forwards and m backwards and its reduction after the gathers. ZeRO-1 traffic, the least of the
-  data-parallel-scope sharding levels (ZeRO-2/3 only add gathers and reductions);
-* **pipeline**: every activation it sends downstream, one after another on that directed link (a
-  FIFO channel in the timeline): m transfers per stage it holds that is not the last one, each
-  busying the link for the cost model's transfer time (the same for the gradients sent upstream).
-
-Both are valid for the simulator's timelines: nothing in them is shorter than its op's cost, and
-no bound counts an overlap twice. Memory is ignored (a looser, still valid bound): a schedule that
-has to recompute or copy to the host is slower than its bound, never faster.
+* **the stage-0 chain, for every rank r**: rank 0's chunk-0 gather before any forward (stage 0's first
+  forward waits for it), then the fill (rank r's first op is a forward of stage c*p + r, which needs that
+  micro-batch's forwards on stages 0..r-1 and their transfers), then every forward and backward of rank r,
+  then the drain (rank r's last op is a backward of stage c*p + r, after which that micro-batch's backwards
+  on stages r-1..0 and their transfers remain), then rank 0's chunk-0 reduction (after stage 0's last
+  backward), the embedding all-reduce (after every reduction of rank 0) and rank 0's step:
+  G + sum_{s<r} (f_s + h(s, s+1)) + m sum_c (f + b)_{c p + r} + sum_{s<r} (h(s+1, s) + b_s) + R_00 + E + o_0.
+  The start may also be rank r's own least gather, the end its own least reduction (+ E) and step, and the
+  span of rank r's ops its input channels' deliveries (m V inputs at least a transfer apart) when longer;
+* **reductions after the last stage's last forward**: the last stage's m-th forward ends no earlier than
+  stage 0's m forwards after G and one micro-batch's chain through every later stage (or the chain to the
+  last stage and its m forwards); every chunk's reduction starts after its last backward, which follows
+  that forward and the backward chain down to the chunk's stage; a rank's reductions run one after another
+  on its data-parallel channel, then E and its step. Also the previous bound's phases: every gather before
+  any reduction, a reduction after its chunk's m forwards and backwards;
+* **the links**: every transfer on a directed pipeline channel one after another, and every resource of the
+  costs' links (:mod:`.topology`: a NIC direction, a host link...) carrying the bytes of every transfer
+  through it at no more than its capacity: the pipeline sends, the gathers and reductions, the embedding
+  all-reduce.
 
 Pure: no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import DEVICE
@@ -45,55 +47,155 @@ from .costs import ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 
 @dataclass(frozen=True)
 class IterationBound:
-    """The least iteration time any schedule of one (model, cluster, p, m) can reach."""
+    """The least iteration time any exact synchronous schedule of one (model, cluster, p, m) can reach."""
 
     seconds: float
-    """The bound: the least over V of the slowest rank's max(compute, data-parallel) need."""
+    """The bound: the least over V of the largest need below."""
     vpp: int
     """The V that gives the bound."""
-    compute_s: float
-    """At that V: the largest per-rank compute need (pipeline fill + forwards + backwards + optimizer step)."""
+    chain_s: float
+    """At that V: the largest per-rank stage-0 chain (gather, fill, compute, drain, chunk-0 reduction, embedding
+    all-reduce, step)."""
     data_parallel_s: float
-    """At that V: the largest per-rank data-parallel need (gathers + reductions + optimizer step)."""
-    pipeline_s: float = 0.0
-    """At that V: the busiest directed pipeline link's transfers."""
+    """At that V: the largest per-rank data-parallel need (reductions after the last stage's last forward)."""
+    links_s: float = 0.0
+    """At that V: the busiest pipeline channel or link resource, its transfers back to back at full rate."""
 
     @property
     def bottleneck(self) -> str:
-        """'compute', 'data-parallel' or 'pipeline': which need sets the bound."""
-        needs = {"compute": self.compute_s, "data-parallel": self.data_parallel_s, "pipeline": self.pipeline_s}
+        """'chain', 'data-parallel' or 'links': which need sets the bound."""
+        needs = {"chain": self.chain_s, "data-parallel": self.data_parallel_s, "links": self.links_s}
         return max(needs, key=needs.get)
 
     def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "vpp": self.vpp, "compute_s": self.compute_s,
-                "data_parallel_s": self.data_parallel_s, "pipeline_s": self.pipeline_s,
-                "bottleneck": self.bottleneck}
+        return {"seconds": self.seconds, "vpp": self.vpp, "chain_s": self.chain_s,
+                "data_parallel_s": self.data_parallel_s, "links_s": self.links_s, "bottleneck": self.bottleneck}
 
 
-def bound_for(config: ScheduleConfig, costs: ScheduleCosts) -> IterationBound:
-    """The bound of one fixed V (``config`` only gives p, V, m; its groups do not matter)."""
+def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Sequence[float]] = None) -> IterationBound:
+    """The bound of one fixed V (``config`` only gives p, V, m; its groups do not matter). ``costs``' compute
+    is read at no recomputation; ``extra_s``: seconds per rank added to its compute (a plan's recomputation and
+    exposed host copies, to see what memory costs)."""
     c = costs.costs
-    compute = data_parallel = 0.0
-    for rank in range(config.pp):
-        step = c.optimizer_s[rank] if rank < len(c.optimizer_s) else 0.0
-        busy = sum(costs.compute(rank, Op(kind, chunk, 0)) for chunk in range(config.vpp)
-                   for kind in (OpKind.FORWARD, OpKind.BACKWARD)) * config.microbatches
-        gathers = [costs.data_parallel(rank, Op(OpKind.PARAM_SYNC, chunk)) for chunk in range(config.vpp)]
-        reductions = [costs.data_parallel(rank, Op(OpKind.GRAD_SYNC, chunk)) for chunk in range(config.vpp)]
-        # The first forward waits for its inputs (r upstream forwards) and its chunk's gather; the last
-        # backward is its chunk's last, so that chunk's reduction follows all compute.
-        # Rank r's last op is a backward of its stage r (a micro-batch's backward on a rank ends at its
-        # lowest stage); stages r-1..0 of that micro-batch still run their backwards on other ranks.
-        compute = max(compute, max(rank * c.forward_s, min(gathers)) + busy + max(rank * c.backward_s, min(reductions) + step))
-        # Every gather ends before any reduction starts (a chunk's last backward needs every chunk's
-        # forwards), and a reduction starts after its chunk's m forwards and m backwards.
-        chunk = config.microbatches * min(costs.compute(rank, Op(OpKind.FORWARD, k, 0)) +
-                                          costs.compute(rank, Op(OpKind.BACKWARD, k, 0)) for k in range(config.vpp))
-        data_parallel = max(data_parallel, max(sum(gathers), rank * c.forward_s + chunk) + sum(reductions) + step,
-                            sum(gathers) + chunk + min(reductions) + step)
-    # Rank 0 sends one activation per micro-batch from each of its V stages (none of them is the last).
-    pipeline = config.microbatches * config.vpp * c.p2p_s if config.pp > 1 else 0.0
-    return IterationBound(max(compute, data_parallel, pipeline), config.vpp, compute, data_parallel, pipeline)
+    plain = ScheduleCosts(config, c)  # no recomputation
+    p, vpp, m = config.pp, config.vpp, config.microbatches
+    stages = p * vpp
+    extra = list(extra_s) if extra_s is not None else [0.0] * p
+    if len(extra) != p:
+        raise ValueError(f"extra_s needs one value per pipeline rank ({p}), got {len(extra)}")
+    f = [plain.compute(s % p, Op(OpKind.FORWARD, s // p, 0)) for s in range(stages)]
+    b = [plain.compute(s % p, Op(OpKind.BACKWARD, s // p, 0)) for s in range(stages)]
+
+    def hop(s: int, t: int) -> float:
+        """Transfer from stage s to stage t alone, with its latency (0 on one rank)."""
+        if s % p == t % p:
+            return 0.0
+        busy, latency = plain.transfer(s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
+        return busy + latency
+
+    step = [c.optimizer_s[r] if r < len(c.optimizer_s) else 0.0 for r in range(p)]
+    gathers = [[plain.data_parallel(r, Op(OpKind.PARAM_SYNC, k)) if c.dp_gather_s > 0 else 0.0 for k in range(vpp)]
+               for r in range(p)]
+    reductions = [[plain.data_parallel(r, Op(OpKind.GRAD_SYNC, k)) for k in range(vpp)] for r in range(p)]
+    finals = plain.final_collectives()
+    final_s = {r: max(t[2] for t in final.transfers) + final.latency_s for final in finals for r in final.ranks}
+    gather0, reduce0, embed = gathers[0][0], reductions[0][0], final_s.get(0, 0.0)
+
+    # Reductions after the last stage's last forward (T_last): stage 0's m forwards then one chain, or the
+    # chain to the last stage then its m forwards.
+    chain_to = [0.0] * stages  # forward chain from stage 0's end to stage s's end, one micro-batch
+    for s in range(1, stages):
+        chain_to[s] = chain_to[s - 1] + hop(s - 1, s) + f[s]
+    last_forward = gather0 + max(m * f[0] + chain_to[-1], f[0] + chain_to[-1] + (m - 1) * f[-1])
+    down = [0.0] * stages  # from the last stage's forward end to the end of stage s's backward, one micro-batch
+    down[-1] = b[-1]
+    for s in range(stages - 2, -1, -1):
+        down[s] = down[s + 1] + hop(s + 1, s) + b[s]
+
+    chain = data_parallel = 0.0
+    dp_end: Dict[int, float] = {}
+    for r in range(p):
+        busy = m * sum(f[k * p + r] + b[k * p + r] for k in range(vpp)) + extra[r]
+        fill = sum(f[s] + hop(s, s + 1) for s in range(r))
+        drain = sum(hop(s + 1, s) + b[s] for s in range(r))
+        own_end = min(reductions[r]) + final_s.get(r, 0.0) + step[r]
+        start = max(gather0 + fill, min(gathers[r]))
+        end = max(drain + reduce0 + embed + step[0], own_end)
+        chain = max(chain, start + max(busy, _fed_span(config, plain, f, b, r)) + end)
+        dp_end[r] = last_forward + min(down[k * p + r] for k in range(vpp)) + sum(reductions[r])
+        # The previous bound's phases: gathers before reductions; a reduction after its chunk's m F and B.
+        chunk = m * min(f[k * p + r] + b[k * p + r] for k in range(vpp))
+        phases = max(max(sum(gathers[r]), gather0 + fill + chunk) + sum(reductions[r]),
+                     sum(gathers[r]) + chunk + min(reductions[r])) + step[r]
+        data_parallel = max(data_parallel, phases)
+    for r in range(p):
+        ready = dp_end[r]
+        for final in finals:  # the embedding all-reduce starts once all its ranks have reduced
+            if r in final.ranks:
+                ready = max(dp_end[q] for q in final.ranks)
+        data_parallel = max(data_parallel, ready + final_s.get(r, 0.0) + step[r])
+    links = _links_s(config, plain, gathers, reductions, finals)
+    return IterationBound(max(chain, data_parallel, links), vpp, chain, data_parallel, links)
+
+
+def _fed_span(config: ScheduleConfig, costs: ScheduleCosts, f: Sequence[float], b: Sequence[float], r: int) -> float:
+    """From rank r's first op to its last, at least the time its input channels take to deliver: n inputs on
+    one FIFO channel arrive at least n-1 transfers apart; the first forward input comes before any op, and
+    after the last one that forward and a backward remain (the first backward input follows a forward, and
+    after the last one that backward remains)."""
+    p, vpp, m = config.pp, config.vpp, config.microbatches
+    stages = p * vpp
+    if p == 1:
+        return 0.0
+    mine = range(r, stages, p)
+    span = 0.0
+    fed = [s for s in mine if s >= 1]  # stages whose forward input comes from rank r-1
+    if fed:
+        busy, _ = costs.transfer((r - 1) % p, r, Op(OpKind.FORWARD, 0, 0))
+        span = (m * len(fed) - 1) * busy + min(f[s] + b[s] for s in fed)
+    fed = [s for s in mine if s <= stages - 2]  # stages whose backward input comes from rank r+1
+    if fed:
+        busy, _ = costs.transfer((r + 1) % p, r, Op(OpKind.BACKWARD, 0, 0))
+        span = max(span, min(f[s] for s in fed) + (m * len(fed) - 1) * busy + min(b[s] for s in fed))
+    return span
+
+
+def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, finals) -> float:
+    """The busiest pipeline channel (its sends back to back) or link resource (every byte through it at its
+    capacity)."""
+    p, vpp, m = config.pp, config.vpp, config.microbatches
+    stages = p * vpp
+    if p == 1 and not gathers[0][0] and not reductions[0][0]:
+        return 0.0
+    channel: Dict[tuple, float] = {}
+    sends: List[tuple] = []  # (src rank, dst rank, seconds alone) of every transfer of an iteration
+    for s in range(stages):
+        for t, direction in ((s + 1, "F"), (s - 1, "B")):
+            if 0 <= t < stages and s % p != t % p:
+                busy, _ = costs.transfer(s % p, t % p, Op(OpKind.FORWARD if direction == "F" else OpKind.BACKWARD, s // p, 0))
+                key = (s % p, t % p, direction)
+                channel[key] = channel.get(key, 0.0) + m * busy
+                sends.append((s % p, t % p, m * busy))
+    worst = max(channel.values(), default=0.0)
+    links = costs.links()
+    if links is None:
+        return worst
+    load = [0.0] * len(links.capacity)
+
+    def carry(route, seconds: float) -> None:
+        if route is None or not seconds:
+            return
+        for resource, weight in route.demands:
+            load[resource] += seconds * route.lone_bytes_per_s * weight
+
+    for src, dst, seconds in sends:
+        carry(links.p2p_route(src, dst), seconds)
+    for r in range(p):
+        carry(links.dp_route(r), sum(gathers[r]) + sum(reductions[r]))
+    for final in finals:
+        for src, dst, seconds, _ in final.transfers:
+            carry(links.embedding_route(src, dst), seconds)
+    return max(worst, max(bytes_ / cap for bytes_, cap in zip(load, links.capacity)))
 
 
 def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:

@@ -6,11 +6,26 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
   (= 24bsh^2 + 4bs^2h for MHA and ffn = 4h, Narayanan et al., SC21; kv = h*g/a, fc1 = 2f with SwiGLU),
   plus 2*b*s*h*vocab for the output layer on the last stage; backward = 2x forward; divided by
   TP and by the achieved FLOP/s (device peak x ``mfu``);
+* tensor parallel (t > 1, exposed on the compute stream as in Megatron without --tp-comm-overlap): per
+  layer two all-reduces of s*b*h elements in the forward (after attention and after the MLP) and two in the
+  backward (the column-parallel inputs' gradients), 2(t-1)/t x bytes each; with sequence parallelism an
+  all-gather and a reduce-scatter of the same size in place of each, (t-1)/t x bytes each. The embedding's
+  all-reduce (forward; SP: a reduce-scatter, and an all-gather in the backward) on stage 0, the output
+  layer's input-gradient all-reduce (backward; SP: an all-gather forward, a reduce-scatter backward) on the
+  last stage. Priced alone on the link the group uses (:attr:`.topology.Topology.tp_gbps`); a full
+  recomputation repeats the forward's, a selective ``mlp`` one the MLP's;
 * pipeline transfer: s*b*h activation elements (divided by TP under sequence parallelism) over the
-  pipeline link, plus latency;
+  pipeline link (inside a node at the intra-node rate), plus latency;
 * data parallel (ring): all-reduce 2(d-1)/d x bytes, reduce-scatter / all-gather (d-1)/d x bytes,
-  over the data-parallel link; with a distributed optimizer gradients are reduce-scattered and
-  parameters all-gathered, otherwise gradients are all-reduced and nothing is gathered;
+  over the data-parallel ring (its slowest hop); with a distributed optimizer gradients are
+  reduce-scattered and parameters all-gathered, otherwise gradients are all-reduced and nothing is gathered;
+* tied word embeddings (Megatron's default): after every rank's reductions the first and the last stage
+  all-reduce the embedding's gradient (``finalize_model_grads``), vocab*h/t gradient elements each way; the
+  learned position embedding lives on stage 0 alone (its group has one rank: no traffic);
+* transfers share links max-min fairly in the simulator (:mod:`.network` on the resources and routes of
+  :mod:`.topology`: a node's NIC is shared by every data-parallel ring, pipeline link and embedding
+  all-reduce that leaves the node, a lone transfer gets all of it; host copies share the host link with the
+  NIC's staging where ``nic_via_host``); every duration here is a transfer's time alone;
 * memory: weights/grads/optimizer 18 B/param (6 + 12/d with a distributed optimizer); activations
   from :mod:`.memory` (Korthikanti et al., arXiv 2205.05198, term by term: s*b*h*(34 + 5*a*s/h)
   bytes per layer in 16-bit without recompute, 34*s*b*h with selective recompute, the layer input
@@ -18,8 +33,6 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
   fp32 cross-entropy on the last), with CUDA's 1-byte dropout masks and fp32 norm statistics;
   per layer spec (local / Transformer Engine flash attention, GQA, SwiGLU, RoPE) and recompute level;
 * the embedding (stage 0) and output layer (last stage) join their chunk's data-parallel volume;
-* a node's NIC (``ClusterSpec.nic_gbps``, ``devices_per_node``) is shared fairly by the data-parallel
-  rings and pipeline links that leave the node (:func:`link_gbps`);
 * the optimizer step (Adam, memory-bound, ~36 bytes per local parameter) follows each rank's last
   reduction; the iteration ends with the slowest rank.
 """
@@ -31,7 +44,9 @@ from typing import Dict, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
+from ..schedule.timeline import FinalCollective
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
+from .topology import GBIT, Topology, topology
 
 GB = 1024 ** 3
 
@@ -86,6 +101,10 @@ class ModelSpec:
     linear_bias: bool = True
     """Linear layers with biases (Megatron's default; False with --disable-bias-linear). Bias parameters are
     counted either way (they are small); with biases the MLP cannot be recomputed per module."""
+    tied_embeddings: bool = True
+    """The output layer shares the word embedding (Megatron's default; False with
+    --untie-embeddings-and-output-weights): with pipeline parallelism the last stage holds a copy whose
+    gradient is all-reduced with stage 0's after the backward."""
 
     @property
     def ffn(self) -> int:
@@ -149,15 +168,22 @@ class ClusterSpec:
     devices_per_node: int = 8
     """Devices sharing one node's NIC (Megatron's rank order: TP fastest, then DP, then PP)."""
     nic_gbps: Optional[float] = None
-    """Bandwidth of one node's network interface (Gbit/s), shared by every data-parallel ring and
-    pipeline link that leaves the node; None = no shared NIC (each link has its own bandwidth)."""
+    """Bandwidth of one node's network interface per direction (Gbit/s), shared max-min fairly by every
+    data-parallel ring, pipeline link and embedding all-reduce that leaves (enters) the node, a lone transfer
+    getting all of it; ``dp_gbps`` / ``p2p_gbps`` then play no part in them. None = no shared NIC: each
+    pipeline link runs at ``p2p_gbps`` and each rank's data-parallel ring at ``dp_gbps``, on links of their own."""
     optimizer_step: bool = True
     """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Device-host copy bandwidth of one device per direction (Gbit/s): offloaded activations."""
     intra_node_gbps: Optional[float] = None
-    """Per-device bandwidth of a data-parallel ring or pipeline link that stays inside one node
-    (PCIe or NVLink, Gbit/s); None = the same as ``dp_gbps`` / ``p2p_gbps`` (one rate everywhere)."""
+    """Per-device bandwidth of a data-parallel ring, pipeline link or tensor-parallel group that stays inside
+    one node (PCIe or NVLink, Gbit/s), shared by the transfers of a device; None = the same as ``dp_gbps`` /
+    ``p2p_gbps`` (one rate everywhere; tensor parallelism at ``dp_gbps``)."""
+    nic_via_host: bool = False
+    """Network traffic is staged through host memory (no GPUDirect RDMA, as on commodity clouds): every
+    transfer over the NIC also crosses the sending device's host link device-to-host and the receiving
+    device's host-to-device, shared with its activation copies."""
     collectives: str = "nccl"
     """Library of the data-parallel collectives, which decides what a reduce-scatter costs
     (:func:`reduce_scatter_steps`): ``nccl`` (GPUs) or ``gloo`` (CPU ranks)."""
@@ -177,41 +203,6 @@ so it costs an all-reduce, two passes (measured: 8 MB over 2 ranks at 80 Mbit/s 
 def reduce_scatter_steps(cluster: "ClusterSpec") -> int:
     """Ring passes of one reduce-scatter on ``cluster``'s collectives (:data:`REDUCE_SCATTER_STEPS`)."""
     return REDUCE_SCATTER_STEPS[cluster.collectives]
-
-
-def node_flows(cluster: ClusterSpec, pp: int) -> Tuple[int, int]:
-    """(data-parallel rings, pipeline links) that leave one node through its NIC at the same time.
-
-    Ranks are laid out TP-fastest, then DP, then PP. A DP group of t*d devices inside one node never
-    leaves it; otherwise each ring (one per TP rank in the node) crosses the node boundary once. A
-    node holds whole pipeline stages when t*d divides into it: only the t*d links of its last stage
-    leave it; otherwise every device of the node sends to a stage on another node."""
-    per_stage = cluster.tp * cluster.dp
-    node = cluster.devices_per_node
-    rings = 0 if (cluster.dp <= 1 or per_stage <= node) else min(cluster.tp, node)
-    if pp <= 1:
-        links = 0
-    elif per_stage >= node:
-        links = node
-    else:
-        links = per_stage if pp * per_stage > node else 0
-    return rings, links
-
-
-def link_gbps(cluster: ClusterSpec, pp: int) -> Tuple[float, float]:
-    """(data-parallel, pipeline) bandwidth per flow after sharing the node's NIC fairly between
-    every flow that leaves the node (the conservative case where the pipeline streams while the
-    rings reduce); rings and links that stay inside the node run at ``intra_node_gbps`` (when given)."""
-    dp, p2p = cluster.dp_gbps, cluster.p2p_gbps
-    rings, links = node_flows(cluster, pp)
-    if cluster.intra_node_gbps is not None:
-        # A ring or link that never leaves the node runs over PCIe/NVLink, not the Ethernet rate.
-        dp = dp if rings or cluster.dp <= 1 else cluster.intra_node_gbps
-        p2p = p2p if links or pp <= 1 else cluster.intra_node_gbps
-    if cluster.nic_gbps is None:
-        return dp, p2p
-    share = cluster.nic_gbps / max(rings + links, 1)
-    return (min(dp, share) if rings else dp), (min(p2p, share) if links else p2p)
 
 
 PLANNED_MODULES = ("core_attn", "mlp")
@@ -236,11 +227,12 @@ class OpCosts:
     """Per-op durations (seconds) and bytes used by the simulator; also works as a direct input."""
 
     forward_s: float
-    """Forward of one chunk on one micro-batch."""
+    """Forward of one chunk on one micro-batch (its tensor-parallel collectives included)."""
     backward_s: float
-    """Backward of one chunk on one micro-batch (without recompute)."""
+    """Backward of one chunk on one micro-batch (without recompute; its tensor-parallel collectives included)."""
     p2p_s: float
-    """Time a pipeline link is busy with one activation/gradient transfer."""
+    """Time a pipeline link is busy with one activation/gradient transfer alone (with ``network``: on its
+    slowest link; faster links take less, :meth:`.topology.Topology.p2p_speedup`)."""
     dp_reduce_s: float = 0.0
     """Gradient reduction of one chunk over data parallel."""
     dp_gather_s: float = 0.0
@@ -272,6 +264,19 @@ class OpCosts:
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Device-host copy bandwidth of one rank per direction (Gbit/s): an OFFLOAD / RELOAD moves the
     chunk-micro-batch's 'none' activation bytes (first/last-stage extras included) in bytes*8/rate."""
+    network: Optional[Topology] = None
+    """The links the transfers share (:mod:`.topology`); None = each transfer takes its own time, nothing shared."""
+    embedding_allreduce_s: float = 0.0
+    """The tied embedding's gradient all-reduce between stage 0 and the last stage after the backward: seconds
+    of its transfer each way alone (0: untied, or one stage); its two ring steps add ``latency_s`` each."""
+    tp_forward_s: float = 0.0
+    """Of ``forward_s``: the tensor-parallel collectives (information; also repeated by full recomputation)."""
+    tp_backward_s: float = 0.0
+    """Of ``backward_s``: the tensor-parallel collectives (information)."""
+    first_stage_tp_s: Tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) tensor-parallel collectives of stage 0's embedding, on top of its chunk's."""
+    last_stage_tp_s: Tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) tensor-parallel collectives of the last stage's output layer, on top of its chunk's."""
 
     @property
     def dp_total_s(self) -> float:
@@ -308,31 +313,49 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     head_fwd = 2 * b * s * h * model.vocab_size / t / flops_per_s
     sp = t if cluster.sequence_parallel else 1
     act_elems = s * b * h / sp
-    dp_gbps, p2p_gbps = link_gbps(cluster, config.pp)
-    p2p = act_elems * model.dtype_bytes * 8 / (p2p_gbps * 1e9)
+    links = topology(cluster, config.pp)
+    p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s() if config.pp > 1 else 0.0
+    # One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
+    # reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC.
+    tp_unit = 0.0
+    if t > 1:
+        tp_unit = 2 * (t - 1) / t * s * b * h * model.dtype_bytes / (links.tp_gbps * GBIT)
+        if t > cluster.devices_per_node:
+            tp_unit += 2 * (t - 1) * cluster.latency_us * 1e-6
+    tp_layer = 2 * tp_unit  # per layer and direction: after attention and after the MLP (forward), their inputs' grads
+    first_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (tp_unit, 0.0)
+    last_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (0.0, tp_unit)
     chunk_params = layers * model.layer_params() / t
     d = cluster.dp
+    dp_route = links.dp_route(0)
+    dp_bytes_per_s = dp_route.lone_bytes_per_s if dp_route is not None else cluster.dp_gbps * GBIT
 
     def sync_s(params: float) -> Tuple[float, float]:
         """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP."""
         if d <= 1:
             return 0.0, 0.0
-        grads = params * model.grad_bytes * 8 / (dp_gbps * 1e9)
+        grads = params * model.grad_bytes / dp_bytes_per_s
         if cluster.distributed_optimizer:
             return (reduce_scatter_steps(cluster) * (d - 1) / d * grads,
-                    (d - 1) / d * params * model.dtype_bytes * 8 / (dp_gbps * 1e9))
+                    (d - 1) / d * params * model.dtype_bytes / dp_bytes_per_s)
         return 2 * (d - 1) / d * grads, 0.0
 
     reduce, gather = sync_s(chunk_params)
-    # The embedding (and position table) lives in stage 0's bucket, the untied output layer in the last's.
+    # The embedding (and position table) lives in stage 0's bucket, the output layer (or the tied embedding's
+    # copy) in the last's.
     first_dp = sum(sync_s(model.embedding_params() / t))
     last_dp = sum(sync_s(model.vocab_size * h / t))
+    embedding = 0.0
+    if model.tied_embeddings and config.pp > 1:
+        # Two ranks: a ring all-reduce sends half the gradient each way twice.
+        embedding = model.vocab_size * h / t * model.grad_bytes / links.embedding_route(0, config.pp - 1).lone_bytes_per_s
     shape = activation_shape(model, cluster)
     levels = tuple(dict.fromkeys((DEVICE,) + tuple(Lever.parse(level) for level in levels)))
     middle = {level: activation_bytes(shape, layers, level) for level in levels}
     first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}
     last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in levels}
-    module_s = {"core_attn": attention_core_fwd, "mlp": model.mlp_forward_flops() / t / flops_per_s,
+    # Recomputing the MLP repeats its row-parallel all-reduce (SP: its all-gather and reduce-scatter) too.
+    module_s = {"core_attn": attention_core_fwd, "mlp": model.mlp_forward_flops() / t / flops_per_s + tp_unit,
                 # Norms are memory-bound: read the input, write the output, twice per layer.
                 "layernorm": 0.0 if model.layer_spec == "te" else 2 * 2 * act_elems * model.dtype_bytes / (cluster.memory_gbs * 1e9)}
 
@@ -343,19 +366,22 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         if rank == 0:
             params += model.embedding_params() / t
         if rank == config.pp - 1:
-            params += model.vocab_size * h / t  # untied output layer
+            params += model.vocab_size * h / t  # the output layer (tied: the embedding's copy)
         static.append(params * bytes_per_param)
         # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
         shard = params / d if cluster.distributed_optimizer else params
         optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
+    tp_forward = tp_backward = layers * tp_layer
     return OpCosts(
-        forward_s=forward, backward_s=2 * forward, p2p_s=p2p, dp_reduce_s=reduce, dp_gather_s=gather,
-        latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
+        forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
+        dp_gather_s=gather, latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
         activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
-        recompute_s={level: level.recompute_seconds(layers, forward, module_s) for level in levels},
+        recompute_s={level: level.recompute_seconds(layers, forward + tp_forward, module_s) for level in levels},
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps,
+        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps, network=links,
+        embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
+        first_stage_tp_s=first_tp, last_stage_tp_s=last_tp,
     )
 
 
@@ -375,9 +401,9 @@ class ScheduleCosts:
 
     def host_copy(self, rank: int, op: Op) -> float:
         """Seconds one direction of the rank's host link is busy with an OFFLOAD / RELOAD of ``op``'s
-        chunk-micro-batch (its whole activations). Not modelled: PCIe shared with NCCL traffic (GPUs
-        without GPUDirect RDMA stage network transfers through host memory) or between the GPUs behind one
-        PCIe switch, and host-memory bandwidth; each rank's link is its own and full-duplex."""
+        chunk-micro-batch (its whole activations) alone. With a ``network`` the link is shared with the NIC's
+        staging where ``ClusterSpec.nic_via_host``; not modelled: the GPUs behind one PCIe switch (the
+        study's host rates are already a GPU's share) and host-memory bandwidth."""
         return self.bytes_at(rank, op.chunk, DEVICE) * 8 / (self.costs.host_link_gbps * 1e9)
 
     def activation(self, rank: int, op: Op) -> float:
@@ -399,13 +425,31 @@ class ScheduleCosts:
     def compute(self, rank: int, op: Op) -> float:
         c = self.costs
         stage = self.config.stage(rank, op.chunk)
-        extra = (c.first_stage_extra_s if stage == 0 else 0.0) + (c.last_stage_extra_s if stage == self.config.num_stages - 1 else 0.0)
+        first, last = stage == 0, stage == self.config.num_stages - 1
+        extra = (c.first_stage_extra_s if first else 0.0) + (c.last_stage_extra_s if last else 0.0)
+        side = 0 if op.kind is OpKind.FORWARD else 1
+        tp = (c.first_stage_tp_s[side] if first else 0.0) + (c.last_stage_tp_s[side] if last else 0.0)
         if op.kind is OpKind.FORWARD:
-            return c.forward_s + extra
-        return c.backward_s + 2 * extra + self.recompute_time(rank, op)
+            return c.forward_s + extra + tp
+        return c.backward_s + 2 * extra + tp + self.recompute_time(rank, op)
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
-        return self.costs.p2p_s, self.costs.latency_s
+        c = self.costs
+        if c.network is None or not c.p2p_s:
+            return c.p2p_s, c.latency_s
+        return c.p2p_s / c.network.p2p_speedup(src, dst), c.latency_s
+
+    def links(self) -> Optional[Topology]:
+        """The shared links of the engine (:mod:`.topology`), or None."""
+        return self.costs.network
+
+    def final_collectives(self) -> Tuple[FinalCollective, ...]:
+        """The tied embedding's all-reduce between stage 0 (rank 0, chunk 0) and the last stage."""
+        c, last = self.costs, self.config.pp - 1
+        if not c.embedding_allreduce_s or last == 0:
+            return ()
+        seconds = c.embedding_allreduce_s
+        return (FinalCollective((0, last), ((0, last, seconds, 0), (last, 0, seconds, self.config.vpp - 1)), 2 * c.latency_s),)
 
     def data_parallel(self, rank: int, op: Op) -> float:
         c = self.costs

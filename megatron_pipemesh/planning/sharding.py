@@ -84,7 +84,8 @@ from ..schedule.ops import OpKind
 from ..schedule.order import compute_program
 from ..schedule.plan import SHARD_SCOPES
 from ..schedule.spans import SHARD_LEVELS, ZERO_STAGE, gather_spans, group_index, group_spans
-from .costs import ScheduleCosts, link_gbps, reduce_scatter_steps
+from .costs import ScheduleCosts, reduce_scatter_steps
+from .topology import GBIT, topology
 
 FLAG = "--pipemesh-sharding"
 SCOPE_FLAG = "--pipemesh-shard-scope"
@@ -353,7 +354,8 @@ class ShardedCosts(ScheduleCosts):
         self.params = chunk_params(model, cluster, config)
         self.dp = cluster.dp
         self.shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
-        self.dp_gbps = link_gbps(cluster, config.pp)[0]
+        route = topology(cluster, config.pp).dp_route(0)
+        self.dp_gbps = route.lone_bytes_per_s / GBIT if route is not None else cluster.dp_gbps  # a ring's rate alone
         self.shard_gbps = (spec.intra_node_gbps or self.dp_gbps) if spec.scope == "node" else self.dp_gbps
         self.reduce_steps = reduce_scatter_steps(cluster)
 

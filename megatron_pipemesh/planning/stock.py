@@ -18,6 +18,9 @@ What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerate
   qkv_linear core_attn attn_proj`` with ``--activation-offload-fraction`` 1/4 ... 1, alone or with
   selective recomputation (:class:`StockOffload` says how it is modelled);
 * ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes);
+* Megatron's *default command* (:func:`default_stock`): what a user runs without a sweep, 1F1B and the
+  interleaved schedule with the default group size g = p at every V, each with the first of none, selective,
+  full block recomputation of the fewest layers that fits, no offloading; the best of those;
 * sharding (on request, :data:`STOCK_SHARDING`): one level for every chunk, the uniform levels Megatron
   offers: ``optim`` = ``--use-distributed-optimizer`` (ZeRO-1, Megatron's DDP buffers), and through
   Megatron-FSDP ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` (ZeRO-2) or
@@ -690,6 +693,43 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
             best = (result.iteration_s, index, result)
     return best[2] if best else None
+
+
+def default_recompute_ladder(layers_per_chunk: int) -> List[StockRecompute]:
+    """The recomputation a Megatron user reaches for, cheapest first: none, ``--recompute-granularity selective``
+    (Megatron's default modules, ``core_attn``), then full block recomputation of k = 1, 2, ... layers per chunk."""
+    return ([StockRecompute(), StockRecompute("selective")]
+            + [StockRecompute("full", method="block", num_layers=k) for k in range(1, layers_per_chunk + 1)])
+
+
+def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+                     grad_reduce_in_bf16: bool = False) -> List[StockResult]:
+    """Megatron's default command at every V: 1F1B, and the interleaved schedule with Megatron's default group
+    size (``--microbatch-group-size-per-virtual-pipeline-stage`` unset: g = p) at every V that divides the layers
+    per rank, each with the first recomputation of :func:`default_recompute_ladder` that fits ``budget``; no
+    offloading. Simulated; the schedules where nothing fits (or g = p is not allowed) are left out."""
+    out = []
+    for vpp, g in schedule_options(pp, model.num_layers, microbatches):
+        if g not in (None, pp):
+            continue
+        ladder = default_recompute_ladder(model.num_layers // (pp * vpp))
+        probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
+        costs = _costs(model, cluster, probe, [o.level for o in ladder])
+        config = probe.config()
+        schedule = lower(config, lowering_for(costs))
+        peaks = order_peaks(config, costs, [o.level for o in ladder], schedule)
+        limits = _per_rank(budget, pp)
+        fitting = next((o for o in ladder if all(peak <= limit for peak, limit in zip(peaks[o.level], limits))), None)
+        if fitting is not None:
+            out.append(_result(dataclasses.replace(probe, recompute=fitting), config, costs, None, schedule))
+    return out
+
+
+def default_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
+                  grad_reduce_in_bf16: bool = False) -> Optional[StockResult]:
+    """The fastest of :func:`default_settings` (ties: 1F1B, then the smaller V); None if none fits."""
+    results = default_settings(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16)
+    return min(results, key=lambda r: r.iteration_s) if results else None
 
 
 def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float) -> Tuple[float, ...]:

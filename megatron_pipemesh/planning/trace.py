@@ -9,7 +9,8 @@ from typing import List
 from .costs import GB
 from .simulator import SimulationResult
 
-_LANE_TRACKS = {"dp": "data-parallel", "d2h": "device to host", "h2d": "host to device"}
+_LANE_TRACKS = {"dp": "data-parallel", "d2h": "device to host", "h2d": "host to device",
+                "embedding": "embedding all-reduce"}
 
 
 def trace_events(result: SimulationResult) -> List[dict]:

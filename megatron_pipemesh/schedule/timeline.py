@@ -15,14 +15,25 @@ a ZeRO-3 chunk starts when the GATHER of its span has finished; RELEASE is insta
 as a zero-length 'release' event, for the memory timeline).
 If no rank can make progress before every program ends, the schedule deadlocks.
 
+How long a transfer takes: without shared links each takes its own duration (``Costs.transfer``,
+``data_parallel``, ``host_copy``). With them (``costs.links()``, a :class:`Links`, e.g. the planner's
+:class:`~megatron_pipemesh.planning.topology.Topology`) every transfer runs on its route through
+resources (a rank's NIC egress and ingress, its host link, ...) that the transfers running at the same time
+share max-min fairly (:class:`~megatron_pipemesh.planning.network.FairShareNetwork`): its duration is the
+time it would take alone, stretched while it shares. ``costs.final_collectives()`` adds what runs after the
+programs (:class:`FinalCollective`: the tied embedding's all-reduce); a rank ends with its last compute op,
+data-parallel collective or final collective.
+
 Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
 compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized
 per (config, lowering options) while its programs hold the same op objects (:func:`.lower.lower`
-memoizes its programs too), and run by one loop with local state. The results are those of the
-plain reading of the rules above, event for event (``tests/schedule/test_timeline.py``).
+memoizes its programs too), and run in time order (a heap of compute ends and fixed-length transfers,
+and the network's own ends) by one function with local state. Without shared links the results are
+those of the plain reading of the rules above, event for event (``tests/schedule/test_timeline.py``).
 """
 from __future__ import annotations
 
+import heapq
 import operator
 import threading
 from collections import OrderedDict, deque
@@ -59,6 +70,9 @@ class Costs(Protocol):
         """Seconds the host link of ``rank`` is busy with the OFFLOAD / RELOAD ``op`` (optional:
         cost models without it copy for free)."""
         ...
+
+    # Optional: ``links() -> Links`` (shared links: transfers share their resources; without it each
+    # transfer takes its own duration) and ``final_collectives() -> Sequence[FinalCollective]``.
 
 
 class UnitCosts:
@@ -114,7 +128,7 @@ class Timeline:
     compute: List[List[ComputeEvent]] = field(default_factory=list)
     comms: List[CommEvent] = field(default_factory=list)
     rank_end: List[float] = field(default_factory=list)
-    """Per rank: when its last compute op or data-parallel collective finished."""
+    """Per rank: when its last compute op, data-parallel collective or final collective finished."""
 
     @property
     def makespan(self) -> float:
@@ -224,140 +238,293 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
     return compiled
 
 
+class Links(Protocol):
+    """Shared network links (e.g. :class:`~megatron_pipemesh.planning.topology.Topology`): where each
+    transfer runs and a fresh network that shares its resources among the transfers running at once."""
+
+    def p2p_route(self, src: int, dst: int) -> object: ...
+
+    def dp_route(self, rank: int) -> object: ...
+
+    def host_route(self, rank: int, offload: bool) -> object: ...
+
+    def embedding_route(self, src: int, dst: int) -> object: ...
+
+    def new_network(self) -> object:
+        """An object with ``start(token, route, seconds)``, ``advance(t)``, ``next_time()`` and ``pop()``
+        (:class:`~megatron_pipemesh.planning.network.FairShareNetwork`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FinalCollective:
+    """A collective after the programs: Megatron's ``finalize_model_grads`` all-reduces the tied word
+    embedding's gradient between the first and the last pipeline stage once their own gradients are reduced."""
+
+    ranks: Tuple[int, ...]
+    """Pipeline ranks taking part: it starts once each has run its program and its data-parallel collectives."""
+    transfers: Tuple[Tuple[int, int, float, int], ...]
+    """(src, dst, seconds alone, chunk of the src's copy) of each transfer; all run at once, and the collective
+    ends when the last has arrived."""
+    latency_s: float = 0.0
+    """Added once after the transfers."""
+
+
+_RESUME, _END = 0, 1  # heap event kinds: a rank's compute op ended; a transfer without shared links ended
+_INF = float("inf")
+
+
 class _Engine:
     def __init__(self, schedule: LoweredSchedule, costs: Costs):
         self.s, self.costs, self.cfg = schedule, costs, schedule.config
         p = self.cfg.pp
         self.compiled = _compile(schedule)
         self.index = [0] * p
-        self.free = [0.0] * p
-        self.dp_free = [0.0] * p
         self.arrival: List[Optional[Tuple[float, float]]] = [None] * self.compiled.keys  # (arrival, send time)
         host_copy = getattr(costs, "host_copy", None)
         self.host_copy = host_copy if callable(host_copy) else (lambda rank, op: 0.0)
+        links = getattr(costs, "links", None)
+        self.links: Optional[Links] = links() if callable(links) else None
+        finals = getattr(costs, "final_collectives", None)
+        self.finals: Tuple[FinalCollective, ...] = tuple(finals()) if callable(finals) and not schedule.options.forward_only else ()
         self.timeline = Timeline(schedule, [[] for _ in range(p)], [], [0.0] * p)
 
     def run(self) -> Timeline:
-        """The semantics of the module docstring, one rank after the other until all block or end.
+        """The semantics of the module docstring, in time order.
 
-        Written as one loop over compiled instructions with local state (it is the simulator's inner
-        loop); each rank runs ops until one blocks, in rank order, until no rank progresses."""
-        compiled, costs, timeline = self.compiled, self.costs, self.timeline
+        Each rank runs its instructions at its stream's free time until a compute op, which either starts
+        (the rank resumes at its end) or waits for a transfer, gather or reload (the rank resumes when it
+        ends). Transfers run on FIFO channels; on shared links (``costs.links()``) their pace follows the
+        network, otherwise each takes its own duration. Written as one function with local state (it is the
+        simulator's inner loop)."""
+        compiled, costs, timeline, cfg = self.compiled, self.costs, self.timeline, self.cfg
+        p = cfg.pp
         compute_cost, transfer_cost, dp_cost, host_cost = costs.compute, costs.transfer, costs.data_parallel, self.host_copy
         code, channels = compiled.code, compiled.channels
-        index, free, dp_free, arrival = self.index, self.free, self.dp_free, self.arrival
+        index, arrival = self.index, self.arrival
         rank_end, comms, compute_events = timeline.rank_end, timeline.comms, timeline.compute
+        free = [0.0] * p
+        blocked = [False] * p
         posted: List[Optional[float]] = [None] * compiled.keys
         queues: List[Deque[Tuple[int, float, Op]]] = [deque() for _ in channels]
-        channel_free = [0.0] * len(channels)
+        in_flight: List[Optional[tuple]] = [None] * len(channels)
+        dp_queue: List[Deque[tuple]] = [deque() for _ in range(p)]
+        dp_flight: List[Optional[tuple]] = [None] * p
+        host_queue = {"d2h": [deque() for _ in range(p)], "h2d": [deque() for _ in range(p)]}
+        host_flight: Dict[str, List[Optional[tuple]]] = {"d2h": [None] * p, "h2d": [None] * p}
         param_ready: List[Dict[int, Optional[float]]] = [
             {op.chunk: None for op, is_param in ((ins[1], ins[2]) for ins in program if ins[0] == _DP_OP) if is_param}
             for program in code]
-        # ZeRO-3 chunk -> end of its open GATHER (None while released)
-        gathered: List[Dict[int, Optional[float]]] = [{c: None for c in self.s.options.zero3_chunks}
-                                                      for _ in range(self.cfg.pp)]
-        host_free = {"d2h": [0.0] * self.cfg.pp, "h2d": [0.0] * self.cfg.pp}
-        offloaded: Dict[Tuple[int, int, int], float] = {}
-        reloaded: Dict[Tuple[int, int, int], float] = {}
+        # ZeRO-3 chunk -> end of its open GATHER (None while released or gathering)
+        gathered: List[Dict[int, Optional[float]]] = [{c: None for c in self.s.options.zero3_chunks} for _ in range(p)]
+        offloaded: Dict[Tuple[int, int, int], Optional[float]] = {}  # None: the copy is running
+        reloaded: Dict[Tuple[int, int, int], Optional[float]] = {}
+        links = self.links
+        net = links.new_network() if links is not None else None
+        p2p_routes = [links.p2p_route(src, dst) if links is not None else None for src, dst, _ in channels]
+        dp_routes = [links.dp_route(r) if links is not None else None for r in range(p)]
+        host_routes = {lane: [links.host_route(r, lane == "d2h") if links is not None else None for r in range(p)]
+                       for lane in ("d2h", "h2d")}
+        finals, final_left, final_started = self.finals, [len(f.transfers) for f in self.finals], [False] * len(self.finals)
+        heap: List[tuple] = []
+        seq = [0]
+        clock = [0.0]
 
-        def resolve(channel: int) -> None:
-            # Callers call this only when the head of the queue is posted. (`b if b > a else a` is
-            # max(a, b) exactly, ties included, without the builtin call.)
+        def launch(token: tuple, seconds: float, route) -> None:
+            """Start a transfer now: on the shared network when it has a route, else for its own duration."""
+            if net is not None and route is not None and seconds > 0.0:
+                net.start(token, route, seconds)
+            else:
+                seq[0] += 1
+                heapq.heappush(heap, (clock[0] + seconds, seq[0], _END, token))
+
+        def start_channel(channel: int) -> None:
             queue = queues[channel]
+            if in_flight[channel] is not None or not queue or posted[queue[0][0]] is None:
+                return
+            key, sent, producer = queue.popleft()
             src, dst, _ = channels[channel]
-            while queue and posted[queue[0][0]] is not None:
-                key, sent, producer = queue.popleft()
-                busy, latency = transfer_cost(src, dst, producer)
-                start = sent
-                at = posted[key]
-                if at > start:
-                    start = at
-                at = channel_free[channel]
-                if at > start:
-                    start = at
-                channel_free[channel] = start + busy
-                arrival[key] = (start + busy + latency, sent)
-                comms.append(CommEvent(src, dst, producer, start, start + busy + latency, "p2p"))
+            busy, latency = transfer_cost(src, dst, producer)
+            in_flight[channel] = (key, sent, producer, clock[0], latency)
+            launch(("p2p", channel), busy, p2p_routes[channel])
 
-        progress = True
-        while progress:
-            progress = False
-            for rank, program in enumerate(code):
-                i, n, now = index[rank], len(program), free[rank]
-                events = compute_events[rank]
-                while i < n:
-                    ins = program[i]
-                    what = ins[0]
-                    if what == _COMPUTE_OP:
-                        _, op, key, waits_param, forward, host_key, waits_gather = ins
-                        data_ready, waited_on, comm_part = 0.0, "", 0.0
-                        if key >= 0:
-                            got = arrival[key]
-                            if got is None:
-                                break
-                            data_ready, waited_on = got[0], "p2p"
-                            sent = got[1]
-                            comm_part = got[0] - (now if now > sent else sent)
-                            if not comm_part > 0.0:
-                                comm_part = 0.0
-                        if waits_param or waits_gather:
-                            ready = (gathered if waits_gather else param_ready)[rank][op.chunk]
-                            if ready is None:
-                                break
-                            if ready > data_ready:
-                                data_ready, waited_on = ready, "param"
-                                comm_part = ready - now
-                        back = None if forward or not reloaded else reloaded.get(host_key)
-                        if back is not None and back > max(data_ready, now):
-                            data_ready, waited_on = back, "host"
-                            comm_part = back - now
-                        start = data_ready if data_ready > now else now
-                        end = start + compute_cost(rank, op)
-                        if 0.0 > comm_part:
+        def start_dp(rank: int) -> None:
+            if dp_flight[rank] is not None or not dp_queue[rank]:
+                return
+            op, is_param, is_gather = dp_queue[rank].popleft()
+            dp_flight[rank] = (op, is_param, is_gather, clock[0])
+            launch(("dp", rank), dp_cost(rank, op), dp_routes[rank])
+
+        def start_host(lane: str, rank: int) -> None:
+            queue = host_queue[lane][rank]
+            if host_flight[lane][rank] is not None or not queue:
+                return
+            op, offload, host_key = queue[0]
+            if not offload and offloaded.get(host_key, 0.0) is None:
+                return  # a reload starts once its offload has ended
+            queue.popleft()
+            host_flight[lane][rank] = (op, offload, host_key, clock[0])
+            launch((lane, rank), host_cost(rank, op), host_routes[lane][rank])
+
+        def wake(rank: int) -> None:
+            if blocked[rank]:
+                blocked[rank] = False
+                step(rank)
+
+        def try_finals() -> None:
+            for k, final in enumerate(finals):
+                if final_started[k] or not all(index[r] == len(code[r]) and dp_flight[r] is None and not dp_queue[r]
+                                               for r in final.ranks):
+                    continue
+                final_started[k] = True
+                for j, (src, dst, seconds, _) in enumerate(final.transfers):
+                    launch(("final", k, j, clock[0]), seconds, links.embedding_route(src, dst) if links is not None else None)
+
+        def ended(token: tuple) -> None:
+            """A transfer ended now: record it, release what waited on it, start the next on its channel."""
+            now = clock[0]
+            kind = token[0]
+            if kind == "p2p":
+                channel = token[1]
+                key, sent, producer, start, latency = in_flight[channel]
+                in_flight[channel] = None
+                src, dst, _ = channels[channel]
+                arrival[key] = (now + latency, sent)
+                comms.append(CommEvent(src, dst, producer, start, now + latency, "p2p"))
+                wake(dst)
+                start_channel(channel)
+            elif kind == "dp":
+                rank = token[1]
+                op, is_param, is_gather, start = dp_flight[rank]
+                dp_flight[rank] = None
+                comms.append(CommEvent(rank, rank, op, start, now, "dp"))
+                if is_param:
+                    param_ready[rank][op.chunk] = now
+                elif is_gather:
+                    gathered[rank][op.chunk] = now
+                if now > rank_end[rank]:
+                    rank_end[rank] = now
+                wake(rank)
+                start_dp(rank)
+                if finals:
+                    try_finals()
+            elif kind == "final":
+                k, j, start = token[1], token[2], token[3]
+                final = finals[k]
+                src, dst, _, chunk = final.transfers[j]
+                comms.append(CommEvent(src, dst, Op(OpKind.GRAD_SYNC, chunk), start, now + final.latency_s, "embedding"))
+                final_left[k] -= 1
+                if final_left[k] == 0:
+                    for r in final.ranks:
+                        rank_end[r] = max(rank_end[r], now + final.latency_s)
+            else:
+                lane, rank = kind, token[1]
+                op, offload, host_key, start = host_flight[lane][rank]
+                host_flight[lane][rank] = None
+                (offloaded if offload else reloaded)[host_key] = now
+                comms.append(CommEvent(rank, rank, op, start, now, lane))
+                if offload:
+                    start_host("h2d", rank)
+                else:
+                    wake(rank)
+                start_host(lane, rank)
+
+        def step(rank: int) -> None:
+            """Run ``rank``'s instructions from its stream's free time until a compute op starts or waits."""
+            program = code[rank]
+            i, n, now = index[rank], len(program), free[rank]
+            events = compute_events[rank]
+            while i < n:
+                ins = program[i]
+                what = ins[0]
+                if what == _COMPUTE_OP:
+                    _, op, key, waits_param, forward, host_key, waits_gather = ins
+                    data_ready, waited_on, comm_part = 0.0, "", 0.0
+                    if key >= 0:
+                        got = arrival[key]
+                        if got is None:
+                            blocked[rank] = True
+                            break
+                        data_ready, waited_on = got[0], "p2p"
+                        sent = got[1]
+                        comm_part = got[0] - (now if now > sent else sent)
+                        if not comm_part > 0.0:
                             comm_part = 0.0
-                        if start - now < comm_part:
-                            comm_part = start - now
-                        events.append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
-                        now = end
-                        if end > rank_end[rank]:
-                            rank_end[rank] = end
-                    elif what == _RECV_OP:
-                        posted[ins[1]] = now
-                        queue = queues[ins[2]]
-                        if queue and posted[queue[0][0]] is not None:
-                            resolve(ins[2])
-                    elif what == _SEND_OP:
-                        queue = queues[ins[2]]
-                        queue.append((ins[1], now, ins[3]))
-                        if posted[queue[0][0]] is not None:
-                            resolve(ins[2])
-                    elif what == _DP_OP:
-                        op = ins[1]
-                        start = max(now, dp_free[rank])
-                        end = start + dp_cost(rank, op)
-                        dp_free[rank] = end
-                        comms.append(CommEvent(rank, rank, op, start, end, "dp"))
-                        if ins[2]:
-                            param_ready[rank][op.chunk] = end
-                        elif ins[3]:
-                            gathered[rank][op.chunk] = end
-                        rank_end[rank] = max(rank_end[rank], end)
-                    elif what == _RELEASE_OP:
-                        op = ins[1]
-                        gathered[rank][op.chunk] = None
-                        comms.append(CommEvent(rank, rank, op, now, now, "release"))
-                    else:
-                        _, op, offload, host_key = ins
-                        lane = "d2h" if offload else "h2d"
-                        start = max(now, host_free[lane][rank], 0.0 if offload else offloaded.get(host_key, 0.0))
-                        end = start + host_cost(rank, op)
-                        host_free[lane][rank] = end
-                        (offloaded if offload else reloaded)[host_key] = end
-                        comms.append(CommEvent(rank, rank, op, start, end, lane))
-                    i += 1
-                    progress = True
-                index[rank], free[rank] = i, now
-        stuck = [r for r in range(self.cfg.pp) if index[r] < len(code[r])]
+                    if waits_param or waits_gather:
+                        ready = (gathered if waits_gather else param_ready)[rank][op.chunk]
+                        if ready is None:
+                            blocked[rank] = True
+                            break
+                        if ready > data_ready:
+                            data_ready, waited_on = ready, "param"
+                            comm_part = ready - now
+                    back = None
+                    if not forward and host_key in reloaded:
+                        back = reloaded[host_key]
+                        if back is None:
+                            blocked[rank] = True
+                            break
+                    if back is not None and back > max(data_ready, now):
+                        data_ready, waited_on = back, "host"
+                        comm_part = back - now
+                    start = data_ready if data_ready > now else now
+                    end = start + compute_cost(rank, op)
+                    if 0.0 > comm_part:
+                        comm_part = 0.0
+                    if start - now < comm_part:
+                        comm_part = start - now
+                    events.append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
+                    if end > rank_end[rank]:
+                        rank_end[rank] = end
+                    index[rank], free[rank] = i + 1, end
+                    seq[0] += 1
+                    heapq.heappush(heap, (end, seq[0], _RESUME, rank))
+                    return
+                if what == _RECV_OP:
+                    posted[ins[1]] = now
+                    start_channel(ins[2])
+                elif what == _SEND_OP:
+                    queues[ins[2]].append((ins[1], now, ins[3]))
+                    start_channel(ins[2])
+                elif what == _DP_OP:
+                    dp_queue[rank].append((ins[1], ins[2], ins[3]))
+                    start_dp(rank)
+                elif what == _RELEASE_OP:
+                    op = ins[1]
+                    gathered[rank][op.chunk] = None
+                    comms.append(CommEvent(rank, rank, op, now, now, "release"))
+                else:
+                    _, op, offload, host_key = ins
+                    lane = "d2h" if offload else "h2d"
+                    (offloaded if offload else reloaded)[host_key] = None
+                    host_queue[lane][rank].append((op, offload, host_key))
+                    start_host(lane, rank)
+                i += 1
+            index[rank], free[rank] = i, now
+            if i == n and finals:
+                try_finals()
+
+        for rank in range(p):
+            step(rank)
+        while True:
+            t_net = net.next_time() if net is not None else _INF
+            t_heap = heap[0][0] if heap else _INF
+            if t_net <= t_heap:
+                if t_net == _INF:
+                    break
+                clock[0], done = net.pop()
+                for token in done:
+                    ended(token)
+                continue
+            when, _, kind, payload = heapq.heappop(heap)
+            clock[0] = when
+            if net is not None:
+                net.advance(when)
+            if kind == _RESUME:
+                step(payload)
+            else:
+                ended(payload)
+        stuck = [r for r in range(p) if index[r] < len(code[r])]
         if stuck:
             self.param_ready = param_ready
             raise DeadlockError(self._deadlock_message(stuck))

@@ -5,7 +5,9 @@ Per setting (model, TP, DP, PP, global batch, device memory, network rate, GPUs 
 
 * ``best_stock``: the fastest stock Megatron setting that fits (:func:`..planning.stock.best_stock`: 1F1B and
   interleaved for every V and group size, every recomputation option);
-* ``bound``: the least iteration time of any schedule (:func:`..planning.bounds.iteration_lower_bound`);
+* ``bound``: the least iteration time of any exact synchronous schedule of the layout, memory ignored
+  (:func:`..planning.bounds.iteration_lower_bound`: the stage-0 chain in series, reductions after the last
+  stage's last forward, every link's bytes at its capacity);
 * ``headroom = best_stock / bound``: no schedule, PipeMesh's included, beats the best stock setting by
   more than this, under the same costs.
 

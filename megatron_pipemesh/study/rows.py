@@ -41,6 +41,11 @@ a commodity 8-GPU server's PCIe 4.0 switches without NVLink (NCCL reaches roughl
 bandwidth), an A100 server's NVLink (300 GB/s per direction)."""
 
 
+NIC_VIA_HOST = ("commodity",)
+"""Regimes whose network traffic is staged through host memory over each GPU's PCIe link, shared with its
+activation copies (commodity clouds and PCIe servers have no GPUDirect RDMA; the data-centre rows' InfiniBand does)."""
+
+
 @dataclass(frozen=True)
 class StudyRow:
     """One setting of the study."""
@@ -87,5 +92,6 @@ def row_specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
                           device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
                           sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
                           devices_per_node=node, nic_gbps=node * row.gbps, intra_node_gbps=INTRA_NODE_GBPS[row.regime],
-                          host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0))
+                          host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0),
+                          nic_via_host=row.regime in NIC_VIA_HOST)
     return model, cluster

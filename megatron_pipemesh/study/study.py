@@ -10,6 +10,10 @@ Two regimes:
 
 Per row:
 
+* ``default``: Megatron's default command (:func:`..planning.stock.default_stock`: 1F1B and interleaved with
+  the default group size g = p at every V, each with the first of none, selective, full block recomputation
+  of the fewest layers that fits, no offloading; the best of those), and ``ratio_to_default`` = its time /
+  PipeMesh's;
 * ``best_stock``: the fastest stock setting that fits the device memory (:mod:`..planning.stock`: 1F1B and
   interleaved for every V and group size, every recomputation option Megatron offers, and on Transformer
   Engine rows Megatron's fine-grained activation offloading within :data:`HOST_MEMORY_GB`, modelled at least
@@ -23,7 +27,12 @@ Per row:
 * ``limit``: the communication-free limit at the same memory: depth-first (the least activation
   memory) with free pipeline and data-parallel communication and the planner's placement (the host
   link keeps its cost), best over V;
-* ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh.
+* ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh;
+* ``tight_bound_s``: the least iteration of any exact synchronous schedule of the layout with the same costs,
+  memory ignored (:func:`..planning.bounds.iteration_lower_bound`, best over V; also ``bound``), and
+  ``fraction_of_tight_bound`` = it / PipeMesh; ``tight_bound_with_memory_s``: the same bound at PipeMesh's V
+  with its plan's recomputation and exposed host copies added to each rank (what memory costs PipeMesh), and
+  ``fraction_of_tight_bound_with_memory`` = it / PipeMesh.
 
 Sharding (``pipemesh study --sharding``, off by default: it multiplies PipeMesh's search by the level
 tuples tried). Without it both sides run the distributed optimizer (``optim``, ZeRO-1) everywhere.
@@ -51,13 +60,14 @@ Both ``best_stock`` and ``pipemesh_auto`` carry ``sharding``: the level (stock) 
 
 Assumptions shared by both sides: bf16 compute, fp32 main gradients (or bf16 with
 ``grad_reduce_in_bf16``), distributed optimizer, dropout 0.1, seq 2048, micro-batch 1, the local
-layer spec unless the row says 'te', the row's GPUs per node (8 or 1) with a NIC of that many times the
-per-device rate (shared by the data-parallel rings and pipeline links that leave the node; rings and links
-inside a node at :data:`.rows.INTRA_NODE_GBPS`), 10% memory margin.
+layer spec unless the row says 'te', tied embeddings (Megatron's default: the embedding's gradient all-reduce
+between the first and last stage), the row's GPUs per node (8 or 1) with a NIC of that many times the
+per-device rate, shared max-min fairly by the data-parallel rings, pipeline links and embedding all-reduce
+that leave the node (a lone transfer gets all of it; rings and links inside a node at
+:data:`.rows.INTRA_NODE_GBPS`; commodity traffic staged through each GPU's host link,
+:data:`.rows.NIC_VIA_HOST`), tensor-parallel collectives exposed on the compute stream, 10% memory margin.
 
-``bound`` / ``headroom``: the least iteration any schedule could reach with the same costs
-(:func:`..planning.bounds.iteration_lower_bound`) and best stock over it, an upper bound on every schedule's
-ratio to best stock in the row.
+``headroom``: best stock over the tight bound, an upper bound on every schedule's ratio to best stock in the row.
 """
 from __future__ import annotations
 
@@ -66,12 +76,13 @@ import math
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..planning.bounds import iteration_lower_bound, virtual_sizes
-from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
+from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
+from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
-from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock
+from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock, default_stock
 from ..schedule.config import ScheduleConfig
+from ..schedule.levers import DEVICE
 from ..planning.memory import MEMORY_MARGIN
 from .rows import TARGET, StudyRow, row_specs
 
@@ -204,7 +215,7 @@ def communication_free_limit(model: ModelSpec, cluster: ClusterSpec, pp: int, mi
     for vpp in virtual_sizes(model, pp):
         config = ScheduleConfig.depth_first(pp, vpp, microbatches)
         free = dataclasses.replace(_costs_for(model, cluster)(config), p2p_s=0.0, dp_reduce_s=0.0, dp_gather_s=0.0,
-                                   latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0)
+                                   latency_s=0.0, first_stage_dp_s=0.0, last_stage_dp_s=0.0, embedding_allreduce_s=0.0)
         shardings = [None]
         if sharding:
             shardings.append(ShardingModel(model, free_cluster, ShardingSpec(("optim_grads_params",) * vpp)))
@@ -245,15 +256,32 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
         plan = mixed or plan
     limit = communication_free_limit(model, cluster, row.pp, m, budget, sharding)
     bound = iteration_lower_bound(model, cluster, row.pp, m)
+    default = default_stock(model, cluster, row.pp, m, stock_budget, row.grad_reduce_in_bf16)
     out["bound"] = bound.to_dict()
     out["headroom"] = stock.iteration_s / bound.seconds if stock else None
+    out["default"] = _stock_row(default)
     out["best_stock"] = _stock_row(stock)
     out["pipemesh_auto"] = _plan_row(plan)
     out["limit_iteration_s"] = limit
     pm = plan.result.iteration_s if plan else None
+    out["ratio_to_default"] = _ratio(default, plan)
     out["ratio_to_best_stock"] = _ratio(stock, plan)
     out["fraction_of_limit"] = limit / pm if (pm and limit) else None
+    out["tight_bound_s"] = bound.seconds
+    out["fraction_of_tight_bound"] = bound.seconds / pm if pm else None
+    with_memory = memory_bound(model, cluster, plan) if plan else None
+    out["tight_bound_with_memory_s"] = with_memory
+    out["fraction_of_tight_bound_with_memory"] = with_memory / pm if pm else None
     return out
+
+
+def memory_bound(model: ModelSpec, cluster: ClusterSpec, plan) -> float:
+    """The tight bound at ``plan``'s V with its recomputation and exposed host copies added per rank: the limit
+    of any schedule that paid what this plan pays for memory."""
+    config = plan.config
+    costs = ScheduleCosts(config, analytic_costs(model, cluster, config, levels=(DEVICE,)))
+    extra = [r.recompute_s + r.exposed_host_s for r in plan.result.ranks]
+    return bound_for(config, costs, extra).seconds
 
 
 def _ratio(stock, plan) -> Optional[float]:
@@ -327,7 +355,22 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
             "share_headroom_at_least_1_15": (sum(r.get("headroom", 0) >= TARGET for r in commodity) / len(commodity)
                                              if commodity else math.nan),
             "median_headroom_commodity": _median(r["headroom"] for r in commodity if r.get("headroom")),
+            "min_ratio_commodity": min(ratios) if ratios else math.nan,
+            **_against_default_and_bound(commodity, "commodity"),
             **_spec_summary(commodity), **_sharding_summary(commodity)}
+
+
+def _against_default_and_bound(rows: Sequence[dict], name: str) -> Dict[str, float]:
+    """Median and range of the ratio to Megatron's default command, and the median fractions of the tight bound
+    (without and with PipeMesh's memory costs), over ``rows``."""
+    default = [r["ratio_to_default"] for r in rows if r.get("ratio_to_default")]
+    return {f"median_ratio_to_default_{name}": _median(default),
+            f"min_ratio_to_default_{name}": min(default) if default else math.nan,
+            f"max_ratio_to_default_{name}": max(default) if default else math.nan,
+            f"median_fraction_of_tight_bound_{name}": _median(r["fraction_of_tight_bound"] for r in rows
+                                                              if r.get("fraction_of_tight_bound")),
+            f"median_fraction_of_tight_bound_with_memory_{name}": _median(
+                r["fraction_of_tight_bound_with_memory"] for r in rows if r.get("fraction_of_tight_bound_with_memory"))}
 
 
 def _spec_summary(commodity: Sequence[dict]) -> Dict[str, float]:
@@ -340,6 +383,7 @@ def _spec_summary(commodity: Sequence[dict]) -> Dict[str, float]:
         out[f"{spec}_rows"] = len(rows)
         (out[f"{spec}_share_at_least_1_15x"], out[f"{spec}_median_ratio"],
          out[f"{spec}_median_fraction_of_limit"]) = _targets(rows)
+        out.update(_against_default_and_bound(rows, spec))
     return out
 
 
@@ -383,30 +427,36 @@ def levels_cell(levels) -> str:
     return ", ".join(level if count == 1 else f"{level} x{count}" for level, count in runs)
 
 
+def _stock_cell(st: Optional[dict]) -> str:
+    if st is None:
+        return "OOM"
+    return (f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}"
+            + ("" if not st.get("offload_fraction") else f", offload x{st['offload_fraction']:g}"))
+
+
 def markdown(rows: Sequence[dict]) -> str:
     sharded = any("ratio_without_sharding" in r for r in rows)
     extra = " ratio without sharding |" if sharded else ""
     auto = "PipeMesh with placement and mixed sharding" if sharded else "PipeMesh with placement"
-    lines = ["| regime | setting | m | best stock | s | PipeMesh recompute-only (V; groups; recompute) | s | "
-             f"{auto} (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
-             "sharding: stock / PipeMesh | ratio to best stock |" + extra + " limit s | fraction of limit | "
-             "headroom (bound s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sharded else "")]
+    lines = ["| regime | setting | m | Megatron default | s | best stock | s | PipeMesh recompute-only (V; groups; "
+             f"recompute) | s | {auto} (V; groups; recompute; host chunk-micro-batches) | s | placement speed-up | "
+             "sharding: stock / PipeMesh | ratio to default | ratio to best stock |" + extra + " limit s | "
+             "fraction of limit | tight bound s | fraction of tight bound | with PipeMesh's memory costs |",
+             "|" + "---|" * (20 + sharded)]
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
-        st, pm, alone = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only")
-        stock_cell = "OOM" if st is None else (
-            f"{'1F1B' if st['vpp'] == 1 else 'V=%d g=%d' % (st['vpp'], st['group_size'])}, {st['recompute']}"
-            + ("" if not st.get("offload_fraction") else f", offload x{st['offload_fraction']:g}"))
+        st, pm, alone, default = r["best_stock"], r["pipemesh_auto"], r.get("pipemesh_recompute_only"), r.get("default")
         shard_cell = f"{levels_cell(st and st.get('sharding'))} / {levels_cell(pm and pm.get('sharding'))}"
         without = f" {fmt(r.get('ratio_without_sharding'), '.3f')} |" if sharded else ""
-        lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {stock_cell} | "
+        lines.append(f"| {r['regime']} | {r['setting']} | {r['microbatches']} | {_stock_cell(default)} | "
+                     f"{fmt(default and default['iteration_s'], '.3f')} | {_stock_cell(st)} | "
                      f"{fmt(st and st['iteration_s'], '.3f')} | {_plan_cell(alone, False)} | "
                      f"{fmt(alone and alone['iteration_s'], '.3f')} | {_plan_cell(pm, True)} | "
                      f"{fmt(pm and pm['iteration_s'], '.3f')} | {fmt(r.get('placement_speedup'), '.3f')} | "
-                     f"{shard_cell} | {fmt(r['ratio_to_best_stock'], '.3f')} |{without} "
-                     f"{fmt(r['limit_iteration_s'], '.3f')} | {fmt(r['fraction_of_limit'], '.3f')} | "
-                     f"{fmt(r.get('headroom'), '.3f')} ({fmt((r.get('bound') or {}).get('seconds'), '.3f')}) |")
+                     f"{shard_cell} | {fmt(r.get('ratio_to_default'), '.3f')} | {fmt(r['ratio_to_best_stock'], '.3f')} |"
+                     f"{without} {fmt(r['limit_iteration_s'], '.3f')} | {fmt(r['fraction_of_limit'], '.3f')} | "
+                     f"{fmt(r.get('tight_bound_s'), '.3f')} | {fmt(r.get('fraction_of_tight_bound'), '.3f')} | "
+                     f"{fmt(r.get('fraction_of_tight_bound_with_memory'), '.3f')} |")
     return "\n".join(lines)
 
 

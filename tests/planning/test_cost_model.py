@@ -1,12 +1,11 @@
 """Cost-model terms of issue 9 / 12: layer specs (TE/flash, GQA, SwiGLU), embedding in the data-parallel
-volume, a NIC shared by data-parallel rings and pipeline links, the optimizer step, and the
-recomputation knapsack."""
+volume, the optimizer step, and the recomputation knapsack (the shared links: test_topology.py,
+test_link_costs.py)."""
 import dataclasses
 
 import pytest
 
-from megatron_pipemesh.planning.costs import (ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs,
-                                              link_gbps, node_flows)
+from megatron_pipemesh.planning.costs import (ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs)
 from megatron_pipemesh.planning.memory import ActivationShape, activation_bytes, layer_activation_bytes
 from megatron_pipemesh.planning.planner import fit_with_recompute
 from megatron_pipemesh.planning.simulator import simulate
@@ -77,20 +76,6 @@ def test_embedding_and_output_layer_in_the_data_parallel_volume():
     per_param = 2 * 3 / 4 * model.grad_bytes * 8 / (cluster.dp_gbps * 1e9)
     params = model.num_layers * model.layer_params() + model.embedding_params() + model.vocab_size * model.hidden_size
     assert sum(reduce.values()) == pytest.approx(params * per_param)
-
-
-def test_shared_nic_slows_links_that_leave_the_node():
-    """A node's NIC is shared by the DP rings and pipeline links that leave it; in-node links keep their rate."""
-    assert node_flows(ClusterSpec(tp=1, dp=4, devices_per_node=8), pp=4) == (0, 4)
-    assert node_flows(ClusterSpec(tp=2, dp=8, devices_per_node=8), pp=2) == (2, 8)
-    assert node_flows(ClusterSpec(tp=1, dp=2, devices_per_node=8), pp=2) == (0, 0)
-    shared = ClusterSpec(tp=2, dp=8, dp_gbps=25, p2p_gbps=25, nic_gbps=100)
-    assert link_gbps(shared, 2) == (10.0, 10.0)
-    assert link_gbps(dataclasses.replace(shared, nic_gbps=None), 2) == (25, 25)
-    model = ModelSpec(8, 1024, 16, 1024, 1)
-    config = ScheduleConfig.depth_first(2, 2, 8)
-    alone = simulate(config, analytic_costs(model, dataclasses.replace(shared, nic_gbps=None), config)).iteration_s
-    assert simulate(config, analytic_costs(model, shared, config)).iteration_s > alone
 
 
 def test_optimizer_step_ends_the_iteration():

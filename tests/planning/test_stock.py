@@ -5,7 +5,8 @@ import pytest
 
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec
 from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, StockSetting, activation_budget,
-                                              best_per_schedule, best_stock, evaluate, group_sizes, order_peaks,
+                                              best_per_schedule, best_stock, default_recompute_ladder,
+                                              default_settings, default_stock, evaluate, group_sizes, order_peaks,
                                               recompute_options, schedule_options, uniform_plan)
 from megatron_pipemesh.planning.costs import analytic_costs
 from megatron_pipemesh.planning.simulator import lowering_for, simulate
@@ -95,6 +96,27 @@ def test_best_stock_is_the_fastest_fitting_setting_of_the_whole_space():
         same = [r for r in fitting if (r.setting.schedule, r.setting.vpp, r.setting.effective_group_size) == (kind, vpp, g)]
         assert level is None and result.iteration_s == pytest.approx(min(r.iteration_s for r in same)), (kind, vpp, g)
     assert best_stock(MODEL, CLUSTER, pp, m, 1.0) is None
+
+
+def test_default_command_is_g_equal_p_with_the_first_recomputation_that_fits():
+    """Megatron's default command: 1F1B and g = p at every V, each with the first of none, selective, full
+    block k = 1.. that fits; the best of them is never faster than best stock (whose space contains it)."""
+    pp, m = 2, 8
+    budget = 0.5 * max(best_stock(MODEL, CLUSTER, pp, m, float("inf")).peak_activation_bytes)
+    results = default_settings(MODEL, CLUSTER, pp, m, budget)
+    assert {(r.setting.vpp, r.setting.effective_group_size) for r in results} <= {(1, None), (2, 2), (4, 2)}
+    assert all(r.setting.offload is None and r.fits(budget) for r in results)
+    for r in results:
+        ladder = default_recompute_ladder(MODEL.num_layers // (pp * r.setting.vpp))
+        earlier = ladder[:ladder.index(r.setting.recompute)]
+        assert all(not evaluate(StockSetting(pp, r.setting.vpp, m, r.setting.group_size, o), MODEL, CLUSTER).fits(budget)
+                   for o in earlier), r.setting
+        assert r.iteration_s == pytest.approx(evaluate(r.setting, MODEL, CLUSTER).iteration_s)
+    best = default_stock(MODEL, CLUSTER, pp, m, budget)
+    assert best.iteration_s == min(r.iteration_s for r in results)
+    assert best.iteration_s >= best_stock(MODEL, CLUSTER, pp, m, budget).iteration_s
+    assert [str(o.level) for o in default_recompute_ladder(2)][:2] == ["none", "selective"]
+    assert default_stock(MODEL, CLUSTER, pp, m, 1.0) is None
 
 
 def test_grad_reduce_in_bf16_halves_gradient_traffic():

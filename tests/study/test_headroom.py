@@ -1,6 +1,7 @@
 """study/headroom.py: the commodity space, node shapes, and headroom as best stock over the bound."""
 from megatron_pipemesh.planning.bounds import iteration_lower_bound
-from megatron_pipemesh.planning.costs import ClusterSpec, link_gbps
+from megatron_pipemesh.planning.costs import ClusterSpec
+from megatron_pipemesh.planning.topology import GBIT, topology
 from megatron_pipemesh.study.headroom import Setting, commodity_space, evaluate, study_row, summary
 from megatron_pipemesh.study.rows import GPT, INTRA_NODE_GBPS, row_specs
 
@@ -18,11 +19,14 @@ def test_space_is_the_issues_cross_product():
 
 
 def test_node_shape_sets_the_data_parallel_rate():
-    """DP4 x TP1 inside an 8-GPU server reduces over PCIe; one GPU per VM shares its NIC with the pipeline."""
-    server = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 8))
-    vm = cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 1))
-    assert link_gbps(server, 4)[0] == INTRA_NODE_GBPS["commodity"]
-    assert link_gbps(vm, 4) == (6.25 / 2, 6.25 / 2)
+    """DP4 x TP1 inside an 8-GPU server reduces over PCIe; one GPU per VM reduces over its NIC, which it shares
+    with the pipeline (fairly, while both send: alone each gets the whole NIC)."""
+    server = topology(cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 8)), 4)
+    vm = topology(cluster_for(Setting("GPT-2.7B", 1, False, 4, 64, 24, 6.25, 1)), 4)
+    assert server.dp_route(1).lone_bytes_per_s == INTRA_NODE_GBPS["commodity"] * GBIT
+    assert vm.dp_route(1).lone_bytes_per_s == vm.p2p_route(1, 2).lone_bytes_per_s == 6.25 * GBIT
+    nic = {r for r, _ in vm.dp_route(1).demands} & {r for r, _ in vm.p2p_route(1, 2).demands}
+    assert [vm.names[r] for r in sorted(nic)] == ["nic-out 1", "d2h 1"]  # staged through host memory
 
 
 def test_headroom_is_best_stock_over_the_bound():

@@ -29,6 +29,13 @@ def test_row_has_the_issue_keys_and_pipemesh_never_loses(tiny):
     assert 0 < row["fraction_of_limit"] <= 1.0
     assert row["limit_iteration_s"] <= row["pipemesh_auto"]["iteration_s"]
     assert tiny in markdown([row])
+    # Megatron's default command (g = p) is one of stock's settings; the tight bound is below every schedule.
+    assert row["default"]["group_size"] in (None, 2) and row["default"]["offload_fraction"] is None
+    assert row["ratio_to_default"] >= row["ratio_to_best_stock"] * (1 - 1e-9)
+    assert row["ratio_to_default"] == pytest.approx(row["default"]["iteration_s"] / row["pipemesh_auto"]["iteration_s"])
+    assert 0 < row["fraction_of_tight_bound"] <= 1.0
+    assert row["tight_bound_s"] == row["bound"]["seconds"] <= row["best_stock"]["iteration_s"]
+    assert row["fraction_of_tight_bound"] <= row["fraction_of_tight_bound_with_memory"] <= 1.0
 
 
 def test_tight_memory_makes_both_sides_recompute(tiny):
@@ -63,6 +70,14 @@ def test_summary_counts_the_targets():
     out = summary(rows)
     assert out["te_rows"] == 2 and out["te_share_at_least_1_15x"] == 1.0 and out["te_median_ratio"] == pytest.approx(1.18)
     assert out["local_rows"] == 1 and out["local_share_at_least_1_15x"] == 0.0 and out["local_median_fraction_of_limit"] == 0.8
+    # Against Megatron's default command and the tight bound: median and range, median fractions.
+    for row, (default, fraction) in zip(rows, ((1.3, 0.97), (1.1, 0.9), (1.2, 0.95), (1.0, 0.5))):
+        row.update(ratio_to_default=default, fraction_of_tight_bound=fraction, fraction_of_tight_bound_with_memory=1.0)
+    out = summary(rows)
+    assert (out["median_ratio_to_default_commodity"], out["min_ratio_to_default_commodity"],
+            out["max_ratio_to_default_commodity"]) == (1.2, 1.1, 1.3)
+    assert out["median_fraction_of_tight_bound_commodity"] == 0.95 and out["min_ratio_commodity"] == 1.0
+    assert out["median_ratio_to_default_te"] == pytest.approx(1.25)
 
 
 def test_study_rows_cover_the_commodity_sweep():
@@ -89,7 +104,8 @@ def test_cli_study_json(tiny, monkeypatch, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert isinstance(rows, list) and len(rows) == 1
     assert {"regime", "best_stock", "pipemesh_auto", "ratio_to_best_stock", "fraction_of_limit",
-            "pipemesh_recompute_only", "placement_speedup"} <= set(rows[0])
+            "pipemesh_recompute_only", "placement_speedup", "default", "ratio_to_default", "tight_bound_s",
+            "fraction_of_tight_bound"} <= set(rows[0])
 
 
 def test_sharded_row_is_never_slower_than_the_best_uniform_plan(tiny):
