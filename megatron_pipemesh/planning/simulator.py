@@ -156,7 +156,7 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
                 deltas.append((e.start, 1, size))
             else:
                 # Recomputation re-creates activations inside the backward: held from its start.
-                transient = costs.transient_bytes.get(adapter.kept_level(rank, e.op), 0.0)
+                transient = adapter.transient(rank, e.op.chunk, adapter.kept_level(rank, e.op))
                 deltas.append((e.start, 0, transient))
                 deltas.append((e.end, -1, -size - transient))
         host_deltas = []
