@@ -15,9 +15,10 @@ import io
 import shlex
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..planning.costs import ModelSpec
+from ..planning.layout import LayoutError
 from ..planning.stock import StockRecompute, StockSetting
 
 
@@ -25,16 +26,20 @@ class CommandError(ValueError):
     """The user's command does not parse or validate; the message names the flag and how to fix it."""
 
 
-def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
-    """The training script's flags of ``command`` (a shell string or a list): what follows the script
-    (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or, without a script, the
-    command from its first flag on."""
+def split_command(command: Union[str, Sequence[str]]) -> Tuple[List[str], List[str]]:
+    """(launcher and script, the training script's flags) of ``command`` (a shell string or a list): the flags are
+    what follows the script (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or,
+    without a script, the command from its first flag on."""
     words = shlex.split(command) if isinstance(command, str) else list(command)
     script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
-    if script is not None:
-        return words[script + 1:]
-    first = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
-    return words[first:]
+    first = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("-")),
+                                                        len(words))
+    return words[:first], words[first:]
+
+
+def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
+    """The training script's flags of ``command`` (:func:`split_command`)."""
+    return split_command(command)[1]
 
 
 def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
@@ -75,6 +80,8 @@ class UserCommand:
 
     flags: tuple
     """The command's flags as given."""
+    launcher: tuple
+    """What came before the flags: the launcher and the script (empty when only flags were given)."""
     model: ModelSpec
     """The GPT the command trains."""
     tp: int
@@ -95,6 +102,17 @@ class UserCommand:
     """``--sequence-parallel``."""
     grad_reduce_in_bf16: bool
     """``--grad-reduce-in-bf16`` (only then may a recommendation reduce in bf16)."""
+    global_batch_size: int
+    """Sequences per iteration (``--global-batch-size``, as Megatron's validation sets it)."""
+    world_size: int
+    """GPUs the command was validated for."""
+    args: object = None
+    """Megatron's validated namespace (what the recommendations' flags are checked against)."""
+
+    @property
+    def vpp(self) -> int:
+        """Virtual stages per rank V (1: no interleaving)."""
+        return self.stock.vpp
 
 
 def _recompute(args) -> StockRecompute:
@@ -111,23 +129,28 @@ def read_command(command: Union[str, Sequence[str]], world_size: int,
                  dropout_mask_bytes: Optional[int] = 1) -> UserCommand:
     """Parse and validate ``command`` for ``world_size`` GPUs and describe what it runs (``dropout_mask_bytes``:
     CUDA keeps one byte per dropout mask element)."""
-    from .auto_plan import layer_spec_fields, padded_vocab_size
+    from .auto_plan import layer_spec_fields, layer_split, padded_vocab_size
     from .flags import microbatches_per_iteration
 
-    flags = split_flags(command)
+    launcher, flags = split_command(command)
     args = parse_megatron_command(flags, world_size)
+    pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    try:
+        split = layer_split(args)
+        split.stage_layers(args.num_layers, pp, vpp)  # what Megatron would refuse or fail to build, named now
+    except LayoutError as error:
+        raise CommandError(f"--megatron-args: {error}") from error
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
                       dtype_bytes=2 if (args.bf16 or args.fp16) else 4, dropout_mask_bytes=dropout_mask_bytes,
-                      **layer_spec_fields(args))
-    pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
-    vpp = args.virtual_pipeline_model_parallel_size or 1
+                      layer_split=split, **layer_spec_fields(args))
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     stock = StockSetting(pp, vpp, m, group if vpp > 1 and group != pp else None, _recompute(args),
                          bool(getattr(args, "grad_reduce_in_bf16", False)))
-    return UserCommand(tuple(flags), model, args.tensor_model_parallel_size, pp, args.data_parallel_size, m, stock,
-                       getattr(args, "pipeline_schedule", "default") == "pipemesh",
+    return UserCommand(tuple(flags), tuple(launcher), model, args.tensor_model_parallel_size, pp, args.data_parallel_size,
+                       m, stock, getattr(args, "pipeline_schedule", "default") == "pipemesh",
                        bool(args.use_distributed_optimizer), bool(args.sequence_parallel),
-                       bool(getattr(args, "grad_reduce_in_bf16", False)))
+                       bool(getattr(args, "grad_reduce_in_bf16", False)), args.global_batch_size, world_size, args)
