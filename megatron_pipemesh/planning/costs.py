@@ -347,7 +347,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     sp = t if cluster.sequence_parallel else 1
     act_elems = s * b * h / sp
     links = topology(cluster, config.pp)
-    p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s() if config.pp > 1 else 0.0
+    p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s if config.pp > 1 else 0.0
     # One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
     # reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC.
     tp_unit = 0.0
