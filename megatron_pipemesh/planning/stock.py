@@ -48,6 +48,7 @@ from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from ..schedule.spans import SHARD_LEVELS
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
+from .bounds import virtual_sizes
 from .layout import LayerSplit
 from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
@@ -605,7 +606,7 @@ class _Candidate(NamedTuple):
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
-             host_limit: Optional[float] = None) -> List[_Choice]:
+             host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
@@ -617,10 +618,13 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
 
     Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
     activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
-    option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits."""
+    option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits. ``vpps``: only
+    these V (default: every V of :func:`schedule_options`)."""
     out = []
     limits = _per_rank(budget, pp)
     for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
+        if vpps is not None and vpp not in vpps:
+            continue
         options = recompute_options(max(model.stage_layers(pp, vpp)), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in options])
@@ -726,7 +730,8 @@ BOUND_SLACK = 1e-9
 
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
-               host_limit: Optional[float] = None) -> Optional[StockResult]:
+               host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
+               incumbent_s: float = float("inf")) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
     ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
@@ -735,11 +740,13 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
     :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
     compute bound already exceeds the fastest time found: they are simulated in order of that bound
-    (sharding changes static memory and communication, never compute, so the bound holds at every level)."""
-    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit)
+    (sharding changes static memory and communication, never compute, so the bound holds at every level).
+    ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
+    simulated (None if none can beat it)."""
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
-        if best is not None and choice.lower_bound_s * (1 - BOUND_SLACK) > best[0]:
+        if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):
             break
         result = _simulated(choice, budget, best[0] if best else float("inf"))
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
@@ -784,8 +791,11 @@ def default_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches:
     return min(results, key=lambda r: r.iteration_s) if results else None
 
 
-def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float) -> Tuple[float, ...]:
+def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float,
+                      vpp: Optional[int] = None) -> Tuple[float, ...]:
     """Activation bytes per rank left by ``memory_bytes`` of device memory after the static bytes
-    (weights, gradients, optimizer state; the same for every V and schedule)."""
-    costs = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, 1, pp))
+    (weights, gradients, optimizer state; the same for every V and schedule of one layer split; ``vpp``: the V to
+    place the split at, default the first V it has)."""
+    vpp = vpp or virtual_sizes(model, pp)[0]
+    costs = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, vpp, pp))
     return tuple(memory_bytes - static for static in costs.static_bytes)
