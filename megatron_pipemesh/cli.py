@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_arguments(plan.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
+    plan.add_argument("--megatron-args", metavar='"FLAGS"', help="instead of the flags above: your pretrain_gpt.py "
+                      "command's flags and your cluster; prints the best stock flags, PipeMesh and the best layout for "
+                      "it (its own flags: pipemesh plan --megatron-args '' --help)")
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -430,6 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from .cli_advice import cmd_advice, wants_advice
+        if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
+            return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
     parser = build_parser()
     args = parser.parse_args(argv)
     return run_command(args)

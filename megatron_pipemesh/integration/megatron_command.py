@@ -15,7 +15,7 @@ import io
 import shlex
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..planning.costs import ModelSpec
 from ..planning.layout import LayoutError
@@ -42,15 +42,37 @@ def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
     return split_command(command)[1]
 
 
-def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
-    """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's argument parser with PipeMesh's flags added, as ``pretrain_gpt.py`` builds it under ``install()``."""
     from .bootstrap import prepare_megatron_import
     from ..config import add_megatron_arguments as add_pipemesh_arguments
 
     prepare_megatron_import()
     from megatron.training import arguments
 
-    parser = add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def option_aliases(flags: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
+    """Per flag of ``flags`` that Megatron's parser knows: every option string of its setting (the flags that set the
+    same value, e.g. ``--num-layers-per-virtual-pipeline-stage`` and its spellings), so that rewriting a command drops
+    them all."""
+    parser = megatron_parser()
+    by_option = {option: action for action in parser._actions for option in action.option_strings}
+    out = {}
+    for flag in flags:
+        action = by_option.get(flag)
+        if action is not None:
+            same = [a for a in parser._actions if a.dest == action.dest]
+            out[flag] = tuple(option for a in same for option in a.option_strings if option != flag)
+    return out
+
+
+def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
+    """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+    parser = megatron_parser()  # first: it prepares megatron's import
+    from megatron.training import arguments
+
     try:
         with contextlib.redirect_stderr(io.StringIO()) as err:
             args, unknown = parser.parse_known_args(list(flags))
