@@ -167,7 +167,9 @@ def problem_and_cluster(args, words: Sequence[str]):
         # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2.
         interleaving_at_two=bool(getattr(a, "overlap_p2p_comm", True)),
         vocab_multiple=getattr(a, "make_vocab_size_divisible_by", 128) or 1,
-        vocab_size=getattr(a, "vocab_size", None))
+        vocab_size=getattr(a, "vocab_size", None),
+        # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.
+        max_tp=None if rate.given else 1)
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                             intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
                             mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
@@ -262,6 +264,10 @@ def cmd_advice(argv: Sequence[str]) -> int:
         advice = advise(problem, cluster)
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
+    if problem.max_tp == 1:
+        advice.notes.append("layouts with TP = 1 only: the costs are this machine's CPU, and megatron-core cannot run "
+                            "TP > 1 without CUDA (its validate_args reads the GPU's architecture); give --gpu or "
+                            "--device-tflops to plan for GPUs")
     out = report(user, problem, cluster, rate, advice)
     print(json.dumps(out, indent=1) if args.json else text(out))
     return 0

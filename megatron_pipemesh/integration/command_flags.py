@@ -80,10 +80,11 @@ def _vpp_flags(vpp: int, split: LayerSplit) -> List[str]:
 
 
 def stock_flags(setting: StockSetting, tp: int, split: LayerSplit) -> List[str]:
-    """The flags of a stock row: TP, PP, V, group size (interleaved only), recomputation, offloading, bf16 reduce (when
+    """The flags of a stock row: TP, PP, V, group size (interleaved only, and only where it is not Megatron's default
+    p, so that a row that changes nothing reads as the user's command), recomputation, offloading, bf16 reduce (when
     the setting has it, i.e. the user asked), and the split."""
     out = [TP_FLAG, str(tp), PP_FLAG, str(setting.pp)] + _vpp_flags(setting.vpp, split)
-    if setting.vpp > 1:
+    if setting.vpp > 1 and setting.effective_group_size != setting.pp:
         out += [GROUP_FLAG, str(setting.effective_group_size)]
     out += setting.recompute.flags()
     if setting.offload is not None:

@@ -130,6 +130,9 @@ class AdviceProblem:
     """[--make-vocab-size-divisible-by] The vocabulary is padded to a multiple of this times TP."""
     vocab_size: Optional[int] = None
     """The unpadded vocabulary (None: the model's, padded for every TP alike)."""
+    max_tp: Optional[int] = None
+    """The largest TP a row may use (None: the node's GPUs); 1 where the runtime cannot run tensor parallelism (on CPU,
+    megatron-core's validate_args reads the CUDA device's architecture when TP > 1)."""
 
     def model_for(self, tp: int, split: LayerSplit) -> ModelSpec:
         """The model at tensor-parallel size ``tp`` (Megatron pads the vocabulary per TP) with ``split``."""
@@ -232,7 +235,7 @@ def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[Par
     """Every TP x PP x DP of the cluster's GPUs the search prices (module docstring)."""
     model = problem.model
     out = []
-    for tp in range(1, cluster.gpus_per_node + 1):
+    for tp in range(1, min(cluster.gpus_per_node, problem.max_tp or cluster.gpus_per_node) + 1):
         if cluster.gpus_per_node % tp or cluster.gpus % tp:
             continue
         if model.num_attention_heads % tp or (model.num_query_groups or model.num_attention_heads) % tp or model.ffn % tp:
