@@ -372,6 +372,33 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
     return _plan_row("user", user, plan)
 
 
+def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
+                   best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
+                   stock: bool = True, pm_incumbent_s: float = float("inf"),
+                   searched: Optional[Dict[str, int]] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+    """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
+    (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
+    while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
+    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``searched`` counts the simulated candidates."""
+    searched = searched if searched is not None else {"pipemesh": 0, "stock": 0}
+    for candidate in found:
+        pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
+        st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
+        if candidate.bound_s >= max(pm_limit, st_limit):
+            break  # sorted by bound: no later candidate beats either side
+        if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+            searched["pipemesh"] += 1
+            plan = _plan(candidate, cluster, pm_limit)
+            if plan is not None:
+                best_pm = _plan_row("best_layout", candidate, plan)
+        if candidate.bound_s < st_limit:
+            searched["stock"] += 1
+            result = _stock(candidate, problem, cluster, st_limit)
+            if result is not None and result.iteration_s < st_limit:
+                best_st = _stock_row("best_layout_stock", candidate, result, cluster)
+    return best_pm, best_st
+
+
 def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
     """The five rows of the module docstring for ``problem`` on ``cluster``."""
     started = time.perf_counter()
@@ -399,22 +426,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
                          f"{problem.layout.describe()} V={problem.vpp}")
     found = candidates(problem, cluster)
     searched = {"pipemesh": 0, "stock": 0}
-    best_pm, best_st = rows["pipemesh"], rows["best_stock"]
-    for candidate in found:
-        pm_limit = (best_pm.iteration_s if best_pm else float("inf")) if pipemesh_ok else -float("inf")
-        st_limit = best_st.iteration_s if best_st else float("inf")
-        if candidate.bound_s >= max(pm_limit, st_limit):
-            break  # sorted by bound: no later candidate beats either side
-        if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
-            searched["pipemesh"] += 1
-            plan = _plan(candidate, cluster, pm_limit)
-            if plan is not None:
-                best_pm = _plan_row("best_layout", candidate, plan)
-        if candidate.bound_s < st_limit:
-            searched["stock"] += 1
-            result = _stock(candidate, problem, cluster, st_limit)
-            if result is not None and result.iteration_s < st_limit:
-                best_st = _stock_row("best_layout_stock", candidate, result, cluster)
+    best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
+                                      rows["best_stock"], pipemesh=pipemesh_ok, searched=searched)
     if pipemesh_ok:
         rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
         if best_pm is None:
