@@ -289,14 +289,21 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidat
     return sorted(out, key=lambda c: c.bound_s)
 
 
+FIT_LIMIT = 3
+"""Group lists fitted to the memory per (layout, V, split) at most, the fastest without memory levers first
+(:attr:`.planner.PlannerOptions.fit_limit`). Fitting re-simulates a candidate once per recomputation or placement
+round; with every list that may win fitted, one GPT-13B candidate of 16 ranks and 64 micro-batches took minutes.
+The lists are simulated without levers first, so the three fitted are the three that are fastest before memory."""
+
+
 def planner_options(pp: int, microbatches: int, host_budget_bytes: Optional[float]) -> PlannerOptions:
     """PipeMesh's search for the advice: the structured group family (first forward and last backward group at
     multiples of p and m, groups of p between, every stock group size), with host placement when host memory is
-    given (recomputation only otherwise)."""
+    given (recomputation only otherwise), fitting at most :data:`FIT_LIMIT` lists per candidate."""
     sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
     placement = "auto" if host_budget_bytes is not None else "recompute-only"
     return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
-                          activation_placement=placement, host_budget_bytes=host_budget_bytes)
+                          activation_placement=placement, host_budget_bytes=host_budget_bytes, fit_limit=FIT_LIMIT)
 
 
 def _host_bytes(cluster: AdviceCluster) -> Optional[float]:

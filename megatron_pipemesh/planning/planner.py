@@ -150,6 +150,10 @@ class PlannerOptions:
     (:func:`.costs.planning_levels` prices the ones that act on the model's layer spec)."""
     max_recompute_rounds: int = 64
     """Re-simulations per candidate while adding recomputation."""
+    fit_limit: Optional[int] = None
+    """Group lists :func:`plan_schedule` fits to the memory at most, the fastest without memory levers first (None:
+    every one whose time without them is below the best fitted time). Fitting re-simulates a candidate once per
+    lever round, so where memory binds it is most of a search; the advice caps it to search many layouts."""
     exhaustive_limit: int = 400
     """Search every pair of group lists when there are at most this many pairs."""
     activation_placement: str = "recompute-only"
@@ -727,7 +731,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     bare.sort(key=lambda item: item[0])
     evaluated, best_time = [], incumbent_s
     for bound, config, costs in bare:
-        if bound > best_time:
+        if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
         plan = fit_with_recompute(config, costs, budget_bytes, options, sharding)
         evaluated.append(plan)
