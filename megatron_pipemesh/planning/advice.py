@@ -382,15 +382,28 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
 def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
                    best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
                    stock: bool = True, pm_incumbent_s: float = float("inf"),
-                   searched: Optional[Dict[str, int]] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                   searched: Optional[Dict[str, int]] = None,
+                   max_simulated: Optional[int] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
     (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
     while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
-    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``searched`` counts the simulated candidates."""
+    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``searched`` counts the simulated candidates;
+    ``max_simulated`` (None: no cap) stops a side after that many, the least bounds first (``searched["capped"]`` then
+    says so: the rows are real plans, but a later candidate might have been faster)."""
     searched = searched if searched is not None else {"pipemesh": 0, "stock": 0}
+    searched.setdefault("pipemesh", 0)
+    searched.setdefault("stock", 0)
     for candidate in found:
         pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
         st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
+        if max_simulated is not None:
+            capped = [side for side in ("pipemesh", "stock") if searched[side] >= max_simulated]
+            if "pipemesh" in capped and candidate.bound_s < pm_limit:
+                searched["capped"] = 1
+                pm_limit = -float("inf")
+            if "stock" in capped and candidate.bound_s < st_limit:
+                searched["capped"] = 1
+                st_limit = -float("inf")
         if candidate.bound_s >= max(pm_limit, st_limit):
             break  # sorted by bound: no later candidate beats either side
         if candidate.vpp >= 2 and candidate.bound_s < pm_limit:

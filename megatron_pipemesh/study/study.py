@@ -288,6 +288,13 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     return out
 
 
+ADVICE_CANDIDATES = 6
+"""(layout, V, split) candidates the study's advice simulates at most per row, the least bounds first: each costs
+seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), and the bound leaves dozens below the incumbent on
+the large rows. The best layout found is a real plan, so the ratio is a floor of the full search's
+(``advice_complete`` says whether the search ended by the bound)."""
+
+
 def advice_cluster(row: StudyRow, cluster: ClusterSpec) -> AdviceCluster:
     """The cluster of ``row`` as ``pipemesh plan --megatron-args`` describes one: its nodes (a TP group never spans
     one), their NIC, the row's device, host memory and links (:func:`.rows.row_specs`)."""
@@ -303,20 +310,25 @@ def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, pl
     """The advice's ``best_layout`` for ``row`` (PipeMesh over every TP x PP x DP of its GPUs, V and layer split;
     :func:`..planning.advice.search_layouts`, PipeMesh's side only), started from ``plan``, PipeMesh's plan for the
     row's own layout (an even split, so one of the advice's candidates): only a candidate whose bound is below its time
-    is simulated. None if no PipeMesh plan fits anywhere."""
+    is simulated, :data:`ADVICE_CANDIDATES` at most. None if no PipeMesh plan fits anywhere."""
     problem = AdviceProblem(model, ParallelLayout(row.tp, row.pp, row.dp), plan.config.vpp if plan else 1,
                             row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
                             grad_reduce_in_bf16=row.grad_reduce_in_bf16)
     advice = advice_cluster(row, cluster)
+    searched: Dict[str, int] = {}
     best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,
-                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"))
+                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), searched=searched,
+                             max_simulated=ADVICE_CANDIDATES)
+    complete = {"advice_simulated": searched["pipemesh"], "advice_complete": not searched.get("capped")}
     if best is not None:
-        return {"layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp, "dp": best.layout.dp,
+        return {**complete, "layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp,
+                "dp": best.layout.dp,
                 "vpp": best.vpp, "stage_layers": list(best.stage_layers), "describe": best.describe(),
                 "iteration_s": best.iteration_s}
     if plan is None:
         return None
-    return {"layout": problem.layout.describe(), "tp": row.tp, "pp": row.pp, "dp": row.dp, "vpp": plan.config.vpp,
+    return {**complete, "layout": problem.layout.describe(), "tp": row.tp, "pp": row.pp, "dp": row.dp,
+            "vpp": plan.config.vpp,
             "stage_layers": list(model.stage_layers(row.pp, plan.config.vpp)),
             "describe": f"the row's layout: {plan.config.group_flags()}", "iteration_s": plan.result.iteration_s}
 

@@ -86,3 +86,16 @@ def test_v1_command_has_no_pipemesh_row_and_says_why():
     advice = advise(problem(vpp=1, stock=StockSetting(4, 1, 16)), CLUSTER)
     assert advice.rows["pipemesh"] is None and any(n.startswith("pipemesh:") for n in advice.notes)
     assert advice.rows["best_layout"] is not None and advice.rows["best_layout"].vpp >= 2
+
+
+def test_a_capped_search_says_so_and_keeps_real_plans():
+    """max_simulated stops a side after that many candidates (least bounds first) and flags it; what it returns is
+    one of the plans the full search priced, never faster than the full search's best."""
+    p = problem()
+    found = candidates(p, CLUSTER)
+    full: dict = {}
+    best_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, searched=full)
+    capped: dict = {}
+    first_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, searched=capped, max_simulated=1)
+    assert capped["pipemesh"] == 1 and capped.get("capped") == 1 and not full.get("capped")
+    assert full["pipemesh"] > 1 and first_pm.iteration_s >= best_pm.iteration_s

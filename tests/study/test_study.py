@@ -164,6 +164,7 @@ def test_advice_ratio_to_default(tiny):
     row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 16, 1.8, 10.0))
     best = row["advice_best_layout"]
     assert best["tp"] * best["pp"] * best["dp"] == 4
+    assert 0 <= best["advice_simulated"] <= study.ADVICE_CANDIDATES and isinstance(best["advice_complete"], bool)
     assert best["iteration_s"] <= row["pipemesh_auto"]["iteration_s"] * (1 + 1e-9)
     assert row["advice_ratio_to_default"] == pytest.approx(row["default"]["iteration_s"] / best["iteration_s"])
     assert row["advice_ratio_to_default"] >= row["ratio_to_default"] * (1 - 1e-9)
