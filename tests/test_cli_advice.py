@@ -126,3 +126,18 @@ def test_cluster_flags_are_checked_by_argparse():
     assert code == 2 and "--nodes" in err
     code, _, err = run(["plan", "--nodes", "1", "--gpus-per-node", "4", "--megatron-args", TINY])
     assert code == 2 and "--nic-gbps" in err
+
+
+def test_text_says_when_the_user_command_does_not_fit(tiny):
+    """The table marks a row over the memory, and the text says the user's command does not fit, naming the rows
+    that do; the command to run is one that fits."""
+    from megatron_pipemesh.cli_advice import text
+
+    out = json.loads(json.dumps(tiny))
+    out["rows"]["user"]["fits"] = False
+    out["rows"]["user"]["peak_memory_gb"] = [2.0, 1.5]
+    out["run"] = "best_stock"
+    report = text(out)
+    assert "your command does not fit: peak 2.00 GiB per GPU > budget 0.90 GiB; rows that fit: " in report
+    assert "user" not in report.split("rows that fit: ")[1].splitlines()[0]
+    assert " NO " in report and report.rstrip().endswith(out["rows"]["best_stock"]["command"])

@@ -68,6 +68,25 @@ def option_aliases(flags: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
     return out
 
 
+@contextlib.contextmanager
+def _without_local_gpu(arguments):
+    """Validate the command, not this machine: without CUDA here, megatron-core's validate_args would read the local
+    GPU's architecture for TP > 1 or CP > 1 (``get_device_arch_version``, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 of
+    the launch environment before Blackwell) and fail. Where it plans, it answers as a Blackwell-or-later GPU, which
+    has no such requirement; with CUDA the real answer stands."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    real = arguments.get_device_arch_version
+    arguments.get_device_arch_version = lambda: 10
+    try:
+        yield
+    finally:
+        arguments.get_device_arch_version = real
+
+
 def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
     """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
     parser = megatron_parser()  # first: it prepares megatron's import
@@ -87,7 +106,7 @@ def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Na
     args.rank, args.world_size = 0, world_size
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _without_local_gpu(arguments):
             warnings.simplefilter("ignore")
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, RuntimeError, TypeError) as error:

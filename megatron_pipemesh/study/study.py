@@ -288,7 +288,7 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     return out
 
 
-ADVICE_CANDIDATES = 6
+ADVICE_CANDIDATES = 3
 """(layout, V, split) candidates the study's advice simulates at most per row, the least bounds first: each costs
 seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), and the bound leaves dozens below the incumbent on
 the large rows. The best layout found is a real plan, so the ratio is a floor of the full search's
