@@ -99,3 +99,21 @@ def test_a_capped_search_says_so_and_keeps_real_plans():
     first_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, searched=capped, max_simulated=1)
     assert capped["pipemesh"] == 1 and capped.get("capped") == 1 and not full.get("capped")
     assert full["pipemesh"] > 1 and first_pm.iteration_s >= best_pm.iteration_s
+
+
+def test_placement_flags_without_host_memory_recompute_only():
+    """A PipeMesh row's flags ask the runtime for --pipemesh-activation-placement auto with --pipemesh-host-memory-gb 0
+    where no host memory was given: fitted that way, the row's groups fit the same budget with no activation on the
+    host, as the advice planned them (recomputation only)."""
+    from megatron_pipemesh.planning.costs import analytic_costs, planning_levels
+    from megatron_pipemesh.planning.planner import PlannerOptions, fit_with_recompute
+
+    p = problem(model=dataclasses.replace(MODEL, micro_batch_size=4), global_batch=128, stock=StockSetting(4, 2, 16))
+    cluster = dataclasses.replace(CLUSTER, device_memory_gb=0.7)  # the user's command (no recomputation) does not fit
+    row = advise(p, cluster).rows["pipemesh"]
+    assert row is not None and row.plan.recompute_share > 0 and not any(r.host_placed for r in row.plan.result.ranks)
+    spec = cluster.spec(1, 2, False, True)
+    costs = analytic_costs(p.model, spec, row.plan.config, planning_levels(p.model))
+    runtime = fit_with_recompute(row.plan.config, costs, cluster.budget_bytes,
+                                 PlannerOptions(activation_placement="auto", host_budget_bytes=0.0))
+    assert runtime.fits and not any(r.host_placed for r in runtime.result.ranks)
