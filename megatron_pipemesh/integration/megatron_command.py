@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import shlex
 import warnings
@@ -57,6 +58,12 @@ def option_aliases(flags: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
     """Per flag of ``flags`` that Megatron's parser knows: every option string of its setting (the flags that set the
     same value, e.g. ``--num-layers-per-virtual-pipeline-stage`` and its spellings), so that rewriting a command drops
     them all."""
+    return dict(_option_aliases(tuple(flags)))
+
+
+@functools.lru_cache(maxsize=8)
+def _option_aliases(flags: Tuple[str, ...]) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """:func:`option_aliases`, built once per set of flags (building Megatron's parser takes a while)."""
     parser = megatron_parser()
     by_option = {option: action for action in parser._actions for option in action.option_strings}
     out = {}
@@ -65,7 +72,7 @@ def option_aliases(flags: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
         if action is not None:
             same = [a for a in parser._actions if a.dest == action.dest]
             out[flag] = tuple(option for a in same for option in a.option_strings if option != flag)
-    return out
+    return tuple(out.items())
 
 
 @contextlib.contextmanager
