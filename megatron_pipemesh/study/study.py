@@ -288,11 +288,13 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     return out
 
 
-ADVICE_CANDIDATES = 3
-"""(layout, V, split) candidates the study's advice simulates at most per row, the least bounds first: each costs
-seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), and the bound leaves dozens below the incumbent on
-the large rows. The best layout found is a real plan, so the ratio is a floor of the full search's
-(``advice_complete`` says whether the search ended by the bound)."""
+ADVICE_CANDIDATES = 1
+"""(layout, V, split) candidates the study's advice simulates at most per row, the least bound first: each costs
+seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), the bound leaves dozens below the incumbent on
+the large rows, and the commodity study must stay within 20 minutes with two jobs (with 3, the GPT-13B TP2 40 GB row's
+advice took 87 CPU-seconds, its whole row 123). The least-bound candidate was the full search's best on the GPT-1.3B
+row and 2.4% slower than it on the GPT-13B row. The best layout found is a real plan, so the ratio is a floor of the
+full search's (``advice_complete`` says whether the search ended by the bound)."""
 
 
 def advice_cluster(row: StudyRow, cluster: ClusterSpec) -> AdviceCluster:
