@@ -219,7 +219,7 @@ def report(user, problem, cluster, rate, advice) -> Dict:
     return {"rows": rows, "run": best.name if best else None,
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
             "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.searched),
-            "search_s": advice.seconds}
+            "search_s": advice.seconds, "search_cpu_s": advice.cpu_seconds}
 
 
 def text(out: Dict) -> str:
@@ -230,7 +230,7 @@ def text(out: Dict) -> str:
     ranked = sorted(present, key=lambda item: (not item[1]["fits"], item[1]["predicted_iteration_s"]))
     lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}",
              f"{out['candidates']} layouts x V x splits bounded, simulated {out['simulated']['pipemesh']} (PipeMesh) "
-             f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s", ""]
+             f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
     header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
     lines += [header, "-" * len(header)]
     for name, row in ranked:

@@ -211,6 +211,8 @@ class Advice:
     """Per side ('pipemesh', 'stock'): candidates simulated (the others were pruned by their bound)."""
     seconds: float = 0.0
     """Wall time of the search."""
+    cpu_seconds: float = 0.0
+    """CPU time of the search (this process): what it costs, however loaded the machine is."""
 
     def best(self) -> Optional[AdviceRow]:
         """The fastest row that fits (ties: the earlier in :data:`ROWS`, the user's command first)."""
@@ -421,7 +423,7 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
 
 def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
     """The five rows of the module docstring for ``problem`` on ``cluster``."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
     notes: List[str] = []
     rows["user"] = _user_row(problem, cluster)
@@ -455,7 +457,7 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
     rows["best_layout_stock"] = dataclasses.replace(best_st, name="best_layout_stock") if best_st else None
     if best_st is None:
         notes.append(f"best_layout_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU in any layout")
-    return Advice(rows, notes, len(found), searched, time.perf_counter() - started)
+    return Advice(rows, notes, len(found), searched, time.perf_counter() - started, time.process_time() - cpu_started)
 
 
 def tokens_per_s(problem: AdviceProblem, row: AdviceRow) -> float:
