@@ -153,6 +153,7 @@ class AdviceRow:
     name: str
     """``user``, ``best_stock``, ``pipemesh``, ``best_layout`` or ``best_layout_stock``."""
     layout: ParallelLayout
+    """Its TP x PP x DP."""
     vpp: int
     """Virtual stages per rank V."""
     split: LayerSplit
@@ -225,12 +226,19 @@ class _Candidate:
     """One (layout, V, split) with its lower bound."""
 
     layout: ParallelLayout
+    """TP x PP x DP."""
     vpp: int
+    """Virtual stages per rank V."""
     split: LayerSplit
+    """Which stage holds which layers."""
     model: ModelSpec
+    """The model at this TP (its padded vocabulary) with ``split``."""
     cluster: ClusterSpec
+    """The planner's cluster for this layout."""
     microbatches: int
+    """Micro-batches per iteration per data-parallel replica."""
     bound_s: float
+    """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
 
 
 def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
