@@ -12,7 +12,8 @@ The search prices every candidate with the planner's own costs and simulator, an
   ignored, so it bounds stock and PipeMesh alike) and is dropped if its weights, gradients and optimizer state alone
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
   time found (PipeMesh: :func:`.planner.plan_schedule`, which prunes its group lists by their time without memory
-  levers; stock: :func:`.stock.best_stock` at that V, which prunes by compute).
+  levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
+  prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side).
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
