@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .cli_common import UsageError, check_number, positive_int, require_matplotlib, run_command
 from .config import add_cli_arguments
+from .planning.layout import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplit,
+                              LayoutError)
 from .planning.costs import (DEFAULT_HOST_LINK_GBPS, GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts,
                              analytic_costs, planning_levels)
 from .planning.memory import MEMORY_MARGIN
@@ -29,14 +31,55 @@ from .schedule.validate import validate
 def add_schedule_args(parser: argparse.ArgumentParser, groups: bool = True) -> None:
     group = parser.add_argument_group("schedule")
     group.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel size p")
-    group.add_argument("--vpp", type=positive_int, required=True, help="virtual chunks per rank V")
+    group.add_argument("--vpp", type=positive_int, default=None,
+                       help="virtual chunks per rank V (default: from --pipeline-model-parallel-layout)")
     group.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches per iteration m")
+    add_split_args(parser)
     if not groups:
         return
     add_cli_arguments(group, ("forward_groups", "backward_groups"))
 
 
+def add_split_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's flags that place the layers on the stages (:mod:`.planning.layout`)."""
+    split = parser.add_argument_group("layer split (Megatron's flags; default: evenly)")
+    split.add_argument(LAYOUT_FLAG, dest="pipeline_model_parallel_layout", metavar="LAYOUT",
+                       help='layers per stage, e.g. "Et|tt|tt|tL" (sets V: its stages over p)')
+    split.add_argument(FIRST_FLAG, dest="decoder_first_pipeline_num_layers", type=positive_int, metavar="N",
+                       help="layers on pipeline rank 0 (over its chunks)")
+    split.add_argument(LAST_FLAG, dest="decoder_last_pipeline_num_layers", type=positive_int, metavar="N",
+                       help="layers on the last pipeline rank (over its chunks)")
+    split.add_argument(EMBEDDING_FLAG, dest="account_for_embedding_in_pipeline_split", action="store_true",
+                       help="the embedding counts as a layer of stage 0")
+    split.add_argument(LOSS_FLAG, dest="account_for_loss_in_pipeline_split", action="store_true",
+                       help="the loss counts as a layer of the last stage")
+
+
+def split_from_args(args: argparse.Namespace) -> LayerSplit:
+    """The layer split of the split flags; also sets ``args.vpp`` from a layout when --vpp is not given."""
+    try:
+        if args.pipeline_model_parallel_layout:
+            split = LayerSplit.of_layout(args.pipeline_model_parallel_layout)
+        else:
+            split = LayerSplit(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+                               embedding_counts=args.account_for_embedding_in_pipeline_split,
+                               loss_counts=args.account_for_loss_in_pipeline_split)
+        vpp = split.vpp(args.pp)
+    except LayoutError as error:
+        raise UsageError(str(error)) from error
+    if args.vpp is None:
+        if vpp is None:
+            raise UsageError(f"--vpp is required (virtual chunks per rank V), or a {LAYOUT_FLAG} whose stages give it. "
+                             "Example: --vpp 2")
+        args.vpp = vpp
+    elif vpp is not None and vpp != args.vpp:
+        raise UsageError(f"--vpp {args.vpp} and {LAYOUT_FLAG} ({len(split.layout)} stages over --pp {args.pp} = V {vpp}) "
+                         f"disagree; drop --vpp (the layout sets V) or use --vpp {vpp}")
+    return split
+
+
 def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
+    split_from_args(args)
     return ScheduleConfig(args.pp, args.vpp, args.microbatches,
                           tuple(args.forward_groups or ()), tuple(args.backward_groups or ()))
 
@@ -85,6 +128,9 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
         check_number("--" + flag.replace("_", "-"), getattr(args, flag), example, positive)
     check_number("--mfu", args.mfu, f"{planning.mfu:g}", positive=True, at_most=1.0)
     if args.forward_ms is not None:
+        if not split_from_args(args).even:
+            raise UsageError("an uneven layer split needs the analytic model (the costs per layer come from the model "
+                             f"shape): drop --forward-ms and the other direct costs, or the split flags ({LAYOUT_FLAG} ...)")
         backward = args.backward_ms if args.backward_ms is not None else 2 * args.forward_ms
         act = args.activation_mb * 1024 ** 2
         return OpCosts(forward_s=args.forward_ms / 1e3, backward_s=backward / 1e3, p2p_s=args.p2p_ms / 1e3,
@@ -101,7 +147,8 @@ def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts
 def model_cluster_from_args(args: argparse.Namespace):
     """The analytic model and cluster of the cost flags."""
     model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
-                      args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2)
+                      args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2,
+                      layer_split=split_from_args(args))
     cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
                           args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer,
                           host_link_gbps=_host_link_gbps(args), collectives=args.collectives)
@@ -162,6 +209,20 @@ def placement_lines(plans: Sequence[tuple]) -> List[str]:
     return lines
 
 
+def _shown_layers(args: argparse.Namespace, config: ScheduleConfig) -> Optional[Tuple[int, ...]]:
+    """Layers per stage for `show`: of a layout, or of --num-layers with the split flags (None: neither given)."""
+    split = split_from_args(args)
+    count = sum(split.layout) if split.layout is not None else args.num_layers
+    if count is None:
+        if not split.even:
+            raise UsageError("the split flags need --num-layers (the layers to place). Example: --num-layers 12")
+        return None
+    try:
+        return split.stage_layers(count, config.pp, config.vpp)
+    except LayoutError as error:
+        raise UsageError(str(error)) from error
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .planning.sharding import ShardingError, parse_levels
     from .schedule.lower import LoweringOptions
@@ -173,12 +234,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UsageError(str(error).replace("--pipemesh-sharding", "--sharding")) from error
     schedule = lower(config, LoweringOptions(sharding=levels or ()))
     validate(schedule)
+    layers = _shown_layers(args, config)
     if args.json:
         ranks = [[str(op) for op in (program if args.lowered else schedule.compute_order(rank))]
                  for rank, program in enumerate(schedule.programs)]
-        print(json.dumps({"schedule": config.describe(), "digest": schedule.digest(), "ranks": ranks}))
+        print(json.dumps({"schedule": config.describe(), "digest": schedule.digest(), "ranks": ranks,
+                          **({"stage_layers": list(layers)} if layers is not None else {})}))
         return 0
     print(f"# {config.describe()}  (plan digest {schedule.digest()})")
+    if layers is not None:
+        print(f"# transformer layers per stage (stage = chunk * p + rank): {' '.join(map(str, layers))}")
     if args.picture:
         from .planning.ascii import render_ascii
         from .schedule.timeline import execute
@@ -273,8 +338,8 @@ def _budget_bytes(args: argparse.Namespace) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planning.planner import NoFeasiblePlan, baseline_plans, plan_schedule
 
-    config_from_args(argparse.Namespace(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
-                                        forward_groups=None, backward_groups=None))  # p, V, m rules first
+    split_from_args(args)  # V from a layout
+    ScheduleConfig(args.pp, args.vpp, args.microbatches)  # p, V, m rules first
     budget = _budget_bytes(args)
     options = planner_options_from_args(args)
     costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
@@ -334,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--picture", action="store_true", help="draw a text timeline (F = 1, B = 2 time units)")
     show.add_argument("--sharding", nargs="+", metavar="LEVEL", help="ZeRO level per chunk (optim, optim_grads, "
                       "optim_grads_params): --lowered then shows the GATHER / RELEASE / REDUCE ops")
+    show.add_argument("--num-layers", type=positive_int, default=None,
+                      help="transformer layers: with the split flags, print the layers of every stage")
     show.set_defaults(func=cmd_show)
     sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
     add_schedule_args(sim)
@@ -352,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_arguments(plan.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
+    plan.add_argument("--megatron-args", metavar='"FLAGS"', help="instead of the flags above: your pretrain_gpt.py "
+                      "command's flags and your cluster; prints the best stock flags, PipeMesh and the best layout for "
+                      "it (its own flags: pipemesh plan --megatron-args '' --help)")
     plan.set_defaults(func=cmd_plan)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -363,6 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from .cli_advice import cmd_advice, wants_advice
+        if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
+            return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
     parser = build_parser()
     args = parser.parse_args(argv)
     return run_command(args)

@@ -319,3 +319,53 @@ def test_show_lowered_with_sharding():
     assert rank0.count("GATHER1.") == rank0.count("RELEASE1.") == 3 and "PARAM_SYNC1" not in rank0
     assert_one_paragraph_error(*run(["show", "--pp", "2", "--vpp", "2", "-m", "8", "--sharding", "zero3"]),
                                ["--sharding", "unknown level"])
+
+
+# ---------------------------------------------------------------------------------------------
+# uneven layer splits
+
+
+def test_show_simulate_and_plan_read_the_layer_split_flags():
+    """Megatron's split flags reach every subcommand: a layout sets V and `show` prints its layers per stage;
+    `simulate` and `plan` price the stages by their layers (fewer layers on the last stage: less time there)."""
+    layout = ["--pipeline-model-parallel-layout", "Et|ttt|tt|ttL"]
+    code, out, _ = run(["show", "--pp", "2", "-m", "4"] + layout + ["--json"])
+    assert code == 0 and json.loads(out)["stage_layers"] == [1, 3, 2, 2]
+    code, out, _ = run(["show", "--pp", "4", "--vpp", "2", "-m", "8", "--num-layers", "12",
+                        "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"])
+    assert code == 0 and "# transformer layers per stage (stage = chunk * p + rank): 1 2 2 1 1 2 2 1" in out
+    model = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512", "--dp", "1"]
+    busy = {}
+    for name, split in (("even", []), ("uneven", ["--pipeline-model-parallel-layout", "Et|ttt|ttt|tL"])):
+        code, out, err = run(["simulate", "--pp", "2", "--vpp", "2", "-m", "4", "--json"] + model + split)
+        assert code == 0, err
+        busy[name] = [r["busy_s"] for r in json.loads(out)["given"]["ranks"]]
+    # Rank 0 holds 1 + 3 layers either way (even: 2 + 2); rank 1 holds 3 + 1: the same compute per rank.
+    assert busy["uneven"] == pytest.approx(busy["even"], rel=1e-9)
+    code, out, err = run(["simulate", "--pp", "2", "--vpp", "2", "-m", "4", "--json"] + model
+                         + ["--pipeline-model-parallel-layout", "Et|ttt|tttt|L"])
+    assert code == 0, err
+    shifted = [r["busy_s"] for r in json.loads(out)["given"]["ranks"]]
+    # Rank 0 now holds 1 + 4 layers, rank 1 holds 3 + 0 (and the output layer): one layer's forwards and backwards
+    # (a quarter of rank 0's even compute, which has no output layer) move from rank 1 to rank 0.
+    layer = busy["even"][0] / 4
+    assert shifted == pytest.approx([busy["even"][0] + layer, busy["even"][1] - layer], rel=1e-9)
+    code, out, err = run(["plan", "--pp", "2", "-m", "4", "--json"] + model + ["--pipeline-model-parallel-layout",
+                                                                               "Et|ttt|ttt|tL"])
+    assert code == 0 and json.loads(out)["fits"], err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["show", "--pp", "2", "-m", "4"], ["--vpp is required"]),
+    (["show", "--pp", "2", "--vpp", "3", "-m", "4", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"],
+     ["--vpp 3 and --pipeline-model-parallel-layout", "disagree"]),
+    (["simulate", "--pp", "2", "--vpp", "2", "-m", "4", "--num-layers", "6", "--decoder-first-pipeline-num-layers", "2",
+      "--decoder-last-pipeline-num-layers", "4"], ["divides by zero", '--pipeline-model-parallel-layout "Et|tt|t|ttL"']),
+    (["simulate", "--pp", "2", "-m", "4", "--pipeline-model-parallel-layout", "Et|tt|tt|tL", "--forward-ms", "1"],
+     ["uneven layer split needs the analytic model"]),
+])
+def test_bad_layer_splits_are_one_paragraph_errors(argv, words):
+    code, out, err = run(argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)

@@ -24,14 +24,12 @@ from typing import Optional, Tuple
 
 from ..planning.memory import MEMORY_MARGIN
 from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
+from ..planning.devices import find_device
+from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan, RunPlanError
 from .measured import Replanning
-
-# Dense 16-bit peak TFLOP/s by device-name substring, used when --pipemesh-device-tflops is not given.
-_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
-                ("A10", 125.0), ("L4", 121.0), ("V100", 125.0), ("A6000", 155.0), ("4090", 165.0))
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
@@ -43,8 +41,8 @@ def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
     if not torch.cuda.is_available():
         return None, None
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    name = torch.cuda.get_device_name(index)
-    tflops = next((value for key, value in _PEAK_TFLOPS if key in name), None)
+    device = find_device(torch.cuda.get_device_name(index))
+    tflops = device.peak_tflops if device is not None else None
     free, _ = torch.cuda.mem_get_info(index)
     return tflops, free / GB * (1 - MEMORY_MARGIN)
 
@@ -63,6 +61,18 @@ def layer_spec_fields(args) -> dict:
             "hidden_dropout": float(getattr(args, "hidden_dropout", 0.1)),
             "attention_dropout": float(getattr(args, "attention_dropout", 0.1)),
             "linear_bias": bool(getattr(args, "add_bias_linear", True))}
+
+
+def layer_split(args) -> LayerSplit:
+    """Which stage holds which layers, from Megatron's split flags (``--pipeline-model-parallel-layout``,
+    ``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split``)."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout:
+        return LayerSplit.of_layout(str(layout))
+    return LayerSplit(first=getattr(args, "decoder_first_pipeline_num_layers", None),
+                      last=getattr(args, "decoder_last_pipeline_num_layers", None),
+                      embedding_counts=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                      loss_counts=bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
 
 
 def _on_cuda() -> bool:
@@ -148,7 +158,8 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None)
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
-                      dropout_mask_bytes=1 if _on_cuda() else None, **layer_spec_fields(args))
+                      dropout_mask_bytes=1 if _on_cuda() else None, layer_split=layer_split(args),
+                      **layer_spec_fields(args))
     cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
                           mfu=rate.mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),

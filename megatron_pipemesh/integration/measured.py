@@ -30,7 +30,10 @@ def with_measured_times(costs: OpCosts, measured: Dict[str, float]) -> OpCosts:
     """Analytic memory terms, measured times (recompute cost scaled by the measured/analytic forward)."""
     scale = measured["forward_s"] / costs.forward_s if costs.forward_s else 1.0
     recompute = {level: value * scale for level, value in costs.recompute_s.items()}
-    return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0,
+    # An uneven split's stages scale the measured chunk (the slowest middle one, as the analytic chunk is the largest).
+    stages = tuple(dataclasses.replace(stage, recompute_s={level: value * scale for level, value in stage.recompute_s.items()})
+                   for stage in costs.stages)
+    return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0, stages=stages,
                                **{key: float(measured[key]) for key in TIME_FIELDS})
 
 

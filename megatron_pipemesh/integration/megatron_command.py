@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import shlex
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..planning.costs import ModelSpec
+from ..planning.layout import LayoutError
 from ..planning.stock import StockRecompute, StockSetting
 
 
@@ -25,27 +27,78 @@ class CommandError(ValueError):
     """The user's command does not parse or validate; the message names the flag and how to fix it."""
 
 
-def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
-    """The training script's flags of ``command`` (a shell string or a list): what follows the script
-    (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or, without a script, the
-    command from its first flag on."""
+def split_command(command: Union[str, Sequence[str]]) -> Tuple[List[str], List[str]]:
+    """(launcher and script, the training script's flags) of ``command`` (a shell string or a list): the flags are
+    what follows the script (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or,
+    without a script, the command from its first flag on."""
     words = shlex.split(command) if isinstance(command, str) else list(command)
     script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
-    if script is not None:
-        return words[script + 1:]
-    first = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
-    return words[first:]
+    first = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("-")),
+                                                        len(words))
+    return words[:first], words[first:]
 
 
-def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
-    """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
+    """The training script's flags of ``command`` (:func:`split_command`)."""
+    return split_command(command)[1]
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's argument parser with PipeMesh's flags added, as ``pretrain_gpt.py`` builds it under ``install()``."""
     from .bootstrap import prepare_megatron_import
     from ..config import add_megatron_arguments as add_pipemesh_arguments
 
     prepare_megatron_import()
     from megatron.training import arguments
 
-    parser = add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def option_aliases(flags: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
+    """Per flag of ``flags`` that Megatron's parser knows: every option string of its setting (the flags that set the
+    same value, e.g. ``--num-layers-per-virtual-pipeline-stage`` and its spellings), so that rewriting a command drops
+    them all."""
+    return dict(_option_aliases(tuple(flags)))
+
+
+@functools.lru_cache(maxsize=8)
+def _option_aliases(flags: Tuple[str, ...]) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """:func:`option_aliases`, built once per set of flags (building Megatron's parser takes a while)."""
+    parser = megatron_parser()
+    by_option = {option: action for action in parser._actions for option in action.option_strings}
+    out = {}
+    for flag in flags:
+        action = by_option.get(flag)
+        if action is not None:
+            same = [a for a in parser._actions if a.dest == action.dest]
+            out[flag] = tuple(option for a in same for option in a.option_strings if option != flag)
+    return tuple(out.items())
+
+
+@contextlib.contextmanager
+def _without_local_gpu(arguments):
+    """Validate the command, not this machine: without CUDA here, megatron-core's validate_args would read the local
+    GPU's architecture for TP > 1 or CP > 1 (``get_device_arch_version``, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 of
+    the launch environment before Blackwell) and fail. Where it plans, it answers as a Blackwell-or-later GPU, which
+    has no such requirement; with CUDA the real answer stands."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    real = arguments.get_device_arch_version
+    arguments.get_device_arch_version = lambda: 10
+    try:
+        yield
+    finally:
+        arguments.get_device_arch_version = real
+
+
+def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
+    """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+    parser = megatron_parser()  # first: it prepares megatron's import
+    from megatron.training import arguments
+
     try:
         with contextlib.redirect_stderr(io.StringIO()) as err:
             args, unknown = parser.parse_known_args(list(flags))
@@ -60,7 +113,7 @@ def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Na
     args.rank, args.world_size = 0, world_size
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _without_local_gpu(arguments):
             warnings.simplefilter("ignore")
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, RuntimeError, TypeError) as error:
@@ -75,6 +128,8 @@ class UserCommand:
 
     flags: tuple
     """The command's flags as given."""
+    launcher: tuple
+    """What came before the flags: the launcher and the script (empty when only flags were given)."""
     model: ModelSpec
     """The GPT the command trains."""
     tp: int
@@ -95,6 +150,17 @@ class UserCommand:
     """``--sequence-parallel``."""
     grad_reduce_in_bf16: bool
     """``--grad-reduce-in-bf16`` (only then may a recommendation reduce in bf16)."""
+    global_batch_size: int
+    """Sequences per iteration (``--global-batch-size``, as Megatron's validation sets it)."""
+    world_size: int
+    """GPUs the command was validated for."""
+    args: object = None
+    """Megatron's validated namespace (what the recommendations' flags are checked against)."""
+
+    @property
+    def vpp(self) -> int:
+        """Virtual stages per rank V (1: no interleaving)."""
+        return self.stock.vpp
 
 
 def _recompute(args) -> StockRecompute:
@@ -111,23 +177,28 @@ def read_command(command: Union[str, Sequence[str]], world_size: int,
                  dropout_mask_bytes: Optional[int] = 1) -> UserCommand:
     """Parse and validate ``command`` for ``world_size`` GPUs and describe what it runs (``dropout_mask_bytes``:
     CUDA keeps one byte per dropout mask element)."""
-    from .auto_plan import layer_spec_fields, padded_vocab_size
+    from .auto_plan import layer_spec_fields, layer_split, padded_vocab_size
     from .flags import microbatches_per_iteration
 
-    flags = split_flags(command)
+    launcher, flags = split_command(command)
     args = parse_megatron_command(flags, world_size)
+    pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    try:
+        split = layer_split(args)
+        split.stage_layers(args.num_layers, pp, vpp)  # what Megatron would refuse or fail to build, named now
+    except LayoutError as error:
+        raise CommandError(f"--megatron-args: {error}") from error
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
                       dtype_bytes=2 if (args.bf16 or args.fp16) else 4, dropout_mask_bytes=dropout_mask_bytes,
-                      **layer_spec_fields(args))
-    pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
-    vpp = args.virtual_pipeline_model_parallel_size or 1
+                      layer_split=split, **layer_spec_fields(args))
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     stock = StockSetting(pp, vpp, m, group if vpp > 1 and group != pp else None, _recompute(args),
                          bool(getattr(args, "grad_reduce_in_bf16", False)))
-    return UserCommand(tuple(flags), model, args.tensor_model_parallel_size, pp, args.data_parallel_size, m, stock,
-                       getattr(args, "pipeline_schedule", "default") == "pipemesh",
+    return UserCommand(tuple(flags), tuple(launcher), model, args.tensor_model_parallel_size, pp, args.data_parallel_size,
+                       m, stock, getattr(args, "pipeline_schedule", "default") == "pipemesh",
                        bool(args.use_distributed_optimizer), bool(args.sequence_parallel),
-                       bool(getattr(args, "grad_reduce_in_bf16", False)))
+                       bool(getattr(args, "grad_reduce_in_bf16", False)), args.global_batch_size, world_size, args)

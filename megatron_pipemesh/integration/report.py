@@ -85,6 +85,17 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
                       host_bytes)
 
 
+def split_summary(args, config: ScheduleConfig) -> str:
+    """'layers per stage 1 2 2 1' for an uneven split of Megatron's flags ('' when even or unknown)."""
+    from .auto_plan import layer_split
+
+    try:
+        split = layer_split(args)
+        return "" if split.even else split.describe(args.num_layers, config.pp, config.vpp)
+    except (ValueError, TypeError) as error:  # a report must not stop training
+        return f"layer split unknown ({error})"
+
+
 def sharding_summary(args, config: ScheduleConfig, levels) -> str:
     """The levels and the model's weights + grads + optimizer bytes per pipeline rank for them and for ZeRO-1
     everywhere (the runtime prints the measured bytes next to its own prediction at iteration 2)."""
@@ -142,6 +153,9 @@ def plan_line(args, settings) -> str:
               else "given groups" if given.forward_groups else "Megatron's group size")
     parts = [f"p={config.pp} V={config.vpp} m={config.microbatches}", config.group_flags(), f"digest {digest}",
              recompute_summary(plan.placement, config)]
+    split = split_summary(args, config)
+    if split:
+        parts[0] += f" ({split})"
     if plan.sharding:
         parts.append(sharding_summary(args, config, plan.sharding))
     try:

@@ -199,9 +199,9 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
 
 
 def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
-    """V values stock and PipeMesh try: every divisor of the layers per rank (1 = no interleaving)."""
-    per_rank = model.num_layers // pp
-    return [v for v in range(1, per_rank + 1) if per_rank % v == 0]
+    """V values stock and PipeMesh try: every V at which the model's layer split places its layers on p ranks
+    (evenly: every divisor of the layers per rank; 1 = no interleaving)."""
+    return model.layer_split.virtual_sizes(model.num_layers, pp)
 
 
 def iteration_lower_bound(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
@@ -214,5 +214,6 @@ def iteration_lower_bound(model: ModelSpec, cluster: ClusterSpec, pp: int, micro
         if best is None or bound.seconds < best.seconds:
             best = bound
     if best is None:
-        raise ValueError(f"no V divides the {model.num_layers // pp} layers per pipeline rank")
+        split = " ".join(model.layer_split.flags()) or "evenly"
+        raise ValueError(f"no V places the {model.num_layers} layers on {pp} pipeline ranks ({split})")
     return best

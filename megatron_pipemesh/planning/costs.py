@@ -45,6 +45,7 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import FinalCollective
+from .layout import LayerSplit
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 from .topology import GBIT, Topology, topology
 
@@ -61,7 +62,7 @@ class ModelSpec:
     """GPT model shape (Megatron argument names in brackets)."""
 
     num_layers: int = 24
-    """Transformer layers [--num-layers]; must divide evenly over p*V stages."""
+    """Transformer layers [--num-layers], placed on the p*V stages by ``layer_split``."""
     hidden_size: int = 2048
     """Hidden size h [--hidden-size]."""
     num_attention_heads: int = 16
@@ -105,10 +106,18 @@ class ModelSpec:
     """The output layer shares the word embedding (Megatron's default; False with
     --untie-embeddings-and-output-weights): with pipeline parallelism the last stage holds a copy whose
     gradient is all-reduced with stage 0's after the backward."""
+    layer_split: LayerSplit = LayerSplit()
+    """Which stage holds which layers [--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers,
+    --account-for-embedding/loss-in-pipeline-split]; default: evenly."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def stage_layers(self, pp: int, vpp: int) -> Tuple[int, ...]:
+        """Transformer layers of every stage s = c*p + r on p x V stages (:meth:`.layout.LayerSplit.stage_layers`:
+        a LayoutError names the flag where Megatron would refuse the split)."""
+        return self.layer_split.stage_layers(self.num_layers, pp, vpp)
 
     @property
     def kv_width(self) -> int:
@@ -222,12 +231,30 @@ def planning_levels(model: ModelSpec) -> Tuple[Lever, ...]:
     return (DEVICE,) + chosen + (FULL,)
 
 
+@dataclass(frozen=True, eq=False)
+class StageCosts:
+    """What differs between the stages of an uneven layer split (:mod:`.layout`), for one stage."""
+
+    layers: Optional[int]
+    """Transformer layers of the stage (None: those of the chunk :class:`OpCosts` describes)."""
+    scale: float
+    """Its layers over those of the chunk :class:`OpCosts` describes: the forward, the backward, their tensor-parallel
+    collectives and the chunk's data-parallel volume scale with it (the embedding's and output layer's do not)."""
+    activation_bytes: Dict[str, float]
+    """Activation bytes one micro-batch of the stage keeps, per recompute level (first/last-stage extras apart)."""
+    recompute_s: Dict[str, float]
+    """Extra backward time per micro-batch of the stage, per recompute level."""
+    transient_bytes: Dict[str, float]
+    """Bytes a level's recomputation re-creates during the stage's backward."""
+
+
 @dataclass
 class OpCosts:
     """Per-op durations (seconds) and bytes used by the simulator; also works as a direct input."""
 
     forward_s: float
-    """Forward of one chunk on one micro-batch (its tensor-parallel collectives included)."""
+    """Forward of one chunk on one micro-batch (its tensor-parallel collectives included). With an uneven split
+    (``stages``) the chunk of the stage with the most layers; every stage scales it by its :attr:`StageCosts.scale`."""
     backward_s: float
     """Backward of one chunk on one micro-batch (without recompute; its tensor-parallel collectives included)."""
     p2p_s: float
@@ -277,10 +304,19 @@ class OpCosts:
     """(forward, backward) tensor-parallel collectives of stage 0's embedding, on top of its chunk's."""
     last_stage_tp_s: Tuple[float, float] = (0.0, 0.0)
     """(forward, backward) tensor-parallel collectives of the last stage's output layer, on top of its chunk's."""
+    stages: Tuple[StageCosts, ...] = ()
+    """Per stage s = c*p + r of an uneven split: its layers' share of the chunk costs above and its own memory terms;
+    empty: every stage is the chunk above (an even split, or costs given directly)."""
 
     @property
     def dp_total_s(self) -> float:
         return self.dp_reduce_s + self.dp_gather_s
+
+    def stage(self, stage: int) -> StageCosts:
+        """The costs of ``stage`` (the chunk's own when the split is even)."""
+        if self.stages:
+            return self.stages[stage]
+        return StageCosts(None, 1.0, self.activation_bytes, self.recompute_s, self.transient_bytes)
 
 
 def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
@@ -301,11 +337,8 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                    levels: Sequence[str] = BASIC_LEVERS) -> OpCosts:
     """Derive :class:`OpCosts` for ``config`` from the model and cluster, with activation bytes and
     recompute times for every lever in ``levels`` (:class:`.levers.Lever` or its name)."""
-    stages = config.pp * config.vpp
-    if model.num_layers % stages:
-        raise ValueError(f"--num-layers {model.num_layers} does not split evenly over p*V = {stages} stages; "
-                         f"use a multiple of {stages}")
-    layers = model.num_layers // stages
+    stage_layers = model.stage_layers(config.pp, config.vpp)
+    layers = max(stage_layers)  # the chunk the scalar fields describe; the other stages scale it
     s, b, h, t = model.seq_length, model.micro_batch_size, model.hidden_size, cluster.tp
     flops_per_s = cluster.device_tflops * 1e12 * cluster.mfu
     forward = layers * model.layer_forward_flops() / t / flops_per_s
@@ -314,7 +347,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     sp = t if cluster.sequence_parallel else 1
     act_elems = s * b * h / sp
     links = topology(cluster, config.pp)
-    p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s() if config.pp > 1 else 0.0
+    p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s if config.pp > 1 else 0.0
     # One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
     # reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC.
     tp_unit = 0.0
@@ -326,6 +359,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     first_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (tp_unit, 0.0)
     last_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (0.0, tp_unit)
     chunk_params = layers * model.layer_params() / t
+    rank_layers = [sum(stage_layers[c * config.pp + r] for c in range(config.vpp)) for r in range(config.pp)]
     d = cluster.dp
     dp_route = links.dp_route(0)
     dp_bytes_per_s = dp_route.lone_bytes_per_s if dp_route is not None else cluster.dp_gbps * GBIT
@@ -351,6 +385,12 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         embedding = model.vocab_size * h / t * model.grad_bytes / links.embedding_route(0, config.pp - 1).lone_bytes_per_s
     shape = activation_shape(model, cluster)
     levels = tuple(dict.fromkeys((DEVICE,) + tuple(Lever.parse(level) for level in levels)))
+
+    def recompute_s(count: int) -> Dict[str, float]:
+        """Extra backward seconds of each level for a chunk of ``count`` layers (its forward: as ``forward_s``)."""
+        chunk_forward = count * model.layer_forward_flops() / t / flops_per_s + count * tp_layer
+        return {level: level.recompute_seconds(count, chunk_forward, module_s) if count else 0.0 for level in levels}
+
     middle = {level: activation_bytes(shape, layers, level) for level in levels}
     first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}
     last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in levels}
@@ -359,10 +399,16 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                 # Norms are memory-bound: read the input, write the output, twice per layer.
                 "layernorm": 0.0 if model.layer_spec == "te" else 2 * 2 * act_elems * model.dtype_bytes / (cluster.memory_gbs * 1e9)}
 
+    stages: Tuple[StageCosts, ...] = ()
+    if len(set(stage_layers)) > 1:
+        kinds = {count: StageCosts(count, count / layers, {level: activation_bytes(shape, count, level) for level in levels},
+                                   recompute_s(count), {level: transient_bytes(shape, count, level) for level in levels})
+                 for count in set(stage_layers)}
+        stages = tuple(kinds[count] for count in stage_layers)
     static, optimizer = [], []
     bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
     for rank in range(config.pp):
-        params = config.vpp * chunk_params
+        params = rank_layers[rank] * model.layer_params() / t if stages else config.vpp * chunk_params
         if rank == 0:
             params += model.embedding_params() / t
         if rank == config.pp - 1:
@@ -376,12 +422,12 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
         dp_gather_s=gather, latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
         activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
-        recompute_s={level: level.recompute_seconds(layers, forward + tp_forward, module_s) for level in levels},
+        recompute_s=recompute_s(layers),
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
         static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps, network=links,
         embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
-        first_stage_tp_s=first_tp, last_stage_tp_s=last_tp,
+        first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,
     )
 
 
@@ -390,6 +436,18 @@ class ScheduleCosts:
 
     def __init__(self, config: ScheduleConfig, costs: OpCosts, recompute: Optional[Dict[Tuple[int, int, int], str]] = None):
         self.config, self.costs, self.recompute = config, costs, recompute or {}
+        # Per (rank, chunk): its stage's costs (one shared object when the split is even).
+        even = costs.stage(0) if not costs.stages else None
+        self._stages = [[even or costs.stage(config.stage(rank, chunk)) for chunk in range(config.vpp)]
+                        for rank in range(config.pp)]
+
+    def stage_costs(self, rank: int, chunk: int) -> StageCosts:
+        """The costs of the stage ``chunk`` of ``rank`` is."""
+        return self._stages[rank][chunk]
+
+    def transient(self, rank: int, chunk: int, level: str) -> float:
+        """Bytes the recomputation at ``level`` re-creates during a backward of ``chunk`` on ``rank``."""
+        return self._stages[rank][chunk].transient_bytes.get(level, 0.0)
 
     def kept_level(self, rank: int, op: Op) -> Lever:
         """The lever whose bytes and backward time apply (:attr:`.levers.Lever.kept`: 'host' keeps activations whole)."""
@@ -397,7 +455,7 @@ class ScheduleCosts:
 
     def recompute_time(self, rank: int, op: Op) -> float:
         """Extra backward time of the chunk-micro-batch of ``op`` for its recomputation."""
-        return self.costs.recompute_s[self.kept_level(rank, op)]
+        return self._stages[rank][op.chunk].recompute_s[self.kept_level(rank, op)]
 
     def host_copy(self, rank: int, op: Op) -> float:
         """Seconds one direction of the rank's host link is busy with an OFFLOAD / RELOAD of ``op``'s
@@ -415,7 +473,7 @@ class ScheduleCosts:
         first/last-stage extras)."""
         c = self.costs
         stage = self.config.stage(rank, chunk)
-        size = c.activation_bytes[level]
+        size = self._stages[rank][chunk].activation_bytes[level]
         if stage == 0:
             size += c.first_stage_activation_bytes.get(level, 0.0)
         if stage == self.config.num_stages - 1:
@@ -429,9 +487,10 @@ class ScheduleCosts:
         extra = (c.first_stage_extra_s if first else 0.0) + (c.last_stage_extra_s if last else 0.0)
         side = 0 if op.kind is OpKind.FORWARD else 1
         tp = (c.first_stage_tp_s[side] if first else 0.0) + (c.last_stage_tp_s[side] if last else 0.0)
+        scale = self._stages[rank][op.chunk].scale
         if op.kind is OpKind.FORWARD:
-            return c.forward_s + extra + tp
-        return c.backward_s + 2 * extra + tp + self.recompute_time(rank, op)
+            return c.forward_s * scale + extra + tp
+        return c.backward_s * scale + 2 * extra + tp + self.recompute_time(rank, op)
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
         c = self.costs
@@ -458,4 +517,4 @@ class ScheduleCosts:
         extra = (c.first_stage_dp_s if stage == 0 else 0.0) + (c.last_stage_dp_s if stage == self.config.num_stages - 1 else 0.0)
         # The embedding/output parameters split between gather and reduction like the chunk's own.
         share = base / total if total else (0.0 if op.kind is OpKind.PARAM_SYNC else 1.0)
-        return base + extra * share
+        return base * self._stages[rank][op.chunk].scale + extra * share

@@ -10,8 +10,8 @@ reaches its capacity, and freezes them. A lone flow gets min over its resources 
 two flows through one resource and nothing else get half each; a flow held back at the receiver's
 ingress leaves the rest of the sender's egress to the sender's other flows.
 
-Rates change only when a flow starts or ends, and then only in the connected component of the resources
-it touches, so :class:`FairShareNetwork` re-rates that component alone.
+Rates change only when a flow starts or ends; :class:`FairShareNetwork` then re-rates the flows running
+(from a cache of the mixes of routes met before) and gives a new end only to those whose pace changed.
 
 Used by the simulator's engine (:mod:`..schedule.timeline`, through the costs' :class:`.topology.Topology`)
 and by the bench's network check, which measures real flows against :func:`fair_share_finish_times` and
@@ -295,7 +295,7 @@ def _flow_route(flow: Flow, capacity: Sequence[float], out: Mapping[int, int], i
     return make_route(((out[flow.src], 1.0), (into[flow.dst], 1.0)), capacity)
 
 
-def _run(network: FairShareNetwork, pending: List[Tuple[float, int, Route, float]], on_end) -> None:
+def _run(network: FairShareNetwork, pending: List[Tuple[float, Hashable, Route, float]], on_end) -> None:
     """Start ``pending`` (start time, token, route, work) at their times and call ``on_end(t, token)`` for
     each end (it may append to ``pending``), until nothing runs or waits."""
     pending.sort(key=lambda item: (item[0], item[1]))

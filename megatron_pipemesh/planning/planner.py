@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.ops import OpKind
-from .costs import GB, OpCosts, ScheduleCosts
+from .costs import GB, OpCosts, ScheduleCosts, StageCosts
 from ..schedule.levers import BASIC_LEVERS, CATEGORIES, DEVICE, FULL, HOST, KEPT, Lever
 from ..schedule.lower import lower
 from ..schedule.plan import PREDICTION_KEYS, RunPlan
@@ -150,6 +150,10 @@ class PlannerOptions:
     (:func:`.costs.planning_levels` prices the ones that act on the model's layer spec)."""
     max_recompute_rounds: int = 64
     """Re-simulations per candidate while adding recomputation."""
+    fit_limit: Optional[int] = None
+    """Group lists :func:`plan_schedule` fits to the memory at most, the fastest without memory levers first (None:
+    every one whose time without them is below the best fitted time). Fitting re-simulates a candidate once per
+    lever round, so where memory binds it is most of a search; the advice caps it to search many layouts."""
     exhaustive_limit: int = 400
     """Search every pair of group lists when there are at most this many pairs."""
     activation_placement: str = "recompute-only"
@@ -261,11 +265,11 @@ def _allowed(options: PlannerOptions, costs: OpCosts) -> List[Lever]:
     return [Lever.parse(level) for level in options.allow_recompute if level in costs.activation_bytes]
 
 
-def _moves(costs: OpCosts, level: Lever, allowed: Sequence[Lever]) -> List[Tuple[float, float, Lever]]:
+def _moves(costs: StageCosts, level: Lever, allowed: Sequence[Lever]) -> List[Tuple[float, float, Lever]]:
     """(bytes freed per second of recomputation, bytes freed, new level) of every upgrade from
-    ``level`` that frees memory, best ratio first. (A backward's transient recomputation bytes are
-    held once per rank, by the one backward running, not per chunk-micro-batch: the simulation
-    that follows each round accounts for them.)"""
+    ``level`` that frees memory in a chunk-micro-batch of a stage with these ``costs``, best ratio first.
+    (A backward's transient recomputation bytes are held once per rank, by the one backward running, not
+    per chunk-micro-batch: the simulation that follows each round accounts for them.)"""
     have, spent = costs.activation_bytes[level], costs.recompute_s.get(level, 0.0)
     out = []
     for new in allowed:
@@ -305,7 +309,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
             candidates = []
             for wait, chunk, microbatch in _live_at_peak(result, rank):
                 key = (rank, chunk, microbatch)
-                moves = _moves(costs, plan.get(key, DEVICE), allowed)
+                moves = _moves(costs.stage(config.stage(rank, chunk)), plan.get(key, DEVICE), allowed)
                 if moves:
                     ratio, freed, new = moves[0]
                     candidates.append((ratio, wait, freed, key, new))
@@ -394,10 +398,9 @@ class _RankModel:
     def device_peak(self, plan: RecomputePlan, windows) -> Tuple[float, float]:
         """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""
         deltas = []
-        transient = self.adapter.costs.transient_bytes
         for key, (f_start, _, _, _, _, b_start, b_end, _, _) in self.keys.items():
             kept = KEPT[plan.get((self.rank,) + key, DEVICE)]
-            size, extra = self.adapter.bytes_at(self.rank, key[0], kept), transient.get(kept, 0.0)
+            size, extra = self.adapter.bytes_at(self.rank, key[0], kept), self.adapter.transient(self.rank, key[0], kept)
             deltas += [(f_start, size), (b_start, extra), (b_end, -size - extra)]
             if key in windows:
                 deltas += [(windows[key][1], -size), (windows[key][2], size)]
@@ -441,7 +444,6 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
     recomputation it replaces. A host move frees bytes at the peak only if its offload ends before it
     and its reload starts after it, and only within the host budget."""
     rank, adapter = model.rank, model.adapter
-    costs = adapter.costs
     host = {(c, j) for (r, c, j), level in plan.items() if r == rank and level.is_host}
     windows, exposed = model.windows(host)
     host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
@@ -457,7 +459,7 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
         if host_budget < float("inf") and model.host_peak(windows_new) > host_budget:
             return None
         freed = adapter.bytes_at(rank, key[0], level)
-        cost = exposed_new - exposed - costs.recompute_s.get(level, 0.0)
+        cost = exposed_new - exposed - adapter.stage_costs(rank, key[0]).recompute_s.get(level, 0.0)
         return (freed / cost if cost > 1e-12 else float("inf")), freed
 
     heap = []
@@ -473,9 +475,10 @@ def _place_at(model: _RankModel, plan: RecomputePlan, peak_time: float, excess: 
             saved = 0.0
         kept = level.kept
         wait = model.wait_before_backward(key)
+        spent = adapter.stage_costs(rank, key[0]).recompute_s
         for new in allowed if not level.is_host else [new for new in allowed if not new.is_selective]:
             freed = adapter.bytes_at(rank, key[0], kept) - adapter.bytes_at(rank, key[0], new)
-            cost = costs.recompute_s[new] - costs.recompute_s.get(kept, 0.0) - saved
+            cost = spent[new] - spent.get(kept, 0.0) - saved
             if freed > 0:
                 ratio = freed / cost if cost > 1e-12 else float("inf")
                 heapq.heappush(heap, (-ratio, -freed, -wait, key, new))
@@ -527,12 +530,11 @@ def _relieve_host(result: SimulationResult, adapter: ScheduleCosts, plan: Recomp
                 span[0] = c.start
             else:
                 span[1] = c.end
-    smallest = min(allowed, key=lambda level: adapter.costs.activation_bytes[level])
     changed = False
     for _, key in sorted(((end - start, key) for key, (start, end) in held.items() if start <= peak_time < end), reverse=True):
         if excess <= 0:
             break
-        plan[(rank,) + key] = smallest
+        plan[(rank,) + key] = min(allowed, key=lambda level: adapter.bytes_at(rank, key[0], level))
         excess -= host_block_bytes(adapter.bytes_at(rank, key[0], DEVICE))
         changed = True
     return changed
@@ -617,9 +619,9 @@ def _host_moves(plan: Plan, costs: OpCosts, rank: int, options: PlannerOptions, 
     curve = _Curve(result.memory[rank])
     host = {(c, j) for (r, c, j), level in levels.items() if r == rank and Lever.parse(level).is_host}
     _, exposed = model.windows(host)
-    candidates = sorted(((costs.recompute_s.get(level, 0.0), model.wait_before_backward((c, j)), (c, j))
-                         for (r, c, j), level in levels.items()
-                         if r == rank and Lever.parse(level).recomputes and costs.recompute_s.get(level, 0.0) > 0),
+    saved_s = {(c, j): adapter.stage_costs(rank, c).recompute_s.get(level, 0.0)
+               for (r, c, j), level in levels.items() if r == rank and Lever.parse(level).recomputes}
+    candidates = sorted(((saved, model.wait_before_backward(key), key) for key, saved in saved_s.items() if saved > 0),
                         reverse=True)
     chosen = []
     for saved, _, key in candidates:
@@ -634,7 +636,7 @@ def _host_moves(plan: Plan, costs: OpCosts, rank: int, options: PlannerOptions, 
             continue
         level = levels[(rank,) + key]
         whole, kept = adapter.bytes_at(rank, key[0], DEVICE), adapter.bytes_at(rank, key[0], level)
-        transient = costs.transient_bytes.get(level, 0.0)
+        transient = adapter.transient(rank, key[0], level)
         off_end, rel_start = trial_windows[key][1], trial_windows[key][2]
         if max(curve.peak(f_start, off_end), curve.peak(rel_start, b_end)) + whole - kept > plan.budget_bytes:
             continue
@@ -729,7 +731,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     bare.sort(key=lambda item: item[0])
     evaluated, best_time = [], incumbent_s
     for bound, config, costs in bare:
-        if bound > best_time:
+        if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
         plan = fit_with_recompute(config, costs, budget_bytes, options, sharding)
         evaluated.append(plan)

@@ -233,14 +233,14 @@ def chunk_params(model, cluster, config: ScheduleConfig) -> List[List[float]]:
     """Parameters per device of every (rank, chunk): layers / TP, plus the embedding on stage 0 and
     the untied output layer on the last stage (as :func:`.costs.analytic_costs` counts them)."""
     stages = config.pp * config.vpp
-    layers = model.num_layers // stages
+    layers = model.stage_layers(config.pp, config.vpp)
     t = cluster.tp
     out = []
     for rank in range(config.pp):
         row = []
         for chunk in range(config.vpp):
             stage = config.stage(rank, chunk)
-            params = layers * model.layer_params() / t
+            params = layers[stage] * model.layer_params() / t
             if stage == 0:
                 params += model.embedding_params() / t
             if stage == stages - 1:

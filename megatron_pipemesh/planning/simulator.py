@@ -2,7 +2,8 @@
 a memory timeline per rank.
 
 Built on :func:`megatron_pipemesh.schedule.timeline.execute` (the same engine as the deadlock dry
-run), with durations from :class:`~.costs.OpCosts`. Memory per rank = static (weights, grads,
+run), with durations from :class:`~.costs.OpCosts` and, where the costs carry a topology, transfers that
+share its links max-min fairly (:mod:`.network`). Memory per rank = static (weights, grads,
 optimizer) + the activations of every chunk-micro-batch whose forward has started and whose
 backward has not finished, except that a chunk-micro-batch placed on the host (plan level 'host')
 leaves the device when its OFFLOAD copy ends and is back when its RELOAD copy starts; a second
@@ -35,7 +36,8 @@ class RankResult:
     exposed_p2p_s: float
     """Idle time spent waiting for pipeline transfers in flight."""
     exposed_dp_s: float
-    """Idle time waiting for parameter gathers plus the gradient-sync tail after the last backward."""
+    """Idle time waiting for parameter gathers plus the gradient-sync tail after the last backward (the
+    embedding all-reduce of the first and last stage included)."""
     bubble_s: float
     """Idle time that no communication explains (pipeline fill/drain and dependency bubbles)."""
     peak_activation_bytes: float
@@ -156,7 +158,7 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
                 deltas.append((e.start, 1, size))
             else:
                 # Recomputation re-creates activations inside the backward: held from its start.
-                transient = costs.transient_bytes.get(adapter.kept_level(rank, e.op), 0.0)
+                transient = adapter.transient(rank, e.op.chunk, adapter.kept_level(rank, e.op))
                 deltas.append((e.start, 0, transient))
                 deltas.append((e.end, -1, -size - transient))
         host_deltas = []

@@ -48,6 +48,8 @@ from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from ..schedule.spans import SHARD_LEVELS
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
+from .bounds import virtual_sizes
+from .layout import LayerSplit
 from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
 from .simulator import lowering_for, simulate
@@ -307,15 +309,16 @@ def group_sizes(pp: int, microbatches: int) -> List[int]:
     return [g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp]
 
 
-def schedule_options(pp: int, num_layers: int, microbatches: int) -> List[Tuple[int, Optional[int]]]:
-    """(V, g) of every stock schedule: 1F1B and interleaved for every V dividing the layers per rank."""
-    if num_layers % pp:
-        raise ValueError(f"--num-layers {num_layers} must be a multiple of --pipeline-model-parallel-size {pp}")
-    per_rank = num_layers // pp
-    out: List[Tuple[int, Optional[int]]] = [(1, None)]
-    for vpp in range(2, per_rank + 1):
-        if per_rank % vpp == 0:
-            out += [(vpp, g) for g in group_sizes(pp, microbatches)]
+def schedule_options(pp: int, num_layers: int, microbatches: int,
+                     split: LayerSplit = LayerSplit()) -> List[Tuple[int, Optional[int]]]:
+    """(V, g) of every stock schedule: 1F1B and interleaved for every V at which ``split`` places the layers (evenly:
+    every V dividing the layers per rank; a layout: its own V)."""
+    if split.even and num_layers % pp:
+        raise ValueError(f"--num-layers {num_layers} must be a multiple of --pipeline-model-parallel-size {pp}, or give "
+                         "an uneven split (e.g. --pipeline-model-parallel-layout)")
+    out: List[Tuple[int, Optional[int]]] = []
+    for vpp in split.virtual_sizes(num_layers, pp):
+        out += [(1, None)] if vpp == 1 else [(vpp, g) for g in group_sizes(pp, microbatches)]
     return out
 
 
@@ -364,51 +367,88 @@ def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
     the program order (one compute stream per rank, so the order fixes the peak): a forward adds
     its chunk's bytes, a backward holds its recomputation's transient bytes until it frees them.
 
-    The live set at each step is counted once per rank as (chunks, of which stage 0, of which the
-    last stage); each level's peak is then a maximum over those counts."""
+    The live set at each step is counted once per rank as live chunk-micro-batches per kind of chunk
+    (:class:`ChunkKinds`: chunks that hold the same bytes); each level's peak is then a maximum over those counts."""
     schedule = schedule or lower(config, lowering_for(costs))
-    counts = live_states(config, schedule)
-    return {level: _peaks(counts, costs.activation_bytes[level], costs.first_stage_activation_bytes.get(level, 0.0),
-                          costs.last_stage_activation_bytes.get(level, 0.0), costs.transient_bytes.get(level, 0.0))
-            for level in levels}
+    adapter = ScheduleCosts(config, costs)
+    kinds = ChunkKinds.of(config, adapter)
+    counts = live_states(config, schedule, kinds)
+    return {level: _peaks(counts, kinds.bytes_at(adapter, level), kinds.transient(adapter, level)) for level in levels}
+
+
+@dataclass(frozen=True)
+class ChunkKinds:
+    """The chunks of each rank grouped by what one micro-batch of them holds at any level: the same stage costs
+    (layers) and the same first/last-stage extras. An even split has at most three kinds per rank."""
+
+    of_chunk: Tuple[Tuple[int, ...], ...]
+    """Per rank: the kind of each chunk."""
+    chunks: Tuple[Tuple[int, ...], ...]
+    """Per rank: one chunk of each kind, in kind order."""
+
+    @classmethod
+    def of(cls, config: ScheduleConfig, adapter: Optional[ScheduleCosts] = None) -> "ChunkKinds":
+        """The kinds of ``config``'s chunks under ``adapter``'s stage costs (None: every stage alike)."""
+        last = config.num_stages - 1
+        of_chunk, chunks = [], []
+        for rank in range(config.pp):
+            keys: Dict[tuple, int] = {}
+            row = []
+            for chunk in range(config.vpp):
+                stage = config.stage(rank, chunk)
+                costs = id(adapter.stage_costs(rank, chunk)) if adapter is not None else None
+                row.append(keys.setdefault((costs, stage == 0, stage == last), len(keys)))
+            of_chunk.append(tuple(row))
+            chunks.append(tuple(row.index(kind) for kind in range(len(keys))))
+        return cls(tuple(of_chunk), tuple(chunks))
+
+    def bytes_at(self, adapter: ScheduleCosts, level: str) -> List[List[float]]:
+        """Per rank and kind: one micro-batch's activation bytes at ``level``."""
+        return [[adapter.bytes_at(rank, chunk, level) for chunk in chunks] for rank, chunks in enumerate(self.chunks)]
+
+    def transient(self, adapter: ScheduleCosts, level: str) -> List[List[float]]:
+        """Per rank and kind: the bytes recomputation at ``level`` re-creates during a backward."""
+        return [[adapter.transient(rank, chunk, level) for chunk in chunks] for rank, chunks in enumerate(self.chunks)]
 
 
 LiveStates = List[set]
-"""Per rank: every (live chunk-micro-batches, of which stage 0, of which the last stage, in a backward)
-its program order passes through (:func:`live_states`)."""
+"""Per rank: every (live chunk-micro-batches per kind of :class:`ChunkKinds`, the kind in a backward or -1) its
+program order passes through (:func:`live_states`)."""
 
 
-def live_states(config: ScheduleConfig, schedule: LoweredSchedule) -> LiveStates:
+def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
     """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
-    it ends (one compute stream per rank, so the order fixes every peak)."""
-    last_stage = config.num_stages - 1
+    it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
+    by being stage 0 or the last stage only (an even split)."""
+    kinds = kinds or ChunkKinds.of(config)
     counts = []
     for rank in range(config.pp):
-        # Per chunk: (is stage 0, is the last stage); the live counts change by one op at a time.
-        ends = {chunk: (int(config.stage(rank, chunk) == 0), int(config.stage(rank, chunk) == last_stage))
-                for chunk in range(config.vpp)}
-        live = first = last = 0
+        of_chunk = kinds.of_chunk[rank]
+        live = [0] * len(kinds.chunks[rank])
         states = set()
         for op in schedule.programs[rank]:
             kind = op.kind
             if kind is OpKind.FORWARD:
-                is_first, is_last = ends[op.chunk]
-                live, first, last = live + 1, first + is_first, last + is_last
-                states.add((live, first, last, 0))
+                live[of_chunk[op.chunk]] += 1
+                states.add((tuple(live), -1))
             elif kind is OpKind.BACKWARD:
-                is_first, is_last = ends[op.chunk]
-                states.add((live, first, last, 1))
-                live, first, last = live - 1, first - is_first, last - is_last
+                states.add((tuple(live), of_chunk[op.chunk]))
+                live[of_chunk[op.chunk]] -= 1
         counts.append(states)
     return counts
 
 
-def _peaks(counts: LiveStates, middle: float, first: float, last: float, transient: float,
-           in_flight: float = 0.0) -> Tuple[float, ...]:
-    """Per rank: the peak over its live states of ``middle`` per chunk-micro-batch, ``first``/``last`` more for
-    stage 0's and the last stage's, ``transient`` during a backward and ``in_flight`` always."""
-    return tuple(max(n * middle + f * first + e * last + b * transient + in_flight for n, f, e, b in states)
-                 for states in counts)
+def _peaks(counts: LiveStates, held: Sequence[Sequence[float]], transient: Sequence[Sequence[float]],
+           in_flight: Optional[Sequence[float]] = None) -> Tuple[float, ...]:
+    """Per rank: the peak over its live states of ``held[rank][kind]`` per live chunk-micro-batch of that kind,
+    ``transient[rank][kind]`` during a backward of that kind and ``in_flight[rank]`` always."""
+    out = []
+    for rank, states in enumerate(counts):
+        sizes, extra = held[rank], transient[rank]
+        base = in_flight[rank] if in_flight is not None else 0.0
+        out.append(max(sum(n * size for n, size in zip(live, sizes)) + (extra[backward] if backward >= 0 else 0.0) + base
+                       for live, backward in states))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -417,34 +457,43 @@ class OffloadModel:
 
     layer_bytes: float
     """:func:`.memory.offloadable_layer_bytes` of one layer and micro-batch."""
-    layers: int
-    """Layers per model chunk."""
+    layers: Tuple[int, ...]
+    """Layers of each stage (stage order s = c*p + r)."""
     host_link_gbps: float
     """Device-host copy bandwidth per direction (Gbit/s)."""
+    pp: int
+    """Pipeline size p (rank r's chunk c is stage c*p + r)."""
 
     @classmethod
     def of(cls, model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig) -> "OffloadModel":
-        return cls(offloadable_layer_bytes(activation_shape(model, cluster)), model.num_layers // config.num_stages,
-                   cluster.host_link_gbps)
+        return cls(offloadable_layer_bytes(activation_shape(model, cluster)), model.stage_layers(config.pp, config.vpp),
+                   cluster.host_link_gbps, config.pp)
 
-    def chunk_bytes(self, offload: StockOffload) -> float:
-        """Bytes one stored chunk-micro-batch keeps in host memory instead of on the device."""
-        return offload.fraction * self.layers * self.layer_bytes
+    def chunk_bytes(self, offload: StockOffload, rank: int, chunk: int) -> float:
+        """Bytes one stored micro-batch of ``chunk`` on ``rank`` keeps in host memory instead of on the device."""
+        return offload.fraction * self.layers[chunk * self.pp + rank] * self.layer_bytes
 
-    def device_peaks(self, counts: LiveStates, costs: OpCosts, level: str, offload: StockOffload) -> Tuple[float, ...]:
+    def _moved(self, kinds: ChunkKinds, offload: StockOffload) -> List[List[float]]:
+        return [[self.chunk_bytes(offload, rank, chunk) for chunk in chunks] for rank, chunks in enumerate(kinds.chunks)]
+
+    def device_peaks(self, counts: LiveStates, kinds: ChunkKinds, adapter: ScheduleCosts, level: str,
+                     offload: StockOffload) -> Tuple[float, ...]:
         """Per-rank activation peak with ``level`` everywhere and ``offload``: two layers' groups in flight."""
-        return _peaks(counts, costs.activation_bytes[level] - self.chunk_bytes(offload),
-                      costs.first_stage_activation_bytes.get(level, 0.0), costs.last_stage_activation_bytes.get(level, 0.0),
-                      costs.transient_bytes.get(level, 0.0), min(2, self.layers) * self.layer_bytes)
+        held = [[size - moved for size, moved in zip(sizes, moves)]
+                for sizes, moves in zip(kinds.bytes_at(adapter, level), self._moved(kinds, offload))]
+        flight = [min(2, max(self.layers[c * self.pp + r] for c in range(len(kinds.of_chunk[r])))) * self.layer_bytes
+                  for r in range(self.pp)]
+        return _peaks(counts, held, kinds.transient(adapter, level), flight)
 
-    def host_peaks(self, counts: LiveStates, offload: StockOffload) -> Tuple[float, ...]:
+    def host_peaks(self, counts: LiveStates, kinds: ChunkKinds, offload: StockOffload) -> Tuple[float, ...]:
         """Per-rank peak of the offloaded bytes in host memory."""
-        return _peaks(counts, self.chunk_bytes(offload), 0.0, 0.0, 0.0)
+        moved = self._moved(kinds, offload)
+        return _peaks(counts, moved, [[0.0] * len(row) for row in moved])
 
     def busy_s(self, config: ScheduleConfig, offload: StockOffload) -> float:
-        """Seconds a rank's host link needs per iteration and direction: every chunk-micro-batch's copy."""
-        total = config.microbatches * config.vpp * self.chunk_bytes(offload)
-        return total * 8 / (self.host_link_gbps * 1e9)
+        """Seconds the busiest rank's host link needs per iteration and direction: every chunk-micro-batch's copy."""
+        total = max(sum(self.chunk_bytes(offload, rank, chunk) for chunk in range(config.vpp)) for rank in range(config.pp))
+        return config.microbatches * total * 8 / (self.host_link_gbps * 1e9)
 
 
 def uniform_plan(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
@@ -472,10 +521,12 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
             raise ValueError("stock offloading is modelled with the distributed optimizer only and needs its OffloadModel")
         schedule = schedule or lower(config, lowering_for(costs))
         result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule)
-        counts = live_states(config, schedule)
+        adapter = ScheduleCosts(config, costs)
+        kinds = ChunkKinds.of(config, adapter)
+        counts = live_states(config, schedule, kinds)
         return StockResult(setting, max(result.iteration_s, offload.busy_s(config, setting.offload)),
-                           offload.device_peaks(counts, costs, setting.recompute.level, setting.offload),
-                           tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, setting.offload))
+                           offload.device_peaks(counts, kinds, adapter, setting.recompute.level, setting.offload),
+                           tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, kinds, setting.offload))
     result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding)
     if sharding is None:
         return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
@@ -555,7 +606,7 @@ class _Candidate(NamedTuple):
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
-             host_limit: Optional[float] = None) -> List[_Choice]:
+             host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
@@ -567,11 +618,14 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
 
     Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
     activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
-    option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits."""
+    option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits. ``vpps``: only
+    these V (default: every V of :func:`schedule_options`)."""
     out = []
     limits = _per_rank(budget, pp)
-    for vpp, g in schedule_options(pp, model.num_layers, microbatches):
-        options = recompute_options(model.num_layers // (pp * vpp), model.layer_spec)
+    for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
+        if vpps is not None and vpp not in vpps:
+            continue
+        options = recompute_options(max(model.stage_layers(pp, vpp)), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in options])
         config = probe.config()
@@ -579,15 +633,17 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
         offload, offloads = None, []
         if host_limit is not None and model.layer_spec == "te":
-            counts = live_states(config, schedule)
+            adapter = ScheduleCosts(config, costs)
+            kinds = ChunkKinds.of(config, adapter)
+            counts = live_states(config, schedule, kinds)
             offload = OffloadModel.of(_model_for(model, probe), cluster, config)
             for option in options:
                 if option.granularity == "full":
                     continue
                 for fraction in OFFLOAD_FRACTIONS:
                     moved = StockOffload(fraction)
-                    if all(host <= host_limit for host in offload.host_peaks(counts, moved)):
-                        offloads.append((option, moved, offload.device_peaks(counts, costs, option.level, moved)))
+                    if all(host <= host_limit for host in offload.host_peaks(counts, kinds, moved)):
+                        offloads.append((option, moved, offload.device_peaks(counts, kinds, adapter, option.level, moved)))
         for level in sharding:
             setting = dataclasses.replace(probe, sharding=level)
             shard = sharding_model(setting, model, cluster)
@@ -674,7 +730,8 @@ BOUND_SLACK = 1e-9
 
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
-               host_limit: Optional[float] = None) -> Optional[StockResult]:
+               host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
+               incumbent_s: float = float("inf")) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
     ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
@@ -683,11 +740,13 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
     :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
     compute bound already exceeds the fastest time found: they are simulated in order of that bound
-    (sharding changes static memory and communication, never compute, so the bound holds at every level)."""
-    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit)
+    (sharding changes static memory and communication, never compute, so the bound holds at every level).
+    ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
+    simulated (None if none can beat it)."""
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
-        if best is not None and choice.lower_bound_s * (1 - BOUND_SLACK) > best[0]:
+        if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):
             break
         result = _simulated(choice, budget, best[0] if best else float("inf"))
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
@@ -709,10 +768,10 @@ def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
     per rank, each with the first recomputation of :func:`default_recompute_ladder` that fits ``budget``; no
     offloading. Simulated; the schedules where nothing fits (or g = p is not allowed) are left out."""
     out = []
-    for vpp, g in schedule_options(pp, model.num_layers, microbatches):
+    for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
         if g not in (None, pp):
             continue
-        ladder = default_recompute_ladder(model.num_layers // (pp * vpp))
+        ladder = default_recompute_ladder(max(model.stage_layers(pp, vpp)))
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in ladder])
         config = probe.config()
@@ -732,8 +791,11 @@ def default_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches:
     return min(results, key=lambda r: r.iteration_s) if results else None
 
 
-def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float) -> Tuple[float, ...]:
+def activation_budget(model: ModelSpec, cluster: ClusterSpec, pp: int, memory_bytes: float,
+                      vpp: Optional[int] = None) -> Tuple[float, ...]:
     """Activation bytes per rank left by ``memory_bytes`` of device memory after the static bytes
-    (weights, gradients, optimizer state; the same for every V and schedule)."""
-    costs = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, 1, pp))
+    (weights, gradients, optimizer state; the same for every V and schedule of one layer split; ``vpp``: the V to
+    place the split at, default the first V it has)."""
+    vpp = vpp or virtual_sizes(model, pp)[0]
+    costs = analytic_costs(model, cluster, ScheduleConfig.depth_first(pp, vpp, pp))
     return tuple(memory_bytes - static for static in costs.static_bytes)

@@ -64,6 +64,8 @@ class Topology:
     """(src, dst) pipeline links whose devices share a node."""
     tp_gbps: float
     """Rate of one device's tensor-parallel collectives (Gbit/s)."""
+    slowest_p2p_bytes_per_s: float
+    """Lone rate of the slowest pipeline link (bytes/s; inf with one stage)."""
     rates: RateCache = field(default_factory=RateCache, compare=False, repr=False)
     """The fair-share rates of every mix of routes met so far, shared by the networks of this topology."""
 
@@ -87,12 +89,7 @@ class Topology:
 
     def p2p_speedup(self, src: int, dst: int) -> float:
         """How much faster a lone send runs on link (src, dst) than on the slowest pipeline link."""
-        slowest = min(route.lone_bytes_per_s for route in self.p2p.values())
-        return self.p2p_route(src, dst).lone_bytes_per_s / slowest
-
-    def slowest_p2p_bytes_per_s(self) -> float:
-        """Lone rate of the slowest pipeline link (bytes/s; inf with one stage)."""
-        return min((route.lone_bytes_per_s for route in self.p2p.values()), default=float("inf"))
+        return self.p2p_route(src, dst).lone_bytes_per_s / self.slowest_p2p_bytes_per_s
 
     def describe(self) -> str:
         """One line per resource with its capacity (Gbit/s)."""
@@ -192,4 +189,5 @@ def topology(cluster, pp: int) -> Topology:
         tp = cluster.intra_node_gbps if cluster.intra_node_gbps is not None else cluster.dp_gbps
     else:
         tp = cluster.nic_gbps / node if cluster.nic_gbps is not None else cluster.dp_gbps
-    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp)
+    slowest = min((route.lone_bytes_per_s for route in p2p.values()), default=float("inf"))
+    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, slowest)

@@ -28,6 +28,9 @@ Per row:
   memory) with free pipeline and data-parallel communication and the planner's placement (the host
   link keeps its cost), best over V;
 * ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh;
+* commodity rows: ``advice_best_layout``, what ``pipemesh plan --megatron-args`` would advise (PipeMesh over every
+  TP x PP x DP of the row's GPUs, V and layer split: :func:`..planning.advice.search_layouts`), and
+  ``advice_ratio_to_default`` = ``default``'s time / its time (median, min, max in the summary);
 * ``tight_bound_s``: the least iteration of any exact synchronous schedule of the layout with the same costs,
   memory ignored (:func:`..planning.bounds.iteration_lower_bound`, best over V; also ``bound``), and
   ``fraction_of_tight_bound`` = it / PipeMesh; ``tight_bound_with_memory_s``: the same bound at PipeMesh's V
@@ -74,8 +77,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout, candidates, search_layouts
 from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
 from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
@@ -246,6 +251,7 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     out["host_link_gbps"], out["host_memory_gb"] = cluster.host_link_gbps, HOST_MEMORY_GB
     out["pipemesh_recompute_only"] = _plan_row(alone)
     out["placement_speedup"] = alone.result.iteration_s / plan.result.iteration_s if (plan and alone) else None
+    unsharded = plan
     if sharding:
         # Stock's uniform levels beyond ZeRO-1, and PipeMesh's mixed levels against the unsharded plan.
         out["best_stock_unsharded"] = _stock_row(stock)
@@ -267,12 +273,66 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
     out["ratio_to_default"] = _ratio(default, plan)
     out["ratio_to_best_stock"] = _ratio(stock, plan)
     out["fraction_of_limit"] = limit / pm if (pm and limit) else None
+    if row.regime == "commodity":  # what `pipemesh plan --megatron-args` would advise instead of Megatron's default
+        started = time.process_time()  # CPU seconds: what the row costs, however loaded the machine
+        best_layout = advice_best_layout(row, model, cluster, unsharded)
+        out["advice_best_layout"] = best_layout
+        out["advice_ratio_to_default"] = (default.iteration_s / best_layout["iteration_s"]
+                                          if (default and best_layout) else None)
+        out["advice_cpu_s"] = time.process_time() - started
     out["tight_bound_s"] = bound.seconds
     out["fraction_of_tight_bound"] = bound.seconds / pm if pm else None
     with_memory = memory_bound(model, cluster, plan) if plan else None
     out["tight_bound_with_memory_s"] = with_memory
     out["fraction_of_tight_bound_with_memory"] = with_memory / pm if pm else None
     return out
+
+
+ADVICE_CANDIDATES = 1
+"""(layout, V, split) candidates the study's advice simulates at most per row, the least bound first: each costs
+seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), the bound leaves dozens below the incumbent on
+the large rows, and the commodity study must stay within 20 minutes with two jobs (with 3, the GPT-13B TP2 40 GB row's
+advice took 87 CPU-seconds, its whole row 123). The least-bound candidate was the full search's best on the GPT-1.3B
+row and 2.4% slower than it on the GPT-13B row. The best layout found is a real plan, so the ratio is a floor of the
+full search's (``advice_complete`` says whether the search ended by the bound)."""
+
+
+def advice_cluster(row: StudyRow, cluster: ClusterSpec) -> AdviceCluster:
+    """The cluster of ``row`` as ``pipemesh plan --megatron-args`` describes one: its nodes (a TP group never spans
+    one), their NIC, the row's device, host memory and links (:func:`.rows.row_specs`)."""
+    gpus = row.tp * row.pp * row.dp
+    return AdviceCluster(nodes=gpus // cluster.devices_per_node, gpus_per_node=cluster.devices_per_node,
+                         nic_gbps=cluster.nic_gbps, intra_node_gbps=cluster.intra_node_gbps,
+                         device_memory_gb=row.memory_gb, device_tflops=cluster.device_tflops, mfu=cluster.mfu,
+                         host_memory_gb=HOST_MEMORY_GB, host_link_gbps=cluster.host_link_gbps,
+                         nic_via_host=cluster.nic_via_host, latency_us=cluster.latency_us)
+
+
+def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, plan) -> Optional[dict]:
+    """The advice's ``best_layout`` for ``row`` (PipeMesh over every TP x PP x DP of its GPUs, V and layer split;
+    :func:`..planning.advice.search_layouts`, PipeMesh's side only), started from ``plan``, PipeMesh's plan for the
+    row's own layout (an even split, so one of the advice's candidates): only a candidate whose bound is below its time
+    is simulated, :data:`ADVICE_CANDIDATES` at most. None if no PipeMesh plan fits anywhere."""
+    problem = AdviceProblem(model, ParallelLayout(row.tp, row.pp, row.dp), plan.config.vpp if plan else 1,
+                            row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
+                            grad_reduce_in_bf16=row.grad_reduce_in_bf16)
+    advice = advice_cluster(row, cluster)
+    searched: Dict[str, int] = {}
+    best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,
+                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), searched=searched,
+                             max_simulated=ADVICE_CANDIDATES)
+    complete = {"advice_simulated": searched["pipemesh"], "advice_complete": not searched.get("capped")}
+    if best is not None:
+        return {**complete, "layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp,
+                "dp": best.layout.dp,
+                "vpp": best.vpp, "stage_layers": list(best.stage_layers), "describe": best.describe(),
+                "iteration_s": best.iteration_s}
+    if plan is None:
+        return None
+    return {**complete, "layout": problem.layout.describe(), "tp": row.tp, "pp": row.pp, "dp": row.dp,
+            "vpp": plan.config.vpp,
+            "stage_layers": list(model.stage_layers(row.pp, plan.config.vpp)),
+            "describe": f"the row's layout: {plan.config.group_flags()}", "iteration_s": plan.result.iteration_s}
 
 
 def memory_bound(model: ModelSpec, cluster: ClusterSpec, plan) -> float:
@@ -356,7 +416,7 @@ def summary(rows: Sequence[dict]) -> Dict[str, float]:
                                              if commodity else math.nan),
             "median_headroom_commodity": _median(r["headroom"] for r in commodity if r.get("headroom")),
             "min_ratio_commodity": min(ratios) if ratios else math.nan,
-            **_against_default_and_bound(commodity, "commodity"),
+            **_against_default_and_bound(commodity, "commodity"), **_advice_summary(commodity),
             **_spec_summary(commodity), **_sharding_summary(commodity)}
 
 
@@ -371,6 +431,15 @@ def _against_default_and_bound(rows: Sequence[dict], name: str) -> Dict[str, flo
                                                               if r.get("fraction_of_tight_bound")),
             f"median_fraction_of_tight_bound_with_memory_{name}": _median(
                 r["fraction_of_tight_bound_with_memory"] for r in rows if r.get("fraction_of_tight_bound_with_memory"))}
+
+
+def _advice_summary(commodity: Sequence[dict]) -> Dict[str, float]:
+    """Median and range over the commodity rows of ``advice_ratio_to_default``: the advice's best layout with PipeMesh
+    against Megatron's default command for the row's layout."""
+    ratios = [r["advice_ratio_to_default"] for r in commodity if r.get("advice_ratio_to_default")]
+    return {"median_advice_ratio_to_default_commodity": _median(ratios),
+            "min_advice_ratio_to_default_commodity": min(ratios) if ratios else math.nan,
+            "max_advice_ratio_to_default_commodity": max(ratios) if ratios else math.nan}
 
 
 def _spec_summary(commodity: Sequence[dict]) -> Dict[str, float]:

@@ -26,3 +26,10 @@ def test_unknown_flags_and_refused_commands_are_named():
         read_command(TINY + " --fast-mode 3", world_size=4)
     with pytest.raises(CommandError, match="validate_args rejects the command on 3 GPUs"):
         read_command(TINY, world_size=3)
+
+
+def test_tensor_parallel_commands_validate_without_a_local_gpu():
+    """Planning a TP = 2 command on a machine without CUDA: Megatron's validate_args would read the local GPU's
+    architecture; the command itself is what is validated."""
+    user = read_command(TINY + " --tensor-model-parallel-size 2", world_size=8)
+    assert (user.tp, user.pp, user.dp) == (2, 2, 2)

@@ -211,7 +211,7 @@ def test_offload_frees_the_attention_inputs_of_every_stored_chunk():
     # Rank 0's peak stores the most chunk-micro-batches its program order ever holds (2 layers each).
     config = StockSetting(2, 2, 8, 8).config()
     costs = analytic_costs(TE, CLUSTER, config)
-    live = max(n for n, _, _, _ in live_states(config, lower(config, lowering_for(costs)))[0])
+    live = max(sum(counts) for counts, _ in live_states(config, lower(config, lowering_for(costs)))[0])
     assert live == 11  # Megatron's warm-up bounds what g = m holds at once
     assert moved.peak_activation_bytes[0] == pytest.approx(plain.peak_activation_bytes[0] - live * 2 * layer + 2 * layer)
     assert moved.host_peak_bytes[0] == pytest.approx(live * 2 * layer)

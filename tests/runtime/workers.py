@@ -46,6 +46,24 @@ def stock_vs_pipemesh(pp: int, vp: int, microbatches: int, groups: Dict[str, Opt
     return results
 
 
+def stock_vs_pipemesh_split(pp: int, vp: int, microbatches: int, num_layers: int, split: Dict[str, object],
+                            groups: Dict[str, Optional[List[List[int]]]]):
+    """:func:`stock_vs_pipemesh` on a model whose layers Megatron places by ``split`` (TransformerConfig fields:
+    ``pipeline_model_parallel_layout``, ``num_layers_in_first/last_pipeline_stage``); also returns the layers every
+    chunk of this rank built (``layers``, per chunk)."""
+    h.init_parallel(pp=pp, vp=vp)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
+
+    spec = h.TinyGPT(num_layers=num_layers, config_overrides=dict(split))
+    model = h.build_model(spec)
+    results = {"stock": h.run_schedule(get_forward_backward_func(), model, spec, microbatches)}
+    for name, pair in groups.items():
+        results[name] = h.run_schedule(make_pipemesh(*(pair or (None, None))), model, spec, microbatches)
+    results["layers"] = [len(get_attr_wrapped_model(chunk, "decoder").layers) for chunk in model]
+    return results
+
+
 def single_rank_reference(num_layers: int, microbatches: int, replicas: int = 1):
     """The whole model on one rank through Megatron's no-pipelining schedule, on the micro-batches of
     ``replicas`` data-parallel replicas one after the other (what their averaged gradients must equal)."""

@@ -155,3 +155,22 @@ def test_cli_study_sharding_flag(tiny, monkeypatch, capsys):
     assert cli.main(["study", "--json", "--sharding"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert {"best_stock_unsharded", "pipemesh_unsharded", "ratio_without_sharding"} <= set(row)
+
+
+def test_advice_ratio_to_default(tiny):
+    """A commodity row reports the advice's best layout with PipeMesh (over every TP x PP x DP of its 4 GPUs, V and
+    split): never slower than PipeMesh on the row's own layout (it is one of the candidates and the incumbent), so
+    its ratio to Megatron's default command is at least ratio_to_default; the summary gives median, min and max."""
+    row = run_row(StudyRow("commodity", tiny, 1, 2, 2, 16, 1.8, 10.0))
+    best = row["advice_best_layout"]
+    assert best["tp"] * best["pp"] * best["dp"] == 4
+    assert 0 <= best["advice_simulated"] <= study.ADVICE_CANDIDATES and isinstance(best["advice_complete"], bool)
+    assert best["iteration_s"] <= row["pipemesh_auto"]["iteration_s"] * (1 + 1e-9)
+    assert row["advice_ratio_to_default"] == pytest.approx(row["default"]["iteration_s"] / best["iteration_s"])
+    assert row["advice_ratio_to_default"] >= row["ratio_to_default"] * (1 - 1e-9)
+    assert row["advice_cpu_s"] >= 0
+    other = dict(row, advice_ratio_to_default=2 * row["advice_ratio_to_default"])
+    out = summary([row, other, dict(row, regime="datacentre", advice_ratio_to_default=None)])
+    assert out["min_advice_ratio_to_default_commodity"] == row["advice_ratio_to_default"]
+    assert out["max_advice_ratio_to_default_commodity"] == other["advice_ratio_to_default"]
+    assert out["median_advice_ratio_to_default_commodity"] == pytest.approx(1.5 * row["advice_ratio_to_default"])

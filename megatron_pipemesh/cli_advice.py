@@ -1,0 +1,273 @@
+"""``pipemesh plan --megatron-args "<your pretrain_gpt.py flags>"``: what to run on your cluster.
+
+    pipemesh plan --megatron-args "--num-layers 24 ... --pipeline-model-parallel-size 4" \
+        --nodes 2 --gpus-per-node 8 --nic-gbps 25 --gpu A10G [--host-memory-gb 48] [--json]
+    pipemesh plan --nodes 2 --gpus-per-node 8 --nic-gbps 25 --gpu A10G -- --num-layers 24 ...
+
+The command is read by Megatron's own parser (:mod:`.integration.megatron_command`) for the cluster's GPU count; the
+search is :func:`.planning.advice.advise`; each row's flags are the user's with only the changed ones replaced
+(:mod:`.integration.command_flags`). This module is the argument plumbing and the report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .cli_common import UsageError, positive_int, positive_number
+from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB
+
+MEGATRON_ARGS = "--megatron-args"
+
+
+def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pipemesh plan --megatron-args`` (the user's command and the cluster)."""
+    parser.add_argument(MEGATRON_ARGS, metavar='"FLAGS"', default=None,
+                        help="the flags of your pretrain_gpt.py command, in one quoted string (a launcher and script "
+                             "before them are allowed: 'torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers ...'); "
+                             "or give them after --")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--nodes", type=positive_int, required=True, help="nodes")
+    cluster.add_argument("--gpus-per-node", type=positive_int, required=True, help="GPUs per node (behind one NIC)")
+    cluster.add_argument("--nic-gbps", type=positive_number, required=True,
+                         help="one node's network interface, Gbit/s per direction (shared by all its GPUs)")
+    cluster.add_argument("--intra-node-gbps", type=positive_number, default=100.0,
+                         help="per-GPU bandwidth between the GPUs of a node, Gbit/s (default 100: PCIe; NVLink ~2400)")
+    cluster.add_argument("--gpu", metavar="MODEL", default=None,
+                         help="GPU model (peak TFLOP/s and memory from the known table, e.g. A10G, L4, A100-40GB, H100)")
+    cluster.add_argument("--device-memory-gb", type=positive_number, default=None,
+                         help="memory of one GPU, GiB (default: --gpu's); one of the two is required")
+    cluster.add_argument("--device-tflops", type=positive_number, default=None,
+                         help="dense 16-bit peak TFLOP/s of one GPU (default: --gpu's; without either, this machine's "
+                              "measured matmul rate, said in the output)")
+    cluster.add_argument("--mfu", type=positive_number, default=None,
+                         help="fraction of the peak the layers reach (default 0.45; 1 for a measured rate)")
+    cluster.add_argument("--host-memory-gb", type=positive_number, default=None,
+                         help="host memory per GPU for offloaded activations, GiB (default: no offloading on either side)")
+    cluster.add_argument("--host-link-gbps", type=positive_number, default=DEFAULT_HOST_LINK_GBPS,
+                         help=f"device-host copy bandwidth per GPU and direction, Gbit/s (default {DEFAULT_HOST_LINK_GBPS:g})")
+    cluster.add_argument("--gpudirect-rdma", action="store_true",
+                         help="the NIC reads GPU memory directly (default: network traffic is staged through host "
+                              "memory, as on commodity clouds)")
+    parser.add_argument("--json", action="store_true", help="one JSON object: the rows, the notes, the search")
+
+
+def build_advice_parser() -> argparse.ArgumentParser:
+    """The parser of ``pipemesh plan --megatron-args`` (its own: none of plan's model flags apply here)."""
+    parser = argparse.ArgumentParser(prog="pipemesh plan", description=(
+        "From your pretrain_gpt.py command and your cluster: the best stock flags and PipeMesh for your layout, and "
+        "the best parallel layout for the same GPUs, with the predicted iteration time and peak memory per rank."))
+    add_advice_arguments(parser)
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> Tuple[List[str], Optional[List[str]]]:
+    """(plan's own words, the Megatron flags after ``--`` or None when there is no ``--``)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def wants_advice(argv: Sequence[str]) -> bool:
+    """``plan`` with the user's command (``--megatron-args`` or flags after ``--``)."""
+    own, tail = split_argv(argv)
+    return tail is not None or any(w == MEGATRON_ARGS or w.startswith(MEGATRON_ARGS + "=") for w in own)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The device's compute rate for the advice and where it came from."""
+
+    tflops: float
+    """TFLOP/s of one device."""
+    mfu: float
+    """Fraction of it the layers reach."""
+    source: str
+    """Where the rate came from, said in the output."""
+    given: bool
+    """Given by the user (--device-tflops or --gpu), so a PipeMesh row's placement flags tell the runtime too."""
+
+
+def _device(args) -> Tuple[float, Rate]:
+    """(device memory GiB, compute rate) from --gpu / --device-memory-gb / --device-tflops / --mfu, checked."""
+    from .planning.devices import find_device, known_names
+
+    device = None
+    if args.gpu is not None:
+        device = find_device(args.gpu)
+        if device is None:
+            raise UsageError(f"--gpu {args.gpu}: not a known GPU model ({known_names()}). Give --device-memory-gb and "
+                             "--device-tflops instead, e.g. --device-memory-gb 24 --device-tflops 125")
+    memory = args.device_memory_gb or (device.memory_gb if device else None)
+    if memory is None:
+        raise UsageError("--device-memory-gb (the memory of one GPU, GiB) or --gpu MODEL is required. "
+                         "Example: --device-memory-gb 24, or --gpu A10G")
+    if args.mfu is not None and args.mfu > 1:
+        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu 0.45")
+    if args.device_tflops or device:
+        tflops = args.device_tflops or device.peak_tflops
+        where = "--device-tflops" if args.device_tflops else f"--gpu {device.name}"
+        mfu = args.mfu if args.mfu is not None else 0.45
+        return memory, Rate(tflops, mfu, f"{tflops:g} TFLOP/s peak ({where}) at MFU {mfu:g}", True)
+    from .integration.auto_plan import measured_cpu_tflops
+
+    rate = measured_cpu_tflops()
+    mfu = args.mfu if args.mfu is not None else 1.0  # a measured rate is an achieved one
+    return memory, Rate(rate, mfu, f"this machine's measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s (no "
+                                   "--device-tflops or --gpu given)", False)
+
+
+def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
+    if tail is not None and args.megatron_args is not None:
+        raise UsageError(f"the command is given twice ({MEGATRON_ARGS} and after --): give it once")
+    if tail is not None:
+        return tail
+    if not args.megatron_args or not args.megatron_args.strip():
+        raise UsageError(f'{MEGATRON_ARGS} needs the flags of your pretrain_gpt.py command. Example: {MEGATRON_ARGS} '
+                         '"--num-layers 24 --hidden-size 2048 ... --pipeline-model-parallel-size 4"')
+    try:
+        return shlex.split(args.megatron_args)
+    except ValueError as error:
+        raise UsageError(f"{MEGATRON_ARGS}: the quoted flags do not split as a shell would ({error})") from error
+
+
+def problem_and_cluster(args, words: Sequence[str]):
+    """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``."""
+    from .integration.megatron_command import CommandError, read_command
+    from .planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
+    from .schedule.config import ScheduleConfig
+
+    memory, rate = _device(args)
+    gpus = args.nodes * args.gpus_per_node
+    try:
+        user = read_command(list(words), world_size=gpus)
+    except CommandError as error:
+        raise UsageError(str(error)) from error
+    if user.pp < 2:
+        raise UsageError(f"{MEGATRON_ARGS}: --pipeline-model-parallel-size {user.pp}: the advice prices pipelines "
+                         "(PP >= 2, the schedules PipeMesh and stock interleaving choose between); give your command "
+                         "with --pipeline-model-parallel-size 2 or more")
+    if user.tp > args.gpus_per_node or args.gpus_per_node % user.tp:
+        raise UsageError(f"{MEGATRON_ARGS}: --tensor-model-parallel-size {user.tp} does not fit inside a node of "
+                         f"--gpus-per-node {args.gpus_per_node}: the advice keeps TP inside a node")
+    a = user.args
+    pipemesh = None
+    if user.pipemesh and list(a.forward_groups or []) != ["auto"]:
+        pipemesh = ScheduleConfig(user.pp, user.vpp, user.microbatches, tuple(a.forward_groups or ()),
+                                  tuple(a.backward_groups or ()))
+    problem = AdviceProblem(
+        model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp), vpp=user.vpp,
+        global_batch=user.global_batch_size, stock=None if user.pipemesh else user.stock, pipemesh=pipemesh,
+        sequence_parallel=user.sequence_parallel, distributed_optimizer=user.distributed_optimizer,
+        grad_reduce_in_bf16=user.grad_reduce_in_bf16,
+        # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2.
+        interleaving_at_two=bool(getattr(a, "overlap_p2p_comm", True)),
+        vocab_multiple=getattr(a, "make_vocab_size_divisible_by", 128) or 1,
+        vocab_size=getattr(a, "vocab_size", None),
+        # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.
+        max_tp=None if rate.given else 1)
+    cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
+                            intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
+                            mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
+                            nic_via_host=not args.gpudirect_rdma)
+    return user, problem, cluster, rate
+
+
+def row_flags(user, row, problem, cluster, rate) -> List[str]:
+    """The complete flags of ``row``: the user's with the row's replacing what it changes."""
+    from .integration.command_flags import REPLACED, expand_aliases, pipemesh_flags, replace_flags, stock_flags
+    from .integration.megatron_command import option_aliases
+
+    if row.name == "user":
+        return list(user.flags)
+    if row.plan is not None:
+        off_device = row.plan.recompute_share > 0 or any(r.host_placed for r in row.plan.result.ranks)
+        new = pipemesh_flags(row.plan.config, row.layout.tp, row.split, problem.grad_reduce_in_bf16,
+                             cluster.budget_bytes / GB if off_device else None, cluster.host_memory_gb,
+                             rate.tflops if rate.given else None)
+    else:
+        new = stock_flags(row.stock, row.layout.tp, row.split)
+    return replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new)
+
+
+def report(user, problem, cluster, rate, advice) -> Dict:
+    """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags)."""
+    from .planning.advice import ROWS, tokens_per_s
+
+    user_row = advice.rows["user"]
+    rows: Dict[str, Optional[dict]] = {}
+    for name in ROWS:
+        row = advice.rows.get(name)
+        if row is None:
+            rows[name] = None
+            continue
+        flags = row_flags(user, row, problem, cluster, rate)
+        rows[name] = {
+            "flags": flags, "command": shlex.join(list(user.launcher) + flags),
+            "schedule": row.schedule, "describe": row.describe(),
+            "tp": row.layout.tp, "pp": row.layout.pp, "dp": row.layout.dp, "vpp": row.vpp,
+            "stage_layers": list(row.stage_layers), "microbatches": row.microbatches,
+            "predicted_iteration_s": row.iteration_s, "tokens_per_s": tokens_per_s(problem, row),
+            "peak_memory_gb": [p / GB for p in row.peak_memory_bytes], "fits": row.fits,
+            "ratio_to_user": user_row.iteration_s / row.iteration_s,
+            "compute_s_per_rank": list(row.compute_s), "keeps_user_layout": row.keeps(user_row)}
+    best = advice.best()
+    return {"rows": rows, "run": best.name if best else None,
+            "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
+            "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.searched),
+            "search_s": advice.seconds, "search_cpu_s": advice.cpu_seconds}
+
+
+def text(out: Dict) -> str:
+    """The ranked table, the notes and the one command to run."""
+    from .planning.advice import ROWS
+
+    present = [(name, out["rows"][name]) for name in ROWS if out["rows"][name] is not None]
+    ranked = sorted(present, key=lambda item: (not item[1]["fits"], item[1]["predicted_iteration_s"]))
+    lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}",
+             f"{out['candidates']} layouts x V x splits bounded, simulated {out['simulated']['pipemesh']} (PipeMesh) "
+             f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
+    header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
+    lines += [header, "-" * len(header)]
+    for name, row in ranked:
+        lines.append(f"{name:<18} {row['predicted_iteration_s']:>9.3f} {row['tokens_per_s']:>10.0f} "
+                     f"{max(row['peak_memory_gb']):>9.2f} {'yes' if row['fits'] else 'NO':>4} "
+                     f"{row['ratio_to_user']:>7.2f}  {row['describe']}")
+    user = out["rows"]["user"]
+    if not user["fits"]:
+        fitting = ", ".join(name for name, row in ranked if row["fits"]) or "none"
+        lines.append(f"\nyour command does not fit: peak {max(user['peak_memory_gb']):.2f} GiB per GPU > budget "
+                     f"{out['budget_gb_per_gpu']:.2f} GiB; rows that fit: {fitting}")
+    for note in out["notes"]:
+        lines.append(f"note: {note}")
+    if out["run"] is None:
+        lines.append("\nno row fits the memory: use more GPUs, a smaller --micro-batch-size, or --host-memory-gb")
+    else:
+        lines.append(f"\nrun ({out['run']}):\n{out['rows'][out['run']]['command']}")
+    return "\n".join(lines)
+
+
+def cmd_advice(argv: Sequence[str]) -> int:
+    """``pipemesh plan --megatron-args ...`` from its words (after ``plan``)."""
+    from .planning.advice import advise
+    from .planning.planner import NoFeasiblePlan
+
+    own, tail = split_argv(argv)
+    args = build_advice_parser().parse_args(own)
+    words = _megatron_words(args, tail)
+    user, problem, cluster, rate = problem_and_cluster(args, words)
+    try:
+        advice = advise(problem, cluster)
+    except NoFeasiblePlan as error:
+        raise UsageError(str(error)) from error
+    if problem.max_tp == 1:
+        advice.notes.append("layouts with TP = 1 only: the costs are this machine's CPU, and megatron-core cannot run "
+                            "TP > 1 without CUDA (its validate_args reads the GPU's architecture); give --gpu or "
+                            "--device-tflops to plan for GPUs")
+    out = report(user, problem, cluster, rate, advice)
+    print(json.dumps(out, indent=1) if args.json else text(out))
+    return 0

@@ -1,0 +1,116 @@
+"""A recommendation's ``pretrain_gpt.py`` flags: the user's own flags with only the ones the recommendation
+changes replaced (``pipemesh plan --megatron-args``).
+
+What a row may change: the tensor- and pipeline-parallel sizes, V, Megatron's group size, its recomputation and
+activation-offloading flags, the layer split, and the PipeMesh schedule flags. Everything else the user wrote (data,
+optimizer, precision, ``--grad-reduce-in-bf16``, logging) stays as written and in place, so the command trains the
+same model on the same data.
+
+Megatron's flags all start with ``--`` and none is positional, so a flag's values are the words up to the next word
+that starts with ``--`` (``--recompute-modules core_attn mlp``, a store-true flag takes none); ``--flag=value`` is one
+word. Megatron's parser is built with ``allow_abbrev=False``, so a flag is matched by its whole name (and its
+aliases, which the caller passes from the parser).
+
+Pure: no torch, no Megatron.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from ..planning.layout import SPLIT_FLAGS, VPP_FLAGS, LayerSplit
+from ..planning.stock import StockSetting
+from ..schedule.config import ScheduleConfig
+
+TP_FLAG = "--tensor-model-parallel-size"
+PP_FLAG = "--pipeline-model-parallel-size"
+VPP_FLAG = VPP_FLAGS[0]
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-modules", "--recompute-method", "--recompute-num-layers",
+                   "--recompute-activations")
+OFFLOAD_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules", "--activation-offload-fraction")
+PIPEMESH_FLAGS = ("--pipeline-schedule", "--forward-groups", "--backward-groups", "--pipemesh-plan",
+                  "--pipemesh-activation-placement", "--pipemesh-memory-budget-gb", "--pipemesh-host-memory-gb",
+                  "--pipemesh-device-tflops")
+REPLACED = (TP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
+            "--grad-reduce-in-bf16", *PIPEMESH_FLAGS)
+"""Every flag a recommendation may set: the user's are dropped and the row's own written instead."""
+
+
+def flag_name(word: str) -> str:
+    """The flag of a word: ``--a=1`` -> ``--a``; a word that is not a flag is returned as it is."""
+    return word.split("=", 1)[0] if word.startswith("--") else word
+
+
+def without(flags: Sequence[str], names: Iterable[str]) -> List[str]:
+    """``flags`` without every occurrence of the flags ``names`` and their values (module docstring)."""
+    names = set(names)
+    out: List[str] = []
+    dropping = False
+    for word in flags:
+        if word.startswith("--"):
+            dropping = flag_name(word) in names
+        if not dropping:
+            out.append(word)
+    return out
+
+
+def replace_flags(flags: Sequence[str], names: Iterable[str], new: Sequence[str]) -> List[str]:
+    """``flags`` without ``names`` (:func:`without`), then ``new`` appended."""
+    return without(flags, names) + list(new)
+
+
+def expand_aliases(names: Iterable[str], aliases: Optional[Dict[str, Sequence[str]]]) -> List[str]:
+    """``names`` and every other spelling the parser accepts for each (``aliases``: flag -> its option strings)."""
+    out = []
+    for name in names:
+        out += [name, *((aliases or {}).get(name, ()))]
+    return out
+
+
+def split_flags(split: LayerSplit) -> List[str]:
+    """Megatron's flags for the layer split (none for an even split)."""
+    return split.flags()
+
+
+def _vpp_flags(vpp: int, split: LayerSplit) -> List[str]:
+    """V's flag: none at V = 1, none with a layout (its stages set V; Megatron refuses both), else the stage count."""
+    if vpp == 1 or split.layout is not None:
+        return []
+    return [VPP_FLAG, str(vpp)]
+
+
+def stock_flags(setting: StockSetting, tp: int, split: LayerSplit) -> List[str]:
+    """The flags of a stock row: TP, PP, V, group size (interleaved only, and only where it is not Megatron's default
+    p, so that a row that changes nothing reads as the user's command), recomputation, offloading, bf16 reduce (when
+    the setting has it, i.e. the user asked), and the split."""
+    out = [TP_FLAG, str(tp), PP_FLAG, str(setting.pp)] + _vpp_flags(setting.vpp, split)
+    if setting.vpp > 1 and setting.effective_group_size != setting.pp:
+        out += [GROUP_FLAG, str(setting.effective_group_size)]
+    out += setting.recompute.flags()
+    if setting.offload is not None:
+        out += setting.offload.flags()
+    if setting.grad_reduce_in_bf16:
+        out.append("--grad-reduce-in-bf16")
+    return out + split_flags(split)
+
+
+def pipemesh_flags(config: ScheduleConfig, tp: int, split: LayerSplit, grad_reduce_in_bf16: bool,
+                   budget_gb: Optional[float] = None, host_memory_gb: Optional[float] = None,
+                   device_tflops: Optional[float] = None) -> List[str]:
+    """The flags of a PipeMesh row: TP, PP, V, the split, ``--pipeline-schedule pipemesh`` and the groups. With
+    ``budget_gb`` (the plan keeps some activations off the device: recomputed or on the host) also the runtime's
+    placement flags, so that its start-up planner fits the same groups into the same budget:
+    ``--pipemesh-activation-placement auto --pipemesh-memory-budget-gb B --pipemesh-host-memory-gb H`` (H = 0
+    without host memory, so it recomputes only, as the advice did), and the device's TFLOP/s when the advice was given
+    one (the runtime measures it otherwise)."""
+    out = [TP_FLAG, str(tp), PP_FLAG, str(config.pp)] + _vpp_flags(config.vpp, split) + split_flags(split)
+    if grad_reduce_in_bf16:
+        out.append("--grad-reduce-in-bf16")
+    out += ["--pipeline-schedule", "pipemesh", "--forward-groups", *map(str, config.forward_groups),
+            "--backward-groups", *map(str, config.backward_groups)]
+    if budget_gb is not None:
+        out += ["--pipemesh-activation-placement", "auto", "--pipemesh-memory-budget-gb", f"{budget_gb:.3f}",
+                "--pipemesh-host-memory-gb", f"{host_memory_gb or 0:g}"]
+        if device_tflops is not None:
+            out += ["--pipemesh-device-tflops", f"{device_tflops:g}"]
+    return out

@@ -1,0 +1,475 @@
+"""What to run on a cluster: the user's command, the best stock flags and PipeMesh for its layout, and the best
+parallel layout (TP x PP x DP, V, layer split) for the same GPUs with each, ranked by predicted iteration time.
+
+The search prices every candidate with the planner's own costs and simulator, and prunes by lower bounds first:
+
+* a parallel layout (:func:`parallel_layouts`): TP inside a node and dividing the heads, query groups and FFN; PP >= 2
+  (the simulator models pipelines); DP from the GPU count; the global batch split into whole micro-batches, at
+  least p per replica; the layouts the topology can describe (whole stages per node, or whole nodes per stage);
+* per layout, every V the model allows and the layer splits of :func:`.layout.split_candidates` (the even split, and
+  fewer layers on the stages that also hold the embedding and the output layer);
+* each (layout, V, split) gets the tight bound of any exact synchronous schedule (:func:`.bounds.bound_for`: memory
+  ignored, so it bounds stock and PipeMesh alike) and is dropped if its weights, gradients and optimizer state alone
+  exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
+  time found (PipeMesh: :func:`.planner.plan_schedule`, which prunes its group lists by their time without memory
+  levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
+  prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side).
+
+The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
+recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
+split), ``best_layout`` (PipeMesh's best over the layouts) and ``best_layout_stock`` (stock's). Rows that do not fit
+the memory are never best.
+
+Pure: no torch, no Megatron.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..schedule.config import ScheduleConfig, ScheduleConfigError
+from ..schedule.levers import DEVICE
+from .bounds import bound_for, virtual_sizes
+from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
+from .layout import LayerSplit, split_candidates
+from .memory import MEMORY_MARGIN
+from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
+from .simulator import simulate
+from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
+
+
+@dataclass(frozen=True)
+class AdviceCluster:
+    """The cluster the advice is for (``pipemesh plan --megatron-args`` flags in brackets)."""
+
+    nodes: int
+    """Nodes [--nodes]."""
+    gpus_per_node: int
+    """GPUs of one node, behind its NIC [--gpus-per-node]."""
+    nic_gbps: float
+    """One node's network interface per direction, Gbit/s [--nic-gbps], shared by every transfer leaving the node."""
+    intra_node_gbps: float
+    """Per-GPU bandwidth between the GPUs of a node, Gbit/s [--intra-node-gbps] (PCIe ~100, NVLink ~2400)."""
+    device_memory_gb: float
+    """Memory of one GPU, GiB [--device-memory-gb, or --gpu's]."""
+    device_tflops: float
+    """Dense 16-bit peak TFLOP/s of one GPU [--device-tflops, or --gpu's]."""
+    mfu: float = 0.45
+    """Fraction of the peak the layers reach [--mfu]."""
+    host_memory_gb: Optional[float] = None
+    """Host memory per GPU for offloaded activations, GiB [--host-memory-gb]; None: neither side offloads."""
+    host_link_gbps: float = 200.0
+    """Device-host copy bandwidth per GPU and direction, Gbit/s [--host-link-gbps]."""
+    nic_via_host: bool = True
+    """Network traffic is staged through host memory (no GPUDirect RDMA: commodity clouds) [--gpudirect-rdma: no]."""
+    latency_us: float = 30.0
+    """Latency of one transfer, microseconds."""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def budget_bytes(self) -> float:
+        """Device memory a plan may use: the memory less :data:`.memory.MEMORY_MARGIN`."""
+        return self.device_memory_gb * GB * (1 - MEMORY_MARGIN)
+
+    def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool) -> ClusterSpec:
+        """The planner's :class:`.costs.ClusterSpec` for one parallel layout."""
+        return ClusterSpec(tp=tp, dp=dp, device_tflops=self.device_tflops, mfu=self.mfu,
+                           device_memory_gb=self.device_memory_gb, dp_gbps=self.nic_gbps, p2p_gbps=self.nic_gbps,
+                           latency_us=self.latency_us, sequence_parallel=sequence_parallel and tp > 1,
+                           distributed_optimizer=distributed_optimizer, devices_per_node=self.gpus_per_node,
+                           nic_gbps=self.nic_gbps, host_link_gbps=self.host_link_gbps,
+                           intra_node_gbps=self.intra_node_gbps, nic_via_host=self.nic_via_host)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the GPUs are split: tensor x pipeline x data parallel."""
+
+    tp: int
+    """Tensor-parallel size (inside a node)."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size."""
+
+    def describe(self) -> str:
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+
+
+@dataclass(frozen=True)
+class AdviceProblem:
+    """The user's command as the search needs it."""
+
+    model: ModelSpec
+    """The GPT of the command, with its layer split and the vocabulary padded for its TP."""
+    layout: ParallelLayout
+    """The command's TP x PP x DP."""
+    vpp: int
+    """The command's V (1: no interleaving)."""
+    global_batch: int
+    """Sequences per iteration."""
+    stock: Optional[StockSetting]
+    """The stock schedule and recomputation the command runs; None when it runs PipeMesh."""
+    pipemesh: Optional[ScheduleConfig] = None
+    """The PipeMesh groups the command runs (None: it runs stock, or PipeMesh plans them itself)."""
+    sequence_parallel: bool = False
+    """[--sequence-parallel] Kept wherever TP > 1."""
+    distributed_optimizer: bool = False
+    """[--use-distributed-optimizer] Kept in every row."""
+    grad_reduce_in_bf16: bool = False
+    """[--grad-reduce-in-bf16] Asked for by the user (only then may a row reduce in bf16)."""
+    interleaving_at_two: bool = True
+    """V > 1 is allowed at PP = 2 (Megatron needs --overlap-p2p-communication, its default, for it)."""
+    pipemesh_refused: Optional[str] = None
+    """Why PipeMesh cannot run this command (a feature of it the runtime refuses); None: it can."""
+    vocab_multiple: int = 128
+    """[--make-vocab-size-divisible-by] The vocabulary is padded to a multiple of this times TP."""
+    vocab_size: Optional[int] = None
+    """The unpadded vocabulary (None: the model's, padded for every TP alike)."""
+    max_tp: Optional[int] = None
+    """The largest TP a row may use (None: the node's GPUs); 1 where the runtime cannot run tensor parallelism (on CPU,
+    megatron-core's validate_args reads the CUDA device's architecture when TP > 1)."""
+
+    def model_for(self, tp: int, split: LayerSplit) -> ModelSpec:
+        """The model at tensor-parallel size ``tp`` (Megatron pads the vocabulary per TP) with ``split``."""
+        vocab = self.model.vocab_size
+        if self.vocab_size is not None:
+            multiple = self.vocab_multiple * tp
+            vocab = -(-self.vocab_size // multiple) * multiple
+        return dataclasses.replace(self.model, vocab_size=vocab, layer_split=split)
+
+    def microbatches(self, dp: int) -> int:
+        return self.global_batch // (self.model.micro_batch_size * dp)
+
+
+@dataclass
+class AdviceRow:
+    """One recommendation (or the user's command) with its prediction."""
+
+    name: str
+    """``user``, ``best_stock``, ``pipemesh``, ``best_layout`` or ``best_layout_stock``."""
+    layout: ParallelLayout
+    """Its TP x PP x DP."""
+    vpp: int
+    """Virtual stages per rank V."""
+    split: LayerSplit
+    """Which stage holds which layers."""
+    stage_layers: Tuple[int, ...]
+    """Transformer layers per stage s = c*p + r."""
+    microbatches: int
+    """Micro-batches per iteration per data-parallel replica."""
+    iteration_s: float
+    """Predicted iteration time."""
+    peak_memory_bytes: Tuple[float, ...]
+    """Per pipeline rank: the predicted peak of device memory (weights, gradients, optimizer state, activations)."""
+    fits: bool
+    """The peak of every rank is within the memory budget."""
+    compute_s: Tuple[float, ...]
+    """Per pipeline rank: its forwards', backwards' and recomputation's time in one iteration."""
+    stock: Optional[StockSetting] = None
+    """The stock setting of a stock row."""
+    plan: Optional[Plan] = None
+    """The PipeMesh plan of a PipeMesh row."""
+
+    @property
+    def schedule(self) -> str:
+        return "pipemesh" if self.plan is not None else "stock"
+
+    def keeps(self, other: "AdviceRow") -> bool:
+        """Same layout, V and layers per stage as ``other`` (so, for the same data and seed, the same losses)."""
+        return (self.layout, self.vpp, self.stage_layers) == (other.layout, other.vpp, other.stage_layers)
+
+    def describe(self) -> str:
+        """The schedule in a few words."""
+        what = self.plan.config.group_flags() if self.plan is not None else self.stock.describe()
+        if self.plan is not None and self.plan.recompute_share:
+            what += f", recompute {100 * self.plan.recompute_share:.1f}% of the time"
+        if self.plan is not None and any(r.host_placed for r in self.plan.result.ranks):
+            what += ", host placement"
+        split = "" if self.split.even else f", layers {'/'.join(map(str, self.stage_layers))}"
+        return f"{self.layout.describe()} V={self.vpp}{split}: {what}"
+
+
+ROWS = ("user", "best_stock", "pipemesh", "best_layout", "best_layout_stock")
+"""The rows of an :class:`Advice`, in report order."""
+
+
+@dataclass
+class Advice:
+    """The rows (None where a row cannot exist, with the reason in ``notes``) and what the search did."""
+
+    rows: Dict[str, Optional[AdviceRow]]
+    """Every name of :data:`ROWS`."""
+    notes: List[str] = field(default_factory=list)
+    """Why a row is missing, what was assumed."""
+    candidates: int = 0
+    """(layout, V, split) candidates with a bound."""
+    searched: Dict[str, int] = field(default_factory=dict)
+    """Per side ('pipemesh', 'stock'): candidates simulated (the others were pruned by their bound)."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+    cpu_seconds: float = 0.0
+    """CPU time of the search (this process): what it costs, however loaded the machine is."""
+
+    def best(self) -> Optional[AdviceRow]:
+        """The fastest row that fits (ties: the earlier in :data:`ROWS`, the user's command first)."""
+        fitting = [row for name in ROWS if (row := self.rows.get(name)) is not None and row.fits]
+        return min(fitting, key=lambda row: row.iteration_s) if fitting else None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One (layout, V, split) with its lower bound."""
+
+    layout: ParallelLayout
+    """TP x PP x DP."""
+    vpp: int
+    """Virtual stages per rank V."""
+    split: LayerSplit
+    """Which stage holds which layers."""
+    model: ModelSpec
+    """The model at this TP (its padded vocabulary) with ``split``."""
+    cluster: ClusterSpec
+    """The planner's cluster for this layout."""
+    microbatches: int
+    """Micro-batches per iteration per data-parallel replica."""
+    bound_s: float
+    """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
+
+
+def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
+    """Every TP x PP x DP of the cluster's GPUs the search prices (module docstring)."""
+    model = problem.model
+    out = []
+    for tp in range(1, min(cluster.gpus_per_node, problem.max_tp or cluster.gpus_per_node) + 1):
+        if cluster.gpus_per_node % tp or cluster.gpus % tp:
+            continue
+        if model.num_attention_heads % tp or (model.num_query_groups or model.num_attention_heads) % tp or model.ffn % tp:
+            continue
+        for pp in range(2, cluster.gpus // tp + 1):
+            if (cluster.gpus // tp) % pp or pp > model.num_layers:
+                continue
+            dp = cluster.gpus // (tp * pp)
+            per_stage = tp * dp
+            if cluster.gpus_per_node % per_stage and per_stage % cluster.gpus_per_node:
+                continue  # neither whole stages per node nor whole nodes per stage (not modelled)
+            if problem.global_batch % (model.micro_batch_size * dp) or problem.microbatches(dp) < pp:
+                continue
+            out.append(ParallelLayout(tp, pp, dp))
+    return out
+
+
+def _splits(problem: AdviceProblem, layout: ParallelLayout, vpp: int) -> List[LayerSplit]:
+    """The split candidates of one (layout, V): the user's own split where it works there, then those of
+    :func:`.layout.split_candidates` (an even split is written as no flag)."""
+    out = []
+    if problem.model.layer_split.valid(problem.model.num_layers, layout.pp, vpp):
+        out.append(problem.model.layer_split)
+    L = problem.model.num_layers
+    for split in split_candidates(L, layout.pp, vpp):
+        if not split.valid(L, layout.pp, vpp):
+            continue
+        layers = split.stage_layers(L, layout.pp, vpp)
+        if all(layers != known.stage_layers(L, layout.pp, vpp) for known in out):
+            out.append(split)
+    return out
+
+
+def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidate]:
+    """Every (layout, V, split) whose static memory fits, with its tight bound, least bound first."""
+    out = []
+    for layout in parallel_layouts(problem, cluster):
+        spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+        m = problem.microbatches(layout.dp)
+        for vpp in range(1, problem.model.num_layers // layout.pp + 1):
+            if vpp > 1 and layout.pp == 2 and not problem.interleaving_at_two:
+                continue
+            for split in _splits(problem, layout, vpp):
+                model = problem.model_for(layout.tp, split)
+                config = ScheduleConfig.depth_first(layout.pp, vpp, m)
+                costs = analytic_costs(model, spec, config, levels=(DEVICE,))
+                if max(costs.static_bytes) > cluster.budget_bytes:
+                    continue
+                bound = bound_for(config, ScheduleCosts(config, costs)).seconds
+                out.append(_Candidate(layout, vpp, split, model, spec, m, bound))
+    return sorted(out, key=lambda c: c.bound_s)
+
+
+FIT_LIMIT = 3
+"""Group lists fitted to the memory per (layout, V, split) at most, the fastest without memory levers first
+(:attr:`.planner.PlannerOptions.fit_limit`). Fitting re-simulates a candidate once per recomputation or placement
+round; with every list that may win fitted, one GPT-13B candidate of 16 ranks and 64 micro-batches took minutes.
+The lists are simulated without levers first, so the three fitted are the three that are fastest before memory."""
+
+
+def planner_options(pp: int, microbatches: int, host_budget_bytes: Optional[float]) -> PlannerOptions:
+    """PipeMesh's search for the advice: the structured group family (first forward and last backward group at
+    multiples of p and m, groups of p between, every stock group size), with host placement when host memory is
+    given (recomputation only otherwise), fitting at most :data:`FIT_LIMIT` lists per candidate."""
+    sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
+    placement = "auto" if host_budget_bytes is not None else "recompute-only"
+    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
+                          activation_placement=placement, host_budget_bytes=host_budget_bytes, fit_limit=FIT_LIMIT)
+
+
+def _host_bytes(cluster: AdviceCluster) -> Optional[float]:
+    return None if cluster.host_memory_gb is None else cluster.host_memory_gb * GB
+
+
+def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = float("inf")) -> Optional[Plan]:
+    """PipeMesh's best plan for one candidate (None: nothing fits or beats ``incumbent_s``)."""
+    model, spec = candidate.model, candidate.cluster
+    try:
+        plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
+                                lambda config: analytic_costs(model, spec, config, planning_levels(model)),
+                                cluster.budget_bytes,
+                                planner_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
+                                incumbent_s=incumbent_s)
+    except (NoFeasiblePlan, ScheduleConfigError):
+        return None
+    return plan if plan.result.iteration_s < incumbent_s else None
+
+
+def _stock(candidate: _Candidate, problem: AdviceProblem, cluster: AdviceCluster,
+           incumbent_s: float = float("inf"), vpps: Optional[Sequence[int]] = None) -> Optional[StockResult]:
+    """Stock's best setting for one candidate's layout and split, at its V (or ``vpps``)."""
+    budget = activation_budget(candidate.model, candidate.cluster, candidate.layout.pp, cluster.budget_bytes,
+                               candidate.vpp)
+    host = _host_bytes(cluster) if candidate.model.layer_spec == "te" else None
+    return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
+                      problem.grad_reduce_in_bf16, host_limit=host, vpps=vpps or (candidate.vpp,),
+                      incumbent_s=incumbent_s)
+
+
+def _stock_row(name: str, candidate: _Candidate, result: StockResult, cluster: AdviceCluster) -> AdviceRow:
+    setting = result.setting
+    config = setting.config()
+    peaks = tuple(a + s for a, s in zip(result.peak_activation_bytes, result.static_bytes))
+    costs = analytic_costs(candidate.model, candidate.cluster, config, levels=(setting.recompute.level,))
+    compute = tuple(r.busy_s for r in simulate(config, costs, uniform_plan(config, setting.recompute.level)).ranks)
+    layers = candidate.model.stage_layers(setting.pp, setting.vpp)
+    return AdviceRow(name, candidate.layout, setting.vpp, candidate.split, layers, setting.microbatches,
+                     result.iteration_s, peaks, all(p <= cluster.budget_bytes for p in peaks), compute, stock=setting)
+
+
+def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:
+    config = plan.config
+    return AdviceRow(name, candidate.layout, config.vpp, candidate.split,
+                     candidate.model.stage_layers(config.pp, config.vpp), config.microbatches, plan.result.iteration_s,
+                     tuple(r.peak_memory_bytes for r in plan.result.ranks), plan.fits,
+                     tuple(r.busy_s for r in plan.result.ranks), plan=plan)
+
+
+def _user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> _Candidate:
+    layout = problem.layout
+    spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+    return _Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0)
+
+
+def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
+    """The command as it is: its stock setting simulated, or its PipeMesh groups (fitted to the memory as the runtime's
+    start-up planner fits them)."""
+    user = _user_candidate(problem, cluster, problem.vpp)
+    if problem.stock is not None:
+        budget = activation_budget(user.model, user.cluster, user.layout.pp, cluster.budget_bytes, problem.vpp)
+        return _stock_row("user", user, evaluate(problem.stock, user.model, user.cluster, budget), cluster)
+    if problem.pipemesh is None:  # --forward-groups auto: what its planner finds (the same search as ours)
+        plan = _plan(user, cluster)
+        if plan is None:
+            raise NoFeasiblePlan(f"the command's --forward-groups auto finds no plan that fits "
+                                 f"{cluster.device_memory_gb:g} GiB per GPU")
+        return _plan_row("user", user, plan)
+    costs = analytic_costs(user.model, user.cluster, problem.pipemesh, planning_levels(user.model))
+    plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
+                              planner_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
+    return _plan_row("user", user, plan)
+
+
+def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
+                   best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
+                   stock: bool = True, pm_incumbent_s: float = float("inf"),
+                   searched: Optional[Dict[str, int]] = None,
+                   max_simulated: Optional[int] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+    """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
+    (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
+    while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
+    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``searched`` counts the simulated candidates;
+    ``max_simulated`` (None: no cap) stops a side after that many, the least bounds first (``searched["capped"]`` then
+    says so: the rows are real plans, but a later candidate might have been faster)."""
+    searched = searched if searched is not None else {"pipemesh": 0, "stock": 0}
+    searched.setdefault("pipemesh", 0)
+    searched.setdefault("stock", 0)
+    for candidate in found:
+        pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
+        st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
+        if max_simulated is not None:
+            capped = [side for side in ("pipemesh", "stock") if searched[side] >= max_simulated]
+            if "pipemesh" in capped and candidate.bound_s < pm_limit:
+                searched["capped"] = 1
+                pm_limit = -float("inf")
+            if "stock" in capped and candidate.bound_s < st_limit:
+                searched["capped"] = 1
+                st_limit = -float("inf")
+        if candidate.bound_s >= max(pm_limit, st_limit):
+            break  # sorted by bound: no later candidate beats either side
+        if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+            searched["pipemesh"] += 1
+            plan = _plan(candidate, cluster, pm_limit)
+            if plan is not None:
+                best_pm = _plan_row("best_layout", candidate, plan)
+        if candidate.bound_s < st_limit:
+            searched["stock"] += 1
+            result = _stock(candidate, problem, cluster, st_limit)
+            if result is not None and result.iteration_s < st_limit:
+                best_st = _stock_row("best_layout_stock", candidate, result, cluster)
+    return best_pm, best_st
+
+
+def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
+    """The five rows of the module docstring for ``problem`` on ``cluster``."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
+    notes: List[str] = []
+    rows["user"] = _user_row(problem, cluster)
+    user = _user_candidate(problem, cluster, problem.vpp)
+    stock = _stock(user, problem, cluster, vpps=virtual_sizes(problem.model, problem.layout.pp))
+    if stock is not None:
+        rows["best_stock"] = _stock_row("best_stock", dataclasses.replace(user, vpp=stock.setting.vpp), stock, cluster)
+    else:
+        notes.append(f"best_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU with "
+                     f"{problem.layout.describe()}")
+    pipemesh_ok = problem.pipemesh_refused is None
+    if not pipemesh_ok:
+        notes.append(f"pipemesh, best_layout: {problem.pipemesh_refused}")
+    elif problem.vpp < 2:
+        notes.append("pipemesh: the command has no virtual stages (V = 1); PipeMesh needs V >= 2 (see best_layout)")
+    else:
+        plan = _plan(user, cluster)
+        if plan is not None:
+            rows["pipemesh"] = _plan_row("pipemesh", user, plan)
+        else:
+            notes.append(f"pipemesh: no PipeMesh plan fits {cluster.device_memory_gb:g} GiB per GPU with "
+                         f"{problem.layout.describe()} V={problem.vpp}")
+    found = candidates(problem, cluster)
+    searched = {"pipemesh": 0, "stock": 0}
+    best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
+                                      rows["best_stock"], pipemesh=pipemesh_ok, searched=searched)
+    if pipemesh_ok:
+        rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
+        if best_pm is None:
+            notes.append(f"best_layout: no PipeMesh plan (PP >= 2, V >= 2) fits {cluster.device_memory_gb:g} GiB per GPU")
+    rows["best_layout_stock"] = dataclasses.replace(best_st, name="best_layout_stock") if best_st else None
+    if best_st is None:
+        notes.append(f"best_layout_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU in any layout")
+    return Advice(rows, notes, len(found), searched, time.perf_counter() - started, time.process_time() - cpu_started)
+
+
+def tokens_per_s(problem: AdviceProblem, row: AdviceRow) -> float:
+    """Tokens trained per second at the row's predicted iteration time."""
+    return problem.global_batch * problem.model.seq_length / row.iteration_s
+

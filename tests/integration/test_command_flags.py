@@ -1,0 +1,43 @@
+"""integration/command_flags.py: a row's flags are the user's with only the changed ones replaced."""
+from megatron_pipemesh.integration.command_flags import (REPLACED, pipemesh_flags, replace_flags, stock_flags,
+                                                         without)
+from megatron_pipemesh.planning.layout import LayerSplit
+from megatron_pipemesh.planning.stock import StockOffload, StockRecompute, StockSetting
+from megatron_pipemesh.schedule.config import ScheduleConfig
+
+USER = ["--num-layers", "8", "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp",
+        "--pipeline-model-parallel-size=2", "--bf16", "--num-layers-per-virtual-pipeline-stage", "2", "--lr", "-1e-3"]
+
+
+def test_without_drops_a_flag_with_all_its_values_and_keeps_the_rest_in_order():
+    assert without(USER, ["--recompute-modules", "--pipeline-model-parallel-size"]) == [
+        "--num-layers", "8", "--recompute-granularity", "selective", "--bf16",
+        "--num-layers-per-virtual-pipeline-stage", "2", "--lr", "-1e-3"]
+
+
+def test_stock_row_flags():
+    """V, group (only when not Megatron's default p), recomputation, offloading; an uneven split's layout sets V."""
+    setting = StockSetting(4, 2, 16, 8, StockRecompute("full", method="block", num_layers=1), offload=None)
+    flags = replace_flags(USER, REPLACED, stock_flags(setting, 1, LayerSplit()))
+    assert flags == ["--num-layers", "8", "--bf16", "--lr", "-1e-3", "--tensor-model-parallel-size", "1",
+                     "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                     "--microbatch-group-size-per-virtual-pipeline-stage", "8", "--recompute-granularity", "full",
+                     "--recompute-method", "block", "--recompute-num-layers", "1"]
+    default_group = stock_flags(StockSetting(2, 2, 8, None, offload=StockOffload(0.5)), 2, LayerSplit.of_layout("Et|tt|tt|tL"))
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in default_group
+    assert "--num-virtual-stages-per-pipeline-rank" not in default_group  # the layout's four stages over p = 2 set V
+    assert default_group[-2:] == ["--pipeline-model-parallel-layout", "Et|tt|tt|tL"]
+    assert "--activation-offload-fraction" in default_group
+
+
+def test_pipemesh_row_flags_with_and_without_placement():
+    config = ScheduleConfig(2, 2, 8, (4, 4), (2, 6))
+    plain = pipemesh_flags(config, 1, LayerSplit(), grad_reduce_in_bf16=False)
+    assert plain == ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                     "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "pipemesh",
+                     "--forward-groups", "4", "4", "--backward-groups", "2", "6"]
+    placed = pipemesh_flags(config, 1, LayerSplit(first=2, last=2), True, budget_gb=21.6)
+    assert placed[placed.index("--pipemesh-activation-placement") + 1] == "auto"
+    assert placed[placed.index("--pipemesh-memory-budget-gb") + 1] == "21.600"
+    assert placed[placed.index("--pipemesh-host-memory-gb") + 1] == "0"  # no host memory given: recompute only
+    assert "--grad-reduce-in-bf16" in placed and "--decoder-first-pipeline-num-layers" in placed

@@ -1,0 +1,143 @@
+"""``pipemesh plan --megatron-args``: the rows and their keys, the flags of each row, the uneven split in the
+prediction, and errors that name the flag before any work (cli_advice.py)."""
+import contextlib
+import io
+import json
+import shlex
+
+import pytest
+
+from megatron_pipemesh.cli import main
+from megatron_pipemesh.integration.command_flags import without
+
+# The tiny GPT of the training tests (tests/training/test_pretrain_gpt.py TINY_GPT) at PP=2, V=2, on mock data,
+# dropout 0: the command of the issue's done-when.
+TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+        "--eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 --seed 1234 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 257 --hidden-dropout 0 --attention-dropout 0 "
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "4", "--device-memory-gb", "1", "--nic-gbps", "0.25"]
+KEYS = {"flags", "predicted_iteration_s", "tokens_per_s", "peak_memory_gb", "fits", "ratio_to_user"}
+
+
+def run(argv):
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def advice_json(flags, cluster=CLUSTER, after_dashes=False):
+    argv = ["plan"] + cluster + ["--json"]
+    argv += ["--"] + shlex.split(flags) if after_dashes else ["--megatron-args", flags]
+    code, out, err = run(argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return advice_json(TINY)
+
+
+def test_the_rows_and_their_keys(tiny):
+    """Every row of the issue is there with its keys; the user's row is the command as given, at ratio 1; the flags
+    of the other rows are the user's with only what they change replaced."""
+    rows = tiny["rows"]
+    assert set(rows) == {"user", "best_stock", "pipemesh", "best_layout", "best_layout_stock"}
+    for name, row in rows.items():
+        assert row is not None, (name, tiny["notes"])
+        assert KEYS <= set(row), name
+        assert len(row["peak_memory_gb"]) == row["pp"] and row["fits"]
+    assert rows["user"]["flags"] == shlex.split(TINY) and rows["user"]["ratio_to_user"] == 1.0
+    kept = without(shlex.split(TINY), ["--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"])
+    for name in ("best_stock", "pipemesh", "best_layout", "best_layout_stock"):
+        flags = rows[name]["flags"]
+        assert flags[:len(kept)] == kept, name  # the user's other flags, in place
+        assert flags.count("--pipeline-model-parallel-size") == 1, name
+    for name in ("pipemesh", "best_layout"):
+        tail = rows[name]["flags"]
+        assert tail[tail.index("--pipeline-schedule") + 1] == "pipemesh"
+        assert "--forward-groups" in tail and "--backward-groups" in tail
+    assert "--pipeline-schedule" not in rows["best_stock"]["flags"]
+    assert tiny["run"] in rows and "measured CPU matmul rate" in tiny["rate"]
+    # The search is never worse than the user's layout: best_layout is PipeMesh's best over all layouts.
+    assert rows["best_layout"]["predicted_iteration_s"] <= rows["pipemesh"]["predicted_iteration_s"] * (1 + 1e-9)
+    assert rows["best_layout_stock"]["predicted_iteration_s"] <= rows["best_stock"]["predicted_iteration_s"] * (1 + 1e-9)
+
+
+def test_flags_after_dashes_and_text_ends_with_the_command(tiny):
+    """The command after -- gives the same rows; the text output ends with the one command to run."""
+    again = advice_json(TINY, after_dashes=True)
+    assert {k: v and v["flags"] for k, v in again["rows"].items()} == {k: v and v["flags"] for k, v in tiny["rows"].items()}
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", TINY])
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("run (") and shlex.split(lines[-1]) == tiny["rows"][tiny["run"]]["flags"]
+
+
+UNEVEN = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+          "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type "
+          "NullTokenizer --vocab-size 257 --pipeline-model-parallel-size 4")
+
+
+def test_an_uneven_split_moves_the_per_stage_prediction():
+    """--decoder-first/last-pipeline-num-layers 1 at PP=4 over 8 layers: ranks hold 1/3/3/1 layers instead of 2/2/2/2.
+    The user's row prices every rank by its layers: the middle ranks' compute grows by 3/2 (their layers), the first
+    and last ranks' shrinks; a --pipeline-model-parallel-layout of the same counts predicts the same."""
+    even = advice_json(UNEVEN)["rows"]["user"]
+    uneven = advice_json(UNEVEN + " --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1")
+    layout = advice_json(UNEVEN + " --pipeline-model-parallel-layout 'Et|ttt|ttt|tL'")["rows"]["user"]
+    user = uneven["rows"]["user"]
+    assert even["stage_layers"] == [2, 2, 2, 2] and user["stage_layers"] == [1, 3, 3, 1]
+    for rank in (1, 2):  # no embedding or output layer there: compute is per layer
+        assert user["compute_s_per_rank"][rank] == pytest.approx(1.5 * even["compute_s_per_rank"][rank], rel=1e-6)
+    for rank in (0, 3):
+        assert user["compute_s_per_rank"][rank] < even["compute_s_per_rank"][rank]
+    assert layout["stage_layers"] == user["stage_layers"]
+    assert layout["compute_s_per_rank"] == pytest.approx(user["compute_s_per_rank"], rel=1e-9)
+    assert user["predicted_iteration_s"] != pytest.approx(even["predicted_iteration_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "1", "--gpus-per-node", "4", "--nic-gbps", "1", "--megatron-args", TINY],
+     "--device-memory-gb (the memory of one GPU, GiB) or --gpu MODEL is required"),
+    (["--nodes", "1", "--gpus-per-node", "4", "--nic-gbps", "1", "--gpu", "Z80", "--megatron-args", TINY],
+     "--gpu Z80: not a known GPU model"),
+    (CLUSTER + ["--megatron-args", TINY + " --fast-mode 3"], "Megatron does not know --fast-mode"),
+    (CLUSTER + ["--megatron-args", TINY.replace("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+                                                "--pipeline-model-parallel-size 1")],
+     "--pipeline-model-parallel-size 1: the advice prices pipelines"),
+    (CLUSTER + ["--megatron-args", ""], "--megatron-args needs the flags"),
+    (CLUSTER + ["--megatron-args", TINY, "--", "--num-layers", "4"], "the command is given twice"),
+])
+def test_bad_input_names_the_flag(argv, message):
+    code, out, err = run(["plan"] + argv)
+    assert code == 2 and message in err and out == ""
+
+
+def test_cluster_flags_are_checked_by_argparse():
+    code, _, err = run(["plan", "--nodes", "0", "--gpus-per-node", "4", "--nic-gbps", "1", "--megatron-args", TINY])
+    assert code == 2 and "--nodes" in err
+    code, _, err = run(["plan", "--nodes", "1", "--gpus-per-node", "4", "--megatron-args", TINY])
+    assert code == 2 and "--nic-gbps" in err
+
+
+def test_text_says_when_the_user_command_does_not_fit(tiny):
+    """The table marks a row over the memory, and the text says the user's command does not fit, naming the rows
+    that do; the command to run is one that fits."""
+    from megatron_pipemesh.cli_advice import text
+
+    out = json.loads(json.dumps(tiny))
+    out["rows"]["user"]["fits"] = False
+    out["rows"]["user"]["peak_memory_gb"] = [2.0, 1.5]
+    out["run"] = "best_stock"
+    report = text(out)
+    assert "your command does not fit: peak 2.00 GiB per GPU > budget 0.90 GiB; rows that fit: " in report
+    assert "user" not in report.split("rows that fit: ")[1].splitlines()[0]
+    assert " NO " in report and report.rstrip().endswith(out["rows"]["best_stock"]["command"])
