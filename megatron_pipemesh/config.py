@@ -123,10 +123,6 @@ class CostSettings:
         f"{_PLANNING.dp_gbps:g})", _PLANNING.dp_gbps, env="DP_GBPS", cli="--dp-gbps", type=float, metavar="GBPS")
     """Data-parallel collective bandwidth per device (Gbit/s)."""
     p2p_gbps: float = _setting(
-        "--pipemesh-p2p-gbps", "pipeline link bandwidth in Gbit/s, for the analytic costs (default 25)", 25.0,
-        env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")
-    """Pipeline link bandwidth (Gbit/s)."""
-    p2p_gbps: float = _setting(
         "--pipemesh-p2p-gbps", f"pipeline link bandwidth in Gbit/s, for the analytic costs (default {_PLANNING.p2p_gbps:g})",
         _PLANNING.p2p_gbps,
         env="P2P_GBPS", cli="--p2p-gbps", type=float, metavar="GBPS")

@@ -108,3 +108,17 @@ def test_placement_flags_defaults_and_cli():
     add_cli_arguments(parser, ("activation_placement", "host_link_gbps", "host_memory_gb"))
     args = parser.parse_args(["--activation-placement", "auto", "--host-link-gbps", "64", "--host-memory-gb", "100"])
     assert (args.activation_placement, args.host_link_gbps, args.host_memory_gb) == ("auto", 64.0, 100.0)
+
+
+def test_no_setting_is_declared_twice_in_one_group():
+    """A second declaration of a field silently replaces the first (a dataclass keeps the last): none may exist."""
+    import ast
+    from pathlib import Path
+
+    import megatron_pipemesh.config as config_module
+
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            names = [item.target.id for item in node.body if isinstance(item, ast.AnnAssign)]
+            assert len(names) == len(set(names)), (node.name, sorted({n for n in names if names.count(n) > 1}))
