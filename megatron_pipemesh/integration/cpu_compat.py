@@ -291,6 +291,29 @@ def _provide_wgrad_kernels() -> None:
     layers._grad_accum_fusion_available = True
 
 
+def _jit_warmup_only_for_fusions_in_use() -> None:
+    """Item 13: ``set_jit_fusion_options`` (``training/initialize.py:473``, called from ``training.py:1117``) runs
+    ``_warmup_jit_function`` (``initialize.py:497-551``), which ``torch.compile``s the fused bias+GeLU/SwiGLU and
+    bias+dropout+add whether or not the model uses them: on CPU, where the fusions are off (the flags above), it
+    compiles C++ kernels nobody calls for about 12 s per rank. The warm-up still runs when a fusion is on."""
+    import megatron.training.initialize as mt_init
+
+    original = mt_init._warmup_jit_function
+    if getattr(original, "_pipemesh_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def warmup(*args, **kwargs):
+        run_args = mt_init.get_args()
+        activation = run_args.bias_swiglu_fusion if run_args.swiglu else run_args.bias_gelu_fusion
+        if activation or run_args.bias_dropout_fusion:
+            return original(*args, **kwargs)
+        return None
+
+    warmup._pipemesh_cpu = True
+    mt_init._warmup_jit_function = warmup
+
+
 def cpu_compat_active() -> bool:
     """True once :func:`apply_cpu_compat` has patched this process."""
     return _ACTIVE
@@ -385,6 +408,9 @@ def apply_cpu_compat() -> bool:
 
     # 12. Gradient-accumulation fusion without APEX's CUDA extension (layers.py:49-53,680-686, utils.py:1248).
     _provide_wgrad_kernels()
+
+    # 13. The JIT warm-up compiles fused kernels the CPU run does not use (initialize.py:497).
+    _jit_warmup_only_for_fusions_in_use()
 
     _ACTIVE = True
     return True

@@ -200,3 +200,29 @@ def test_gradient_accumulation_fusion_runs_megatrons_main_grad_path_on_cpu():
     if res["skip"]:
         return
     assert res["calls"] == 1 and res["equal"] and res["grad"]
+
+
+def test_jit_warmup_runs_only_for_the_fusions_in_use():
+    """Megatron's JIT warm-up compiles fused kernels whether or not the model uses them; on CPU it is skipped when
+    the fusions are off (as the CPU flags turn them) and runs as before when one is on."""
+    out = _run("""
+        import json, types
+        from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
+        assert apply_cpu_compat()
+        import megatron.training.initialize as mt_init
+        import megatron.training.global_vars as gv
+        calls = []
+        mt_init.bias_gelu = lambda bias, x: calls.append("gelu") or x
+        mt_init.bias_dropout_add_fused_train = lambda xb, residual, p: calls.append("dropout_add") or residual
+        base = dict(bf16=False, fp16=False, ffn_hidden_size=8, tensor_model_parallel_size=1, seq_length=4,
+                    context_parallel_size=1, micro_batch_size=1, swiglu=False, sequence_parallel=False, hidden_size=2,
+                    bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False)
+        seen = {}
+        for name, change in (("off", {}), ("gelu", {"bias_gelu_fusion": True}), ("dropout", {"bias_dropout_fusion": True})):
+            gv._GLOBAL_ARGS = types.SimpleNamespace(**{**base, **change})
+            calls.clear()
+            mt_init.set_jit_fusion_options()
+            seen[name] = sorted(set(calls))
+        print(json.dumps(seen))
+    """)
+    assert out == {"off": [], "gelu": ["dropout_add", "gelu"], "dropout": ["dropout_add", "gelu"]}
