@@ -1,14 +1,12 @@
 """``pipemesh plan --megatron-args``: the rows and their keys, the flags of each row, the uneven split in the
 prediction, and errors that name the flag before any work (cli_advice.py)."""
-import contextlib
-import io
 import json
 import shlex
 
 import pytest
 
-from megatron_pipemesh.cli import main
 from megatron_pipemesh.integration.command_flags import without
+from tests.test_cli import run
 
 # The tiny GPT of the training tests (tests/training/test_pretrain_gpt.py TINY_GPT) at PP=2, V=2, on mock data,
 # dropout 0: the command of the issue's done-when.
@@ -19,17 +17,6 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
         "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
 CLUSTER = ["--nodes", "1", "--gpus-per-node", "4", "--device-memory-gb", "1", "--nic-gbps", "0.25"]
 KEYS = {"flags", "predicted_iteration_s", "tokens_per_s", "peak_memory_gb", "fits", "ratio_to_user"}
-
-
-def run(argv):
-    """Run the CLI in-process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit_:
-            code = exit_.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def advice_json(flags, cluster=CLUSTER, after_dashes=False):
