@@ -136,7 +136,9 @@ def network_cluster(dp: int, gbps: float, per_rank: bool, **fields) -> ClusterSp
     rank: every rank its own node whose NIC (``gbps`` each way) its pipeline sends, data-parallel ring and embedding
     all-reduce share max-min fairly (:mod:`megatron_pipemesh.planning.topology`, as ``--nic-queue fair`` shares
     it). One shared bucket: pipeline links at ``gbps``, a ring at ``gbps`` / d (each ring collective moves (d-1) x
-    its payload through the one bucket, :func:`allreduce_s`), each on a link of its own."""
+    its payload through the one bucket, :func:`allreduce_s`), each on a link of its own. The bench's ranks are CPU
+    processes, whose host copies run on their compute thread."""
+    fields.setdefault("host_copies_on_compute", True)
     if per_rank:
         return ClusterSpec(dp=dp, dp_gbps=gbps, p2p_gbps=gbps, nic_gbps=gbps, devices_per_node=1,
                            collectives=COLLECTIVES, **fields)

@@ -165,7 +165,7 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None)
                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                           host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
-                          collectives=collectives(args))
+                          host_copies_on_compute=not _on_cuda(), collectives=collectives(args))
     if getattr(args, "pipemesh_ranks_per_node", None):  # the node scope's nodes (resolved by check_sharding_args)
         cluster = dataclasses.replace(cluster, devices_per_node=args.pipemesh_ranks_per_node)
     return model, cluster

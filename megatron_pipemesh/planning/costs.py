@@ -193,6 +193,10 @@ class ClusterSpec:
     """Network traffic is staged through host memory (no GPUDirect RDMA, as on commodity clouds): every
     transfer over the NIC also crosses the sending device's host link device-to-host and the receiving
     device's host-to-device, shared with its activation copies."""
+    host_copies_on_compute: bool = False
+    """Activation copies to and from the host run on the rank's compute stream (CPU ranks: the runtime's copy is a
+    memcpy on the rank's own thread), so an OFFLOAD / RELOAD holds up the rank's compute for its whole duration;
+    False: they run on copy streams of their own (CUDA), overlapping compute."""
     collectives: str = "nccl"
     """Library of the data-parallel collectives, which decides what a reduce-scatter costs
     (:func:`reduce_scatter_steps`): ``nccl`` (GPUs) or ``gloo`` (CPU ranks)."""
@@ -291,6 +295,8 @@ class OpCosts:
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Device-host copy bandwidth of one rank per direction (Gbit/s): an OFFLOAD / RELOAD moves the
     chunk-micro-batch's 'none' activation bytes (first/last-stage extras included) in bytes*8/rate."""
+    host_copies_on_compute: bool = False
+    """An OFFLOAD / RELOAD holds up the rank's compute for its duration (:attr:`ClusterSpec.host_copies_on_compute`)."""
     network: Optional[Topology] = None
     """The links the transfers share (:mod:`.topology`); None = each transfer takes its own time, nothing shared."""
     embedding_allreduce_s: float = 0.0
@@ -425,7 +431,8 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         recompute_s=recompute_s(layers),
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps, network=links,
+        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps,
+        host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
         first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,
     )
@@ -463,6 +470,11 @@ class ScheduleCosts:
         staging where ``ClusterSpec.nic_via_host``; not modelled: the GPUs behind one PCIe switch (the
         study's host rates are already a GPU's share) and host-memory bandwidth."""
         return self.bytes_at(rank, op.chunk, DEVICE) * 8 / (self.costs.host_link_gbps * 1e9)
+
+    @property
+    def host_copies_on_compute(self) -> bool:
+        """Host copies run on the compute stream (:attr:`OpCosts.host_copies_on_compute`)."""
+        return self.costs.host_copies_on_compute
 
     def activation(self, rank: int, op: Op) -> float:
         """Bytes the chunk-micro-batch of ``op`` keeps alive on ``rank`` until its backward."""

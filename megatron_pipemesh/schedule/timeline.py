@@ -9,7 +9,10 @@ was sent, its receive was posted and the previous transfer on the link has left 
 one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order, and
 two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: the link is
 full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
-ended, and a backward whose activations were offloaded starts when its RELOAD has finished.
+ended, and a backward whose activations were offloaded starts when its RELOAD has finished. Where
+``costs.host_copies_on_compute`` is true (CPU ranks, whose copies are memcpys on the rank's own thread)
+there are no host-link channels: an OFFLOAD or RELOAD runs on the compute stream, in program order,
+and holds it for its duration.
 Mixed sharding: GATHER and REDUCE run on the data-parallel channel like the syncs; a compute op of
 a ZeRO-3 chunk starts when the GATHER of its span has finished; RELEASE is instantaneous (recorded
 as a zero-length 'release' event, for the memory timeline).
@@ -72,7 +75,8 @@ class Costs(Protocol):
         ...
 
     # Optional: ``links() -> Links`` (shared links: transfers share their resources; without it each
-    # transfer takes its own duration) and ``final_collectives() -> Sequence[FinalCollective]``.
+    # transfer takes its own duration), ``final_collectives() -> Sequence[FinalCollective]`` and
+    # ``host_copies_on_compute`` (True: host copies hold up the compute stream instead of a host link).
 
 
 class UnitCosts:
@@ -283,6 +287,7 @@ class _Engine:
         self.arrival: List[Optional[Tuple[float, float]]] = [None] * self.compiled.keys  # (arrival, send time)
         host_copy = getattr(costs, "host_copy", None)
         self.host_copy = host_copy if callable(host_copy) else (lambda rank, op: 0.0)
+        self.copies_on_compute = bool(getattr(costs, "host_copies_on_compute", False))
         links = getattr(costs, "links", None)
         self.links: Optional[Links] = links() if callable(links) else None
         finals = getattr(costs, "final_collectives", None)
@@ -320,6 +325,7 @@ class _Engine:
         offloaded: Dict[Tuple[int, int, int], Optional[float]] = {}  # None: the copy is running
         reloaded: Dict[Tuple[int, int, int], Optional[float]] = {}
         links = self.links
+        copies_on_compute = self.copies_on_compute
         net = links.new_network() if links is not None else None
         p2p_routes = [links.p2p_route(src, dst) if links is not None else None for src, dst, _ in channels]
         dp_routes = [links.dp_route(r) if links is not None else None for r in range(p)]
@@ -496,6 +502,16 @@ class _Engine:
                 else:
                     _, op, offload, host_key = ins
                     lane = "d2h" if offload else "h2d"
+                    if copies_on_compute:  # the copy holds the stream; the rank resumes at its end
+                        end = now + host_cost(rank, op)
+                        (offloaded if offload else reloaded)[host_key] = end
+                        comms.append(CommEvent(rank, rank, op, now, end, lane))
+                        if end > rank_end[rank]:
+                            rank_end[rank] = end
+                        index[rank], free[rank] = i + 1, end
+                        seq[0] += 1
+                        heapq.heappush(heap, (end, seq[0], _RESUME, rank))
+                        return
                     (offloaded if offload else reloaded)[host_key] = None
                     host_queue[lane][rank].append((op, offload, host_key))
                     start_host(lane, rank)

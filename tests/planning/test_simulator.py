@@ -247,3 +247,23 @@ def test_plot_writes_png(tmp_path):
     plot_timelines(results, str(path), ["given", "depth-first", "breadth-first"])
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_copies_on_the_compute_stream_are_exposed_host_time():
+    """A plan with host placement on CPU ranks (copies on the compute stream): every copy's time is exposed, and the
+    iteration is longer than with the same copies on a host link of their own."""
+    import dataclasses
+    from megatron_pipemesh.planning.costs import ClusterSpec, ModelSpec, analytic_costs
+    from megatron_pipemesh.schedule import ScheduleConfig
+    config = ScheduleConfig(2, 2, 8, (6, 2), (4, 4))
+    plan = {(0, 0, 0): "host", (0, 0, 1): "host", (1, 1, 5): "host"}
+    cluster = ClusterSpec(dp=1, host_link_gbps=50.0)
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024)
+    on_link = simulate(config, analytic_costs(model, cluster, config), plan)
+    on_compute = simulate(config, analytic_costs(model, dataclasses.replace(cluster, host_copies_on_compute=True),
+                                                 config), plan)
+    assert on_compute.iteration_s > on_link.iteration_s
+    for rank in on_compute.ranks:
+        copies = [c for c in on_compute.timeline.comms if c.lane in ("d2h", "h2d") and c.src == rank.rank]
+        assert len(copies) == 2 * sum(1 for r, _, _ in plan if r == rank.rank)
+        assert rank.exposed_host_s >= sum(c.end - c.start for c in copies) > 0 or not copies

@@ -117,3 +117,24 @@ def test_engine_charges_the_host_link():
         for rank in range(CFG.pp):
             spans = sorted((e.start, e.end) for e in slow.comms if e.lane == lane and e.src == rank)
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+class _ComputeStreamCopies(_HostCosts):
+    host_copies_on_compute = True
+
+
+def test_copies_on_the_compute_stream_hold_it():
+    """CPU ranks copy on their own thread: each OFFLOAD / RELOAD runs between the compute ops around it in program
+    order and delays everything after it on that rank, however idle a host link would be."""
+    copy = 0.375
+    hidden = execute(_lowered(), _HostCosts(copy))
+    held = execute(_lowered(), _ComputeStreamCopies(copy))
+    assert hidden.makespan == execute(lower(CFG)).makespan  # on a host link of their own these copies hide
+    assert held.makespan > hidden.makespan
+    for rank in range(CFG.pp):
+        compute = sorted((e.start, e.end) for e in held.compute[rank])
+        copies = sorted((e.start, e.end) for e in held.comms if e.lane in ("d2h", "h2d") and e.src == rank)
+        assert len(copies) == 2 * sum(1 for r, _, _ in PLACED if r == rank)
+        assert all(end - start == copy for start, end in copies)
+        spans = sorted(compute + copies)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one stream: nothing overlaps a copy
