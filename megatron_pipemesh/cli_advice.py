@@ -173,7 +173,7 @@ def problem_and_cluster(args, words: Sequence[str]):
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                             intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
                             mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
-                            nic_via_host=not args.gpudirect_rdma)
+                            nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given)
     return user, problem, cluster, rate
 
 

@@ -128,3 +128,15 @@ def test_text_says_when_the_user_command_does_not_fit(tiny):
     assert "your command does not fit: peak 2.00 GiB per GPU > budget 0.90 GiB; rows that fit: " in report
     assert "user" not in report.split("rows that fit: ")[1].splitlines()[0]
     assert " NO " in report and report.rstrip().endswith(out["rows"]["best_stock"]["command"])
+
+
+@pytest.mark.parametrize("device, on_cpu", [([], True), (["--device-tflops", "100"], False)])
+def test_costs_of_this_cpu_hold_compute_for_host_copies(device, on_cpu):
+    """Without --gpu / --device-tflops the rows are priced for (and run on) this CPU, whose host copies are memcpys on
+    the rank's thread: the cluster says so; given a GPU rate, copies run on streams of their own."""
+    from megatron_pipemesh.cli_advice import build_advice_parser, problem_and_cluster
+    args = build_advice_parser().parse_args(CLUSTER + device + ["--megatron-args", TINY])
+    _, _, cluster, rate = problem_and_cluster(args, shlex.split(TINY))
+    assert rate.given is not on_cpu
+    assert cluster.host_copies_on_compute is on_cpu
+    assert cluster.spec(1, 2, False, False).host_copies_on_compute is on_cpu

@@ -66,6 +66,9 @@ class AdviceCluster:
     """Network traffic is staged through host memory (no GPUDirect RDMA: commodity clouds) [--gpudirect-rdma: no]."""
     latency_us: float = 30.0
     """Latency of one transfer, microseconds."""
+    host_copies_on_compute: bool = False
+    """The rows run on CPU ranks, whose host copies hold up their compute (costs measured on this CPU: no --gpu or
+    --device-tflops); :attr:`.costs.ClusterSpec.host_copies_on_compute`."""
 
     @property
     def gpus(self) -> int:
@@ -83,7 +86,8 @@ class AdviceCluster:
                            latency_us=self.latency_us, sequence_parallel=sequence_parallel and tp > 1,
                            distributed_optimizer=distributed_optimizer, devices_per_node=self.gpus_per_node,
                            nic_gbps=self.nic_gbps, host_link_gbps=self.host_link_gbps,
-                           intra_node_gbps=self.intra_node_gbps, nic_via_host=self.nic_via_host)
+                           intra_node_gbps=self.intra_node_gbps, nic_via_host=self.nic_via_host,
+                           host_copies_on_compute=self.host_copies_on_compute)
 
 
 @dataclass(frozen=True)
