@@ -435,6 +435,14 @@ class _Engine:
                     wake(rank)
                 start_host(lane, rank)
 
+        def hold(rank: int, resume_at: int, end: float) -> None:
+            """The rank's stream is busy until ``end``; it resumes there at instruction ``resume_at``."""
+            if end > rank_end[rank]:
+                rank_end[rank] = end
+            index[rank], free[rank] = resume_at, end
+            seq[0] += 1
+            heapq.heappush(heap, (end, seq[0], _RESUME, rank))
+
         def step(rank: int) -> None:
             """Run ``rank``'s instructions from its stream's free time until a compute op starts or waits."""
             program = code[rank]
@@ -480,11 +488,7 @@ class _Engine:
                     if start - now < comm_part:
                         comm_part = start - now
                     events.append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
-                    if end > rank_end[rank]:
-                        rank_end[rank] = end
-                    index[rank], free[rank] = i + 1, end
-                    seq[0] += 1
-                    heapq.heappush(heap, (end, seq[0], _RESUME, rank))
+                    hold(rank, i + 1, end)
                     return
                 if what == _RECV_OP:
                     posted[ins[1]] = now
@@ -506,11 +510,7 @@ class _Engine:
                         end = now + host_cost(rank, op)
                         (offloaded if offload else reloaded)[host_key] = end
                         comms.append(CommEvent(rank, rank, op, now, end, lane))
-                        if end > rank_end[rank]:
-                            rank_end[rank] = end
-                        index[rank], free[rank] = i + 1, end
-                        seq[0] += 1
-                        heapq.heappush(heap, (end, seq[0], _RESUME, rank))
+                        hold(rank, i + 1, end)
                         return
                     (offloaded if offload else reloaded)[host_key] = None
                     host_queue[lane][rank].append((op, offload, host_key))
