@@ -143,7 +143,7 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
         waits_p2p = sum(e.comm_part for e in events if e.waited_on == "p2p")
         waits_param = sum(e.comm_part for e in events if e.waited_on == "param")
         waits_host = sum(e.comm_part for e in events if e.waited_on == "host")
-        if getattr(adapter, "host_copies_on_compute", False):  # each copy held the compute stream: all exposed
+        if costs.host_copies_on_compute:  # each copy held the compute stream: all of it exposed
             waits_host += sum(c.end - c.start for c in copies[rank])
         last_compute = max(e.end for e in events)
         dp_tail = max(0.0, timeline.rank_end[rank] - last_compute)  # the optimizer step is neither idle nor comm
