@@ -48,7 +48,7 @@ def _losses(flags):
     from megatron_pipemesh.bench.logparse import parse_log
 
     cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + list(flags), nproc=4, timeout=240)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     return [it.loss for it in parse_log(cp.stdout).iterations]
 
 

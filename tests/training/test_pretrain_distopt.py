@@ -37,7 +37,7 @@ DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-pa
 
 def _train(args):
     cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + args, nproc=4, timeout=300)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     return cp.stdout
 
 
@@ -122,7 +122,7 @@ def test_node_scope_matches_default(args, default):
     cp = h.run_torchrun_nodes([str(REPO / "scripts" / "pretrain_gpt.py")] + args + DISTOPT + ELASTIC
                               + ["--pipemesh-sharding", "optim_grads", "optim_grads_params", "--pipemesh-shard-scope", "node"],
                               nnodes=4, nproc_per_node=1)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     train, valid = _log(cp.stdout)
     default_train, default_valid = default
     assert train == default_train

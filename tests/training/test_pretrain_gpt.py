@@ -47,7 +47,7 @@ def test_pp2_vp2_default_schedule_on_corpus(corpus, tmp_path):
         "--clip-grad", "1.0",
     ]
     cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + args, nproc=2, timeout=150)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     losses = _iteration_losses(cp.stdout)
     assert len(losses) == 3, cp.stdout[-4000:]
     assert all(0.0 < x < 10.0 for x in losses)

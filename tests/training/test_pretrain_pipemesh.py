@@ -38,7 +38,7 @@ def base_args(tmp_path_factory):
 
 def _train(args, timeout=180):
     cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + args, nproc=2, timeout=timeout)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     return cp.stdout
 
 

@@ -29,7 +29,7 @@ def args(tmp_path_factory):
 
 def _train(argv):
     cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + argv, nproc=2, timeout=420)
-    assert cp.returncode == 0, cp.stdout[-6000:]
+    assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     return cp.stdout
 
 
