@@ -314,6 +314,42 @@ def _jit_warmup_only_for_fusions_in_use() -> None:
     mt_init._warmup_jit_function = warmup
 
 
+GLOO_WORKER_THREADS = 1
+"""Worker threads of each gloo process group created once the layer is active (torch's default is 2)."""
+
+
+def _one_worker_thread_per_gloo_group() -> None:
+    """Item 14: ``ProcessGroupGloo`` (torch 2.13, ``ProcessGroupGloo::Options::threads`` = 2, built by
+    ``distributed_c10d._new_process_group_helper``) executes a group's queued collectives on two worker threads at
+    once. With Megatron's overlapped all-gathers and reduce-scatters in flight together on one data-parallel group,
+    a worker thread now and then finds glibc's per-thread cache corrupted ("malloc(): unaligned tcache chunk
+    detected" / SIGSEGV in ``tcp::UnboundBuffer``'s constructor): ``scripts/gloo_stress.py`` reproduces it with
+    torch alone, without Megatron or PipeMesh, and not with one worker thread. Every gloo group made after this
+    runs its collectives on one worker thread, in issue order (still asynchronous to the caller; collectives of
+    different groups still run at once). Groups created before the layer was applied keep two threads."""
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_pipemesh_cpu", False):
+        return
+
+    class ProcessGroupGloo(base):  # a subclass: torch checks isinstance(backend, ProcessGroupGloo)
+        _pipemesh_cpu = True
+
+        def __init__(self, store, rank, size, timeout=None):
+            if isinstance(timeout, base._Options):  # the constructor's other form: (store, rank, size, options)
+                options = timeout
+            else:
+                options = base._Options()
+                if timeout is not None:
+                    options._timeout = timeout
+                options._devices = [base.create_default_device()]
+            options._threads = GLOO_WORKER_THREADS
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = ProcessGroupGloo
+
+
 def cpu_compat_active() -> bool:
     """True once :func:`apply_cpu_compat` has patched this process."""
     return _ACTIVE
@@ -411,6 +447,10 @@ def apply_cpu_compat() -> bool:
 
     # 13. The JIT warm-up compiles fused kernels the CPU run does not use (initialize.py:497).
     _jit_warmup_only_for_fusions_in_use()
+
+    # 14. Not Megatron's: torch's gloo runs a group's asynchronous collectives on two worker threads, which now and
+    #     then corrupt the heap (torch 2.13, distributed_c10d._new_process_group_helper builds the group).
+    _one_worker_thread_per_gloo_group()
 
     _ACTIVE = True
     return True

@@ -226,3 +226,26 @@ def test_jit_warmup_runs_only_for_the_fusions_in_use():
         print(json.dumps(seen))
     """)
     assert out == {"off": [], "gelu": ["dropout_add", "gelu"], "dropout": ["dropout_add", "gelu"]}
+
+
+def test_gloo_groups_run_one_worker_thread():
+    """Item 14: every gloo group made once the layer is active (the world group, a new group) has one worker thread,
+    a group made before it keeps torch's two, and collectives still work and stay asynchronous."""
+    out = _run("""
+        import json, os, tempfile
+        import torch, torch.distributed as dist
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        before = dist.ProcessGroupGloo(dist.PrefixStore("before", store), 0, 1)
+        from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
+        assert apply_cpu_compat()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        group = dist.new_group([0])
+        cpu = torch.device("cpu")
+        threads = [g._get_backend(cpu).options._threads for g in (dist.group.WORLD, group)]
+        x = torch.ones(4)
+        work = dist.all_reduce(x, group=group, async_op=True)
+        work.wait()
+        print(json.dumps({"threads": threads, "before": before.options._threads, "sum": x.tolist(),
+                          "gloo": isinstance(group._get_backend(cpu), dist.ProcessGroupGloo)}))
+    """)
+    assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True}
