@@ -331,7 +331,9 @@ class _RankModel:
     backward is reached (the end of the op before it); each direction serves its copies one at a time
     in launch order (the engine's FIFO channels), a reload no earlier than its offload's end; a backward
     waits for its reload, and the exposed wait is how much later the reload ends than the backward was
-    ready. Device memory: the simulator's accounting with those copy times, compute times held fixed."""
+    ready. Copies on the compute stream (CPU ranks, :attr:`.costs.ScheduleCosts.host_copies_on_compute`): each
+    copy holds the rank's compute for its length, offload after its forward, reload at its launch, so both are
+    exposed whole. Device memory: the simulator's accounting with those copy times, compute times held fixed."""
 
     def __init__(self, result: SimulationResult, adapter: ScheduleCosts, rank: int, lookahead: int):
         events = result.timeline.compute[rank]
@@ -352,6 +354,7 @@ class _RankModel:
         self.by_offload = sorted(self.keys, key=lambda k: (self.keys[k][1], k))  # d2h channel order
         self.by_reload = sorted(self.keys, key=lambda k: (self.keys[k][3], k))  # h2d channel order (program order)
         self.rank, self.adapter = rank, adapter
+        self.on_compute = adapter.host_copies_on_compute
         static = adapter.costs.static_bytes
         self.static = static[rank] if rank < len(static) else 0.0
 
@@ -361,6 +364,10 @@ class _RankModel:
 
     def windows(self, placed: set) -> Tuple[Dict[Tuple[int, int], Tuple[float, ...]], float]:
         """(per key: offload start and end, reload start and end; total exposed wait) for the host set ``placed``."""
+        if self.on_compute:  # no link to hide behind: every copy is compute time (the shifts they cause are ignored)
+            keys = self.keys
+            return ({key: (keys[key][1], keys[key][1] + keys[key][7], keys[key][2], keys[key][2] + keys[key][7])
+                     for key in placed}, sum(2 * keys[key][7] for key in placed))
         times: Dict[Tuple[int, int], List[float]] = {}
         free = 0.0
         for key in self.by_offload:

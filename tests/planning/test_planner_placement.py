@@ -169,3 +169,20 @@ def test_host_budget_counts_the_pinned_blocks():
                              PlannerOptions(activation_placement="auto", host_budget_bytes=block))
     assert one.fits and _levels(one, 0) == [HOST]
     assert one.result.ranks[0].peak_host_bytes == BYTES and one.result.ranks[0].peak_pinned_bytes == block
+
+
+def test_rank_model_exposes_copies_on_the_compute_stream_whole():
+    """CPU ranks copy on their compute thread: the planner's estimate exposes both copies of every host-placed
+    chunk-micro-batch, as the simulator does, even where a link of their own would hide them (copy 0.1 s)."""
+    import dataclasses
+
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+    from megatron_pipemesh.planning.planner import _RankModel
+    from megatron_pipemesh.planning.simulator import simulate
+
+    costs = dataclasses.replace(_costs(0.1), host_copies_on_compute=True)
+    model = _RankModel(simulate(CFG, costs), ScheduleCosts(CFG, costs), 0, 2)
+    _, exposed = model.windows({(0, 0), (0, 1)})
+    placed = simulate(CFG, costs, {(0, 0, 0): HOST, (0, 0, 1): HOST})
+    assert exposed == pytest.approx(4 * 0.1) == pytest.approx(placed.ranks[0].exposed_host_s)
+    assert _RankModel(simulate(CFG, _costs(0.1)), ScheduleCosts(CFG, _costs(0.1)), 0, 2).windows({(0, 0), (0, 1)})[1] == 0.0
