@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 from typing import Iterable, List, Optional, Sequence
 
@@ -318,6 +319,15 @@ GLOO_WORKER_THREADS = 1
 """Worker threads of each gloo process group created once the layer is active (torch's default is 2)."""
 
 
+def _gloo_devices(gloo) -> list:
+    """The devices torch's ``ProcessGroupGloo(store, rank, size, timeout)`` picks (torch/csrc/distributed/c10d/init.cpp):
+    one per interface of ``GLOO_SOCKET_IFNAME`` (comma-separated), else the one the hostname resolves to."""
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(interfaces) > 1:
+        return [gloo.create_device(interface=name) for name in interfaces.split(",")]
+    return [gloo.create_default_device()]
+
+
 def _one_worker_thread_per_gloo_group() -> None:
     """Item 14: ``ProcessGroupGloo`` (torch 2.13, ``ProcessGroupGloo::Options::threads`` = 2, built by
     ``distributed_c10d._new_process_group_helper``) executes a group's queued collectives on two worker threads at
@@ -343,7 +353,7 @@ def _one_worker_thread_per_gloo_group() -> None:
                 options = base._Options()
                 if timeout is not None:
                     options._timeout = timeout
-                options._devices = [base.create_default_device()]
+                options._devices = _gloo_devices(base)
             options._threads = GLOO_WORKER_THREADS
             super().__init__(store, rank, size, options)
 

@@ -230,7 +230,8 @@ def test_jit_warmup_runs_only_for_the_fusions_in_use():
 
 def test_gloo_groups_run_one_worker_thread():
     """Item 14: every gloo group made once the layer is active (the world group, a new group) has one worker thread,
-    a group made before it keeps torch's two, and collectives still work and stay asynchronous."""
+    a group made before it keeps torch's two, collectives still work and stay asynchronous, and the groups bind the
+    interfaces of GLOO_SOCKET_IFNAME as torch's own constructor does (the bench's per-rank namespaces set it)."""
     out = _run("""
         import json, os, tempfile
         import torch, torch.distributed as dist
@@ -245,7 +246,16 @@ def test_gloo_groups_run_one_worker_thread():
         x = torch.ones(4)
         work = dist.all_reduce(x, group=group, async_op=True)
         work.wait()
+        os.environ["GLOO_SOCKET_IFNAME"] = "pipemesh-none0"  # the interface torch's own constructor would bind
+        try:
+            dist.new_group([0])
+            missing = None
+        except Exception as error:
+            missing = "pipemesh-none0" in str(error)
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        on_lo = dist.new_group([0])
+        dist.all_reduce(x, group=on_lo)
         print(json.dumps({"threads": threads, "before": before.options._threads, "sum": x.tolist(),
-                          "gloo": isinstance(group._get_backend(cpu), dist.ProcessGroupGloo)}))
+                          "gloo": isinstance(group._get_backend(cpu), dist.ProcessGroupGloo), "named": missing}))
     """)
-    assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True}
+    assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True, "named": True}
