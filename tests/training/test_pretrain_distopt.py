@@ -21,6 +21,7 @@ default gradient-accumulation fusion alone: the CPU layer decides whether it run
 with that chunk at ZeRO-3.
 """
 import ast
+import os
 import re
 import sys
 from pathlib import Path
@@ -35,10 +36,22 @@ from test_pretrain_pipemesh import ELASTIC, REPO, _log, base_args  # noqa: E402,
 DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
-def _train(args):
-    cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + args, nproc=4, timeout=300)
+def _train(args, env=None):
+    cp = h.run_torchrun([str(REPO / "scripts" / "pretrain_gpt.py")] + args, nproc=4, timeout=300, env=env)
     assert cp.returncode == 0, h.failure_excerpt(cp.stdout, 6000)
     return cp.stdout
+
+
+INFLIGHT = {"PYTHONPATH": f"{REPO / 'tests' / 'inflight'}{os.pathsep}{REPO}"}
+"""Ranks with tests/inflight_storage.py's check on: a storage freed or moved under an in-flight collective is reported."""
+
+
+def _assert_no_storage_moved_in_flight(out: str) -> None:
+    from inflight_storage import SUMMARY, VIOLATION
+
+    assert VIOLATION not in out, out[out.index(VIOLATION):][:3000]
+    summaries = re.findall(re.escape(SUMMARY) + r" rank (\d+) (\d+) waits, (\d+) violations", out)
+    assert sorted(int(rank) for rank, _, _ in summaries) == [0, 1, 2, 3] and all(int(w) > 0 for _, w, _ in summaries)
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +178,10 @@ def test_host_placement_with_ddp_overlap_and_zero3_matches_default(args, default
     at ZeRO-1 or ZeRO-3: the stock schedule's losses, grad norms and validation losses. (With the fusion on, saved
     weights reach Megatron's backward as the Parameters themselves: under default saved-tensor hooks they lost
     main_grad's bookkeeping and DDP's hook asserted 'param.grad being None is not safe'.)"""
-    out = _train(args + DISTOPT + ELASTIC + HOST_PLACED + ["--pipemesh-sharding", *sharding])
+    out = _train(args + DISTOPT + ELASTIC + HOST_PLACED + ["--pipemesh-sharding", *sharding], env=INFLIGHT)
     assert _log(out) == default
     _assert_host_placed(out)
+    _assert_no_storage_moved_in_flight(out)
 
 
 def test_optimizer_step_gather_into_a_zero3_first_chunk_matches_default(args):
