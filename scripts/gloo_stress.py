@@ -1,4 +1,5 @@
-"""Reproduce torch's gloo heap corruption under overlapped collectives, with torch alone (no Megatron, no PipeMesh).
+"""Reproduce torch's gloo heap corruption under overlapped collectives, with torch alone (no Megatron; of PipeMesh only
+the CPU layer's knob for the worker threads, with ``--threads``).
 
 Run on 4 CPU ranks (PP=2 x DP=2 as Megatron lays them out: data-parallel groups [0, 1] and [2, 3], pipeline pairs
 (0, 2) and (1, 3), one two-rank group per pipeline link and direction)::
@@ -16,26 +17,15 @@ With ``--threads 1`` it runs through: what ``megatron_pipemesh.integration.cpu_c
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.distributed import _coalescing_manager
 
-
-def _use_worker_threads(threads: int) -> None:
-    base = c10d.ProcessGroupGloo
-
-    class Gloo(base):
-        def __init__(self, store, rank, size, timeout=None):
-            options = base._Options()
-            if timeout is not None:
-                options._timeout = timeout
-            options._devices = [base.create_default_device()]
-            options._threads = threads
-            super().__init__(store, rank, size, options)
-
-    c10d.ProcessGroupGloo = Gloo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megatron_pipemesh.integration.cpu_compat import set_gloo_worker_threads  # noqa: E402 (torch only, no Megatron)
 
 
 def main() -> None:
@@ -44,7 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="worker threads per gloo group (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
-        _use_worker_threads(args.threads)
+        set_gloo_worker_threads(args.threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if dist.get_world_size() != 4:

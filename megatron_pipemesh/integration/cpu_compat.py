@@ -31,6 +31,7 @@ __all__ = [
     "cpu_compat_active",
     "cpu_megatron_args",
     "missing_cpu_args",
+    "set_gloo_worker_threads",
     "CudaToCpuMode",
     "RNG_FORK_WARNING",
 ]
@@ -328,23 +329,27 @@ def _gloo_devices(gloo) -> list:
     return [gloo.create_default_device()]
 
 
-def _one_worker_thread_per_gloo_group() -> None:
-    """Item 14: ``ProcessGroupGloo`` (torch 2.13, ``ProcessGroupGloo::Options::threads`` = 2, built by
+def set_gloo_worker_threads(threads: int) -> None:
+    """Item 14: every gloo group created from now on runs its collectives on ``threads`` worker threads (torch's
+    default is 2); a later call changes the number for the groups created after it.
+
+    Why: ``ProcessGroupGloo`` (torch 2.13, ``ProcessGroupGloo::Options::threads``, built by
     ``distributed_c10d._new_process_group_helper``) executes a group's queued collectives on two worker threads at
     once. With Megatron's overlapped all-gathers and reduce-scatters in flight together on one data-parallel group,
     a worker thread now and then finds glibc's per-thread cache corrupted ("malloc(): unaligned tcache chunk
     detected" / SIGSEGV in ``tcp::UnboundBuffer``'s constructor): ``scripts/gloo_stress.py`` reproduces it with
-    torch alone, without Megatron or PipeMesh, and not with one worker thread. Every gloo group made after this
-    runs its collectives on one worker thread, in issue order (still asynchronous to the caller; collectives of
-    different groups still run at once). Groups created before the layer was applied keep two threads."""
+    torch alone, without Megatron or PipeMesh, and not with one worker thread. One thread runs a group's
+    collectives in issue order (still asynchronous to the caller; collectives of different groups still run at
+    once). Groups created before keep their threads."""
     import torch.distributed.distributed_c10d as c10d
 
-    base = c10d.ProcessGroupGloo
-    if getattr(base, "_pipemesh_cpu", False):
+    if getattr(c10d.ProcessGroupGloo, "_pipemesh_threads", None) is not None:
+        c10d.ProcessGroupGloo._pipemesh_threads = threads
         return
+    base = c10d.ProcessGroupGloo
 
     class ProcessGroupGloo(base):  # a subclass: torch checks isinstance(backend, ProcessGroupGloo)
-        _pipemesh_cpu = True
+        _pipemesh_threads = threads
 
         def __init__(self, store, rank, size, timeout=None):
             if isinstance(timeout, base._Options):  # the constructor's other form: (store, rank, size, options)
@@ -354,7 +359,7 @@ def _one_worker_thread_per_gloo_group() -> None:
                 if timeout is not None:
                     options._timeout = timeout
                 options._devices = _gloo_devices(base)
-            options._threads = GLOO_WORKER_THREADS
+            options._threads = type(self)._pipemesh_threads
             super().__init__(store, rank, size, options)
 
     c10d.ProcessGroupGloo = ProcessGroupGloo
@@ -460,7 +465,7 @@ def apply_cpu_compat() -> bool:
 
     # 14. Not Megatron's: torch's gloo runs a group's asynchronous collectives on two worker threads, which now and
     #     then corrupt the heap (torch 2.13, distributed_c10d._new_process_group_helper builds the group).
-    _one_worker_thread_per_gloo_group()
+    set_gloo_worker_threads(GLOO_WORKER_THREADS)
 
     _ACTIVE = True
     return True

@@ -255,7 +255,10 @@ def test_gloo_groups_run_one_worker_thread():
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         on_lo = dist.new_group([0])
         dist.all_reduce(x, group=on_lo)
-        print(json.dumps({"threads": threads, "before": before.options._threads, "sum": x.tolist(),
+        from megatron_pipemesh.integration.cpu_compat import set_gloo_worker_threads
+        set_gloo_worker_threads(3)
+        later = dist.new_group([0])._get_backend(cpu).options._threads
+        print(json.dumps({"threads": threads, "before": before.options._threads, "sum": x.tolist(), "later": later,
                           "gloo": isinstance(group._get_backend(cpu), dist.ProcessGroupGloo), "named": missing}))
     """)
-    assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True, "named": True}
+    assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True, "named": True, "later": 3}
