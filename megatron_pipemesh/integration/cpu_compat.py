@@ -4,7 +4,9 @@ megatron-core assumes CUDA in a few places that have nothing to do with the math
 without CUDA, :func:`apply_cpu_compat` patches exactly those places so that Megatron's GPT model,
 schedules, DDP wrapper, optimizer and ``pretrain()`` run on CPU with the gloo backend.  It does
 nothing at all when ``torch.cuda.is_available()``.  Each item names the upstream place (file:line in
-megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more detail.
+megatron-core 0.19.2) it works around; ``docs/cpu.md`` explains them in more detail. One item is torch's, not
+Megatron's: gloo groups get one worker thread (item 14, :func:`set_gloo_worker_threads`), since torch's two corrupt
+the heap under overlapped collectives.
 
 :func:`cpu_megatron_args` lists the Megatron command-line flags a CPU run needs (local transformer
 implementation, CPU initialization, no fused kernels, gloo); :func:`missing_cpu_args` keeps only the
