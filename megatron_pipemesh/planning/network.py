@@ -146,10 +146,12 @@ class FairShareNetwork:
     A flow's size is its *work*: the seconds it would take alone (its bytes over its route's lone rate), so
     that a flow alone on its resources ends exactly ``work`` after its start.
 
-    Speed (the simulator's inner loop): flows of one route are alike, so the rates depend only on how many
-    flows of each route run; they are computed once per such mix and kept in ``cache`` (pass one
-    :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), and only the
-    flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock next moves."""
+    Speed (the simulator's inner loop): a flow that starts on resources no running flow crosses gets its lone
+    rate at once, and one that ends there changes no other rate, so neither re-rates anything. Otherwise flows of
+    one route are alike, so the rates depend only on how many flows of each route run; they are computed once per
+    such mix and kept in ``cache`` (pass one :class:`RateCache` to every network on the same resources:
+    :class:`.topology.Topology` does), and only the flows whose pace changes get a new end. Starts and ends at one
+    instant are rated together, when the clock next moves."""
 
     def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
         if any(not c > 0 for c in capacity):
@@ -160,7 +162,9 @@ class FairShareNetwork:
         self._routes = self._cache.routes
         self._flows: Dict[Hashable, _Active] = {}
         self._of_route: Dict[int, Dict[Hashable, _Active]] = {}
-        self._paces: Paces = {}
+        self._counts: Dict[int, int] = {}  # route id -> flows running on it
+        self._load = [0] * len(self.capacity)  # flows running through each resource
+        self._pace: Dict[int, float] = {}  # route id -> the pace its rated flows run at
         self._fresh: List[_Active] = []  # started since the last rating
         self._dirty = False
         self._ends: List[Tuple[float, int, Hashable]] = []  # (end, seq, token); stale when seq != the flow's version
@@ -192,8 +196,20 @@ class FairShareNetwork:
         flow = _Active(token, rid, float(work_s), self.now)
         self._flows[token] = flow
         self._of_route.setdefault(rid, {})[token] = flow
-        self._fresh.append(flow)
-        self._dirty = True
+        self._counts[rid] = self._counts.get(rid, 0) + 1
+        load, alone = self._load, True
+        for r, _ in route.demands:
+            if load[r]:
+                alone = False
+            load[r] += 1
+        if alone:  # nothing else crosses its resources: its lone rate, and no other rate moves
+            flow.pace = self._pace[rid] = 1.0
+            self._seq += 1
+            flow.version = self._seq
+            heapq.heappush(self._ends, (self.now + flow.left, self._seq, token))
+        else:
+            self._fresh.append(flow)
+            self._dirty = True
 
     def next_time(self) -> float:
         """When the next flow ends (inf: none runs)."""
@@ -215,26 +231,35 @@ class FairShareNetwork:
             raise ValueError("no flow is running")
         self.now = t
         done: List[Hashable] = []
-        ends, flows = self._ends, self._flows
+        ends, flows, load, routes = self._ends, self._flows, self._load, self._routes
         while ends and ends[0][0] <= t:
             _, version, token = heapq.heappop(ends)
             flow = flows.get(token)
             if flow is None or flow.version != version:
                 continue
             del flows[token]
-            same = self._of_route[flow.route]
+            rid = flow.route
+            same = self._of_route[rid]
             del same[token]
-            if not same:
-                del self._of_route[flow.route]
+            if same:
+                self._counts[rid] -= 1
+                self._dirty = True
+            else:
+                del self._of_route[rid]
+                del self._counts[rid]
+                del self._pace[rid]
+            for r, _ in routes[rid].demands:
+                load[r] -= 1
+                if load[r]:
+                    self._dirty = True  # others cross a resource it freed: their rates may rise
             done.append(token)
-        self._dirty = True
         return t, done
 
     def _rate(self) -> None:
         """Paces for the flows now running: from the cache for this mix of routes, else by progressive filling;
         the flows whose pace changes have their work left brought to now and a new end."""
         self._dirty = False
-        mix = tuple(sorted((rid, len(flows)) for rid, flows in self._of_route.items()))
+        mix = tuple(sorted(self._counts.items()))
         paces = self._cache.paces.get(mix)
         if paces is None:
             routes = [self._routes[rid] for rid, _ in mix]
@@ -246,11 +271,11 @@ class FairShareNetwork:
                 paces[rid] = 1.0 if pace > 1.0 - 1e-12 else pace  # alone on its bottleneck: exactly its lone rate
             if len(self._cache.paces) < RateCache.LIMIT:
                 self._cache.paces[mix] = paces
-        now, ends = self.now, self._ends
-        old = self._paces
+        now, ends, current = self.now, self._ends, self._pace
         for rid, pace in paces.items():
-            if old.get(rid) == pace:
+            if current.get(rid) == pace:
                 continue
+            current[rid] = pace
             for flow in self._of_route[rid].values():
                 if flow.pace:
                     flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
@@ -266,7 +291,6 @@ class FairShareNetwork:
                 flow.version = self._seq
                 heapq.heappush(ends, (now + flow.left / flow.pace, self._seq, flow.token))
         self._fresh = []
-        self._paces = paces
 
 
 def _rank_resources(egress: Mapping[int, float], ingress: Mapping[int, float]
