@@ -174,3 +174,17 @@ def test_advice_ratio_to_default(tiny):
     assert out["min_advice_ratio_to_default_commodity"] == row["advice_ratio_to_default"]
     assert out["max_advice_ratio_to_default_commodity"] == other["advice_ratio_to_default"]
     assert out["median_advice_ratio_to_default_commodity"] == pytest.approx(1.5 * row["advice_ratio_to_default"])
+
+
+def _setting_only(row, sharding=False):
+    """A stand-in for :func:`run_row` (module-level: the workers unpickle it)."""
+    return {"setting": row.describe()}
+
+
+def test_parallel_rows_come_back_in_the_given_order_though_run_longest_first(monkeypatch):
+    """Workers take the rows with the most micro-batches (then the largest model) first, yet the result
+    lists every row where it was given."""
+    monkeypatch.setattr(study, "run_row", _setting_only)
+    rows = COMMODITY[:4] + COMMODITY[4:8]  # 16 then 32 micro-batches per replica
+    out = study.run_study(rows, jobs=2)
+    assert [r["setting"] for r in out] == [row.describe() for row in rows]
