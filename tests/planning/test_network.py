@@ -1,7 +1,7 @@
 """planning/network.py: max-min fair sharing of egress and ingress, ring collectives at their slowest hop."""
 import pytest
 
-from megatron_pipemesh.planning.network import (FairShareNetwork, Flow, collective_with_flows_finish_times,
+from megatron_pipemesh.planning.network import (FairShareNetwork, Flow, _run, collective_with_flows_finish_times,
                                                 fair_share_finish_times, make_route, max_min_rates,
                                                 ring_allreduce_flows)
 
@@ -144,18 +144,10 @@ def test_random_mixes_match_rates_recomputed_at_every_event():
             resources = rng.sample(range(len(capacity)), rng.randint(1, 3))
             demands = [(r, float(rng.choice((1, 1, 2, 3)))) for r in resources]
             flows.append((float(rng.randint(0, 6)), demands, float(rng.choice((50, 100, 150, 400)))))
-        net = FairShareNetwork(capacity)
-        pending = sorted(range(len(flows)), key=lambda i: (flows[i][0], i))
+        routes = [make_route(demands, capacity) for _, demands, _ in flows]
+        pending = [(start, i, route, nbytes / route.lone_bytes_per_s)
+                   for i, ((start, _, nbytes), route) in enumerate(zip(flows, routes))]
         got = {}
-        while pending or len(net):
-            if pending and flows[pending[0]][0] <= net.next_time():
-                i = pending.pop(0)
-                net.advance(max(flows[i][0], net.now))
-                route = make_route(flows[i][1], capacity)
-                net.start(i, route, flows[i][2] / route.lone_bytes_per_s)
-                continue
-            t, done = net.pop()
-            for i in done:
-                got[i] = t
+        _run(FairShareNetwork(capacity), pending, lambda t, i: got.__setitem__(i, t))
         want = _reference_finish_times(flows, capacity)
         assert [got[i] for i in range(len(flows))] == pytest.approx(want, rel=1e-9)
