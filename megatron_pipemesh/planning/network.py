@@ -10,8 +10,9 @@ reaches its capacity, and freezes them. A lone flow gets min over its resources 
 two flows through one resource and nothing else get half each; a flow held back at the receiver's
 ingress leaves the rest of the sender's egress to the sender's other flows.
 
-Rates change only when a flow starts or ends; :class:`FairShareNetwork` then re-rates the flows running
-(from a cache of the mixes of routes met before) and gives a new end only to those whose pace changed.
+Rates change only when a flow starts or ends, and only for the flows connected to it through shared resources
+(max-min rates are set per connected component); :class:`FairShareNetwork` then re-rates that component (from a
+cache of the mixes of routes met before) and gives a new end only to the flows whose pace changed.
 
 Used by the simulator's engine (:mod:`..schedule.timeline`, through the costs' :class:`.topology.Topology`)
 and by the bench's network check, which measures real flows against :func:`fair_share_finish_times` and
@@ -120,8 +121,9 @@ Paces = Dict[int, float]
 
 
 class RateCache:
-    """Fair-share paces per mix of routes (how many flows of each run), with the route ids they are keyed by:
-    one per set of resources, shared by every network on them (:class:`.topology.Topology` keeps one)."""
+    """Fair-share paces per mix of routes (how many flows of each run, in one connected component), with the
+    route ids they are keyed by: one per set of resources, shared by every network on them
+    (:class:`.topology.Topology` keeps one)."""
 
     LIMIT = 200_000
     """Mixes kept at most (a bound on memory; past it new mixes are computed each time)."""
@@ -147,11 +149,13 @@ class FairShareNetwork:
     that a flow alone on its resources ends exactly ``work`` after its start.
 
     Speed (the simulator's inner loop): a flow that starts on resources no running flow crosses gets its lone
-    rate at once, and one that ends there changes no other rate, so neither re-rates anything. Otherwise flows of
-    one route are alike, so the rates depend only on how many flows of each route run; they are computed once per
-    such mix and kept in ``cache`` (pass one :class:`RateCache` to every network on the same resources:
-    :class:`.topology.Topology` does), and only the flows whose pace changes get a new end. Starts and ends at one
-    instant are rated together, when the clock next moves."""
+    rate at once, and one that ends there changes no other rate, so neither re-rates anything. Otherwise only the
+    connected component of the resources it starts or frees is re-rated (the routes running there, and those
+    sharing a resource with them, transitively). Flows of one route are alike, so a component's rates depend only
+    on how many flows of each of its routes run; they are computed once per such mix and kept in ``cache`` (pass
+    one :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), and only the
+    flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock
+    next moves."""
 
     def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
         if any(not c > 0 for c in capacity):
@@ -164,8 +168,10 @@ class FairShareNetwork:
         self._of_route: Dict[int, Dict[Hashable, _Active]] = {}
         self._counts: Dict[int, int] = {}  # route id -> flows running on it
         self._load = [0] * len(self.capacity)  # flows running through each resource
+        self._on: List[Dict[int, None]] = [{} for _ in self.capacity]  # resource -> route ids running through it
         self._pace: Dict[int, float] = {}  # route id -> the pace its rated flows run at
         self._fresh: List[_Active] = []  # started since the last rating
+        self._touched: List[int] = []  # resources whose flows' rates may have changed since the last rating
         self._dirty = False
         self._ends: List[Tuple[float, int, Hashable]] = []  # (end, seq, token); stale when seq != the flow's version
         self._seq = 0
@@ -196,12 +202,14 @@ class FairShareNetwork:
         flow = _Active(token, rid, float(work_s), self.now)
         self._flows[token] = flow
         self._of_route.setdefault(rid, {})[token] = flow
-        self._counts[rid] = self._counts.get(rid, 0) + 1
+        count = self._counts[rid] = self._counts.get(rid, 0) + 1
         load, alone = self._load, True
         for r, _ in route.demands:
             if load[r]:
                 alone = False
             load[r] += 1
+            if count == 1:
+                self._on[r][rid] = None
         if alone:  # nothing else crosses its resources: its lone rate, and no other rate moves
             flow.pace = self._pace[rid] = 1.0
             self._seq += 1
@@ -209,6 +217,7 @@ class FairShareNetwork:
             heapq.heappush(self._ends, (self.now + flow.left, self._seq, token))
         else:
             self._fresh.append(flow)
+            self._touched.extend(r for r, _ in route.demands)
             self._dirty = True
 
     def next_time(self) -> float:
@@ -241,25 +250,43 @@ class FairShareNetwork:
             rid = flow.route
             same = self._of_route[rid]
             del same[token]
-            if same:
-                self._counts[rid] -= 1
-                self._dirty = True
-            else:
+            last = not same
+            if last:
                 del self._of_route[rid]
                 del self._counts[rid]
                 del self._pace[rid]
+            else:
+                self._counts[rid] -= 1
             for r, _ in routes[rid].demands:
                 load[r] -= 1
-                if load[r]:
-                    self._dirty = True  # others cross a resource it freed: their rates may rise
+                if last:
+                    del self._on[r][rid]
+                if load[r]:  # others cross a resource it freed: their rates may rise
+                    self._touched.append(r)
+                    self._dirty = True
             done.append(token)
         return t, done
 
-    def _rate(self) -> None:
-        """Paces for the flows now running: from the cache for this mix of routes, else by progressive filling;
-        the flows whose pace changes have their work left brought to now and a new end."""
-        self._dirty = False
-        mix = tuple(sorted(self._counts.items()))
+    def _component(self, seed: int, seen: set) -> List[int]:
+        """The route ids running in the connected component of resource ``seed`` that are not in ``seen`` (added
+        to it): routes through a resource, resources of a route, transitively."""
+        routes, on = self._routes, self._on
+        out: List[int] = []
+        stack, reached = [seed], {seed}
+        while stack:
+            for rid in on[stack.pop()]:
+                if rid in seen:
+                    continue
+                seen.add(rid)
+                out.append(rid)
+                for r, _ in routes[rid].demands:
+                    if r not in reached:
+                        reached.add(r)
+                        stack.append(r)
+        return out
+
+    def _paces(self, mix: tuple) -> Paces:
+        """The paces of one component's mix ((route id, flows), ...): from the cache, else by progressive filling."""
         paces = self._cache.paces.get(mix)
         if paces is None:
             routes = [self._routes[rid] for rid, _ in mix]
@@ -271,22 +298,34 @@ class FairShareNetwork:
                 paces[rid] = 1.0 if pace > 1.0 - 1e-12 else pace  # alone on its bottleneck: exactly its lone rate
             if len(self._cache.paces) < RateCache.LIMIT:
                 self._cache.paces[mix] = paces
-        now, ends, current = self.now, self._ends, self._pace
-        for rid, pace in paces.items():
-            if current.get(rid) == pace:
+        return paces
+
+    def _rate(self) -> None:
+        """Paces for the flows of every component touched since the last rating (:meth:`_paces`); the flows
+        whose pace changes have their work left brought to now and a new end."""
+        self._dirty = False
+        now, ends, current, counts = self.now, self._ends, self._pace, self._counts
+        seen: set = set()
+        for seed in self._touched:
+            component = self._component(seed, seen)
+            if not component:
                 continue
-            current[rid] = pace
-            for flow in self._of_route[rid].values():
-                if flow.pace:
-                    flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
-                    flow.since = now
-                flow.pace = pace
-                self._seq += 1
-                flow.version = self._seq
-                heapq.heappush(ends, (now + flow.left / pace, self._seq, flow.token))
+            for rid, pace in self._paces(tuple(sorted((rid, counts[rid]) for rid in component))).items():
+                if current.get(rid) == pace:
+                    continue
+                current[rid] = pace
+                for flow in self._of_route[rid].values():
+                    if flow.pace:
+                        flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
+                        flow.since = now
+                    flow.pace = pace
+                    self._seq += 1
+                    flow.version = self._seq
+                    heapq.heappush(ends, (now + flow.left / pace, self._seq, flow.token))
+        self._touched = []
         for flow in self._fresh:  # new flows of a route whose pace did not change
-            if flow.version == 0 and flow.token in self._flows:
-                flow.pace = paces[flow.route]
+            if flow.version == 0 and self._flows.get(flow.token) is flow:
+                flow.pace = current[flow.route]
                 self._seq += 1
                 flow.version = self._seq
                 heapq.heappush(ends, (now + flow.left / flow.pace, self._seq, flow.token))
