@@ -38,7 +38,7 @@ from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
 from .memory import host_block_bytes, selective_levels
-from .simulator import RecomputePlan, SimulationResult, lowering_for, simulate
+from .simulator import DeadlineExceeded, RecomputePlan, SimulationResult, lowering_for, simulate
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
 """``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
@@ -281,7 +281,8 @@ def _moves(costs: StageCosts, level: Lever, allowed: Sequence[Lever]) -> List[Tu
 
 
 def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
-                       options: PlannerOptions = PlannerOptions(), sharding=None) -> Plan:
+                       options: PlannerOptions = PlannerOptions(), sharding=None,
+                       bare: Optional[SimulationResult] = None) -> Plan:
     """Add pipeline-aware recomputation to ``config`` until every rank fits ``budget_bytes``
     (or nothing is left to recompute; the returned plan then has ``fits == False``).
 
@@ -289,40 +290,64 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     chunk-micro-batches alive at its peak, take the upgrades (to any allowed level: selective
     module sets, full) with the most bytes freed per second of extra backward time first, the
     longest-waiting chunk-micro-batch first among equals, one upgrade per chunk-micro-batch per
-    round, until the excess is covered; then re-simulate (the peak may move) and repeat.
+    round, until the excess is covered; then re-simulate (the peak may move) and repeat. ``bare``: the
+    simulation of ``config`` without levers (with ``sharding``), where the caller has run it already.
     """
     if options.activation_placement != "recompute-only":
-        return fit_with_placement(config, costs, budget_bytes, options, sharding)
+        return fit_with_placement(config, costs, budget_bytes, options, sharding, bare)
     plan: RecomputePlan = {}
     allowed = _allowed(options, costs)
     options_ = lowering_for(costs)
     schedule = lower(config, sharding.lowering(options_) if sharding is not None else options_)
-    result = simulate(config, costs, plan, schedule, sharding)
+    result = bare or simulate(config, costs, plan, schedule, sharding)
     for _ in range(options.max_recompute_rounds):
         over = [r for r in result.ranks if r.peak_memory_bytes > budget_bytes]
         if not over:
             break
         changed = False
         for rank_result in over:
-            rank = rank_result.rank
-            excess = rank_result.peak_memory_bytes - budget_bytes
-            candidates = []
-            for wait, chunk, microbatch in _live_at_peak(result, rank):
-                key = (rank, chunk, microbatch)
-                moves = _moves(costs.stage(config.stage(rank, chunk)), plan.get(key, DEVICE), allowed)
-                if moves:
-                    ratio, freed, new = moves[0]
-                    candidates.append((ratio, wait, freed, key, new))
-            for _, _, freed, key, new in sorted(candidates, reverse=True):
-                if excess <= 0:
-                    break
-                plan[key] = new
-                excess -= freed
-                changed = True
+            changed |= _recompute_rank(result, costs, plan, rank_result, budget_bytes, allowed, sharding is None)
         if not changed:
             break
         result = simulate(config, costs, plan, schedule, sharding)
     return Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead or DEFAULT_RELOAD_LOOKAHEAD)
+
+
+def _recompute_rank(result: SimulationResult, costs: OpCosts, plan: RecomputePlan, rank_result, budget_bytes: float,
+                    allowed: Sequence[Lever], estimate: bool) -> bool:
+    """One round of :func:`fit_with_recompute` on a rank over budget: the knapsack at its simulated peak, then
+    (``estimate``) the same rule at each next peak of its memory estimated at this simulation's times
+    (:meth:`_RankModel.device_peak`; recomputation lengthens backwards, so the re-simulation that follows the
+    round may still find excess), one upgrade per chunk-micro-batch per round."""
+    config, rank = result.config, rank_result.rank
+    excess = rank_result.peak_memory_bytes - budget_bytes
+    alive = _live_at_peak(result, rank)
+    model, upgraded = None, set()
+    while True:
+        candidates = []
+        for wait, chunk, microbatch in alive:
+            key = (rank, chunk, microbatch)
+            moves = _moves(costs.stage(config.stage(rank, chunk)), plan.get(key, DEVICE), allowed) if key not in upgraded else ()
+            if moves:
+                ratio, freed, new = moves[0]
+                candidates.append((ratio, wait, freed, key, new))
+        took = False
+        for _, _, freed, key, new in sorted(candidates, reverse=True):
+            if excess <= 0:
+                break
+            plan[key] = new
+            upgraded.add(key)
+            excess -= freed
+            took = True
+        if not took or not estimate:
+            return bool(upgraded)
+        model = model or _RankModel(result, ScheduleCosts(config, costs), rank, DEFAULT_RELOAD_LOOKAHEAD)
+        peak_time, peak = model.device_peak(plan, {})
+        excess = peak - budget_bytes
+        if excess <= 0:
+            return True
+        alive = sorted(((times[5] - times[1], key[0], key[1]) for key, times in model.keys.items()
+                        if times[0] <= peak_time < times[6]), reverse=True)
 
 
 class _RankModel:
@@ -607,8 +632,12 @@ def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, 
                     plan[key] = HOST
             lowering = lowering_for(costs, plan, options.reload_lookahead)
             schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
-            candidate = Plan(config, plan, simulate(config, costs, plan, schedule, sharding), best.budget_bytes, sharding,
-                             options.host_budget_bytes, options.reload_lookahead)
+            try:  # kept only if faster than the best
+                result = simulate(config, costs, plan, schedule, sharding, deadline_s=best.result.iteration_s)
+            except DeadlineExceeded:
+                continue
+            candidate = Plan(config, plan, result, best.budget_bytes, sharding, options.host_budget_bytes,
+                             options.reload_lookahead)
             if candidate.fits and candidate.result.iteration_s < best.result.iteration_s:
                 best, improved = candidate, True
                 break
@@ -669,7 +698,8 @@ def reload_lookahead_for(config: ScheduleConfig, costs: OpCosts, options: Planne
 
 
 def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
-                       options: PlannerOptions = PlannerOptions(activation_placement="auto"), sharding=None) -> Plan:
+                       options: PlannerOptions = PlannerOptions(activation_placement="auto"), sharding=None,
+                       bare: Optional[SimulationResult] = None) -> Plan:
     """The memory levers of ``options.activation_placement`` applied to ``config`` until every rank fits.
 
     'device': none (the plan is the bare schedule; ``fits`` says whether it fits). 'auto': per round, on
@@ -679,7 +709,8 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     over the host budget gives back offloads to recomputation. A plan that recomputes, waits on host
     copies or does not fit is compared with recomputation alone (same budget); the fitting ones are then
     improved by trading recomputation for hidden copies (:func:`_offload_recomputation`), and the fastest
-    is returned, so 'auto' is never slower than 'recompute-only' on a candidate.
+    is returned, so 'auto' is never slower than 'recompute-only' on a candidate. ``bare``: as for
+    :func:`fit_with_recompute` (without host copies the reload lookahead changes nothing).
     """
     allowed = _allowed(options, costs)
     plan: RecomputePlan = {}
@@ -690,7 +721,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
         schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
         return simulate(config, costs, plan, schedule, sharding)
 
-    result = run(plan)
+    result = bare or run(plan)
     host_budget = float("inf") if options.host_budget_bytes is None else options.host_budget_bytes
     for _ in range(options.max_recompute_rounds if options.activation_placement == "auto" else 0):
         adapter = sharding.adapter(config, costs, plan) if sharding is not None else ScheduleCosts(config, costs, plan)
@@ -711,7 +742,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     if options.activation_placement != "auto" or (placed.fits and not costly):
         return placed
     alone = fit_with_recompute(config, costs, budget_bytes, dataclasses.replace(options, activation_placement="recompute-only"),
-                               sharding)
+                               sharding, bare)
     fitting = [_offload_recomputation(config, costs, plan, options, sharding=sharding) for plan in (placed, alone) if plan.fits]
     return min(fitting, key=lambda plan: plan.result.iteration_s) if fitting else placed
 
@@ -731,16 +762,29 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
     # candidates in order of that bound and stop once the bound reaches the best fitting time.
-    bare = []
+    # Only candidates ending by the incumbent, and (with a fit limit) among the fit_limit fastest so far, can be
+    # fitted: a simulation stops once its clock passes that, and the candidate is dropped.
+    # The fit starts from the same simulation; with a fit limit it is kept for the fit_limit fastest so far.
+    bare: List[list] = []  # [time, enumeration order, config, costs, simulation or None]
     for config in candidate_configs(pp, vpp, microbatches, options):
         costs = costs_for(config)
-        bare.append((simulate(config, costs, sharding=sharding).iteration_s, config, costs))
-    bare.sort(key=lambda item: item[0])
+        deadline = incumbent_s
+        if options.fit_limit is not None and len(bare) >= options.fit_limit:
+            deadline = min(deadline, sorted(item[0] for item in bare)[options.fit_limit - 1])
+        try:
+            result = simulate(config, costs, sharding=sharding, deadline_s=deadline)
+        except DeadlineExceeded:
+            continue
+        bare.append([result.iteration_s, len(bare), config, costs, result if options.fit_limit is not None else None])
+        if options.fit_limit is not None:
+            for item in sorted(bare, key=lambda item: item[:2])[options.fit_limit:]:
+                item[4] = None
+    bare.sort(key=lambda item: item[:2])
     evaluated, best_time = [], incumbent_s
-    for bound, config, costs in bare:
+    for bound, _, config, costs, result in bare:
         if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
-        plan = fit_with_recompute(config, costs, budget_bytes, options, sharding)
+        plan = fit_with_recompute(config, costs, budget_bytes, options, sharding, result)
         evaluated.append(plan)
         if plan.fits:
             best_time = min(best_time, plan.result.iteration_s)

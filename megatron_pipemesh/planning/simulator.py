@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
 from ..schedule.ops import OpKind
-from ..schedule.timeline import Timeline, execute
+from ..schedule.timeline import DeadlineExceeded, Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 from .memory import host_block_bytes
 
@@ -110,11 +110,14 @@ def lowering_for(costs: OpCosts, recompute: Optional[RecomputePlan] = None,
 
 
 def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[RecomputePlan] = None,
-             schedule: Optional[LoweredSchedule] = None, sharding=None) -> SimulationResult:
+             schedule: Optional[LoweredSchedule] = None, sharding=None,
+             deadline_s: Optional[float] = None) -> SimulationResult:
     """Simulate one iteration of ``config`` (or a prebuilt lowered ``schedule``, whose host placement
     must be the plan's) under ``costs``; ``sharding`` (a :class:`.sharding.ShardingModel`) adds mixed
     sharding: its ops, their costs, the resident bytes per rank and the gathered weights / gradient
-    buffers on the memory timeline."""
+    buffers on the memory timeline. ``deadline_s``: raise :class:`.timeline.DeadlineExceeded` as soon as the
+    iteration is known to end after it (a search that keeps only faster schedules; one ending exactly then
+    runs to its end)."""
     if sharding is None:
         schedule = schedule or lower(config, lowering_for(costs, recompute))
         adapter = ScheduleCosts(config, costs, recompute)
@@ -125,7 +128,7 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
     if schedule.options.host_placement != host_placement_of(recompute):
         raise ValueError("the lowered schedule's host placement differs from the plan's 'host' entries: lower it "
                          "with lowering_for(costs, plan)")
-    timeline = execute(schedule, adapter)
+    timeline = execute(schedule, adapter, deadline_s)
     optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
     if sharding is not None:
         optimizer = sharding.optimizer_seconds(optimizer)

@@ -52,7 +52,7 @@ from .bounds import virtual_sizes
 from .layout import LayerSplit
 from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
-from .simulator import lowering_for, simulate
+from .simulator import DeadlineExceeded, lowering_for, simulate
 
 Budget = Union[float, Sequence[float]]
 """Activation bytes allowed per pipeline rank: one number for every rank, or one per rank. With a
@@ -513,21 +513,22 @@ def sharding_model(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec
 
 
 def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: Optional[MegatronFsdpSharding],
-            schedule: Optional[LoweredSchedule] = None, offload: Optional[OffloadModel] = None) -> StockResult:
+            schedule: Optional[LoweredSchedule] = None, offload: Optional[OffloadModel] = None,
+            deadline_s: Optional[float] = None) -> StockResult:
     """Simulate ``setting`` (its uniform recomputation, its sharding when given, and its offloading with the
-    ``offload`` model)."""
+    ``offload`` model); :class:`.timeline.DeadlineExceeded` once it is known to end after ``deadline_s``."""
     if setting.offload is not None:
         if sharding is not None or offload is None:
             raise ValueError("stock offloading is modelled with the distributed optimizer only and needs its OffloadModel")
         schedule = schedule or lower(config, lowering_for(costs))
-        result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule)
+        result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, deadline_s=deadline_s)
         adapter = ScheduleCosts(config, costs)
         kinds = ChunkKinds.of(config, adapter)
         counts = live_states(config, schedule, kinds)
         return StockResult(setting, max(result.iteration_s, offload.busy_s(config, setting.offload)),
                            offload.device_peaks(counts, kinds, adapter, setting.recompute.level, setting.offload),
                            tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, kinds, setting.offload))
-    result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding)
+    result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding, deadline_s)
     if sharding is None:
         return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
                            tuple(costs.static_bytes))
@@ -690,12 +691,16 @@ def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) ->
     """Simulate ``choice``: its setting; with ZeRO-2/3, per prediction of :class:`MegatronFsdpSharding`, the
     first option (least recomputation first) that fits ``budget`` -- options whose compute bound exceeds
     ``best_s`` are not tried -- and the faster of the two (None: nothing fits or can beat ``best_s``)."""
-    if choice.sharding is None:
-        result = _result(choice.setting, choice.config, choice.costs, None, choice.schedule, choice.offload)
-        if choice.without_offload is not None:
-            plain = _result(choice.without_offload, choice.config, choice.costs, None, choice.schedule)
-            result = plain if plain.iteration_s < result.iteration_s else result
-        return result
+    if choice.sharding is None:  # a simulation stops once it is known to end after best_s
+        found = []
+        for setting, offload in ((choice.setting, choice.offload), (choice.without_offload, None)):
+            if setting is not None:
+                try:
+                    found.append(_result(setting, choice.config, choice.costs, None, choice.schedule, offload, best_s))
+                except DeadlineExceeded:
+                    pass
+        # the offloading setting unless the one without is faster
+        return min(found, key=lambda r: r.iteration_s) if found else None
     found: List[StockResult] = []
     for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
                     lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
@@ -740,15 +745,16 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
     :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
     compute bound already exceeds the fastest time found: they are simulated in order of that bound
-    (sharding changes static memory and communication, never compute, so the bound holds at every level).
+    (sharding changes static memory and communication, never compute, so the bound holds at every level), and a
+    simulation stops once it is known to end after the fastest time found.
     ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
-    simulated (None if none can beat it)."""
+    simulated, nor run past it (None if none can beat it)."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
         if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):
             break
-        result = _simulated(choice, budget, best[0] if best else float("inf"))
+        result = _simulated(choice, budget, best[0] if best else incumbent_s)
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
             best = (result.iteration_s, index, result)
     return best[2] if best else None

@@ -58,6 +58,15 @@ class DeadlockError(ScheduleError):
     pass
 
 
+class DeadlineExceeded(Exception):
+    """The simulated clock passed the deadline given to :func:`execute`: the iteration ends after it (no event of
+    an iteration comes after the last end of a rank's compute, collective or final collective)."""
+
+    def __init__(self, deadline: float, clock: float):
+        super().__init__(f"the simulated clock reached {clock!r} s, past the deadline of {deadline!r} s")
+        self.deadline, self.clock = deadline, clock
+
+
 class Costs(Protocol):
     """Durations in seconds (any consistent unit works)."""
 
@@ -279,8 +288,9 @@ _INF = float("inf")
 
 
 class _Engine:
-    def __init__(self, schedule: LoweredSchedule, costs: Costs):
+    def __init__(self, schedule: LoweredSchedule, costs: Costs, deadline: float = _INF):
         self.s, self.costs, self.cfg = schedule, costs, schedule.config
+        self.deadline = deadline
         p = self.cfg.pp
         self.compiled = _compile(schedule)
         self.index = [0] * p
@@ -520,6 +530,7 @@ class _Engine:
             if i == n and finals:
                 try_finals()
 
+        deadline = self.deadline
         for rank in range(p):
             step(rank)
         while True:
@@ -528,11 +539,15 @@ class _Engine:
             if t_net <= t_heap:
                 if t_net == _INF:
                     break
+                if t_net > deadline:
+                    raise DeadlineExceeded(deadline, t_net)
                 clock[0], done = net.pop()
                 for token in done:
                     ended(token)
                 continue
             when, _, kind, payload = heapq.heappop(heap)
+            if when > deadline:
+                raise DeadlineExceeded(deadline, when)
             clock[0] = when
             if net is not None:
                 net.now = when  # no flow ends before it (t_net > when): advance()'s check, without its second look
@@ -562,6 +577,8 @@ class _Engine:
         return "\n".join(lines)
 
 
-def execute(schedule: LoweredSchedule, costs: Optional[Costs] = None) -> Timeline:
-    """Run ``schedule`` in simulated time; raises :class:`DeadlockError` if it cannot finish."""
-    return _Engine(schedule, costs or UnitCosts()).run()
+def execute(schedule: LoweredSchedule, costs: Optional[Costs] = None, deadline: Optional[float] = None) -> Timeline:
+    """Run ``schedule`` in simulated time; raises :class:`DeadlockError` if it cannot finish, and
+    :class:`DeadlineExceeded` as soon as its clock passes ``deadline`` (a search that only wants schedules ending
+    by then stops there instead of running the rest of a schedule it will discard)."""
+    return _Engine(schedule, costs or UnitCosts(), _INF if deadline is None else deadline).run()

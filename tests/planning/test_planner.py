@@ -150,3 +150,53 @@ def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
     model = ModelSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512, linear_bias=False)
     analytic = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), planning_levels(model))
     assert set(planning_levels(model)) <= set(analytic.activation_bytes) <= set(analytic.recompute_s)
+
+
+@pytest.mark.parametrize("pp,vpp,m,budget_gb,incumbent", [(4, 2, 16, 1.6, float("inf")), (4, 2, 16, 1.6, 0.162),
+                                                          (2, 3, 12, 1.8, float("inf")), (4, 2, 24, 100.0, 0.2016),
+                                                          (4, 2, 24, 100.0, 0.1)])
+def test_fit_limit_and_incumbent_fit_the_fastest_lists_as_without_pruning(pp, vpp, m, budget_gb, incumbent):
+    """With a fit limit the planner stops simulating a group list once it ends after the limit-th fastest so far
+    (or the incumbent) and starts each fit from the list's own simulation: it fits exactly the lists, and returns
+    exactly the plan, of simulating every list to its end and fitting the fastest from scratch."""
+    from megatron_pipemesh.planning.planner import PlannerOptions
+    from megatron_pipemesh.planning.simulator import simulate
+
+    costs = _direct_costs(pp)
+    options = PlannerOptions(first_forward_candidates=(pp, m), last_backward_candidates=(pp, m), fit_limit=2)
+    bare = sorted(((simulate(config, costs).iteration_s, i, config)
+                   for i, config in enumerate(candidate_configs(pp, vpp, m, options))), key=lambda item: item[:2])
+    fitted, best_time = [], incumbent
+    for time, _, config in bare:
+        if time > best_time or len(fitted) == 2:
+            break
+        fitted.append(fit_with_recompute(config, costs, budget_gb * GB, options))
+        if fitted[-1].fits:
+            best_time = min(best_time, fitted[-1].result.iteration_s)
+    if not fitted:
+        with pytest.raises(NoFeasiblePlan, match="can beat the incumbent"):
+            plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options, incumbent_s=incumbent)
+        return
+    best, evaluated = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options, incumbent_s=incumbent)
+    assert [(p.config, p.recompute, p.result.iteration_s) for p in evaluated] == \
+        [(p.config, p.recompute, p.result.iteration_s) for p in fitted]
+    assert best.result.iteration_s == min(p.result.iteration_s for p in fitted if p.fits)
+
+
+def test_a_recomputation_round_covers_every_estimated_peak_of_a_rank():
+    """Breadth-first holds its activations long: the excess shows at many times on each rank. A round takes the
+    upgrades at the simulated peak, then at each next peak estimated at the same times, so the fit needs few
+    re-simulations (one peak per round took one per peak) and still fits."""
+    import megatron_pipemesh.planning.planner as planner
+
+    pp, vpp, m = 4, 2, 24
+    costs = _direct_costs(pp)
+    calls = []
+    real = planner.simulate
+    planner.simulate = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        plan = fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 2.2 * GB)
+    finally:
+        planner.simulate = real
+    assert plan.fits and plan.recompute
+    assert len(calls) <= 4, f"{len(calls)} simulations"

@@ -267,3 +267,29 @@ def test_copies_on_the_compute_stream_are_exposed_host_time():
         copies = [c for c in on_compute.timeline.comms if c.lane in ("d2h", "h2d") and c.src == rank.rank]
         assert len(copies) == 2 * sum(1 for r, _, _ in plan if r == rank.rank)
         assert rank.exposed_host_s >= sum(c.end - c.start for c in copies) > 0 or not copies
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadline: a search that keeps only schedules ending by a time stops the others early
+
+
+@pytest.mark.parametrize("pp,vpp,m,dp,host", [(2, 2, 4, 2, False), (4, 2, 8, 2, True), (4, 1, 8, 4, False),
+                                              (3, 2, 6, 1, True)])
+def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host):
+    """Shared NIC, data parallelism, host copies: with the deadline at the iteration's end the simulation is the
+    same event for event; a deadline before the last event stops it with DeadlineExceeded."""
+    from megatron_pipemesh.planning.simulator import DeadlineExceeded
+
+    model = ModelSpec(num_layers=pp * vpp * 2, hidden_size=512, num_attention_heads=8, seq_length=512)
+    cluster = ClusterSpec(tp=1, dp=dp, devices_per_node=1, nic_gbps=2, dp_gbps=2, p2p_gbps=2, distributed_optimizer=True)
+    config = ScheduleConfig.breadth_first(pp, vpp, m)
+    costs = analytic_costs(model, cluster, config)
+    plan = {(r, 0, j): ("host" if host and j % 2 else "selective") for r in range(pp) for j in range(m)}
+    full = simulate(config, costs, plan)
+    again = simulate(config, costs, plan, deadline_s=full.iteration_s)
+    assert again.iteration_s == full.iteration_s
+    assert [(e.op, e.start, e.end) for r in range(pp) for e in again.timeline.compute[r]] == \
+        [(e.op, e.start, e.end) for r in range(pp) for e in full.timeline.compute[r]]
+    last_event = max(e.end for r in range(pp) for e in full.timeline.compute[r])
+    with pytest.raises(DeadlineExceeded, match="past the deadline"):
+        simulate(config, costs, plan, deadline_s=last_event * (1 - 1e-9))
