@@ -447,6 +447,7 @@ class ScheduleCosts:
         even = costs.stage(0) if not costs.stages else None
         self._stages = [[even or costs.stage(config.stage(rank, chunk)) for chunk in range(config.vpp)]
                         for rank in range(config.pp)]
+        self._compute: Dict[Tuple[int, OpKind, int], float] = {}  # (rank, kind, chunk) -> time at no recomputation
 
     def stage_costs(self, rank: int, chunk: int) -> StageCosts:
         """The costs of the stage ``chunk`` of ``rank`` is."""
@@ -493,6 +494,12 @@ class ScheduleCosts:
         return size
 
     def compute(self, rank: int, op: Op) -> float:
+        base = self._compute.get((rank, op.kind, op.chunk))
+        if base is None:  # the simulator asks once per op: the same for every micro-batch of a chunk
+            base = self._compute[rank, op.kind, op.chunk] = self._compute_without_recomputation(rank, op)
+        return base if op.kind is OpKind.FORWARD else base + self.recompute_time(rank, op)
+
+    def _compute_without_recomputation(self, rank: int, op: Op) -> float:
         c = self.costs
         stage = self.config.stage(rank, op.chunk)
         first, last = stage == 0, stage == self.config.num_stages - 1
@@ -502,7 +509,7 @@ class ScheduleCosts:
         scale = self._stages[rank][op.chunk].scale
         if op.kind is OpKind.FORWARD:
             return c.forward_s * scale + extra + tp
-        return c.backward_s * scale + 2 * extra + tp + self.recompute_time(rank, op)
+        return c.backward_s * scale + 2 * extra + tp
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
         c = self.costs

@@ -267,12 +267,16 @@ class FairShareNetwork:
             done.append(token)
         return t, done
 
-    def _component(self, seed: int, seen: set) -> List[int]:
-        """The route ids running in the connected component of resource ``seed`` that are not in ``seen`` (added
-        to it): routes through a resource, resources of a route, transitively."""
+    def _component(self, seed: int, reached: set, seen: set) -> List[int]:
+        """The route ids running in the connected component of resource ``seed`` (routes through a resource,
+        resources of a route, transitively); empty if ``seed`` is in ``reached``, the resources of the components
+        found before (the resources and routes of this one are added to ``reached`` and ``seen``)."""
+        if seed in reached:
+            return []
         routes, on = self._routes, self._on
         out: List[int] = []
-        stack, reached = [seed], {seed}
+        stack = [seed]
+        reached.add(seed)
         while stack:
             for rid in on[stack.pop()]:
                 if rid in seen:
@@ -305,9 +309,10 @@ class FairShareNetwork:
         whose pace changes have their work left brought to now and a new end."""
         self._dirty = False
         now, ends, current, counts = self.now, self._ends, self._pace, self._counts
+        reached: set = set()
         seen: set = set()
         for seed in self._touched:
-            component = self._component(seed, seen)
+            component = self._component(seed, reached, seen)
             if not component:
                 continue
             for rid, pace in self._paces(tuple(sorted((rid, counts[rid]) for rid in component))).items():
