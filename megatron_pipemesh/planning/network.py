@@ -153,8 +153,9 @@ class FairShareNetwork:
     connected component of the resources it starts or frees is re-rated (the routes running there, and those
     sharing a resource with them, transitively). Flows of one route are alike, so a component's rates depend only
     on how many flows of each of its routes run; they are computed once per such mix and kept in ``cache`` (pass
-    one :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), and only the
-    flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock
+    one :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), as are the
+    paces of every mix of all running routes met (a schedule's steady state repeats them: one look-up, no search
+    of components), and only the flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock
     next moves."""
 
     def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
@@ -304,30 +305,44 @@ class FairShareNetwork:
                 self._cache.paces[mix] = paces
         return paces
 
-    def _rate(self) -> None:
-        """Paces for the flows of every component touched since the last rating (:meth:`_paces`); the flows
-        whose pace changes have their work left brought to now and a new end."""
-        self._dirty = False
-        now, ends, current, counts = self.now, self._ends, self._pace, self._counts
-        reached: set = set()
-        seen: set = set()
-        for seed in self._touched:
-            component = self._component(seed, reached, seen)
-            if not component:
+    def _apply(self, paces: Paces) -> None:
+        """Run each route of ``paces`` at its pace; a flow whose pace changes has its work left brought to now and
+        a new end."""
+        now, ends, current = self.now, self._ends, self._pace
+        for rid, pace in paces.items():
+            if current.get(rid) == pace:
                 continue
-            for rid, pace in self._paces(tuple(sorted((rid, counts[rid]) for rid in component))).items():
-                if current.get(rid) == pace:
-                    continue
-                current[rid] = pace
-                for flow in self._of_route[rid].values():
-                    if flow.pace:
-                        flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
-                        flow.since = now
-                    flow.pace = pace
-                    self._seq += 1
-                    flow.version = self._seq
-                    heapq.heappush(ends, (now + flow.left / pace, self._seq, flow.token))
+            current[rid] = pace
+            for flow in self._of_route[rid].values():
+                if flow.pace:
+                    flow.left = max(0.0, flow.left - (now - flow.since) * flow.pace)
+                    flow.since = now
+                flow.pace = pace
+                self._seq += 1
+                flow.version = self._seq
+                heapq.heappush(ends, (now + flow.left / pace, self._seq, flow.token))
+
+    def _rate(self) -> None:
+        """Paces for the flows now running: those of the whole mix of routes when met before, else those of
+        every component touched since the last rating (:meth:`_paces`); the flows whose pace changes have their
+        work left brought to now and a new end."""
+        self._dirty = False
+        current, counts = self._pace, self._counts
+        whole = tuple(sorted(counts.items()))
+        paces = self._cache.paces.get(whole)
+        if paces is not None:  # the mix recurs (one schedule's steady state, or a schedule simulated again)
+            self._apply(paces)
+        else:
+            reached: set = set()
+            seen: set = set()
+            for seed in self._touched:
+                component = self._component(seed, reached, seen)
+                if component:
+                    self._apply(self._paces(tuple(sorted((rid, counts[rid]) for rid in component))))
+            if len(self._cache.paces) < RateCache.LIMIT:
+                self._cache.paces[whole] = {rid: current[rid] for rid in counts}
         self._touched = []
+        now, ends = self.now, self._ends
         for flow in self._fresh:  # new flows of a route whose pace did not change
             if flow.version == 0 and self._flows.get(flow.token) is flow:
                 flow.pace = current[flow.route]
