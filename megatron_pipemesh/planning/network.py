@@ -155,8 +155,8 @@ class FairShareNetwork:
     on how many flows of each of its routes run; they are computed once per such mix and kept in ``cache`` (pass
     one :class:`RateCache` to every network on the same resources: :class:`.topology.Topology` does), as are the
     paces of every mix of all running routes met (a schedule's steady state repeats them: one look-up, no search
-    of components), and only the flows whose pace changes get a new end. Starts and ends at one instant are rated together, when the clock
-    next moves."""
+    of components), and only the flows whose pace changes get a new end. Starts and ends at one instant are rated
+    together, when the clock next moves."""
 
     def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
         if any(not c > 0 for c in capacity):

@@ -763,23 +763,23 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
     # candidates in order of that bound and stop once the bound reaches the best fitting time.
     # Only candidates ending by the incumbent, and (with a fit limit) among the fit_limit fastest so far, can be
-    # fitted: a simulation stops once its clock passes that, and the candidate is dropped.
-    # The fit starts from the same simulation; with a fit limit it is kept for the fit_limit fastest so far.
-    bare: List[list] = []  # [time, enumeration order, config, costs, simulation or None]
+    # fitted: a simulation stops once its clock passes that, and the candidate is dropped. With a fit limit the
+    # simulations of the fit_limit fastest so far are kept: their fits start from them.
+    limit = options.fit_limit
+    bare: List[list] = []  # [time, enumeration order, config, costs, simulation or None], fastest first
+    deadline = incumbent_s
     for config in candidate_configs(pp, vpp, microbatches, options):
         costs = costs_for(config)
-        deadline = incumbent_s
-        if options.fit_limit is not None and len(bare) >= options.fit_limit:
-            deadline = min(deadline, sorted(item[0] for item in bare)[options.fit_limit - 1])
         try:
             result = simulate(config, costs, sharding=sharding, deadline_s=deadline)
         except DeadlineExceeded:
             continue
-        bare.append([result.iteration_s, len(bare), config, costs, result if options.fit_limit is not None else None])
-        if options.fit_limit is not None:
-            for item in sorted(bare, key=lambda item: item[:2])[options.fit_limit:]:
+        bare.append([result.iteration_s, len(bare), config, costs, result if limit is not None else None])
+        bare.sort(key=lambda item: item[:2])
+        if limit is not None and len(bare) >= limit:
+            deadline = min(incumbent_s, bare[limit - 1][0])
+            for item in bare[limit:]:
                 item[4] = None
-    bare.sort(key=lambda item: item[:2])
     evaluated, best_time = [], incumbent_s
     for bound, _, config, costs, result in bare:
         if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
