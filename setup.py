@@ -20,7 +20,7 @@ setup(
     install_requires=["numpy", "matplotlib"],
     extras_require={
         "plot": [],  # kept so that `pip install megatron_pipemesh[plot]` still works; now a requirement
-        "test": ["pytest", "hypothesis", "typing_extensions"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "typing_extensions"],
     },
     entry_points={
         "console_scripts": [
