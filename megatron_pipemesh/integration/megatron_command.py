@@ -49,7 +49,11 @@ def megatron_parser() -> argparse.ArgumentParser:
     from ..config import add_megatron_arguments as add_pipemesh_arguments
 
     prepare_megatron_import()
-    from megatron.training import arguments
+    # megatron-core's first import warns about every fused kernel it cannot find (Transformer Engine, Apex, absl):
+    # reading a command runs none of them, and a user asking `pipemesh plan` would get twenty lines before the answer.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        from megatron.training import arguments
 
     return add_pipemesh_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
 

@@ -33,3 +33,21 @@ def test_tensor_parallel_commands_validate_without_a_local_gpu():
     architecture; the command itself is what is validated."""
     user = read_command(TINY + " --tensor-model-parallel-size 2", world_size=8)
     assert (user.tp, user.pp, user.dp) == (2, 2, 2)
+
+
+def test_reading_a_command_prints_none_of_megatrons_import_warnings():
+    """In a fresh process (megatron-core not yet imported), reading a command leaves stderr free of megatron-core's
+    import-time warnings about missing fused kernels (Transformer Engine, Apex), which `pipemesh plan` would print
+    before its table; the same import without the filter does print them."""
+    import subprocess
+    import sys
+
+    read = ("from megatron_pipemesh.integration.megatron_command import read_command; "
+            f"print(read_command({TINY!r}, world_size=4).pp)")
+    bare = ("from megatron_pipemesh.integration.bootstrap import prepare_megatron_import; prepare_megatron_import(); "
+            "import megatron.training.arguments")
+    out = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr[-2000:]
+    assert "UserWarning" not in out.stderr, out.stderr[-2000:]
+    unfiltered = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=300)
+    assert "UserWarning: Apex is not installed" in unfiltered.stderr, unfiltered.stderr[-2000:]
