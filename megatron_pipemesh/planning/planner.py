@@ -260,6 +260,33 @@ def _live_at_peak(result: SimulationResult, rank: int) -> List[Tuple[float, int,
     return sorted(alive, reverse=True)
 
 
+def least_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -> List[float]:
+    """Per rank: a lower bound on the peak device memory of ``config`` under *any* recomputation plan over ``levels``
+    (no host placement, no sharding), from its ops' order alone. On the simulator's memory timeline a forward adds
+    its chunk-micro-batch's bytes at its start, a backward adds its recomputation's transient bytes at its start and
+    frees both at its end, and a rank's ops run one after another; so at each op every chunk-micro-batch alive holds
+    at least its least bytes over ``levels``, and the backward running at least its least bytes plus transient. A
+    backward that takes no time is not counted (its end sorts before its start on the timeline)."""
+    adapter = ScheduleCosts(config, costs)
+    schedule = lower(config, lowering_for(costs))
+    out = []
+    for rank, program in enumerate(schedule.programs):
+        least = [min(adapter.bytes_at(rank, chunk, level) for level in levels) for chunk in range(config.vpp)]
+        running = [min(adapter.bytes_at(rank, chunk, level) + adapter.transient(rank, chunk, level) for level in levels)
+                   for chunk in range(config.vpp)]
+        live = peak = 0.0
+        for op in program:
+            if op.kind is OpKind.FORWARD:
+                live += least[op.chunk]
+                peak = max(peak, live)
+            elif op.kind is OpKind.BACKWARD:
+                if adapter.compute(rank, op) > 0:
+                    peak = max(peak, live - least[op.chunk] + running[op.chunk])
+                live -= least[op.chunk]
+        out.append((costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0) + peak)
+    return out
+
+
 def _allowed(options: PlannerOptions, costs: OpCosts) -> List[Lever]:
     """The levers of ``options.allow_recompute`` that ``costs`` price."""
     return [Lever.parse(level) for level in options.allow_recompute if level in costs.activation_bytes]
@@ -747,6 +774,11 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     return min(fitting, key=lambda plan: plan.result.iteration_s) if fitting else placed
 
 
+_WHAT_WOULD_FIT = ("What would fit: a smaller --micro-batch-size, more pipeline stages (--pipeline-model-parallel-size) or "
+                   "tensor parallelism to split weights and activations, the distributed optimizer over more "
+                   "data-parallel ranks to shard optimizer state, or a larger budget")
+
+
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
                   options: PlannerOptions = PlannerOptions(),
                   incumbent_s: float = float("inf"), sharding=None) -> Tuple[Plan, List[Plan]]:
@@ -765,11 +797,22 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     # Only candidates ending by the incumbent, and (with a fit limit) among the fit_limit fastest so far, can be
     # fitted: a simulation stops once its clock passes that, and the candidate is dropped. With a fit limit the
     # simulations of the fit_limit fastest so far are kept: their fits start from them.
+    # With recomputation the only lever (no host placement, no sharding), a candidate whose least peak under any
+    # recomputation exceeds the budget cannot fit: it is dropped before its simulation.
     limit = options.fit_limit
     bare: List[list] = []  # [time, enumeration order, config, costs, simulation or None], fastest first
     deadline = incumbent_s
+    floors = options.activation_placement == "recompute-only" and sharding is None
+    unfit: Optional[Tuple[float, int, ScheduleConfig]] = None  # the least (peak bound, rank, config) dropped
     for config in candidate_configs(pp, vpp, microbatches, options):
         costs = costs_for(config)
+        if floors:
+            least = least_peaks(config, costs, [DEVICE] + _allowed(options, costs))
+            worst = max(range(pp), key=least.__getitem__)
+            if least[worst] > budget_bytes:
+                if unfit is None or least[worst] < unfit[0]:
+                    unfit = (least[worst], worst, config)
+                continue
         try:
             result = simulate(config, costs, sharding=sharding, deadline_s=deadline)
         except DeadlineExceeded:
@@ -789,6 +832,12 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
         if plan.fits:
             best_time = min(best_time, plan.result.iteration_s)
     feasible = [plan for plan in evaluated if plan.fits]
+    if not evaluated and unfit is not None and not bare:
+        peak, rank, config = unfit
+        raise NoFeasiblePlan(
+            f"no schedule fits the memory budget of {budget_bytes / GB:.2f} GiB per device: the smallest peak, with "
+            f"every activation recomputed ({config.describe()}), is at least {peak / GB:.2f} GiB on rank {rank}. "
+            + _WHAT_WOULD_FIT)
     if not evaluated:
         raise NoFeasiblePlan(f"no candidate can beat the incumbent's {incumbent_s:.6f} s (each is slower even "
                              "without recomputation)")
@@ -808,9 +857,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
         raise NoFeasiblePlan(
             f"no schedule fits the memory budget of {budget_bytes / GB:.2f} GiB per device: the smallest peak, with "
             f"every activation recomputed ({least.config.describe()}), is {peak / GB:.2f} GiB on rank {static.rank}. "
-            "What would fit: a smaller --micro-batch-size, more pipeline stages (--pipeline-model-parallel-size) or "
-            "tensor parallelism to split weights and activations, the distributed optimizer over more data-parallel "
-            "ranks to shard optimizer state, or a larger budget")
+            + _WHAT_WOULD_FIT)
     best = min(feasible, key=lambda plan: (round(plan.result.iteration_s, 12),
                                            max(r.peak_memory_bytes for r in plan.result.ranks),
                                            plan.recompute_share))

@@ -158,14 +158,18 @@ def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
 def test_fit_limit_and_incumbent_fit_the_fastest_lists_as_without_pruning(pp, vpp, m, budget_gb, incumbent):
     """With a fit limit the planner stops simulating a group list once it ends after the limit-th fastest so far
     (or the incumbent) and starts each fit from the list's own simulation: it fits exactly the lists, and returns
-    exactly the plan, of simulating every list to its end and fitting the fastest from scratch."""
+    exactly the plan, of simulating every list that can fit to its end and fitting the fastest from scratch."""
     from megatron_pipemesh.planning.planner import PlannerOptions
     from megatron_pipemesh.planning.simulator import simulate
 
+    from megatron_pipemesh.planning.planner import least_peaks
+
     costs = _direct_costs(pp)
     options = PlannerOptions(first_forward_candidates=(pp, m), last_backward_candidates=(pp, m), fit_limit=2)
-    bare = sorted(((simulate(config, costs).iteration_s, i, config)
-                   for i, config in enumerate(candidate_configs(pp, vpp, m, options))), key=lambda item: item[:2])
+    can_fit = [config for config in candidate_configs(pp, vpp, m, options)
+               if max(least_peaks(config, costs, ["none", "selective", "full"])) <= budget_gb * GB]
+    bare = sorted(((simulate(config, costs).iteration_s, i, config) for i, config in enumerate(can_fit)),
+                  key=lambda item: item[:2])
     fitted, best_time = [], incumbent
     for time, _, config in bare:
         if time > best_time or len(fitted) == 2:
@@ -200,3 +204,77 @@ def test_a_recomputation_round_covers_every_estimated_peak_of_a_rank():
         planner.simulate = real
     assert plan.fits and plan.recompute
     assert len(calls) <= 4, f"{len(calls)} simulations"
+
+
+def _uneven_costs(pp, vpp, layers, dp=2):
+    """Analytic costs of a small GPT whose stages hold ``layers`` (embedding and loss on their stages), every level
+    the planner uses priced."""
+    from megatron_pipemesh.planning.costs import planning_levels
+    from megatron_pipemesh.planning.layout import LayerSplit
+
+    model = ModelSpec(num_layers=sum(layers), hidden_size=1024, num_attention_heads=8, seq_length=1024,
+                      vocab_size=32000, layer_split=LayerSplit.of_stages(layers))
+    cluster = ClusterSpec(dp=dp, dp_gbps=10, p2p_gbps=10)
+    return lambda config: analytic_costs(model, cluster, config, planning_levels(model))
+
+
+@pytest.mark.parametrize("pp, vpp, m, layers", [(2, 2, 6, (1, 2, 2, 1)), (4, 2, 8, (1, 2, 2, 2, 2, 2, 2, 0)),
+                                                (3, 2, 9, (2, 2, 2, 2, 2, 2))])
+def test_least_peaks_equal_the_bare_peak_and_bound_every_recomputation_plan(pp, vpp, m, layers):
+    """least_peaks is the simulator's peak where one level is allowed (the bare schedule: equal, rank by rank), and
+    under random per chunk-micro-batch recomputation plans over every level no rank peaks below it."""
+    import random
+
+    from megatron_pipemesh.planning.planner import least_peaks
+    from megatron_pipemesh.planning.simulator import simulate
+    from megatron_pipemesh.schedule.levers import DEVICE
+
+    costs_for = _uneven_costs(pp, vpp, layers)
+    rng = random.Random(7)
+    configs = candidate_configs(pp, vpp, m)
+    for config in configs[:: max(1, len(configs) // 6)]:
+        costs = costs_for(config)
+        levels = [DEVICE] + [level for level in costs.activation_bytes if level != DEVICE]
+        bare = simulate(config, costs)
+        assert least_peaks(config, costs, [DEVICE]) == pytest.approx([r.peak_memory_bytes for r in bare.ranks], rel=1e-12)
+        floor = least_peaks(config, costs, levels)
+        for _ in range(4):
+            plan = {(r, c, j): rng.choice(levels) for r in range(pp) for c in range(vpp) for j in range(m)}
+            peaks = [r.peak_memory_bytes for r in simulate(config, costs, plan).ranks]
+            assert all(p >= f * (1 - 1e-12) for p, f in zip(peaks, floor)), (config.describe(), peaks, floor)
+
+
+@pytest.mark.parametrize("budget_gb", [1.06, 1.075, 1.09])
+def test_lists_that_cannot_fit_are_not_simulated_and_the_plan_is_the_same(budget_gb):
+    """Group lists whose least peak under any recomputation is over the budget are dropped before their simulation:
+    the planner simulates fewer lists and, fitting every list that may win, returns the plan it returns when it
+    simulates them all; with every list over, it says so before simulating anything."""
+    import megatron_pipemesh.planning.planner as planner
+    from megatron_pipemesh.planning.planner import PlannerOptions
+
+    pp, vpp, m = 4, 2, 12
+    costs = _direct_costs(pp)
+    options = PlannerOptions(activation_placement="recompute-only")
+    calls, real_simulate, real_floor = [], planner.simulate, planner.least_peaks
+    planner.simulate = lambda *args, **kwargs: calls.append(1) or real_simulate(*args, **kwargs)
+    try:
+        best, _ = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options)
+        pruned = len(calls)
+        calls.clear()
+        planner.least_peaks = lambda config, costs, levels: [0.0] * config.pp
+        every, _ = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options)
+        unpruned = len(calls)
+    finally:
+        planner.simulate, planner.least_peaks = real_simulate, real_floor
+    assert (best.config, best.recompute, best.result.iteration_s) == (every.config, every.recompute, every.result.iteration_s)
+    floors = [max(real_floor(config, costs, ["none", "selective", "full"])) for config in candidate_configs(pp, vpp, m)]
+    over = sum(f > budget_gb * GB for f in floors)
+    assert over > 0 and pruned <= unpruned - over, (over, pruned, unpruned)
+    calls.clear()
+    planner.simulate = lambda *args, **kwargs: calls.append(1) or real_simulate(*args, **kwargs)
+    try:
+        with pytest.raises(NoFeasiblePlan, match=r"with every activation recomputed .* is at least 1\.\d\d GiB on rank"):
+            plan_schedule(pp, vpp, m, lambda cfg: costs, 1.05 * GB, options)
+    finally:
+        planner.simulate = real_simulate
+    assert not calls
