@@ -73,6 +73,7 @@ def test_run_plan_and_runtime_options_carry_the_settings(monkeypatch):
     from tests.integration.test_flags import _args
 
     made = []
+    monkeypatch.setattr(install, "_STATE", dict(install._STATE))  # activate() sets process-wide state: undone after
     monkeypatch.setattr("megatron_pipemesh.runtime.PipeMeshSchedule",
                         lambda plan, options, **_: made.append((plan, options)))
     args = _args(forward_groups=[4, 8], backward_groups=[4, 4, 4], pipemesh_recv_lookahead=3, pipemesh_measure_memory=True)

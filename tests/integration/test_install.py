@@ -84,6 +84,7 @@ def test_getter_keeps_explicit_vp_none_and_passes_new_keywords(monkeypatch):
         calls.append((pp_size, vp_size, new_option))
         return "megatron"
     monkeypatch.setitem(install._STATE, "schedule", "pipemesh")
+    monkeypatch.setitem(install._STATE, "args", None)  # no --pipemesh-measure-memory: stock is returned unmetered
     getter = install.wrap_getter(original, _fake_parallel_state(4, 2))
     assert getter() == "pipemesh"
     assert getter(pp_size=4, vp_size=None) == "megatron"
