@@ -274,13 +274,15 @@ def least_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -
         least = [min(adapter.bytes_at(rank, chunk, level) for level in levels) for chunk in range(config.vpp)]
         running = [min(adapter.bytes_at(rank, chunk, level) + adapter.transient(rank, chunk, level) for level in levels)
                    for chunk in range(config.vpp)]
+        # Without recomputation a backward's time is its chunk's, the same for every micro-batch.
+        timed = [adapter.compute(rank, Op(OpKind.BACKWARD, chunk, 0)) > 0 for chunk in range(config.vpp)]
         live = peak = 0.0
         for op in program:
             if op.kind is OpKind.FORWARD:
                 live += least[op.chunk]
                 peak = max(peak, live)
             elif op.kind is OpKind.BACKWARD:
-                if adapter.compute(rank, op) > 0:
+                if timed[op.chunk]:
                     peak = max(peak, live - least[op.chunk] + running[op.chunk])
                 live -= least[op.chunk]
         out.append((costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0) + peak)
@@ -832,7 +834,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
         if plan.fits:
             best_time = min(best_time, plan.result.iteration_s)
     feasible = [plan for plan in evaluated if plan.fits]
-    if not evaluated and unfit is not None and not bare:
+    if not bare and unfit is not None:
         peak, rank, config = unfit
         raise NoFeasiblePlan(
             f"no schedule fits the memory budget of {budget_bytes / GB:.2f} GiB per device: the smallest peak, with "

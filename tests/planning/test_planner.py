@@ -159,10 +159,8 @@ def test_fit_limit_and_incumbent_fit_the_fastest_lists_as_without_pruning(pp, vp
     """With a fit limit the planner stops simulating a group list once it ends after the limit-th fastest so far
     (or the incumbent) and starts each fit from the list's own simulation: it fits exactly the lists, and returns
     exactly the plan, of simulating every list that can fit to its end and fitting the fastest from scratch."""
-    from megatron_pipemesh.planning.planner import PlannerOptions
+    from megatron_pipemesh.planning.planner import PlannerOptions, least_peaks
     from megatron_pipemesh.planning.simulator import simulate
-
-    from megatron_pipemesh.planning.planner import least_peaks
 
     costs = _direct_costs(pp)
     options = PlannerOptions(first_forward_candidates=(pp, m), last_backward_candidates=(pp, m), fit_limit=2)
@@ -219,7 +217,7 @@ def _uneven_costs(pp, vpp, layers, dp=2):
 
 
 @pytest.mark.parametrize("pp, vpp, m, layers", [(2, 2, 6, (1, 2, 2, 1)), (4, 2, 8, (1, 2, 2, 2, 2, 2, 2, 0)),
-                                                (3, 2, 9, (2, 2, 2, 2, 2, 2))])
+                                                (3, 2, 9, (2, 2, 2, 2, 2, 2)), (2, 2, 6, (2, 0, 2, 2))])
 def test_least_peaks_equal_the_bare_peak_and_bound_every_recomputation_plan(pp, vpp, m, layers):
     """least_peaks is the simulator's peak where one level is allowed (the bare schedule: equal, rank by rank), and
     under random per chunk-micro-batch recomputation plans over every level no rank peaks below it."""
