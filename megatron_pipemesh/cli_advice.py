@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cli_common import UsageError, positive_int, positive_number
 from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB
@@ -51,6 +53,15 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--gpudirect-rdma", action="store_true",
                          help="the NIC reads GPU memory directly (default: network traffic is staged through host "
                               "memory, as on commodity clouds)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--search-seconds", type=positive_number, default=None,
+                        help="stop the layout search once this many seconds have passed since the search started "
+                             "(checked between candidates, and one candidate of a large model can take tens of "
+                             "seconds) and report the best rows found, with how much faster a layout left unsearched "
+                             "could be at most (default: search until no layout can beat the rows; the rows of your "
+                             "own layout are always priced)")
+    search.add_argument("--quiet", action="store_true",
+                        help="no progress lines on stderr (each row found, and every 10 s where the search is)")
     parser.add_argument("--json", action="store_true", help="one JSON object: the rows, the notes, the search")
 
 
@@ -218,7 +229,8 @@ def report(user, problem, cluster, rate, advice) -> Dict:
     best = advice.best()
     return {"rows": rows, "run": best.name if best else None,
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
-            "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.searched),
+            "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.search.simulated),
+            "search_complete": advice.search.stopped_by is None, "unsearched_bound_s": advice.search.unsearched_bound_s,
             "search_s": advice.seconds, "search_cpu_s": advice.cpu_seconds}
 
 
@@ -251,6 +263,16 @@ def text(out: Dict) -> str:
     return "\n".join(lines)
 
 
+def _progress_to_stderr() -> Callable[[str], None]:
+    """Progress lines on stderr, each with the seconds since the command started (a search can take minutes)."""
+    started = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"pipemesh plan [{time.perf_counter() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def cmd_advice(argv: Sequence[str]) -> int:
     """``pipemesh plan --megatron-args ...`` from its words (after ``plan``)."""
     from .planning.advice import advise
@@ -259,9 +281,12 @@ def cmd_advice(argv: Sequence[str]) -> int:
     own, tail = split_argv(argv)
     args = build_advice_parser().parse_args(own)
     words = _megatron_words(args, tail)
+    progress = None if args.quiet else _progress_to_stderr()
+    if progress is not None:
+        progress("reading the command with Megatron's argument parser")
     user, problem, cluster, rate = problem_and_cluster(args, words)
     try:
-        advice = advise(problem, cluster)
+        advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress)
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
     if problem.max_tp == 1:

@@ -108,6 +108,25 @@ def test_bad_input_names_the_flag(argv, message):
     assert code == 2 and message in err and out == ""
 
 
+def test_progress_on_stderr_and_a_search_out_of_time_says_what_it_left(tiny):
+    """Progress lines go to stderr (stdout stays one JSON object), none with --quiet; --search-seconds stops the layout
+    search and the JSON and its note say so, with the least bound left; without it the search is complete."""
+    assert tiny["search_complete"] and tiny["unsearched_bound_s"] is None
+    code, out, err = run(["plan"] + CLUSTER + ["--json", "--search-seconds", "1e-9", "--megatron-args", TINY])
+    assert code == 0, err
+    stopped = json.loads(out)
+    assert not stopped["search_complete"] and stopped["unsearched_bound_s"] > 0
+    assert stopped["rows"]["best_layout"]["predicted_iteration_s"] == stopped["rows"]["pipemesh"]["predicted_iteration_s"]
+    assert any(note.startswith("the layout search stopped at --search-seconds 1e-09 after the 0 candidates")
+               for note in stopped["notes"]), stopped["notes"]
+    lines = err.splitlines()
+    assert lines[0].startswith("pipemesh plan [") and lines[0].endswith("] reading the command with Megatron's "
+                                                                           "argument parser")
+    assert any("] user: " in line for line in lines) and any("candidates (TP x PP x DP" in line for line in lines)
+    code, out, err = run(["plan"] + CLUSTER + ["--quiet", "--megatron-args", TINY])
+    assert code == 0 and err == "" and out.rstrip().splitlines()[-1].startswith("--num-layers 4 ")
+
+
 def test_cluster_flags_are_checked_by_argparse():
     code, _, err = run(["plan", "--nodes", "0", "--gpus-per-node", "4", "--nic-gbps", "1", "--megatron-args", TINY])
     assert code == 2 and "--nodes" in err

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import DEVICE
@@ -204,17 +204,41 @@ ROWS = ("user", "best_stock", "pipemesh", "best_layout", "best_layout_stock")
 
 
 @dataclass
+class SearchLog:
+    """What :func:`search_layouts` did: the candidates it simulated and, if a limit stopped it early, what the
+    candidates left could still gain."""
+
+    simulated: Dict[str, int] = field(default_factory=lambda: {"pipemesh": 0, "stock": 0})
+    """Per side ('pipemesh', 'stock'): candidates simulated (the others were pruned by their bound or not reached)."""
+    stopped_by: Optional[str] = None
+    """None: complete (every candidate that could beat a side's best was simulated). Otherwise the limit that left
+    candidates unsearched: 'max_simulated' (one side) or 'search_seconds' (both)."""
+    unsearched_bound_s: Optional[float] = None
+    """When stopped: the least bound of the candidates left unsearched. None of them runs faster than that."""
+
+    def stop(self, limit: str, bound_s: float) -> None:
+        self.stopped_by = self.stopped_by or limit
+        self.unsearched_bound_s = bound_s if self.unsearched_bound_s is None else min(self.unsearched_bound_s, bound_s)
+
+    def gain(self, best_s: float) -> float:
+        """How many times faster than ``best_s`` a candidate left unsearched could be, at most (1: none)."""
+        if self.unsearched_bound_s is None or self.unsearched_bound_s >= best_s:
+            return 1.0
+        return best_s / self.unsearched_bound_s
+
+
+@dataclass
 class Advice:
     """The rows (None where a row cannot exist, with the reason in ``notes``) and what the search did."""
 
     rows: Dict[str, Optional[AdviceRow]]
     """Every name of :data:`ROWS`."""
     notes: List[str] = field(default_factory=list)
-    """Why a row is missing, what was assumed."""
+    """Why a row is missing, what was assumed, what a stopped search left."""
     candidates: int = 0
     """(layout, V, split) candidates with a bound."""
-    searched: Dict[str, int] = field(default_factory=dict)
-    """Per side ('pipemesh', 'stock'): candidates simulated (the others were pruned by their bound)."""
+    search: SearchLog = field(default_factory=SearchLog)
+    """What the layout search simulated, and whether ``search_seconds`` stopped it."""
     seconds: float = 0.0
     """Wall time of the search."""
     cpu_seconds: float = 0.0
@@ -394,56 +418,86 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
     return _plan_row("user", user, plan)
 
 
+Progress = Optional[Callable[[str], None]]
+"""Where the search says what it is doing, one line at a time (the CLI's stderr); None: silent."""
+
+HEARTBEAT_S = 10.0
+"""Seconds between the layout search's progress lines when no row improves."""
+
+
 def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
                    best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
-                   stock: bool = True, pm_incumbent_s: float = float("inf"),
-                   searched: Optional[Dict[str, int]] = None,
-                   max_simulated: Optional[int] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                   stock: bool = True, pm_incumbent_s: float = float("inf"), log: Optional[SearchLog] = None,
+                   max_simulated: Optional[int] = None, until: Optional[float] = None,
+                   progress: Progress = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
     (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
     while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
-    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``searched`` counts the simulated candidates;
-    ``max_simulated`` (None: no cap) stops a side after that many, the least bounds first (``searched["capped"]`` then
-    says so: the rows are real plans, but a later candidate might have been faster)."""
-    searched = searched if searched is not None else {"pipemesh": 0, "stock": 0}
-    searched.setdefault("pipemesh", 0)
-    searched.setdefault("stock", 0)
-    for candidate in found:
+    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``log`` records what was simulated.
+
+    Limits (None: none), each recorded in ``log`` with the least bound left: ``max_simulated`` stops a side after
+    that many candidates; ``until`` (a :func:`time.perf_counter` time) stops both sides before the first candidate
+    reached after it. Either way the rows are real plans, and no candidate left runs faster than that bound."""
+    log = log if log is not None else SearchLog()
+    heartbeat = time.perf_counter() + HEARTBEAT_S
+    for index, candidate in enumerate(found):
         pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
         st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
-        if max_simulated is not None:
-            capped = [side for side in ("pipemesh", "stock") if searched[side] >= max_simulated]
-            if "pipemesh" in capped and candidate.bound_s < pm_limit:
-                searched["capped"] = 1
+        if max_simulated is not None:  # a capped side stops at the first candidate it would have simulated
+            if log.simulated["pipemesh"] >= max_simulated and candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+                log.stop("max_simulated", candidate.bound_s)
                 pm_limit = -float("inf")
-            if "stock" in capped and candidate.bound_s < st_limit:
-                searched["capped"] = 1
+            if log.simulated["stock"] >= max_simulated and candidate.bound_s < st_limit:
+                log.stop("max_simulated", candidate.bound_s)
                 st_limit = -float("inf")
         if candidate.bound_s >= max(pm_limit, st_limit):
             break  # sorted by bound: no later candidate beats either side
+        now = time.perf_counter()
+        if until is not None and now >= until:
+            log.stop("search_seconds", candidate.bound_s)
+            break
+        if progress is not None and now >= heartbeat:
+            progress(f"{index} of {len(found)} candidates done; the next has a bound of {candidate.bound_s:.3f} s"
+                     + "".join(f", best {name} {row.iteration_s:.3f} s" for name, row in
+                               (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
+            heartbeat = now + HEARTBEAT_S
         if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
-            searched["pipemesh"] += 1
+            log.simulated["pipemesh"] += 1
             plan = _plan(candidate, cluster, pm_limit)
             if plan is not None:
                 best_pm = _plan_row("best_layout", candidate, plan)
+                _say(progress, best_pm)
         if candidate.bound_s < st_limit:
-            searched["stock"] += 1
+            log.simulated["stock"] += 1
             result = _stock(candidate, problem, cluster, st_limit)
             if result is not None and result.iteration_s < st_limit:
                 best_st = _stock_row("best_layout_stock", candidate, result, cluster)
+                _say(progress, best_st)
     return best_pm, best_st
 
 
-def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
-    """The five rows of the module docstring for ``problem`` on ``cluster``."""
+def _say(progress: Progress, row: Optional[AdviceRow]) -> None:
+    if progress is not None and row is not None:
+        progress(f"{row.name}: {row.iteration_s:.3f} s{'' if row.fits else ' (does not fit)'}, {row.describe()}")
+
+
+def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optional[float] = None,
+           progress: Progress = None) -> Advice:
+    """The five rows of the module docstring for ``problem`` on ``cluster``.
+
+    ``search_seconds`` (None: no limit): from the start, the time after which the layout search stops (the rows of the
+    user's layout are always priced); a note then says how much faster a layout left unsearched could be, at most.
+    ``progress`` hears each row found and, every :data:`HEARTBEAT_S`, where the layout search is."""
     started, cpu_started = time.perf_counter(), time.process_time()
     rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
     notes: List[str] = []
     rows["user"] = _user_row(problem, cluster)
+    _say(progress, rows["user"])
     user = _user_candidate(problem, cluster, problem.vpp)
     stock = _stock(user, problem, cluster, vpps=virtual_sizes(problem.model, problem.layout.pp))
     if stock is not None:
         rows["best_stock"] = _stock_row("best_stock", dataclasses.replace(user, vpp=stock.setting.vpp), stock, cluster)
+        _say(progress, rows["best_stock"])
     else:
         notes.append(f"best_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU with "
                      f"{problem.layout.describe()}")
@@ -456,13 +510,18 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
         plan = _plan(user, cluster)
         if plan is not None:
             rows["pipemesh"] = _plan_row("pipemesh", user, plan)
+            _say(progress, rows["pipemesh"])
         else:
             notes.append(f"pipemesh: no PipeMesh plan fits {cluster.device_memory_gb:g} GiB per GPU with "
                          f"{problem.layout.describe()} V={problem.vpp}")
     found = candidates(problem, cluster)
-    searched = {"pipemesh": 0, "stock": 0}
+    if progress is not None:
+        progress(f"{len(found)} candidates (TP x PP x DP, V, layer split) whose weights fit, searched in the order of "
+                 f"their bound" + (f" for up to {search_seconds:g} s" if search_seconds is not None else ""))
+    log = SearchLog()
     best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
-                                      rows["best_stock"], pipemesh=pipemesh_ok, searched=searched)
+                                      rows["best_stock"], pipemesh=pipemesh_ok, log=log, progress=progress,
+                                      until=None if search_seconds is None else started + search_seconds)
     if pipemesh_ok:
         rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
         if best_pm is None:
@@ -470,7 +529,15 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster) -> Advice:
     rows["best_layout_stock"] = dataclasses.replace(best_st, name="best_layout_stock") if best_st else None
     if best_st is None:
         notes.append(f"best_layout_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU in any layout")
-    return Advice(rows, notes, len(found), searched, time.perf_counter() - started, time.process_time() - cpu_started)
+    if log.stopped_by is not None:
+        searched = sum(1 for c in found if c.bound_s < log.unsearched_bound_s)
+        gains = [f"{log.gain(row.iteration_s):.2f}x faster than {name} ({row.iteration_s:.3f} s)"
+                 for name in ("best_layout", "best_layout_stock") if (row := rows[name]) is not None]
+        notes.append(f"the layout search stopped at --search-seconds {search_seconds:g} after the {searched} candidates "
+                     f"of least bound (of {len(found)}); the rest run no faster than {log.unsearched_bound_s:.3f} s"
+                     + (", so a layout left unsearched is at most " + " and ".join(gains) if gains else "")
+                     + "; a longer --search-seconds searches further")
+    return Advice(rows, notes, len(found), log, time.perf_counter() - started, time.process_time() - cpu_started)
 
 
 def tokens_per_s(problem: AdviceProblem, row: AdviceRow) -> float:

@@ -80,7 +80,7 @@ import statistics
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout, candidates, search_layouts
+from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout, SearchLog, candidates, search_layouts
 from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
 from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
@@ -319,11 +319,11 @@ def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, pl
                             row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
                             grad_reduce_in_bf16=row.grad_reduce_in_bf16)
     advice = advice_cluster(row, cluster)
-    searched: Dict[str, int] = {}
+    log = SearchLog()
     best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,
-                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), searched=searched,
+                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), log=log,
                              max_simulated=ADVICE_CANDIDATES)
-    complete = {"advice_simulated": searched["pipemesh"], "advice_complete": not searched.get("capped")}
+    complete = {"advice_simulated": log.simulated["pipemesh"], "advice_complete": log.stopped_by is None}
     if best is not None:
         return {**complete, "layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp,
                 "dp": best.layout.dp,

@@ -52,19 +52,57 @@ def _exhaustive(p: AdviceProblem, cluster: AdviceCluster):
     return pm, st
 
 
-def test_pruning_finds_the_exhaustive_best_and_simulates_fewer():
+@pytest.fixture(scope="module")
+def full():
+    """The advice for :func:`problem` without limits, and the progress lines it said."""
+    lines: list = []
+    return advise(problem(), CLUSTER, progress=lines.append), lines
+
+
+def test_pruning_finds_the_exhaustive_best_and_simulates_fewer(full):
     """Pruned by the tight bound, the search finds the same best times as simulating every candidate, and skips some:
     a bound that were not a lower bound, or a prune against the wrong side's time, would fail here."""
-    p = problem()
-    advice = advise(p, CLUSTER)
-    pm, st = _exhaustive(p, CLUSTER)
+    advice, _ = full
+    pm, st = _exhaustive(problem(), CLUSTER)
     assert advice.rows["best_layout"].iteration_s == pytest.approx(pm, rel=1e-9)
     assert advice.rows["best_layout_stock"].iteration_s == pytest.approx(st, rel=1e-9)
-    assert advice.searched["pipemesh"] < advice.candidates and advice.searched["stock"] < advice.candidates
+    simulated = advice.search.simulated
+    assert simulated["pipemesh"] < advice.candidates and simulated["stock"] < advice.candidates
+    assert advice.search.stopped_by is None and not any("stopped" in note for note in advice.notes)
 
 
-def test_rows_user_first_and_best_fits():
-    advice = advise(problem(), CLUSTER)
+def test_progress_says_each_row_found_and_the_last_is_the_best(full):
+    advice, lines = full
+    rows = advice.rows
+    assert lines[0] == f"user: {rows['user'].iteration_s:.3f} s, {rows['user'].describe()}"
+    assert f"best_stock: {rows['best_stock'].iteration_s:.3f} s, {rows['best_stock'].describe()}" in lines
+    assert any(line.startswith(f"{advice.candidates} candidates (TP x PP x DP") for line in lines)
+    found = [line for line in lines if line.startswith(("pipemesh:", "best_layout:"))]
+    assert found[-1].endswith(f"{rows['best_layout'].iteration_s:.3f} s, {rows['best_layout'].describe()}")
+    found = [line for line in lines if line.startswith(("best_stock:", "best_layout_stock:"))]
+    assert found[-1].startswith(f"{'best_layout_stock' if len(found) > 1 else 'best_stock'}: "
+                                f"{rows['best_layout_stock'].iteration_s:.3f} s")
+
+
+def test_a_search_out_of_time_keeps_the_rows_of_the_user_layout_and_bounds_what_it_left(full):
+    """With no time left the layout search stops before its first candidate: best_layout is PipeMesh for the user's
+    layout, and the note's bound (the least candidate's) is below every layout's time, so the full search's best is
+    at least the lesser of the two; the note says how much faster a layout left could be."""
+    advice, _ = full
+    found = candidates(problem(), CLUSTER)
+    stopped = advise(problem(), CLUSTER, search_seconds=0)
+    assert stopped.search.stopped_by == "search_seconds" and stopped.search.unsearched_bound_s == found[0].bound_s
+    assert stopped.search.simulated == {"pipemesh": 0, "stock": 0}
+    assert stopped.rows["best_layout"].iteration_s == stopped.rows["pipemesh"].iteration_s
+    for name in ("best_layout", "best_layout_stock"):
+        assert advice.rows[name].iteration_s >= min(stopped.rows[name].iteration_s, found[0].bound_s) - 1e-12
+    gain = stopped.rows["best_layout"].iteration_s / found[0].bound_s
+    note = [n for n in stopped.notes if n.startswith("the layout search stopped at --search-seconds 0 after the 0 ")]
+    assert len(note) == 1 and f"at most {gain:.2f}x faster than best_layout" in note[0], stopped.notes
+
+
+def test_rows_user_first_and_best_fits(full):
+    advice, _ = full
     user = advice.rows["user"]
     assert user.layout == ParallelLayout(1, 4, 2) and user.vpp == 2 and user.stock == StockSetting(4, 2, 16)
     assert advice.rows["pipemesh"].keeps(user) and advice.rows["pipemesh"].plan is not None
@@ -88,17 +126,24 @@ def test_v1_command_has_no_pipemesh_row_and_says_why():
     assert advice.rows["best_layout"] is not None and advice.rows["best_layout"].vpp >= 2
 
 
-def test_a_capped_search_says_so_and_keeps_real_plans():
-    """max_simulated stops a side after that many candidates (least bounds first) and flags it; what it returns is
-    one of the plans the full search priced, never faster than the full search's best."""
+def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
+    """max_simulated stops a side after that many candidates (least bounds first) and says so with the bound of the
+    first candidate it left; what it returns is one of the plans the full search priced, never faster than the full
+    search's best, which is at least the lesser of that plan and that bound. Progress comes between candidates."""
     p = problem()
     found = candidates(p, CLUSTER)
-    full: dict = {}
-    best_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, searched=full)
-    capped: dict = {}
-    first_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, searched=capped, max_simulated=1)
-    assert capped["pipemesh"] == 1 and capped.get("capped") == 1 and not full.get("capped")
-    assert full["pipemesh"] > 1 and first_pm.iteration_s >= best_pm.iteration_s
+    full_log = adv.SearchLog()
+    best_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=full_log)
+    monkeypatch.setattr(adv, "HEARTBEAT_S", 0.0)
+    capped, lines = adv.SearchLog(), []
+    first_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=capped, max_simulated=1,
+                                     progress=lines.append)
+    assert capped.simulated["pipemesh"] == 1 and capped.stopped_by == "max_simulated" and full_log.stopped_by is None
+    assert full_log.simulated["pipemesh"] > 1 and first_pm.iteration_s >= best_pm.iteration_s
+    pm_candidates = [c for c in found if c.vpp >= 2]
+    assert capped.unsearched_bound_s == pm_candidates[1].bound_s < first_pm.iteration_s
+    assert best_pm.iteration_s >= min(first_pm.iteration_s, capped.unsearched_bound_s)
+    assert lines[0] == f"0 of {len(found)} candidates done; the next has a bound of {found[0].bound_s:.3f} s"
 
 
 def test_placement_flags_without_host_memory_recompute_only():
