@@ -56,8 +56,8 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
     search = parser.add_argument_group("search")
     search.add_argument("--search-seconds", type=positive_number, default=None,
                         help="stop the layout search once this many seconds have passed since the search started "
-                             "(checked between candidates, and one candidate of a large model can take tens of "
-                             "seconds) and report the best rows found, with how much faster a layout left unsearched "
+                             "(checked between simulations; the layout in progress is dropped unless it is the first "
+                             "of its side) and report the best rows found, with how much faster a layout left unsearched "
                              "could be at most (default: search until no layout can beat the rows; the rows of your "
                              "own layout are always priced)")
     search.add_argument("--quiet", action="store_true",

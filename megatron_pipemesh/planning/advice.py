@@ -36,7 +36,7 @@ from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, pl
 from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
-from .simulator import simulate
+from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
 
 
@@ -349,29 +349,32 @@ def _host_bytes(cluster: AdviceCluster) -> Optional[float]:
     return None if cluster.host_memory_gb is None else cluster.host_memory_gb * GB
 
 
-def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = float("inf")) -> Optional[Plan]:
-    """PipeMesh's best plan for one candidate (None: nothing fits or beats ``incumbent_s``)."""
+def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = float("inf"),
+          time_up: TimeUp = None) -> Optional[Plan]:
+    """PipeMesh's best plan for one candidate (None: nothing fits or beats ``incumbent_s``; :class:`SearchTimeUp`
+    when ``time_up`` says so)."""
     model, spec = candidate.model, candidate.cluster
     try:
         plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
                                 lambda config: analytic_costs(model, spec, config, planning_levels(model)),
                                 cluster.budget_bytes,
                                 planner_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
-                                incumbent_s=incumbent_s)
+                                incumbent_s=incumbent_s, time_up=time_up)
     except (NoFeasiblePlan, ScheduleConfigError):
         return None
     return plan if plan.result.iteration_s < incumbent_s else None
 
 
 def _stock(candidate: _Candidate, problem: AdviceProblem, cluster: AdviceCluster,
-           incumbent_s: float = float("inf"), vpps: Optional[Sequence[int]] = None) -> Optional[StockResult]:
+           incumbent_s: float = float("inf"), vpps: Optional[Sequence[int]] = None,
+           time_up: TimeUp = None) -> Optional[StockResult]:
     """Stock's best setting for one candidate's layout and split, at its V (or ``vpps``)."""
     budget = activation_budget(candidate.model, candidate.cluster, candidate.layout.pp, cluster.budget_bytes,
                                candidate.vpp)
     host = _host_bytes(cluster) if candidate.model.layer_spec == "te" else None
     return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
                       problem.grad_reduce_in_bf16, host_limit=host, vpps=vpps or (candidate.vpp,),
-                      incumbent_s=incumbent_s)
+                      incumbent_s=incumbent_s, time_up=time_up)
 
 
 def _stock_row(name: str, candidate: _Candidate, result: StockResult, cluster: AdviceCluster) -> AdviceRow:
@@ -428,7 +431,7 @@ HEARTBEAT_S = 10.0
 def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
                    best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
                    stock: bool = True, pm_incumbent_s: float = float("inf"), log: Optional[SearchLog] = None,
-                   max_simulated: Optional[int] = None, until: Optional[float] = None,
+                   max_simulated: Optional[int] = None, time_up: TimeUp = None,
                    progress: Progress = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
     (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
@@ -436,8 +439,9 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
     not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``log`` records what was simulated.
 
     Limits (None: none), each recorded in ``log`` with the least bound left: ``max_simulated`` stops a side after
-    that many candidates; ``until`` (a :func:`time.perf_counter` time) stops both sides before the first candidate
-    reached after it. Either way the rows are real plans, and no candidate left runs faster than that bound."""
+    that many candidates; ``time_up`` (asked between candidates and between the simulations of one) stops both sides
+    once it says the time has passed, abandoning the candidate in progress unless its side has no row yet. Either way
+    the rows are real plans, and no candidate left runs faster than that bound."""
     log = log if log is not None else SearchLog()
     heartbeat = time.perf_counter() + HEARTBEAT_S
     for index, candidate in enumerate(found):
@@ -452,27 +456,31 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
                 st_limit = -float("inf")
         if candidate.bound_s >= max(pm_limit, st_limit):
             break  # sorted by bound: no later candidate beats either side
-        now = time.perf_counter()
-        if until is not None and now >= until:
+        if time_up is not None and time_up():
             log.stop("search_seconds", candidate.bound_s)
             break
+        now = time.perf_counter()
         if progress is not None and now >= heartbeat:
             progress(f"{index} of {len(found)} candidates done; the next has a bound of {candidate.bound_s:.3f} s"
                      + "".join(f", best {name} {row.iteration_s:.3f} s" for name, row in
                                (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
             heartbeat = now + HEARTBEAT_S
-        if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
-            log.simulated["pipemesh"] += 1
-            plan = _plan(candidate, cluster, pm_limit)
-            if plan is not None:
-                best_pm = _plan_row("best_layout", candidate, plan)
-                _say(progress, best_pm)
-        if candidate.bound_s < st_limit:
-            log.simulated["stock"] += 1
-            result = _stock(candidate, problem, cluster, st_limit)
-            if result is not None and result.iteration_s < st_limit:
-                best_st = _stock_row("best_layout_stock", candidate, result, cluster)
-                _say(progress, best_st)
+        try:
+            if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+                log.simulated["pipemesh"] += 1
+                plan = _plan(candidate, cluster, pm_limit, time_up if best_pm is not None else None)
+                if plan is not None:
+                    best_pm = _plan_row("best_layout", candidate, plan)
+                    _say(progress, best_pm)
+            if candidate.bound_s < st_limit:
+                log.simulated["stock"] += 1
+                result = _stock(candidate, problem, cluster, st_limit, time_up=time_up if best_st is not None else None)
+                if result is not None and result.iteration_s < st_limit:
+                    best_st = _stock_row("best_layout_stock", candidate, result, cluster)
+                    _say(progress, best_st)
+        except SearchTimeUp:
+            log.stop("search_seconds", candidate.bound_s)
+            break
     return best_pm, best_st
 
 
@@ -521,7 +529,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     log = SearchLog()
     best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
                                       rows["best_stock"], pipemesh=pipemesh_ok, log=log, progress=progress,
-                                      until=None if search_seconds is None else started + search_seconds)
+                                      time_up=None if search_seconds is None else
+                                      lambda: time.perf_counter() >= started + search_seconds)
     if pipemesh_ok:
         rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
         if best_pm is None:
@@ -533,8 +542,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
         searched = sum(1 for c in found if c.bound_s < log.unsearched_bound_s)
         gains = [f"{log.gain(row.iteration_s):.2f}x faster than {name} ({row.iteration_s:.3f} s)"
                  for name in ("best_layout", "best_layout_stock") if (row := rows[name]) is not None]
-        notes.append(f"the layout search stopped at --search-seconds {search_seconds:g} after the {searched} candidates "
-                     f"of least bound (of {len(found)}); the rest run no faster than {log.unsearched_bound_s:.3f} s"
+        notes.append(f"the layout search stopped at --search-seconds {search_seconds:g} after {searched} of {len(found)} "
+                     f"candidates (the least bounds first); the rest run no faster than {log.unsearched_bound_s:.3f} s"
                      + (", so a layout left unsearched is at most " + " and ".join(gains) if gains else "")
                      + "; a longer --search-seconds searches further")
     return Advice(rows, notes, len(found), log, time.perf_counter() - started, time.process_time() - cpu_started)

@@ -38,7 +38,8 @@ from ..schedule.plan import PREDICTION_KEYS, RunPlan
 from ..schedule.ops import Op
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
 from .memory import host_block_bytes, selective_levels
-from .simulator import DeadlineExceeded, RecomputePlan, SimulationResult, lowering_for, simulate
+from .simulator import (DeadlineExceeded, RecomputePlan, SimulationResult, TimeUp, check_time, lowering_for,
+                        simulate)
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
 """``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
@@ -783,7 +784,7 @@ _WHAT_WOULD_FIT = ("What would fit: a smaller --micro-batch-size, more pipeline 
 
 def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes: float,
                   options: PlannerOptions = PlannerOptions(),
-                  incumbent_s: float = float("inf"), sharding=None) -> Tuple[Plan, List[Plan]]:
+                  incumbent_s: float = float("inf"), sharding=None, time_up: TimeUp = None) -> Tuple[Plan, List[Plan]]:
     """Search the candidates; return (best fitting plan, every plan fitted with recomputation).
 
     Candidates whose time without recomputation already exceeds the best fitting time (or
@@ -791,7 +792,8 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
 
     ``costs_for(config) -> OpCosts`` gives the costs of a candidate (they do not depend on the
     groups for analytic costs, but measured ones may). ``sharding`` (a :class:`.sharding.ShardingModel`)
-    simulates every candidate with those per-chunk levels. Raises :class:`NoFeasiblePlan`.
+    simulates every candidate with those per-chunk levels. Raises :class:`NoFeasiblePlan`, and
+    :class:`.simulator.SearchTimeUp` when ``time_up`` says so before a simulation or a fit.
     """
     # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
@@ -815,6 +817,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
                 if unfit is None or least[worst] < unfit[0]:
                     unfit = (least[worst], worst, config)
                 continue
+        check_time(time_up)
         try:
             result = simulate(config, costs, sharding=sharding, deadline_s=deadline)
         except DeadlineExceeded:
@@ -829,6 +832,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     for bound, _, config, costs, result in bare:
         if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
+        check_time(time_up)
         plan = fit_with_recompute(config, costs, budget_bytes, options, sharding, result)
         evaluated.append(plan)
         if plan.fits:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
@@ -24,6 +24,19 @@ from .memory import host_block_bytes
 
 RecomputePlan = Dict[Tuple[int, int, int], str]
 """(rank, chunk, micro-batch) -> lever (:class:`..schedule.levers.Lever` or its name); missing means 'none'."""
+
+TimeUp = Optional[Callable[[], bool]]
+"""A search's time limit: asked before each simulation; True stops the search with :class:`SearchTimeUp`."""
+
+
+class SearchTimeUp(Exception):
+    """A search stopped before it finished because the time given to it had passed."""
+
+
+def check_time(time_up: TimeUp) -> None:
+    """Raise :class:`SearchTimeUp` if ``time_up`` says the time has passed."""
+    if time_up is not None and time_up():
+        raise SearchTimeUp("the time given to the search has passed")
 
 
 @dataclass

@@ -52,7 +52,7 @@ from .bounds import virtual_sizes
 from .layout import LayerSplit
 from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
 from .sharding import ShardingModel, ShardingSpec
-from .simulator import DeadlineExceeded, lowering_for, simulate
+from .simulator import DeadlineExceeded, TimeUp, check_time, lowering_for, simulate
 
 Budget = Union[float, Sequence[float]]
 """Activation bytes allowed per pipeline rank: one number for every rank, or one per rank. With a
@@ -736,7 +736,7 @@ BOUND_SLACK = 1e-9
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
                host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
-               incumbent_s: float = float("inf")) -> Optional[StockResult]:
+               incumbent_s: float = float("inf"), time_up: TimeUp = None) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
     ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
@@ -748,12 +748,14 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     (sharding changes static memory and communication, never compute, so the bound holds at every level), and a
     simulation stops once it is known to end after the fastest time found.
     ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
-    simulated, nor run past it (None if none can beat it)."""
+    simulated, nor run past it (None if none can beat it). ``time_up``: asked before each simulation; True stops
+    the search with :class:`.simulator.SearchTimeUp`."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
         if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):
             break
+        check_time(time_up)
         result = _simulated(choice, budget, best[0] if best else incumbent_s)
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
             best = (result.iteration_s, index, result)

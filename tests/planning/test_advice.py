@@ -97,7 +97,8 @@ def test_a_search_out_of_time_keeps_the_rows_of_the_user_layout_and_bounds_what_
     for name in ("best_layout", "best_layout_stock"):
         assert advice.rows[name].iteration_s >= min(stopped.rows[name].iteration_s, found[0].bound_s) - 1e-12
     gain = stopped.rows["best_layout"].iteration_s / found[0].bound_s
-    note = [n for n in stopped.notes if n.startswith("the layout search stopped at --search-seconds 0 after the 0 ")]
+    note = [n for n in stopped.notes
+            if n.startswith(f"the layout search stopped at --search-seconds 0 after 0 of {len(found)} candidates ")]
     assert len(note) == 1 and f"at most {gain:.2f}x faster than best_layout" in note[0], stopped.notes
 
 
@@ -144,6 +145,30 @@ def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     assert capped.unsearched_bound_s == pm_candidates[1].bound_s < first_pm.iteration_s
     assert best_pm.iteration_s >= min(first_pm.iteration_s, capped.unsearched_bound_s)
     assert lines[0] == f"0 of {len(found)} candidates done; the next has a bound of {found[0].bound_s:.3f} s"
+
+
+def test_time_up_inside_a_layout_drops_it_once_its_side_has_a_row(full):
+    """time_up is asked before each candidate and, once the side has a row, before each simulation inside one: the
+    candidate in progress is then dropped and its bound is the one left. A side without a row finishes its first
+    candidate, so a limit never leaves it empty for want of time alone."""
+    advice, _ = full
+    p = problem()
+    found = [c for c in candidates(p, CLUSTER) if c.vpp >= 2]  # PipeMesh's side only: each candidate is simulated
+    start = advice.rows["pipemesh"]
+    assert found[0].bound_s < start.iteration_s
+
+    def stop_at_second_ask(asked):
+        return lambda: asked.append(1) is None and len(asked) >= 2
+
+    asked, log = [], adv.SearchLog()
+    best, _ = adv.search_layouts(p, CLUSTER, found, best_pm=start, stock=False, log=log,
+                                 time_up=stop_at_second_ask(asked))
+    assert len(asked) == 2 and best is start  # the second ask came inside the first candidate
+    assert log.stopped_by == "search_seconds" and log.unsearched_bound_s == found[0].bound_s
+    asked, log = [], adv.SearchLog()
+    best, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=log, time_up=stop_at_second_ask(asked))
+    assert len(asked) == 2 and log.simulated["pipemesh"] == 1 and log.unsearched_bound_s == found[1].bound_s
+    assert best is not None and best.plan.result.iteration_s == adv._plan(found[0], CLUSTER).result.iteration_s
 
 
 def test_placement_flags_without_host_memory_recompute_only():

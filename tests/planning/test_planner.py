@@ -9,6 +9,7 @@ from megatron_pipemesh.cli import main
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from megatron_pipemesh.planning.planner import (NoFeasiblePlan, candidate_configs, compositions, fit_with_recompute,
                                                  plan_schedule)
+from megatron_pipemesh.planning.simulator import SearchTimeUp
 from megatron_pipemesh.schedule.config import ScheduleConfig, ScheduleConfigError
 
 
@@ -65,6 +66,22 @@ def test_auto_matches_or_beats_every_manual_group_list(pp, vpp, m, budget_gb):
         manual = fit_with_recompute(config, costs, budget_gb * GB)
         if manual.fits:
             assert best.result.iteration_s <= manual.result.iteration_s + 1e-12, config.describe()
+
+
+def test_a_search_out_of_time_stops_before_its_next_simulation():
+    """time_up is asked before each simulation and fit: the search stops at the first True with SearchTimeUp, and
+    a limit that never passes changes nothing."""
+    costs = _direct_costs(2)
+    best, evaluated = plan_schedule(2, 2, 6, lambda cfg: costs, 2.0 * GB)
+    asked = []
+    same, again = plan_schedule(2, 2, 6, lambda cfg: costs, 2.0 * GB, time_up=lambda: asked.append(1) is not None)
+    assert same.config == best.config and same.result.iteration_s == best.result.iteration_s
+    assert len(again) == len(evaluated) and len(asked) > len(evaluated)
+    for stop_at in (1, len(asked) - 1):  # before the first simulation; before the last fit
+        asked.clear()
+        with pytest.raises(SearchTimeUp):
+            plan_schedule(2, 2, 6, lambda cfg: costs, 2.0 * GB, time_up=lambda: len(asked) >= stop_at or asked.append(1))
+        assert len(asked) == stop_at
 
 
 def test_recompute_goes_to_early_ranks_and_long_waits():

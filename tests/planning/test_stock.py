@@ -9,7 +9,7 @@ from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, St
                                               default_settings, default_stock, evaluate, group_sizes, order_peaks,
                                               recompute_options, schedule_options, uniform_plan)
 from megatron_pipemesh.planning.costs import analytic_costs
-from megatron_pipemesh.planning.simulator import lowering_for, simulate
+from megatron_pipemesh.planning.simulator import SearchTimeUp, lowering_for, simulate
 from megatron_pipemesh.planning.stock import live_states
 from megatron_pipemesh.schedule.lower import lower
 
@@ -96,6 +96,9 @@ def test_best_stock_is_the_fastest_fitting_setting_of_the_whole_space():
         same = [r for r in fitting if (r.setting.schedule, r.setting.vpp, r.setting.effective_group_size) == (kind, vpp, g)]
         assert level is None and result.iteration_s == pytest.approx(min(r.iteration_s for r in same)), (kind, vpp, g)
     assert best_stock(MODEL, CLUSTER, pp, m, 1.0) is None
+    with pytest.raises(SearchTimeUp):  # asked before each simulation
+        best_stock(MODEL, CLUSTER, pp, m, budget, time_up=lambda: True)
+    assert best_stock(MODEL, CLUSTER, pp, m, budget, time_up=lambda: False) == best
 
 
 def test_default_command_is_g_equal_p_with_the_first_recomputation_that_fits():
