@@ -13,7 +13,9 @@ The search prices every candidate with the planner's own costs and simulator, an
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
   time found (PipeMesh: :func:`.planner.plan_schedule`, which prunes its group lists by their time without memory
   levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
-  prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side).
+  prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
+  time limit, or the study's cap on candidates), it keeps the rows found and records the least bound left
+  (:class:`SearchLog`): no layout left unsearched runs faster than that.
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
