@@ -259,6 +259,23 @@ def test_least_peaks_equal_the_bare_peak_and_bound_every_recomputation_plan(pp, 
             assert all(p >= f * (1 - 1e-12) for p, f in zip(peaks, floor)), (config.describe(), peaks, floor)
 
 
+def test_least_peaks_skip_the_transient_of_a_backward_that_takes_no_time():
+    """A backward of zero time frees before it allocates on the simulator's timeline, so its recomputation's transient
+    never counts: least_peaks equals the peak of recomputing everything, where counting that transient would put the
+    bound above it."""
+    from megatron_pipemesh.planning.planner import least_peaks
+    from megatron_pipemesh.planning.simulator import simulate
+
+    mb, pp, vpp, m = 1024 ** 2, 2, 2, 4
+    costs = OpCosts(forward_s=1e-3, backward_s=0.0, p2p_s=1e-4, activation_bytes={"none": 100 * mb, "full": 5 * mb},
+                    recompute_s={"none": 0.0, "full": 0.0}, transient_bytes={"full": 200 * mb},
+                    static_bytes=(1.0 * GB,) * pp)
+    config = ScheduleConfig.depth_first(pp, vpp, m)
+    everything = {(r, c, j): "full" for r in range(pp) for c in range(vpp) for j in range(m)}
+    peaks = [r.peak_memory_bytes for r in simulate(config, costs, everything).ranks]
+    assert least_peaks(config, costs, ["none", "full"]) == pytest.approx(peaks, rel=1e-12)
+
+
 @pytest.mark.parametrize("budget_gb", [1.06, 1.075, 1.09])
 def test_lists_that_cannot_fit_are_not_simulated_and_the_plan_is_the_same(budget_gb):
     """Group lists whose least peak under any recomputation is over the budget are dropped before their simulation:
