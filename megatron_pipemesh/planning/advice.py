@@ -271,6 +271,11 @@ class _Candidate:
     bound_s: float
     """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
 
+    def describe(self) -> str:
+        """As :meth:`AdviceRow.describe` names a layout: 'TP1 PP8 DP2 V=2', with the layers per stage if uneven."""
+        layers = "/".join(map(str, self.model.stage_layers(self.layout.pp, self.vpp)))
+        return f"{self.layout.describe()} V={self.vpp}" + ("" if self.split.even else f", layers {layers}")
+
 
 def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
     """Every TP x PP x DP of the cluster's GPUs the search prices (module docstring)."""
@@ -445,7 +450,21 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
     once it says the time has passed, abandoning the candidate in progress unless its side has no row yet. Either way
     the rows are real plans, and no candidate left runs faster than that bound."""
     log = log if log is not None else SearchLog()
-    heartbeat = time.perf_counter() + HEARTBEAT_S
+    next_beat = [time.perf_counter() + HEARTBEAT_S]
+
+    def beat(index: int, candidate: _Candidate) -> None:
+        now = time.perf_counter()
+        if progress is not None and now >= next_beat[0]:
+            progress(f"{index} of {len(found)} candidates done; now {candidate.describe()} (bound "
+                     f"{candidate.bound_s:.3f} s)" + "".join(
+                         f", best {name} {row.iteration_s:.3f} s"
+                         for name, row in (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
+            next_beat[0] = now + HEARTBEAT_S
+
+    def asker(index: int, candidate: _Candidate, may_stop: bool) -> Callable[[], bool]:
+        """Asked before each simulation inside a candidate: progress when due; time up only if ``may_stop``."""
+        return lambda: beat(index, candidate) or (may_stop and time_up is not None and time_up())
+
     for index, candidate in enumerate(found):
         pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
         st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
@@ -461,22 +480,17 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
         if time_up is not None and time_up():
             log.stop("search_seconds", candidate.bound_s)
             break
-        now = time.perf_counter()
-        if progress is not None and now >= heartbeat:
-            progress(f"{index} of {len(found)} candidates done; the next has a bound of {candidate.bound_s:.3f} s"
-                     + "".join(f", best {name} {row.iteration_s:.3f} s" for name, row in
-                               (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
-            heartbeat = now + HEARTBEAT_S
+        beat(index, candidate)
         try:
             if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
                 log.simulated["pipemesh"] += 1
-                plan = _plan(candidate, cluster, pm_limit, time_up if best_pm is not None else None)
+                plan = _plan(candidate, cluster, pm_limit, asker(index, candidate, best_pm is not None))
                 if plan is not None:
                     best_pm = _plan_row("best_layout", candidate, plan)
                     _say(progress, best_pm)
             if candidate.bound_s < st_limit:
                 log.simulated["stock"] += 1
-                result = _stock(candidate, problem, cluster, st_limit, time_up=time_up if best_st is not None else None)
+                result = _stock(candidate, problem, cluster, st_limit, time_up=asker(index, candidate, best_st is not None))
                 if result is not None and result.iteration_s < st_limit:
                     best_st = _stock_row("best_layout_stock", candidate, result, cluster)
                     _say(progress, best_st)
@@ -497,7 +511,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
 
     ``search_seconds`` (None: no limit): from the start, the time after which the layout search stops (the rows of the
     user's layout are always priced); a note then says how much faster a layout left unsearched could be, at most.
-    ``progress`` hears each row found and, every :data:`HEARTBEAT_S`, where the layout search is."""
+    ``progress`` hears each row found and, every :data:`HEARTBEAT_S` (between simulations), where the layout search
+    is."""
     started, cpu_started = time.perf_counter(), time.process_time()
     rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
     notes: List[str] = []

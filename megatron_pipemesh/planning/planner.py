@@ -312,7 +312,7 @@ def _moves(costs: StageCosts, level: Lever, allowed: Sequence[Lever]) -> List[Tu
 
 def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
                        options: PlannerOptions = PlannerOptions(), sharding=None,
-                       bare: Optional[SimulationResult] = None) -> Plan:
+                       bare: Optional[SimulationResult] = None, time_up: TimeUp = None) -> Plan:
     """Add pipeline-aware recomputation to ``config`` until every rank fits ``budget_bytes``
     (or nothing is left to recompute; the returned plan then has ``fits == False``).
 
@@ -321,10 +321,11 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     module sets, full) with the most bytes freed per second of extra backward time first, the
     longest-waiting chunk-micro-batch first among equals, one upgrade per chunk-micro-batch per
     round, until the excess is covered; then re-simulate (the peak may move) and repeat. ``bare``: the
-    simulation of ``config`` without levers (with ``sharding``), where the caller has run it already.
+    simulation of ``config`` without levers (with ``sharding``), where the caller has run it already. ``time_up``:
+    asked before each simulation (:class:`.simulator.SearchTimeUp` when it says so).
     """
     if options.activation_placement != "recompute-only":
-        return fit_with_placement(config, costs, budget_bytes, options, sharding, bare)
+        return fit_with_placement(config, costs, budget_bytes, options, sharding, bare, time_up)
     plan: RecomputePlan = {}
     allowed = _allowed(options, costs)
     options_ = lowering_for(costs)
@@ -339,6 +340,7 @@ def fit_with_recompute(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
             changed |= _recompute_rank(result, costs, plan, rank_result, budget_bytes, allowed, sharding is None)
         if not changed:
             break
+        check_time(time_up)
         result = simulate(config, costs, plan, schedule, sharding)
     return Plan(config, plan, result, budget_bytes, sharding, options.host_budget_bytes, options.reload_lookahead or DEFAULT_RELOAD_LOOKAHEAD)
 
@@ -640,7 +642,7 @@ class _Curve:
 
 
 def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, options: PlannerOptions,
-                           rounds: int = 2, sharding=None) -> Plan:
+                           rounds: int = 2, sharding=None, time_up: TimeUp = None) -> Plan:
     """Improve a fitting plan by trading recomputation for host copies: per rank, the recomputed
     chunk-micro-batches that save the most backward time first (longest-waiting first among equals) go
     to the host where the estimated copies (:class:`_RankModel`, contention included) expose less wait
@@ -662,6 +664,7 @@ def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, 
                     plan[key] = HOST
             lowering = lowering_for(costs, plan, options.reload_lookahead)
             schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+            check_time(time_up)
             try:  # kept only if faster than the best
                 result = simulate(config, costs, plan, schedule, sharding, deadline_s=best.result.iteration_s)
             except DeadlineExceeded:
@@ -729,7 +732,7 @@ def reload_lookahead_for(config: ScheduleConfig, costs: OpCosts, options: Planne
 
 def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: float,
                        options: PlannerOptions = PlannerOptions(activation_placement="auto"), sharding=None,
-                       bare: Optional[SimulationResult] = None) -> Plan:
+                       bare: Optional[SimulationResult] = None, time_up: TimeUp = None) -> Plan:
     """The memory levers of ``options.activation_placement`` applied to ``config`` until every rank fits.
 
     'device': none (the plan is the bare schedule; ``fits`` says whether it fits). 'auto': per round, on
@@ -739,7 +742,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     over the host budget gives back offloads to recomputation. A plan that recomputes, waits on host
     copies or does not fit is compared with recomputation alone (same budget); the fitting ones are then
     improved by trading recomputation for hidden copies (:func:`_offload_recomputation`), and the fastest
-    is returned, so 'auto' is never slower than 'recompute-only' on a candidate. ``bare``: as for
+    is returned, so 'auto' is never slower than 'recompute-only' on a candidate. ``bare``, ``time_up``: as for
     :func:`fit_with_recompute` (without host copies the reload lookahead changes nothing).
     """
     allowed = _allowed(options, costs)
@@ -747,6 +750,7 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     options = dataclasses.replace(options, reload_lookahead=reload_lookahead_for(config, costs, options))
 
     def run(plan):
+        check_time(time_up)
         lowering = lowering_for(costs, plan, options.reload_lookahead)
         schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
         return simulate(config, costs, plan, schedule, sharding)
@@ -772,8 +776,9 @@ def fit_with_placement(config: ScheduleConfig, costs: OpCosts, budget_bytes: flo
     if options.activation_placement != "auto" or (placed.fits and not costly):
         return placed
     alone = fit_with_recompute(config, costs, budget_bytes, dataclasses.replace(options, activation_placement="recompute-only"),
-                               sharding, bare)
-    fitting = [_offload_recomputation(config, costs, plan, options, sharding=sharding) for plan in (placed, alone) if plan.fits]
+                               sharding, bare, time_up)
+    fitting = [_offload_recomputation(config, costs, plan, options, sharding=sharding, time_up=time_up)
+               for plan in (placed, alone) if plan.fits]
     return min(fitting, key=lambda plan: plan.result.iteration_s) if fitting else placed
 
 
@@ -793,7 +798,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     ``costs_for(config) -> OpCosts`` gives the costs of a candidate (they do not depend on the
     groups for analytic costs, but measured ones may). ``sharding`` (a :class:`.sharding.ShardingModel`)
     simulates every candidate with those per-chunk levels. Raises :class:`NoFeasiblePlan`, and
-    :class:`.simulator.SearchTimeUp` when ``time_up`` says so before a simulation or a fit.
+    :class:`.simulator.SearchTimeUp` when ``time_up`` says so before a simulation (the fits' included).
     """
     # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
@@ -833,7 +838,7 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
         if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
         check_time(time_up)
-        plan = fit_with_recompute(config, costs, budget_bytes, options, sharding, result)
+        plan = fit_with_recompute(config, costs, budget_bytes, options, sharding, result, time_up)
         evaluated.append(plan)
         if plan.fits:
             best_time = min(best_time, plan.result.iteration_s)

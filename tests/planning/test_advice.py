@@ -130,7 +130,7 @@ def test_v1_command_has_no_pipemesh_row_and_says_why():
 def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     """max_simulated stops a side after that many candidates (least bounds first) and says so with the bound of the
     first candidate it left; what it returns is one of the plans the full search priced, never faster than the full
-    search's best, which is at least the lesser of that plan and that bound. Progress comes between candidates."""
+    search's best, which is at least the lesser of that plan and that bound. Progress comes between simulations."""
     p = problem()
     found = candidates(p, CLUSTER)
     full_log = adv.SearchLog()
@@ -144,7 +144,12 @@ def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     pm_candidates = [c for c in found if c.vpp >= 2]
     assert capped.unsearched_bound_s == pm_candidates[1].bound_s < first_pm.iteration_s
     assert best_pm.iteration_s >= min(first_pm.iteration_s, capped.unsearched_bound_s)
-    assert lines[0] == f"0 of {len(found)} candidates done; the next has a bound of {found[0].bound_s:.3f} s"
+    first = found[0]
+    assert lines[0] == f"0 of {len(found)} candidates done; now {first.describe()} (bound {first.bound_s:.3f} s)"
+    index = next(i for i, c in enumerate(found) if c.vpp >= 2)  # PipeMesh's first: more than one simulation
+    inside = [line for line in lines if line.startswith(f"{index} of {len(found)} candidates done; now "
+                                                        f"{found[index].describe()} ")]
+    assert len(inside) > 1  # progress also between the simulations of one candidate
 
 
 def test_time_up_inside_a_layout_drops_it_once_its_side_has_a_row(full):
