@@ -197,8 +197,12 @@ class AdviceRow:
             what += f", recompute {100 * self.plan.recompute_share:.1f}% of the time"
         if self.plan is not None and any(r.host_placed for r in self.plan.result.ranks):
             what += ", host placement"
-        split = "" if self.split.even else f", layers {'/'.join(map(str, self.stage_layers))}"
-        return f"{self.layout.describe()} V={self.vpp}{split}: {what}"
+        return f"{_layout_words(self.layout, self.vpp, self.split, self.stage_layers)}: {what}"
+
+
+def _layout_words(layout: ParallelLayout, vpp: int, split: LayerSplit, stage_layers: Sequence[int]) -> str:
+    """'TP1 PP8 DP2 V=2', with the layers per stage when the split is uneven."""
+    return f"{layout.describe()} V={vpp}" + ("" if split.even else f", layers {'/'.join(map(str, stage_layers))}")
 
 
 ROWS = ("user", "best_stock", "pipemesh", "best_layout", "best_layout_stock")
@@ -272,9 +276,7 @@ class _Candidate:
     """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
 
     def describe(self) -> str:
-        """As :meth:`AdviceRow.describe` names a layout: 'TP1 PP8 DP2 V=2', with the layers per stage if uneven."""
-        layers = "/".join(map(str, self.model.stage_layers(self.layout.pp, self.vpp)))
-        return f"{self.layout.describe()} V={self.vpp}" + ("" if self.split.even else f", layers {layers}")
+        return _layout_words(self.layout, self.vpp, self.split, self.model.stage_layers(self.layout.pp, self.vpp))
 
 
 def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
@@ -463,7 +465,10 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
 
     def asker(index: int, candidate: _Candidate, may_stop: bool) -> Callable[[], bool]:
         """Asked before each simulation inside a candidate: progress when due; time up only if ``may_stop``."""
-        return lambda: beat(index, candidate) or (may_stop and time_up is not None and time_up())
+        def ask() -> bool:
+            beat(index, candidate)
+            return may_stop and time_up is not None and time_up()
+        return ask
 
     for index, candidate in enumerate(found):
         pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")

@@ -662,9 +662,9 @@ def _offload_recomputation(config: ScheduleConfig, costs: OpCosts, start: Plan, 
             for rank_moves in moves:
                 for key in rank_moves[:math.ceil(len(rank_moves) / 2 ** halving)]:
                     plan[key] = HOST
+            check_time(time_up)
             lowering = lowering_for(costs, plan, options.reload_lookahead)
             schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
-            check_time(time_up)
             try:  # kept only if faster than the best
                 result = simulate(config, costs, plan, schedule, sharding, deadline_s=best.result.iteration_s)
             except DeadlineExceeded:
@@ -798,7 +798,8 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     ``costs_for(config) -> OpCosts`` gives the costs of a candidate (they do not depend on the
     groups for analytic costs, but measured ones may). ``sharding`` (a :class:`.sharding.ShardingModel`)
     simulates every candidate with those per-chunk levels. Raises :class:`NoFeasiblePlan`, and
-    :class:`.simulator.SearchTimeUp` when ``time_up`` says so before a simulation (the fits' included).
+    :class:`.simulator.SearchTimeUp` when ``time_up`` says so before a simulation (the fits' included: a fit asks
+    before each of its own).
     """
     # Recomputation only lengthens backwards, and a fixed-order schedule never finishes earlier when
     # an op gets longer: a candidate's time without recomputation bounds its time with it. Fit the
@@ -837,7 +838,6 @@ def plan_schedule(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes:
     for bound, _, config, costs, result in bare:
         if bound > best_time or (options.fit_limit is not None and len(evaluated) >= options.fit_limit):
             break
-        check_time(time_up)
         plan = fit_with_recompute(config, costs, budget_bytes, options, sharding, result, time_up)
         evaluated.append(plan)
         if plan.fits:

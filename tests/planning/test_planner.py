@@ -77,7 +77,7 @@ def test_a_search_out_of_time_stops_before_its_next_simulation():
     same, again = plan_schedule(2, 2, 6, lambda cfg: costs, 2.0 * GB, time_up=lambda: asked.append(1) is not None)
     assert same.config == best.config and same.result.iteration_s == best.result.iteration_s
     assert len(again) == len(evaluated) and len(asked) > len(evaluated)
-    for stop_at in (1, len(asked) - 1):  # before the first simulation; before the last fit
+    for stop_at in (1, len(asked) - 1):  # before the first simulation; before the last one
         asked.clear()
         with pytest.raises(SearchTimeUp):
             plan_schedule(2, 2, 6, lambda cfg: costs, 2.0 * GB, time_up=lambda: len(asked) >= stop_at or asked.append(1))
