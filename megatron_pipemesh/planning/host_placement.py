@@ -14,13 +14,13 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.levers import DEVICE, HOST, Lever
+from ..schedule.levers import DEVICE, HOST, RECOMPUTE_ONLY, Lever
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, lower
 from ..schedule.ops import Op, OpKind
 from .costs import OpCosts, ScheduleCosts
 from .memory import host_block_bytes
 from .plan import Plan
-from .planner_options import RECOMPUTE_ONLY, PlannerOptions
+from .planner_options import PlannerOptions
 from .rank_model import RankModel
 from .recompute_fit import allowed_levers, recompute_knapsack
 from .simulator import (DeadlineExceeded, PlacementPlan, SimulationResult, TimeUp, check_time, lowering_for,

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
-from ..schedule.levers import DEVICE
+from ..schedule.levers import DEVICE, PLACEMENT_MODES, RECOMPUTE_ONLY
 from ..schedule.lower import lower
 from ..schedule.ops import Op, OpKind
 from .costs import GB, OpCosts, ScheduleCosts
 from .host_placement import fit_with_placement, reload_lookahead_for
 from .plan import NoFeasiblePlan, Plan
-from .planner_options import PLACEMENT_MODES, RECOMPUTE_ONLY, PlannerOptions, structured_options
+from .planner_options import PlannerOptions, structured_options
 from .recompute_fit import allowed_levers, recompute_knapsack
 from .simulator import DeadlineExceeded, SimulationResult, TimeUp, check_time, lowering_for, simulate
 

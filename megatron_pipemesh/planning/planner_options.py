@@ -8,16 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..schedule.levers import FULL
+from ..schedule.levers import FULL, PLACEMENT_MODES, RECOMPUTE_ONLY
 from ..schedule.lower import check_lookahead
 from .memory import selective_levels
-
-RECOMPUTE_ONLY = "recompute-only"
-"""The placement mode where recomputation is the only memory lever (the default)."""
-
-PLACEMENT_MODES = (RECOMPUTE_ONLY, "auto", "device")
-"""``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
-
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
+from ..schedule.spans import OPTIM, shards_parameters
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape
 from .memory import offloadable_layer_bytes
 from .sharding import ShardingModel, ShardingSpec
@@ -78,14 +79,14 @@ class MegatronFsdpSharding(ShardingModel):
         its whole gradient bucket."""
         unit = self.model.layer_params() / self.cluster.tp
         rest = 1 - 1 / self.cluster.dp
-        zero3 = self.spec.levels[0] == "optim_grads_params"
+        zero3 = shards_parameters(self.spec.levels[0])
         return unit * rest * (self.model.grad_bytes + (self.model.dtype_bytes if zero3 else 0))
 
     def microbatch_channel_s(self, config: ScheduleConfig, costs: OpCosts) -> List[float]:
         """Per rank: seconds its data-parallel channel is busy per iteration with Megatron-FSDP's
         collectives (ring time per collective as :class:`.sharding.ShardedCosts`)."""
         adapter = self.adapter(config, costs, {})
-        zero3 = self.spec.levels[0] == "optim_grads_params"
+        zero3 = shards_parameters(self.spec.levels[0])
         m = config.microbatches
         out = []
         for rank in range(config.pp):
@@ -240,6 +241,6 @@ def uniform_plan(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int
 
 def sharding_model(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> Optional[MegatronFsdpSharding]:
     """The sharding model of a ZeRO-2/3 setting (None for the distributed optimizer or no level)."""
-    if setting.sharding in (None, "optim"):
+    if setting.sharding in (None, OPTIM):
         return None
     return MegatronFsdpSharding(model_for(model, setting), cluster, ShardingSpec((setting.sharding,) * setting.vpp))

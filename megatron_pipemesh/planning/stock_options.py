@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import DEVICE, Lever
-from ..schedule.spans import SHARD_LEVELS
+from ..schedule.spans import OPTIM, SHARD_LEVELS
 from .layout import VPP_FLAGS, LayerSplit
 from .memory import OFFLOAD_MODULES, selective_module_sets
 
@@ -63,7 +63,7 @@ def sharding_flags(level: Optional[str]) -> List[str]:
     and requires ``--ckpt-format fsdp_dtensor`` (``:1146``)."""
     if level is None:
         return []
-    if level == "optim":
+    if level == OPTIM:
         return ["--use-distributed-optimizer"]
     if level not in STOCK_SHARDING:
         raise ValueError(f"stock sharding level {level!r}: use one of {', '.join(STOCK_SHARDING)}, "

@@ -322,3 +322,11 @@ chunk-micro-batch (a lever's attributes take the generic attribute path: a str s
 
 BASIC_LEVERS = (DEVICE, SELECTIVE, FULL)
 """The basic recompute levers: what the cost model prices when not told otherwise."""
+
+
+RECOMPUTE_ONLY = "recompute-only"
+"""The placement mode where recomputation is the only memory lever (the default)."""
+
+PLACEMENT_MODES = (RECOMPUTE_ONLY, "auto", "device")
+"""Which levers the planner may use (``--pipemesh-activation-placement``): recomputation only; host placement and
+recomputation per chunk-micro-batch ('auto'); none ('device': a plan over its budget does not fit)."""

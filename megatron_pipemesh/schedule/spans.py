@@ -21,6 +21,19 @@ ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 SHARD_LEVELS = tuple(ZERO_STAGE)
 """The sharding levels, one per chunk in ``LoweringOptions.sharding``."""
 
+OPTIM, OPTIM_GRADS, OPTIM_GRADS_PARAMS = SHARD_LEVELS
+"""ZeRO-1 (optimizer state sharded), ZeRO-2 (and gradients), ZeRO-3 (and parameters)."""
+
+
+def shards_gradients(level: str) -> bool:
+    """Whether a chunk at ``level`` keeps only its gradient shard (ZeRO-2 and 3: a REDUCE per backward group)."""
+    return ZERO_STAGE[level] >= ZERO_STAGE[OPTIM_GRADS]
+
+
+def shards_parameters(level: str) -> bool:
+    """Whether a chunk at ``level`` keeps only its parameter shard (ZeRO-3: a GATHER before each span)."""
+    return ZERO_STAGE[level] >= ZERO_STAGE[OPTIM_GRADS_PARAMS]
+
 Span = Tuple[int, int]
 """(index of the first, index of the last) compute op of the span in the rank's compute program."""
 

@@ -212,12 +212,13 @@ LEVER_CONSTANTS = {"DEVICE", "HOST", "SELECTIVE", "FULL"}
 
 ALLOWED = [  # (file, text on the flagged line): comparisons of other vocabularies that share a word with the levers
     ("megatron_pipemesh/planning/stock.py", "granularity"),  # Megatron's --recompute-granularity / --recompute-method
+    ("megatron_pipemesh/planning/stock_options.py", "granularity"),  # the same flags, where they are declared
     ("megatron_pipemesh/bench/report.py", "recompute.granularity =="),  # the same flag of a stock row
     ("megatron_pipemesh/integration/megatron_command.py", "granularity =="),  # the same flag of a user's command
     ("megatron_pipemesh/runtime/recompute.py", '"cuda_graph_impl", "none") != "none"'),  # Megatron's --cuda-graph-impl
     ("megatron_pipemesh/runtime/unsupported.py", 'v not in (None, "none")'),  # the same flag
     ("megatron_pipemesh/planning/simulator.py", 'waited_on == "host"'),  # the timeline's wait cause (schedule/timeline.py)
-    ("megatron_pipemesh/planning/planner.py", 'waited_on == "host"'),  # the same
+    ("megatron_pipemesh/planning/rank_model.py", 'waited_on == "host"'),  # the same
 ]
 
 
