@@ -37,7 +37,7 @@ from .config import ScheduleConfig
 from .levers import Lever
 from .ops import Op, OpKind, parse_op
 from .order import compute_programs, first_last_positions
-from .spans import SHARD_LEVELS, gather_spans, group_spans
+from .spans import SHARD_LEVELS, gather_spans, group_spans, shards_gradients, shards_parameters
 
 
 DEFAULT_RELOAD_LOOKAHEAD = 2
@@ -87,12 +87,12 @@ class LoweringOptions:
     @property
     def zero3_chunks(self) -> Tuple[int, ...]:
         """Chunks whose parameters are sharded and gathered per span."""
-        return tuple(c for c, level in enumerate(self.sharding) if level == "optim_grads_params")
+        return tuple(c for c, level in enumerate(self.sharding) if shards_parameters(level))
 
     @property
     def zero2_chunks(self) -> Tuple[int, ...]:
         """Chunks whose gradients are sharded (reduced once per backward group)."""
-        return tuple(c for c, level in enumerate(self.sharding) if level in ("optim_grads", "optim_grads_params"))
+        return tuple(c for c, level in enumerate(self.sharding) if shards_gradients(level))
 
     def __post_init__(self) -> None:
         # JSON round-trips turn the keys into lists; keep one canonical, hashable, sorted form.
@@ -202,65 +202,131 @@ def _lowered_programs(config: ScheduleConfig, options: LoweringOptions) -> Tuple
     )
 
 
-def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, compute: List[Op],
-                positions: Dict[str, Dict[int, int]]) -> List[Op]:
-    before: Dict[int, List[Op]] = {i: [] for i in range(len(compute) + 1)}  # ops placed before compute[i]
-    after: Dict[int, List[Op]] = {i: [] for i in range(len(compute))}
-    # Indices of the k-th forward / backward within this rank's compute program.
-    forward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.FORWARD]
-    backward_at = [i for i, op in enumerate(compute) if op.kind is OpKind.BACKWARD]
+@dataclass
+class _Slots:
+    """One rank's compute program with the ops placed around it so far: ``before[i]`` run just before compute op
+    i, ``after[i]`` just after it, ``tail`` after the last. Each lowering pass appends to them; the program is
+    read once every pass has run (:meth:`program`), so the passes' order is the order of ops in one slot."""
 
-    zero3 = () if options.forward_only else options.zero3_chunks
-    if options.param_sync and not options.forward_only:
-        for chunk in range(min(2, config.vpp)):
-            if chunk not in zero3:
-                before[0].append(Op(OpKind.PARAM_SYNC, chunk))
-        for chunk in range(2, config.vpp):
-            k = positions["first_forward"][chunk - 1] - (rank if options.align_param_sync else 0)
-            if chunk not in zero3:
-                before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
-    for chunk in zero3:
+    config: ScheduleConfig
+    options: LoweringOptions
+    rank: int
+    compute: List[Op]
+    positions: Dict[str, Dict[int, int]]
+    """:func:`.order.first_last_positions` of the config (the same for every rank)."""
+    before: Dict[int, List[Op]] = field(default_factory=dict)
+    after: Dict[int, List[Op]] = field(default_factory=dict)
+    tail: List[Op] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.before = {i: [] for i in range(len(self.compute) + 1)}
+        self.after = {i: [] for i in range(len(self.compute))}
+
+    def at(self, kind: OpKind) -> List[int]:
+        """Indices of the k-th op of ``kind`` within the compute program."""
+        return [i for i, op in enumerate(self.compute) if op.kind is kind]
+
+    @property
+    def training(self) -> bool:
+        return not self.options.forward_only
+
+    def program(self) -> List[Op]:
+        out: List[Op] = []
+        for index, op in enumerate(self.compute):
+            out.extend(self.before[index])
+            out.append(op)
+            out.extend(self.after[index])
+        return out + self.tail
+
+
+def _place_param_syncs(slots: _Slots) -> None:
+    """PARAM_SYNC c: chunks 0 and 1 at the start, chunk c >= 2 before the first forward of chunk c-1 (r forwards
+    earlier on rank r when aligned); none for ZeRO-3 chunks, which gather per span."""
+    options, config = slots.options, slots.config
+    if not (options.param_sync and slots.training):
+        return
+    zero3, forward_at = options.zero3_chunks, slots.at(OpKind.FORWARD)
+    for chunk in range(min(2, config.vpp)):
+        if chunk not in zero3:
+            slots.before[0].append(Op(OpKind.PARAM_SYNC, chunk))
+    for chunk in range(2, config.vpp):
+        k = slots.positions["first_forward"][chunk - 1] - (slots.rank if options.align_param_sync else 0)
+        if chunk not in zero3:
+            slots.before[forward_at[max(k, 0)]].append(Op(OpKind.PARAM_SYNC, chunk))
+
+
+def _place_gathers(slots: _Slots) -> None:
+    """ZeRO-3 chunks: GATHER c.k ``gather_lookahead`` compute ops before its span (never before the previous
+    span's RELEASE), RELEASE c.k after the span's last op."""
+    options = slots.options
+    for chunk in (options.zero3_chunks if slots.training else ()):
         previous_release = -1
-        for k, (first, last) in enumerate(gather_spans(config, compute, chunk, options.gather_lookahead)):
-            before[max(first - options.gather_lookahead, previous_release + 1, 0)].append(Op(OpKind.GATHER, chunk, k))
-            after[last].append(Op(OpKind.RELEASE, chunk, k))
+        for k, (first, last) in enumerate(gather_spans(slots.config, slots.compute, chunk, options.gather_lookahead)):
+            slots.before[max(first - options.gather_lookahead, previous_release + 1, 0)].append(Op(OpKind.GATHER, chunk, k))
+            slots.after[last].append(Op(OpKind.RELEASE, chunk, k))
             previous_release = last
-    for chunk in (() if options.forward_only else options.zero2_chunks):
-        for k, (_, last) in enumerate(group_spans(config, compute, chunk, OpKind.BACKWARD)[:-1]):
-            after[last].append(Op(OpKind.REDUCE, chunk, k))
 
+
+def _place_reduces(slots: _Slots) -> None:
+    """ZeRO-2/3 chunks: REDUCE c.k after each backward group but the last (whose reduction is the GRAD_SYNC)."""
+    for chunk in (slots.options.zero2_chunks if slots.training else ()):
+        for k, (_, last) in enumerate(group_spans(slots.config, slots.compute, chunk, OpKind.BACKWARD)[:-1]):
+            slots.after[last].append(Op(OpKind.REDUCE, chunk, k))
+
+
+def _place_p2p(slots: _Slots) -> None:
+    """Each compute op's RECV ``recv_lookahead`` compute ops before it (at the start for the first ones) and its
+    SEND right after it."""
+    config, rank = slots.config, slots.rank
     peers: Dict[Tuple[OpKind, int], Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]]] = {}
-    for index, op in enumerate(compute):
+    for index, op in enumerate(slots.compute):
         placed = peers.get((op.kind, op.chunk))
         if placed is None:  # the same for every micro-batch of a chunk
             placed = peers[op.kind, op.chunk] = (input_source(config, rank, op), output_target(config, rank, op))
         source, target = placed
         if source is not None:
-            post = max(index - options.recv_lookahead, 0)
-            before[post].append(Op(_RECV[op.kind], op.chunk, op.microbatch, source[0]))
+            post = max(index - slots.options.recv_lookahead, 0)
+            slots.before[post].append(Op(_RECV[op.kind], op.chunk, op.microbatch, source[0]))
         if target is not None:
-            after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
+            slots.after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
 
-    if options.host_placement and not options.forward_only:
-        where = {op: i for i, op in enumerate(compute)}
-        for _, chunk, microbatch in (key for key in options.host_placement if key[0] == rank):
-            f, b = where[Op(OpKind.FORWARD, chunk, microbatch)], where[Op(OpKind.BACKWARD, chunk, microbatch)]
-            after[f].append(Op(OpKind.OFFLOAD, chunk, microbatch))
-            before[max(b - options.reload_lookahead, f + 1)].append(Op(OpKind.RELOAD, chunk, microbatch))
 
-    tail: List[Op] = []
-    if options.grad_sync and not options.forward_only:
-        for chunk in sorted(positions["last_backward"], key=positions["last_backward"].get):
-            k = positions["last_backward"][chunk] + (rank if options.align_grad_sync else 0)
-            if k < len(backward_at):
-                after[backward_at[k]].append(Op(OpKind.GRAD_SYNC, chunk))
-            else:
-                tail.append(Op(OpKind.GRAD_SYNC, chunk))
+def _place_host_copies(slots: _Slots) -> None:
+    """This rank's host-placed chunk-micro-batches: OFFLOAD right after the forward (and its send), RELOAD
+    ``reload_lookahead`` compute ops before the backward (never before the op after the forward)."""
+    options = slots.options
+    if not (options.host_placement and slots.training):
+        return
+    where = {op: i for i, op in enumerate(slots.compute)}
+    for _, chunk, microbatch in (key for key in options.host_placement if key[0] == slots.rank):
+        f, b = where[Op(OpKind.FORWARD, chunk, microbatch)], where[Op(OpKind.BACKWARD, chunk, microbatch)]
+        slots.after[f].append(Op(OpKind.OFFLOAD, chunk, microbatch))
+        slots.before[max(b - options.reload_lookahead, f + 1)].append(Op(OpKind.RELOAD, chunk, microbatch))
 
-    program: List[Op] = []
-    for index, op in enumerate(compute):
-        program.extend(before[index])
-        program.append(op)
-        program.extend(after[index])
-    program.extend(tail)
-    return program
+
+def _place_grad_syncs(slots: _Slots) -> None:
+    """GRAD_SYNC c after chunk c's last backward (r backwards later on rank r when aligned; at the end when that
+    backward does not exist)."""
+    options = slots.options
+    if not (options.grad_sync and slots.training):
+        return
+    last_backward, backward_at = slots.positions["last_backward"], slots.at(OpKind.BACKWARD)
+    for chunk in sorted(last_backward, key=last_backward.get):
+        k = last_backward[chunk] + (slots.rank if options.align_grad_sync else 0)
+        if k < len(backward_at):
+            slots.after[backward_at[k]].append(Op(OpKind.GRAD_SYNC, chunk))
+        else:
+            slots.tail.append(Op(OpKind.GRAD_SYNC, chunk))
+
+
+_PASSES = (_place_param_syncs, _place_gathers, _place_reduces, _place_p2p, _place_host_copies, _place_grad_syncs)
+"""The lowering passes in order: within one slot, ops appear in the order of the passes that placed them."""
+
+
+def _lower_rank(config: ScheduleConfig, options: LoweringOptions, rank: int, compute: List[Op],
+                positions: Dict[str, Dict[int, int]]) -> List[Op]:
+    """One rank's lowered program: its compute program with every pass of :data:`_PASSES` placing its ops."""
+    slots = _Slots(config, options, rank, compute, positions)
+    for place in _PASSES:
+        place(slots)
+    return slots.program()
