@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
@@ -154,69 +154,111 @@ def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[Placeme
             copies[c.src].append(c)
     ranks, memory, host_memory = [], [], []
     for rank in range(config.pp):
-        events = timeline.compute[rank]
-        busy = sum(e.end - e.start for e in events)
-        recompute_s = sum(adapter.recompute_time(rank, e.op) for e in events if e.op.kind is OpKind.BACKWARD)
-        waits_p2p = sum(e.comm_part for e in events if e.waited_on == "p2p")
-        waits_param = sum(e.comm_part for e in events if e.waited_on == "param")
-        waits_host = sum(e.comm_part for e in events if e.waited_on == "host")
-        if costs.host_copies_on_compute:  # each copy held the compute stream: all of it exposed
-            waits_host += sum(c.end - c.start for c in copies[rank])
-        last_compute = max(e.end for e in events)
-        dp_tail = max(0.0, timeline.rank_end[rank] - last_compute)  # the optimizer step is neither idle nor comm
-        idle = end - busy - optimizer[rank]
-        exposed_dp = waits_param + dp_tail
         static = costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0
-        deltas, buffer_deltas = [], []
+        buffer_deltas = []
         if sharding is not None:
             static = splits[rank].state.resident
             buffer_deltas = sharding.memory_deltas(rank, timeline, splits)
-        for e in events:
-            size = adapter.activation(rank, e.op)
-            if e.op.kind is OpKind.FORWARD:
-                deltas.append((e.start, 1, size))
-            else:
-                # Recomputation re-creates activations inside the backward: held from its start.
-                transient = adapter.transient(rank, e.op.chunk, adapter.kept_level(rank, e.op))
-                deltas.append((e.start, 0, transient))
-                deltas.append((e.end, -1, -size - transient))
-        host_deltas = []
-        for c in copies[rank]:
-            size = adapter.activation(rank, c.op)
-            if c.op.kind is OpKind.OFFLOAD:  # off the device once copied; host buffer filled from the copy's start
-                deltas.append((c.end, -1, -size))
-                host_deltas.append((c.start, size))
-            else:  # back on the device from the reload's start; host buffer free once copied
-                deltas.append((c.start, 1, size))
-                host_deltas.append((c.end, -size))
-        # Sharding buffers (count None) change the total but not the activation peak.
-        deltas += [(t, None, size) for t, size in buffer_deltas]
-        deltas.sort(key=lambda d: (d[0], -1 if d[1] is None and d[2] < 0 else (d[1] if d[1] is not None else 0)))  # frees first
-        live = peak_live = 0
-        act = peak_act = buffers = 0.0
-        peak_total = static
-        steps = [(0.0, static)]
-        for t, count, size in deltas:
-            if count is None:
-                buffers += size
-            else:
-                live += count
-                act += size
-            peak_live = max(peak_live, live)
-            peak_act = max(peak_act, act)
-            peak_total = max(peak_total, static + act + buffers)
-            steps.append((t, static + act + buffers))
-        host = peak_host = pinned = peak_pinned = 0.0
-        host_steps = []
-        for t, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):
-            host += size
-            pinned += math.copysign(host_block_bytes(abs(size)), size)
-            peak_host, peak_pinned = max(peak_host, host), max(peak_pinned, pinned)
-            host_steps.append((t, host))
-        memory.append(steps)
-        host_memory.append(host_steps)
-        exposed = waits_p2p + exposed_dp + waits_host
-        ranks.append(RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - exposed),
-                                peak_act, peak_total, peak_live, recompute_s, waits_host, peak_host,
-                                sum(1 for c in copies[rank] if c.op.kind is OpKind.OFFLOAD), peak_pinned))
+        device = _device_memory(adapter, rank, timeline.compute[rank], copies[rank], buffer_deltas, static)
+        host = _host_memory(adapter, rank, copies[rank])
+        memory.append(device.steps)
+        host_memory.append(host.steps)
+        ranks.append(_rank_result(rank, timeline, adapter, copies[rank], costs.host_copies_on_compute, end,
+                                  optimizer[rank], device, host))
     return SimulationResult(config, end, ranks, timeline, memory, host_memory)
+
+
+class _DeviceMemory(NamedTuple):
+    """One rank's device memory timeline (:func:`_device_memory`)."""
+
+    steps: List[Tuple[float, float]]
+    """(time, bytes) steps: static bytes, activations and sharding buffers."""
+    peak_live: int
+    peak_activation: float
+    peak_total: float
+
+
+class _HostMemory(NamedTuple):
+    """One rank's host memory timeline of offloaded activations (:func:`_host_memory`)."""
+
+    steps: List[Tuple[float, float]]
+    peak: float
+    peak_pinned: float
+
+
+def _device_memory(adapter, rank: int, events, copies, buffer_deltas, static: float) -> _DeviceMemory:
+    """A forward holds its chunk-micro-batch's activations from its start, a backward re-creates its recomputation's
+    transient bytes from its start and frees both at its end; an offload frees the bytes once copied, a reload holds
+    them again from its start; sharding buffers change the total but not the activation peak."""
+    deltas = []
+    for e in events:
+        size = adapter.activation(rank, e.op)
+        if e.op.kind is OpKind.FORWARD:
+            deltas.append((e.start, 1, size))
+        else:
+            # Recomputation re-creates activations inside the backward: held from its start.
+            transient = adapter.transient(rank, e.op.chunk, adapter.kept_level(rank, e.op))
+            deltas.append((e.start, 0, transient))
+            deltas.append((e.end, -1, -size - transient))
+    for c in copies:
+        size = adapter.activation(rank, c.op)
+        if c.op.kind is OpKind.OFFLOAD:  # off the device once copied
+            deltas.append((c.end, -1, -size))
+        else:  # back on the device from the reload's start
+            deltas.append((c.start, 1, size))
+    # Sharding buffers (count None) change the total but not the activation peak.
+    deltas += [(t, None, size) for t, size in buffer_deltas]
+    deltas.sort(key=lambda d: (d[0], -1 if d[1] is None and d[2] < 0 else (d[1] if d[1] is not None else 0)))  # frees first
+    live = peak_live = 0
+    act = peak_act = buffers = 0.0
+    peak_total = static
+    steps = [(0.0, static)]
+    for t, count, size in deltas:
+        if count is None:
+            buffers += size
+        else:
+            live += count
+            act += size
+        peak_live = max(peak_live, live)
+        peak_act = max(peak_act, act)
+        peak_total = max(peak_total, static + act + buffers)
+        steps.append((t, static + act + buffers))
+    return _DeviceMemory(steps, peak_live, peak_act, peak_total)
+
+
+def _host_memory(adapter, rank: int, copies) -> _HostMemory:
+    """The host buffer of an offload is filled from the copy's start, that of a reload free once copied; pinned
+    blocks are each chunk-micro-batch's bytes rounded up as the pinned allocator takes them."""
+    host_deltas = []
+    for c in copies:
+        size = adapter.activation(rank, c.op)
+        host_deltas.append((c.start, size) if c.op.kind is OpKind.OFFLOAD else (c.end, -size))
+    host = peak_host = pinned = peak_pinned = 0.0
+    steps = []
+    for t, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):
+        host += size
+        pinned += math.copysign(host_block_bytes(abs(size)), size)
+        peak_host, peak_pinned = max(peak_host, host), max(peak_pinned, pinned)
+        steps.append((t, host))
+    return _HostMemory(steps, peak_host, peak_pinned)
+
+
+def _rank_result(rank: int, timeline: Timeline, adapter, copies, copies_on_compute: bool, end: float,
+                 optimizer_s: float, device: _DeviceMemory, host: _HostMemory) -> RankResult:
+    """One rank's times (busy, idle, and what the idle time waited on) and peaks."""
+    events = timeline.compute[rank]
+    busy = sum(e.end - e.start for e in events)
+    recompute_s = sum(adapter.recompute_time(rank, e.op) for e in events if e.op.kind is OpKind.BACKWARD)
+    waits_p2p = sum(e.comm_part for e in events if e.waited_on == "p2p")
+    waits_param = sum(e.comm_part for e in events if e.waited_on == "param")
+    waits_host = sum(e.comm_part for e in events if e.waited_on == "host")
+    if copies_on_compute:  # each copy held the compute stream: all of it exposed
+        waits_host += sum(c.end - c.start for c in copies)
+    last_compute = max(e.end for e in events)
+    dp_tail = max(0.0, timeline.rank_end[rank] - last_compute)  # the optimizer step is neither idle nor comm
+    idle = end - busy - optimizer_s
+    exposed_dp = waits_param + dp_tail
+    exposed = waits_p2p + exposed_dp + waits_host
+    return RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - exposed), device.peak_activation,
+                      device.peak_total, device.peak_live, recompute_s, waits_host, host.peak,
+                      sum(1 for c in copies if c.op.kind is OpKind.OFFLOAD), host.peak_pinned)

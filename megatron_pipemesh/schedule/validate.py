@@ -15,7 +15,8 @@ Errors print the offending rank, step and that rank's order with the step marked
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Set, Tuple
 
 from .lower import LoweredSchedule, input_source, output_target
 from .ops import B, F, Op, OpKind, format_ops
@@ -41,83 +42,140 @@ def validate(schedule: LoweredSchedule) -> Timeline:
         expected.update(B(c, j) for c in range(cfg.vpp) for j in range(cfg.microbatches))
     sends: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
     recvs: Dict[Tuple[int, int, OpKind], List[Tuple[int, Op]]] = {}
-    for rank, program in enumerate(schedule.programs):
-        seen = Counter(op for op in program if op.kind.is_compute)
-        for op in (seen - expected):
-            step = [i for i, x in enumerate(program) if x == op][-1]
-            what = "runs more than once" if op in expected else "is not part of this configuration"
-            raise _fail(schedule, rank, step, f"{op} {what}")
-        missing = expected - seen
-        if missing:
-            raise _fail(schedule, rank, len(program) - 1, f"compute ops never run: {format_ops(sorted(missing))}")
-        done = set()
-        posted = set()
-        param_launched = set()
-        param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
-        host_state: Dict[Tuple[int, int], str] = {}
-        zero3, zero2 = set(schedule.options.zero3_chunks), set(schedule.options.zero2_chunks)
-        gathered: Dict[int, int] = {}  # ZeRO-3 chunk -> index k of its open GATHER
-        spans_done: Counter = Counter()  # ZeRO-3 chunk -> gather spans launched so far
-        reduces: Counter = Counter()
-        last_backward = {c: -1 for c in range(cfg.vpp)}
+    for rank in range(cfg.pp):
+        _check_compute_set(schedule, rank, expected)
+        state = _RankState.of(schedule, rank)
+        for step, op in enumerate(schedule.programs[rank]):
+            _check_op(schedule, state, step, op, sends, recvs)
+        _check_rank_end(schedule, state)
+    _check_links(schedule, sends, recvs)
+    return execute(schedule)
+
+
+def _check_compute_set(schedule: LoweredSchedule, rank: int, expected: Counter) -> None:
+    """Every compute op of the configuration exactly once on ``rank``."""
+    program = schedule.programs[rank]
+    seen = Counter(op for op in program if op.kind.is_compute)
+    for op in (seen - expected):
+        step = [i for i, x in enumerate(program) if x == op][-1]
+        what = "runs more than once" if op in expected else "is not part of this configuration"
+        raise _fail(schedule, rank, step, f"{op} {what}")
+    missing = expected - seen
+    if missing:
+        raise _fail(schedule, rank, len(program) - 1, f"compute ops never run: {format_ops(sorted(missing))}")
+
+
+@dataclass
+class _RankState:
+    """What one rank's program has done up to the step being checked."""
+
+    rank: int
+    param_chunks: Set[int]
+    """Chunks with a PARAM_SYNC anywhere in the program."""
+    last_backward: Dict[int, int]
+    """Per chunk: the step of its last backward (-1: none)."""
+    zero3: Set[int]
+    zero2: Set[int]
+    done: Set[Op] = field(default_factory=set)
+    """Compute ops run so far."""
+    posted: Set[Op] = field(default_factory=set)
+    """Compute ops whose input receive is posted."""
+    param_launched: Set[int] = field(default_factory=set)
+    host_state: Dict[Tuple[int, int], str] = field(default_factory=dict)
+    gathered: Dict[int, int] = field(default_factory=dict)
+    """ZeRO-3 chunk -> index k of its open GATHER."""
+    spans_done: Counter = field(default_factory=Counter)
+    """ZeRO-3 chunk -> gather spans launched so far."""
+    reduces: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def of(cls, schedule: LoweredSchedule, rank: int) -> "_RankState":
+        program = schedule.programs[rank]
+        last_backward = {c: -1 for c in range(schedule.config.vpp)}
         for index, x in enumerate(program):
             if x.kind is OpKind.BACKWARD:
                 last_backward[x.chunk] = index
-        for step, op in enumerate(program):
-            if op.kind.is_compute:
-                if op.kind is OpKind.BACKWARD and F(op.chunk, op.microbatch) not in done:
-                    raise _fail(schedule, rank, step, f"{op} runs before its forward {F(op.chunk, op.microbatch)}")
-                if input_source(cfg, rank, op) is not None and op not in posted:
-                    raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
-                if op.kind is OpKind.FORWARD and op.chunk not in param_launched and op.chunk in param_chunks:
-                    raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
-                if op.chunk in zero3 and not schedule.options.forward_only and op.chunk not in gathered:
-                    raise _fail(schedule, rank, step, f"{op} runs while the parameters of ZeRO-3 chunk {op.chunk} are not "
-                                                      f"gathered (no GATHER{op.chunk}.k open before it)")
-                if op.kind is OpKind.BACKWARD and host_state.get((op.chunk, op.microbatch)) == "offloaded":
-                    raise _fail(schedule, rank, step, f"{op} runs while its activations are on the host: "
-                                                      f"RELOAD{op.chunk}.{op.microbatch} must come before it")
-                done.add(op)
-            elif op.kind.is_p2p:
-                compute = op.compute
-                is_recv = op.kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD)
-                peer = (input_source if is_recv else output_target)(cfg, rank, compute)
-                if peer is None or peer[0] != op.peer:
-                    raise _fail(schedule, rank, step, f"{op} names peer {op.peer}, but the {'producer' if is_recv else 'consumer'} "
-                                                      f"of this tensor is {'nothing' if peer is None else f'rank {peer[0]}'}")
-                if is_recv:
-                    if compute in done:
-                        raise _fail(schedule, rank, step, f"{op} is posted after its consumer {compute} ran")
-                    posted.add(compute)
-                    recvs.setdefault((op.peer, rank, compute.kind), []).append((step, compute))
-                else:
-                    if compute not in done:
-                        raise _fail(schedule, rank, step, f"{op} sends the output of {compute} before it ran")
-                    sends.setdefault((rank, op.peer, compute.kind), []).append((step, Op(compute.kind, peer[1], compute.microbatch)))
-            elif op.kind is OpKind.PARAM_SYNC:
-                param_launched.add(op.chunk)
-            elif op.kind is OpKind.GRAD_SYNC:
-                if step < last_backward[op.chunk]:
-                    raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} (step {last_backward[op.chunk]})")
-            elif op.kind.is_host:
-                _check_host_op(schedule, rank, step, op, done, host_state)
-            elif op.kind.is_shard:
-                _check_shard_op(schedule, rank, step, op, done, zero3, zero2, gathered, spans_done, reduces)
-        if gathered:
-            chunk = sorted(gathered)[0]
-            raise _fail(schedule, rank, len(program) - 1, f"GATHER{chunk}.{gathered[chunk]} is never released")
-        placed = {(c, j) for r, c, j in schedule.options.host_placement if r == rank} if not schedule.options.forward_only else set()
-        for key in sorted(placed | set(host_state)):
-            state = host_state.get(key)
-            what = ("is offloaded but not in the lowering's host_placement" if key not in placed else
-                    "is placed on the host but never offloaded" if state is None else
-                    "is offloaded but never reloaded" if state == "offloaded" else "")
-            if what:
-                raise _fail(schedule, rank, len(program) - 1, f"chunk {key[0]} micro-batch {key[1]} {what}")
-        _check_dp_counts(schedule, rank, OpKind.GRAD_SYNC, schedule.options.grad_sync)
-        _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync, skip=zero3)
-    _check_links(schedule, sends, recvs)
-    return execute(schedule)
+        return cls(rank, {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}, last_backward,
+                   set(schedule.options.zero3_chunks), set(schedule.options.zero2_chunks))
+
+
+def _check_op(schedule: LoweredSchedule, state: _RankState, step: int, op: Op, sends, recvs) -> None:
+    """One op of a rank's program against what the program has done before it."""
+    rank = state.rank
+    if op.kind.is_compute:
+        _check_compute_op(schedule, state, step, op)
+    elif op.kind.is_p2p:
+        _check_p2p_op(schedule, state, step, op, sends, recvs)
+    elif op.kind is OpKind.PARAM_SYNC:
+        state.param_launched.add(op.chunk)
+    elif op.kind is OpKind.GRAD_SYNC:
+        if step < state.last_backward[op.chunk]:
+            raise _fail(schedule, rank, step, f"{op} launches before the last backward of chunk {op.chunk} "
+                                              f"(step {state.last_backward[op.chunk]})")
+    elif op.kind.is_host:
+        _check_host_op(schedule, rank, step, op, state.done, state.host_state)
+    elif op.kind.is_shard:
+        _check_shard_op(schedule, rank, step, op, state.done, state.zero3, state.zero2, state.gathered,
+                        state.spans_done, state.reduces)
+
+
+def _check_compute_op(schedule: LoweredSchedule, state: _RankState, step: int, op: Op) -> None:
+    """A backward after its forward and its reload; any compute op after its input's receive is posted, a forward
+    after its chunk's parameter gather, a ZeRO-3 chunk's op inside a gathered span."""
+    rank = state.rank
+    if op.kind is OpKind.BACKWARD and F(op.chunk, op.microbatch) not in state.done:
+        raise _fail(schedule, rank, step, f"{op} runs before its forward {F(op.chunk, op.microbatch)}")
+    if input_source(schedule.config, rank, op) is not None and op not in state.posted:
+        raise _fail(schedule, rank, step, f"{op} runs but the receive of its input was never posted before it")
+    if op.kind is OpKind.FORWARD and op.chunk not in state.param_launched and op.chunk in state.param_chunks:
+        raise _fail(schedule, rank, step, f"{op} runs before the parameter gather of chunk {op.chunk} was launched")
+    if op.chunk in state.zero3 and not schedule.options.forward_only and op.chunk not in state.gathered:
+        raise _fail(schedule, rank, step, f"{op} runs while the parameters of ZeRO-3 chunk {op.chunk} are not "
+                                          f"gathered (no GATHER{op.chunk}.k open before it)")
+    if op.kind is OpKind.BACKWARD and state.host_state.get((op.chunk, op.microbatch)) == "offloaded":
+        raise _fail(schedule, rank, step, f"{op} runs while its activations are on the host: "
+                                          f"RELOAD{op.chunk}.{op.microbatch} must come before it")
+    state.done.add(op)
+
+
+def _check_p2p_op(schedule: LoweredSchedule, state: _RankState, step: int, op: Op, sends, recvs) -> None:
+    """A receive names its tensor's producer and is posted before its consumer runs; a send names the consumer
+    and follows its producer. Both are recorded per directed link for :func:`_check_links`."""
+    rank, compute = state.rank, op.compute
+    is_recv = op.kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD)
+    peer = (input_source if is_recv else output_target)(schedule.config, rank, compute)
+    if peer is None or peer[0] != op.peer:
+        raise _fail(schedule, rank, step, f"{op} names peer {op.peer}, but the {'producer' if is_recv else 'consumer'} "
+                                          f"of this tensor is {'nothing' if peer is None else f'rank {peer[0]}'}")
+    if is_recv:
+        if compute in state.done:
+            raise _fail(schedule, rank, step, f"{op} is posted after its consumer {compute} ran")
+        state.posted.add(compute)
+        recvs.setdefault((op.peer, rank, compute.kind), []).append((step, compute))
+    else:
+        if compute not in state.done:
+            raise _fail(schedule, rank, step, f"{op} sends the output of {compute} before it ran")
+        sends.setdefault((rank, op.peer, compute.kind), []).append((step, Op(compute.kind, peer[1], compute.microbatch)))
+
+
+def _check_rank_end(schedule: LoweredSchedule, state: _RankState) -> None:
+    """At the program's end: every gather released, exactly the placed chunk-micro-batches offloaded and reloaded,
+    and one data-parallel sync of each kind per chunk where the options ask for them."""
+    rank = state.rank
+    last = len(schedule.programs[rank]) - 1
+    if state.gathered:
+        chunk = sorted(state.gathered)[0]
+        raise _fail(schedule, rank, last, f"GATHER{chunk}.{state.gathered[chunk]} is never released")
+    host_state = state.host_state
+    placed = {(c, j) for r, c, j in schedule.options.host_placement if r == rank} if not schedule.options.forward_only else set()
+    for key in sorted(placed | set(host_state)):
+        what = ("is offloaded but not in the lowering's host_placement" if key not in placed else
+                "is placed on the host but never offloaded" if host_state.get(key) is None else
+                "is offloaded but never reloaded" if host_state.get(key) == "offloaded" else "")
+        if what:
+            raise _fail(schedule, rank, last, f"chunk {key[0]} micro-batch {key[1]} {what}")
+    _check_dp_counts(schedule, rank, OpKind.GRAD_SYNC, schedule.options.grad_sync)
+    _check_dp_counts(schedule, rank, OpKind.PARAM_SYNC, schedule.options.param_sync, skip=state.zero3)
 
 
 def _check_host_op(schedule: LoweredSchedule, rank: int, step: int, op: Op, done: set,
