@@ -379,7 +379,7 @@ def apply_cpu_compat() -> bool:
     Importing ``megatron`` first requires :func:`~megatron_pipemesh.integration.bootstrap.
     prepare_megatron_import` on stacks without triton / Python < 3.12; this function calls it.
     """
-    global _ACTIVE, _MODE
+    global _ACTIVE
     if _ACTIVE:
         return True
     if torch.cuda.is_available():
@@ -388,10 +388,27 @@ def apply_cpu_compat() -> bool:
     from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
 
     prepare_megatron_import()
-    cuda = torch.cuda
+    _patch_cuda_rng()  # 1
+    _patch_cuda_runtime()  # 2-5
+    _map_cuda_to_cpu()  # 6-7
+    _patch_megatron_start_up()  # 8-9
+    _patch_cuda_type_checks()  # 10-11
+    # 12. Gradient-accumulation fusion without APEX's CUDA extension (layers.py:49-53,680-686, utils.py:1248).
+    _provide_wgrad_kernels()
+    # 13. The JIT warm-up compiles fused kernels the CPU run does not use (initialize.py:497).
+    _jit_warmup_only_for_fusions_in_use()
+    # 14. Not Megatron's: torch's gloo runs a group's asynchronous collectives on two worker threads, which now and
+    #     then corrupt the heap (torch 2.13, distributed_c10d._new_process_group_helper builds the group).
+    set_gloo_worker_threads(GLOO_WORKER_THREADS)
 
-    # 1. RNG tracker: tensor_parallel/random.py:303-308 (CudaRNGStatesTracker.add) and
-    #    random.py:104-175 (_get/_set_cuda_rng_state, used by fork()) use the CUDA generator.
+    _ACTIVE = True
+    return True
+
+
+def _patch_cuda_rng() -> None:
+    """1. RNG tracker: tensor_parallel/random.py:303-308 (CudaRNGStatesTracker.add) and random.py:104-175
+    (_get/_set_cuda_rng_state, used by fork()) use the CUDA generator."""
+    cuda = torch.cuda
     cuda.get_rng_state = _cpu_get_rng_state
     cuda.random.get_rng_state = _cpu_get_rng_state
     cuda.set_rng_state = _cpu_set_rng_state
@@ -405,6 +422,10 @@ def apply_cpu_compat() -> bool:
     #    ... which makes fork()'s "CPU RNG changed" check (random.py:326-333) fire on every dropout.
     logging.getLogger(tp_random.__name__).addFilter(_OneGeneratorForkFilter())
 
+
+def _patch_cuda_runtime() -> None:
+    """2-5. One device that is always there, synchronizes at once and runs every stream and event inline."""
+    cuda = torch.cuda
     # 2. current_device(): p2p_communication.py:211-223,334,342 (buffers), RoPE :162, initialize.py:131.
     cuda.current_device = lambda: 0
     # 3. device_count()/set_device(): initialize.py:270-283,358 skip initialize_model_parallel and the
@@ -420,14 +441,22 @@ def apply_cpu_compat() -> bool:
     cuda.default_stream = lambda device=None: _DEFAULT_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext(stream)
     cuda.set_stream = lambda stream: None
-    # 6. "cuda"/int devices in factory calls and Tensor.to/.cuda (see CudaToCpuMode).
+
+
+def _map_cuda_to_cpu() -> None:
+    """6. "cuda"/int devices in factory calls and Tensor.to/.cuda (see CudaToCpuMode); 7. autocast: schedules.py:504
+    uses torch.autocast("cuda") when config.enable_autocast."""
+    global _MODE
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _map_devices_in_backward()
-    # 7. autocast: schedules.py:504 uses torch.autocast("cuda") when config.enable_autocast.
     torch.autocast = _CpuAutocast
 
-    # 8. initialize_megatron asserts torch.cuda.is_available() (training/initialize.py:66).
+
+def _patch_megatron_start_up() -> None:
+    """8. initialize_megatron asserts torch.cuda.is_available() (training/initialize.py:66); 9. _compile_dependencies
+    (initialize.py:174) runs `make` in core/datasets; the wheel ships the prebuilt helpers_cpp extension but no
+    Makefile."""
     import megatron.training
     import megatron.training.initialize as mt_init
     import megatron.training.training as mt_training
@@ -443,34 +472,20 @@ def apply_cpu_compat() -> bool:
     mt_training.initialize_megatron = initialize_megatron
     megatron.training.initialize_megatron = initialize_megatron
 
-    # 9. _compile_dependencies (initialize.py:174) runs `make` in core/datasets; the wheel ships the
-    #    prebuilt helpers_cpp extension but no Makefile.
     import megatron.core.datasets.utils as ds_utils
 
     ds_utils.compile_helpers = lambda: None
 
-    # 10. clip_grads.py:174 asserts param.grad.type() == 'torch.cuda.FloatTensor'.
+
+def _patch_cuda_type_checks() -> None:
+    """10. clip_grads.py:174 asserts param.grad.type() == 'torch.cuda.FloatTensor'; 11. distrib_optimizer.py:401,466,758
+    sort parameters by CUDA tensor type names (:477 raises)."""
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as mcore_optimizer
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-
-    # 11. distrib_optimizer.py:401,466,758 sort parameters by CUDA tensor type names (:477 raises).
     _patch_distributed_optimizer()
-
-    # 12. Gradient-accumulation fusion without APEX's CUDA extension (layers.py:49-53,680-686, utils.py:1248).
-    _provide_wgrad_kernels()
-
-    # 13. The JIT warm-up compiles fused kernels the CPU run does not use (initialize.py:497).
-    _jit_warmup_only_for_fusions_in_use()
-
-    # 14. Not Megatron's: torch's gloo runs a group's asynchronous collectives on two worker threads, which now and
-    #     then corrupt the heap (torch 2.13, distributed_c10d._new_process_group_helper builds the group).
-    set_gloo_worker_threads(GLOO_WORKER_THREADS)
-
-    _ACTIVE = True
-    return True
 
 
 # --------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -73,6 +73,23 @@ class PipeMeshOptions:
     measure_memory: bool = False
     """Measure the activation bytes each training forward keeps until its backward (saved-tensor hooks on
     CPU, allocator statistics on CUDA) into ``RuntimeStats``."""
+
+
+@dataclass
+class _CallState:
+    """What one call's program carries from op to op."""
+
+    total_num_tokens: torch.Tensor
+    """Tokens of the call's forwards (Megatron's per-token loss)."""
+    inputs: Dict[Op, Optional[torch.Tensor]] = field(default_factory=dict)
+    """Per forward: its received input, kept for its backward."""
+    outputs: Dict[Op, torch.Tensor] = field(default_factory=dict)
+    """Per forward: its output, kept for its send and its backward."""
+    input_grads: Dict[Op, torch.Tensor] = field(default_factory=dict)
+    """Per backward: the gradient of its input, kept for its send."""
+    forward_data_store: List = field(default_factory=list)
+    synced: set = field(default_factory=set)
+    """Chunks whose gradient reduction was launched."""
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -339,104 +356,110 @@ class _Run:
         return torch.profiler.record_function(f"PipeMesh {op}")
 
     def _run_program(self, stats: RuntimeStats, embedding_module):
-        mcore, config, model = self.mcore, self.config, self.model
-        synced = set()
-        inputs: Dict[Op, Optional[torch.Tensor]] = {}
-        outputs: Dict[Op, torch.Tensor] = {}
-        input_grads: Dict[Op, torch.Tensor] = {}
-        transport = self.transport
-        forward_data_store: List = []
-        total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        state = _CallState(torch.zeros([], dtype=torch.int, device=self.device))
         begin = time.perf_counter()
-
         for step, op in enumerate(self.program):
             start, start_event = self.clock.mark() if op.kind.is_compute else (time.perf_counter(), None)
-            events = None
             wait_s = compute_s = 0.0
-            kind = op.kind
+            events = None
             if self.sharding is not None:
                 self.sharding.before(op)  # counts syncs; compute waits for its chunk's gather / gradient buffer
             with self._op_range(op):
-                if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
-                    forward = kind is OpKind.RECV_FORWARD
-                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
-                    transport.post_receive(op, buffer, self._link("F" if forward else "B", op.peer, self.pp_rank), step)
-                elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
-                    forward = kind is OpKind.SEND_FORWARD
-                    if forward:  # training keeps the output (its graph) for the backward
-                        tensor = outputs.pop(op.compute) if self.forward_only else outputs[op.compute]
-                    else:
-                        tensor = input_grads.pop(op.compute)
-                    transport.send(op, tensor, self._link("F" if forward else "B", self.pp_rank, op.peer), step)
-                elif kind is OpKind.PARAM_SYNC:
-                    self.param_sync_func[op.chunk](model[op.chunk].parameters())
-                elif kind is OpKind.GRAD_SYNC:
-                    self._enable_grad_sync()
-                    self.grad_sync_func[op.chunk](model[op.chunk].parameters())
-                    synced.add(op.chunk)
-                    self._disable_grad_sync()
-                elif kind.is_shard:
-                    self.sharding.run(op)
-                elif kind.is_host:
-                    self._host_copy(step, op, inputs, outputs)
+                if op.kind.is_compute:
+                    wait_s, compute_s, events = self._run_compute(step, op, state, start, start_event)
                 else:
-                    received = transport.wait_receive(
-                        op, step, "receive of its input" if kind is OpKind.FORWARD else "receive of its output gradient")
-                    ready, ready_event = self.clock.mark()
-                    wait_s = ready - start
-                    if kind is OpKind.FORWARD:
-                        output, num_tokens = self._forward(step, op, received, forward_data_store)
-                        total_num_tokens += num_tokens
-                        if not self.forward_only:
-                            inputs[op], outputs[op] = received, output
-                        elif op in self.sent:
-                            outputs[op] = output  # until its SEND; evaluation keeps nothing else
-                    else:
-                        forward_op = F(op.chunk, op.microbatch)
-                        if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
-                            self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
-                            synced.add(op.chunk)
-                        # Megatron's custom_backward expects the sent output already deallocated.
-                        transport.drain_sends(step, only=forward_op)
-                        host = self._host_placed(op)
-                        if host:
-                            self._host_step(step, op, lambda key: self.offloader.wait(key))
-                        with self._recompute(op):  # the backward's replay takes the forward's path
-                            grad = mcore.backward_step(inputs.pop(forward_op), outputs.pop(forward_op), received, config)
-                        if self.meter is not None:
-                            self.meter.release((op.chunk, op.microbatch))
-                        if host:
-                            if self.host_meter is not None and self.host_meter is not self.meter:
-                                self.host_meter.release((op.chunk, op.microbatch))
-                            self.offloader.release((op.chunk, op.microbatch))
-                        self._disable_grad_sync()
-                        if grad is not None:
-                            input_grads[op] = grad
-                    end, end_event = self.clock.mark()
-                    compute_s = end - ready
-                    if start_event is not None:
-                        events = (start_event, ready_event, end_event)
+                    self._run_comm(step, op, state)
             stats.records.append(OpRecord(step, str(op), start - begin, wait_s, compute_s, events))
-            transport.drain_sends(step)
+            self.transport.drain_sends(step)
+        self._finish(stats, state, embedding_module, begin)
+        return state.forward_data_store
 
+    def _run_comm(self, step: int, op: Op, state: "_CallState") -> None:
+        """A pipeline transfer, a data-parallel sync, a sharding op or a host copy."""
+        kind, transport, model = op.kind, self.transport, self.model
+        if kind in (OpKind.RECV_FORWARD, OpKind.RECV_BACKWARD):
+            forward = kind is OpKind.RECV_FORWARD
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=forward)
+            transport.post_receive(op, buffer, self._link("F" if forward else "B", op.peer, self.pp_rank), step)
+        elif kind in (OpKind.SEND_FORWARD, OpKind.SEND_BACKWARD):
+            forward = kind is OpKind.SEND_FORWARD
+            if forward:  # training keeps the output (its graph) for the backward
+                tensor = state.outputs.pop(op.compute) if self.forward_only else state.outputs[op.compute]
+            else:
+                tensor = state.input_grads.pop(op.compute)
+            transport.send(op, tensor, self._link("F" if forward else "B", self.pp_rank, op.peer), step)
+        elif kind is OpKind.PARAM_SYNC:
+            self.param_sync_func[op.chunk](model[op.chunk].parameters())
+        elif kind is OpKind.GRAD_SYNC:
+            self._enable_grad_sync()
+            self.grad_sync_func[op.chunk](model[op.chunk].parameters())
+            state.synced.add(op.chunk)
+            self._disable_grad_sync()
+        elif kind.is_shard:
+            self.sharding.run(op)
+        elif kind.is_host:
+            self._host_copy(step, op, state.inputs, state.outputs)
+
+    def _run_compute(self, step: int, op: Op, state: "_CallState", start: float, start_event):
+        """A forward or backward once its received tensor is ready: (wait seconds, compute seconds, CUDA events)."""
+        received = self.transport.wait_receive(
+            op, step, "receive of its input" if op.kind is OpKind.FORWARD else "receive of its output gradient")
+        ready, ready_event = self.clock.mark()
+        if op.kind is OpKind.FORWARD:
+            output, num_tokens = self._forward(step, op, received, state.forward_data_store)
+            state.total_num_tokens += num_tokens
+            if not self.forward_only:
+                state.inputs[op], state.outputs[op] = received, output
+            elif op in self.sent:
+                state.outputs[op] = output  # until its SEND; evaluation keeps nothing else
+        else:
+            self._backward(step, op, received, state)
+        end, end_event = self.clock.mark()
+        return ready - start, end - ready, (start_event, ready_event, end_event) if start_event is not None else None
+
+    def _backward(self, step: int, op: Op, received, state: "_CallState") -> None:
+        forward_op = F(op.chunk, op.microbatch)
+        if self.grad_sync_func is None and self.last_backward.get(op.chunk) == op:
+            self._enable_grad_sync()  # DDP hooks reduce this chunk's grads during its last backward
+            state.synced.add(op.chunk)
+        # Megatron's custom_backward expects the sent output already deallocated.
+        self.transport.drain_sends(step, only=forward_op)
+        host = self._host_placed(op)
+        if host:
+            self._host_step(step, op, lambda key: self.offloader.wait(key))
+        with self._recompute(op):  # the backward's replay takes the forward's path
+            grad = self.mcore.backward_step(state.inputs.pop(forward_op), state.outputs.pop(forward_op), received,
+                                            self.config)
+        if self.meter is not None:
+            self.meter.release((op.chunk, op.microbatch))
+        if host:
+            if self.host_meter is not None and self.host_meter is not self.meter:
+                self.host_meter.release((op.chunk, op.microbatch))
+            self.offloader.release((op.chunk, op.microbatch))
+        self._disable_grad_sync()
+        if grad is not None:
+            state.input_grads[op] = grad
+
+    def _finish(self, stats: RuntimeStats, state: "_CallState", embedding_module, begin: float) -> None:
+        """After the program: sends drained, the remaining gradient reductions launched (as Megatron does after its
+        cool-down), the model's gradients finalized, the timer stopped and the call's statistics filled in."""
+        mcore, config, model = self.mcore, self.config, self.model
         drain = time.perf_counter()
-        transport.drain_sends(len(self.program), block=True)
+        self.transport.drain_sends(len(self.program), block=True)
         stats.send_drain_s = time.perf_counter() - drain
-        transport.end_call()
-
+        self.transport.end_call()
         if self.sharding is not None:
             self.sharding.end()
-        # Launch any remaining gradient reductions, as Megatron does after its cool-down.
         self._enable_grad_sync()
         if self.grad_sync_func is not None:
             for chunk in range(self.vpp):
-                if chunk not in synced:
+                if chunk not in state.synced:
                     self.grad_sync_func[chunk](model[chunk].parameters())
         if config.finalize_model_grads_func is not None and not self.forward_only:
             mcore.finish_embedding_wgrad_compute(config, embedding_module, self.pp_rank == self.pp - 1, self.pg_collection.tp)
             finalize = time.perf_counter()
             config.finalize_model_grads_func(
-                model, total_num_tokens if config.calculate_per_token_loss else None,
+                model, state.total_num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
             stats.dp_sync_s = time.perf_counter() - finalize
         if self.timer_started:
@@ -453,7 +476,6 @@ class _Run:
             stats.peak_activation_bytes = int(self.meter.peak_bytes)
             stats.saved_bytes = {key: int(v) for key, v in self.meter.saved_bytes.items()}
             stats.output_bytes = {key: int(v) for key, v in self.meter.tracked_bytes.items()}
-        return forward_data_store
 
     def _recompute(self, op: Op):
         """The recompute switches of ``op``'s chunk-micro-batch; a plan without placement leaves Megatron's own
