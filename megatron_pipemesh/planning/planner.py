@@ -1,23 +1,23 @@
-"""Planner: choose forward/backward groups and a recomputation plan that fit a memory budget.
+"""Planner: choose forward/backward groups and where each activation is kept (on the device, recomputed or in host
+memory) so that the plan fits a memory budget.
 
-Search (each candidate is simulated with the same engine the runtime's plan is checked with):
-
-The pieces: the plan and its file form (:mod:`.plan`), the search's options (:mod:`.planner_options`), the
-recomputation knapsack (:mod:`.recompute_fit`), host placement (:mod:`.host_placement`); this module is the group
-search that uses them.
+This module is the group search; its pieces are the plan and its file form (:mod:`.plan`), the search's options
+(:mod:`.planner_options`), the recomputation knapsack (:mod:`.recompute_fit`) and host placement
+(:mod:`.host_placement`). Search (each candidate is simulated with the same engine the runtime's plan is checked
+with):
 
 * small spaces: every pair of valid group lists; otherwise
   forward groups = [f_1] + groups of p for the rest; backward groups = groups of p + [b_last]
   (the middle groups only need to be bubble-free, so p is the cheapest size: paper-notes §6);
   f_1 and b_last range over the multiples of p up to m (and m itself);
 * for a candidate whose peak memory exceeds the budget on some rank, pipeline-aware
-  recomputation is added as a knapsack (:func:`fit_with_recompute`): on each rank over budget,
+  recomputation is added as a knapsack (:func:`.recompute_fit.recompute_knapsack`): on each rank over budget,
   the chunk-micro-batches alive at that rank's peak are upgraded by bytes freed per second of
   recomputation (per chunk-micro-batch and level: selective module sets, full), those that wait
   longest between their forward and backward first among equals (early micro-batches on early
   ranks), until the rank fits; the extra backward time is part of the simulated time;
 * with ``activation_placement='auto'`` the chunk-micro-batches may also go to host memory
-  (:func:`fit_with_placement`): offloaded after their forward, reloaded before their backward, where
+  (:func:`.host_placement.fit_with_placement`): offloaded after their forward, reloaded before their backward, where
   the host link carries the bytes within the compute in between; host moves and recomputation
   compete by the same rule, bytes freed per second of added time;
 * the fastest candidate that fits on every rank wins (ties: less memory, less recompute).
