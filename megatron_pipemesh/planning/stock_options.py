@@ -18,15 +18,16 @@ What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerate
   qkv_linear core_attn attn_proj`` with ``--activation-offload-fraction`` 1/4 ... 1, alone or with
   selective recomputation (:class:`StockOffload` says how it is modelled);
 * ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes);
-* Megatron's *default command* (:func:`default_stock`): what a user runs without a sweep, 1F1B and the
+* Megatron's *default command* (:func:`.stock.default_stock`): what a user runs without a sweep, 1F1B and the
   interleaved schedule with the default group size g = p at every V, each with the first of none, selective,
   full block recomputation of the fewest layers that fits, no offloading; the best of those;
 * sharding (on request, :data:`STOCK_SHARDING`): one level for every chunk, the uniform levels Megatron
   offers: ``optim`` = ``--use-distributed-optimizer`` (ZeRO-1, Megatron's DDP buffers), and through
   Megatron-FSDP ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` (ZeRO-2) or
-  ``optim_grads_params`` (ZeRO-3), GPU only (:class:`MegatronFsdpSharding` says how they are modelled).
+  ``optim_grads_params`` (ZeRO-3), GPU only (:class:`.stock_memory.MegatronFsdpSharding` says how they are modelled).
 
 Megatron's ``num_microbatches_with_partial_activation_checkpoints`` is read by no layer in
+megatron-core 0.19.2, so stock has no per-micro-batch recomputation and none is offered here.
 
 Each setting is a frozen dataclass whose ``flags()`` are the exact Megatron flags (:func:`stock_flags`, the one
 rendering: a setting alone, or a whole row of ``pipemesh plan --megatron-args`` with its TP and layer split).
@@ -141,7 +142,7 @@ class StockOffload:
     or backward holds two layers' offloadable bytes more (the group in flight and the one being used);
     the host holds the offloaded bytes of every stored chunk-micro-batch (within the host memory limit);
     and the time is the schedule's own (copies overlap compute perfectly) or, if longer, the rank's host
-    link carrying every copy in one direction back to back (:meth:`OffloadModel.busy_s`)."""
+    link carrying every copy in one direction back to back (:meth:`.stock_memory.OffloadModel.busy_s`)."""
 
     fraction: float = 1.0
     """Share of the offload groups moved [--activation-offload-fraction]."""
