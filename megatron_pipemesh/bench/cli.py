@@ -10,7 +10,6 @@ Stand-alone: ``python -m megatron_pipemesh.bench [flags]`` or ``scripts/bench_sc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -21,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
 from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
+from .session import compact_row, log, print_results, run_all, summary_document  # noqa: F401 (compact_row: the JSON's rows)
 
 QUICK = dict(configs=["pp2xdp2"], repeats=1, warmup=1, iters=2, rate="250mbit", link_share=1.0,
              activation_budget_mb="auto:0.2", pin_cores=True, no_limit=True,
@@ -57,6 +57,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``pipemesh bench``, by group."""
+    _add_mode_args(p)
+    _add_run_args(p.add_argument_group("what to run"))
+    _add_network_args(p.add_argument_group("emulated network"))
+    _add_model_args(p.add_argument_group("model and batch"))
+    _add_pipemesh_args(p.add_argument_group("PipeMesh"))
+    _add_output_args(p.add_argument_group("output"))
+
+
+def _add_mode_args(p) -> None:
+    """--quick and --network-check: what the whole command does."""
     p.add_argument("--quick", action="store_true",
                    help="PP=2 x DP=2, V=4, m=4, 250 Mbit/s per rank, 1 repeat of 1 warm-up + 2 measured iterations "
                         "(about 4.5 minutes on an idle machine; with --sharding hidden 256, sequence 128 and a memory "
@@ -67,7 +78,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "100 and 400 Mbit/s, 8 and 32 MiB) against the simulator's fair-share network model, and print "
                         "both (about 2 minutes; exit 1 when a prediction is more than 10%% off). Takes --nic-queue, "
                         "--burst, --queue-ms, --json, --out-dir")
-    run = p.add_argument_group("what to run")
+
+
+def _add_run_args(run) -> None:
+    """The layouts, schedules, memory budget and repeats that are run."""
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",
                      help="parallel layouts, e.g. pp2 pp4 pp2xdp2 (default: pp2 pp4 pp2xdp2; --quick: pp2)")
     run.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES + SCHEDULE_ALIASES,
@@ -101,7 +115,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--iters", type=int, default=None, help="measured iterations per run (default 6)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed (default 600)")
     run.add_argument("--no-limit", action="store_true", help="skip the unshaped runs (no fraction of the limit)")
-    net = p.add_argument_group("emulated network")
+
+
+def _add_network_args(net) -> None:
+    """The emulated network the shaped runs see."""
     net.add_argument("--network", choices=NETWORKS, default=None,
                      help="'per-rank' (default): every rank in its own namespace behind its own NIC, shaped at --rate "
                           "each way, like one VM per rank on a switched network; 'shared': all ranks on one loopback "
@@ -119,7 +136,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--queue-ms", type=float, default=200.0, help="tbf latency (queue limit) in ms (default 200)")
     net.add_argument("--unshaped", action="store_true",
                      help="no namespace and no shaping (no root needed): only the plain-loopback runs")
-    model = p.add_argument_group("model and batch")
+
+
+def _add_model_args(model) -> None:
+    """The tiny GPT and its batch."""
     model.add_argument("--hidden-size", type=int, default=None, help="default 256 (--quick: 384; --quick --sharding: 256)")
     model.add_argument("--num-attention-heads", type=int, default=None, help="default 4 (--quick: 8; --quick --sharding: 4)")
     model.add_argument("--seq-length", type=int, default=None, help="default 128 (--quick: 64; --quick --sharding: 128)")
@@ -129,7 +149,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--vpp", type=int, default=None,
                        help="virtual chunks per rank of PipeMesh (default 2; --quick: 4); stock gets every V")
     model.add_argument("--layers-per-chunk", type=int, default=None, help="default 1")
-    pm = p.add_argument_group("PipeMesh")
+
+
+def _add_pipemesh_args(pm) -> None:
+    """PipeMesh's groups and what its planner and the predictions assume."""
     pm.add_argument("--forward-groups", type=int, nargs="+", default=None, metavar="G",
                     help="groups of the 'pipemesh' run (default: m-p then p, e.g. 6 2 for p=2, m=8)")
     pm.add_argument("--backward-groups", type=int, nargs="+", default=None, metavar="G",
@@ -146,7 +169,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                     help="fraction of the shaped rate one link gets, for the predictions, the plans and the "
                          "calibration (default 1; e.g. 0.5 with --network shared, where the two data-parallel rings "
                          "of PP=2 x DP=2 share one token bucket)")
-    out = p.add_argument_group("output")
+
+
+def _add_output_args(out) -> None:
+    """Where the results go."""
     out.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                      help="write the results as JSON to FILE (and print the table), or without FILE print JSON "
                           "instead of the table")
@@ -245,16 +271,46 @@ def check_sharding(args: argparse.Namespace, configs: Sequence[ParallelConfig]) 
 def resolve(args: argparse.Namespace) -> dict:
     """Validate the flags (UsageError on bad input) and fill in the --quick / default values."""
     _fill_defaults(args)
-    quick = args.quick
-    configs_text = args.configs or (QUICK["configs"] if quick else ["pp2", "pp4", "pp2xdp2"])
+    configs = _parse_configs(args)
+    repeats, warmup, iters = _run_counts(args)
+    _check_values(args, repeats, warmup, iters)
+    shaping = _resolve_shaping(args, configs)
+    model = ModelSetup(bench_gpt(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
+                                 args.layers_per_chunk), args.microbatches, args.vpp, int(warmup), int(iters))
+    budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding
+                 else parse_budget(args.activation_budget_mb))
+    families, sizes, groups = _resolve_schedules(args, configs)
+    return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
+            "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu,
+                                     activation_placement=args.activation_placement,
+                                     per_rank_network=shaping is None or shaping.per_rank), "families": families,
+            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
+            "link_share": args.link_share, "sharding": bool(args.sharding)}
+
+
+def _parse_configs(args: argparse.Namespace) -> List[ParallelConfig]:
+    """The parallel layouts of --configs (or --quick's / the default), checked against --sharding."""
+    configs_text = args.configs or (QUICK["configs"] if args.quick else ["pp2", "pp4", "pp2xdp2"])
     try:
         configs = [ParallelConfig.parse(c) for c in configs_text]
     except ValueError as error:
         raise UsageError(str(error)) from error
     check_sharding(args, configs)
+    return configs
+
+
+def _run_counts(args: argparse.Namespace) -> Tuple[float, float, float]:
+    """(repeats, warm-up iterations, measured iterations): the flags, or --quick's, or the defaults."""
+    quick = args.quick
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if quick else 3)
     warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if quick else 2)
     iters = args.iters if args.iters is not None else (QUICK["iters"] if quick else 6)
+    return repeats, warmup, iters
+
+
+def _check_values(args: argparse.Namespace, repeats, warmup, iters) -> None:
+    """Every number in range, the counts whole, the fractions at most 1, V >= 2 and the heads dividing the hidden
+    size; UsageError naming the flag otherwise."""
     for name, value, example, zero in (("--repeats", repeats, "3", False), ("--warmup", warmup, "2", True),
                                        ("--iters", iters, "6", False), ("--timeout", args.timeout, "600", False),
                                        ("--hidden-size", args.hidden_size, "256", False),
@@ -279,7 +335,11 @@ def resolve(args: argparse.Namespace) -> dict:
     if args.hidden_size % args.num_attention_heads:
         raise UsageError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                      f"{args.num_attention_heads}. Example: --hidden-size 256 --num-attention-heads 4")
-    rate_text = args.rate or (QUICK["rate"] if quick else DEFAULT_RATE)
+
+
+def _resolve_shaping(args: argparse.Namespace, configs: Sequence[ParallelConfig]):
+    """The network shaping of the shaped runs (None with --unshaped), checked against the layouts."""
+    rate_text = args.rate or (QUICK["rate"] if args.quick else DEFAULT_RATE)
     shaping = None
     if args.unshaped:
         if args.rate or args.delay_ms or args.network or args.nic_queue:
@@ -297,10 +357,13 @@ def resolve(args: argparse.Namespace) -> dict:
         if shaping.per_rank and too_big:
             raise UsageError(f"--configs {' '.join(too_big)} is invalid with --network per-rank: its /24 network holds "
                              f"{MAX_RANKS} ranks. Example: --network shared")
-    model = ModelSetup(bench_gpt(args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
-                                 args.layers_per_chunk), args.microbatches, args.vpp, int(warmup), int(iters))
-    budget_mb = (parse_budget(args.memory_budget_mb, "--memory-budget-mb") if args.sharding
-                 else parse_budget(args.activation_budget_mb))
+    return shaping
+
+
+def _resolve_schedules(args: argparse.Namespace, configs: Sequence[ParallelConfig]):
+    """(schedule families, stock group sizes per layout, PipeMesh groups per layout): the aliases depth-first /
+    breadth-first as interleaved group sizes, every size checked against what Megatron accepts, the PipeMesh groups
+    (given or default) validated."""
     families = [f for f in SCHEDULES if f in args.schedules]
     group_sizes = list(args.group_sizes) if args.group_sizes else None
     aliases = [a for a in SCHEDULE_ALIASES if a in args.schedules]
@@ -339,12 +402,7 @@ def resolve(args: argparse.Namespace) -> dict:
             except ScheduleConfigError as error:
                 raise UsageError(f"{config.name}: {error}") from error
             groups[(config.name, "pipemesh")] = (forward, backward)
-    return {"configs": configs, "repeats": int(repeats), "model": model, "shaping": shaping, "groups": groups,
-            "auto": AutoPlanSettings(device_tflops=args.device_tflops, mfu=args.mfu,
-                                     activation_placement=args.activation_placement,
-                                     per_rank_network=shaping is None or shaping.per_rank), "families": families,
-            "group_sizes": sizes, "stock_vpps": args.stock_vpp, "budget_mb": budget_mb,
-            "link_share": args.link_share, "sharding": bool(args.sharding)}
+    return families, sizes, groups
 
 
 def build_specs(setup: dict, config: ParallelConfig, gbps: float, plan_dir: str, cores: int):
@@ -392,44 +450,76 @@ def machine_description() -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .memory_fair import DISTRIBUTED_OPTIMIZER_FLAGS, STOCK_SHARDING_NOTE
-    from .netns import NamespaceError, ShapedNamespace
-    from .report import format_table, plot_summary, summarize
-    from .activation_meter import memory_per_rank, peak_per_rank
-    from .affinity import stage_cores
-    from .logparse import parse_log
-    from .runner import (RunResult, error_excerpt, launch_command, prepare_data, run_env, threads_per_rank,
-                         training_args)
-
     if args.network_check:
-        from .network_check import cmd_network_check
-
-        shaping = network_check_shaping(args)
-        _terminate_as_interrupt()
-        try:
-            return cmd_network_check(args, shaping)
-        except KeyboardInterrupt:
-            print("pipemesh bench --network-check: interrupted; the namespaces are removed", file=sys.stderr)
-            return 130
+        return _network_check(args)
     setup = resolve(args)
     if args.plot:
         require_matplotlib("--plot")  # before the runs, not after them
-    configs, model, shaping, repeats = setup["configs"], setup["model"], setup["shaping"], setup["repeats"]
+    configs, shaping, repeats = setup["configs"], setup["shaping"], setup["repeats"]
     machine = machine_description()
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-")
     os.makedirs(out_dir, exist_ok=True)
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     variants = ([True] if shaping else []) + ([] if (shaping and args.no_limit) else [False])
+    specs, budgets = _plan_rows(setup, machine, out_dir)
+    plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in specs[c.name] for v in variants]
+    _log_run_plan(args, setup, specs, plan, variants, machine, out_dir)
+    data_flags = _prepare_data(out_dir)
+    started = time.monotonic()
+    _terminate_as_interrupt()
+    results = run_all(args, setup, plan, data_flags, machine, out_dir)
+    if results is None:
+        return 130
+    document, summary = summary_document(args, setup, results, specs, budgets, machine, out_dir,
+                                         time.monotonic() - started)
+    print_results(args, setup, document, summary, machine, out_dir)
+    failed = sum(1 for r in results if r.returncode != 0)
+    return 1 if failed == len(results) else 0
+
+
+def _prepare_data(out_dir: str):
+    """The training data's flags: the shipped corpus tokenized under ``out_dir``/data."""
+    from .runner import prepare_data
+
+    try:
+        return prepare_data(os.path.join(out_dir, "data"))
+    except RuntimeError as error:
+        raise UsageError(str(error)) from error
+
+
+def _network_check(args: argparse.Namespace) -> int:
+    """``--network-check``: real gloo flows against the network model instead of training runs."""
+    from .network_check import cmd_network_check
+
+    shaping = network_check_shaping(args)
+    _terminate_as_interrupt()
+    try:
+        return cmd_network_check(args, shaping)
+    except KeyboardInterrupt:
+        print("pipemesh bench --network-check: interrupted; the namespaces are removed", file=sys.stderr)
+        return 130
+
+
+def _plan_rows(setup: dict, machine: dict, out_dir: str):
+    """(rows per layout, budget per layout): each layout's rows planned and predicted before anything runs, as the
+    log says."""
+    shaping = setup["shaping"]
     bandwidth_gbps = shaping.payload_bytes_per_s * 8 / 1e9 if shaping else 25.0
     specs, budgets = {}, {}
-    for config in configs:
+    for config in setup["configs"]:
         budgets[config.name], specs[config.name] = build_specs(setup, config, bandwidth_gbps, os.path.join(out_dir, "plans"),
                                                                machine["cores"])
         budget = budgets[config.name]
         log(f"{config.name}: {'memory (model state + activations)' if setup['sharding'] else 'activation'} budget per rank "
             + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none") + "; rows: "
             + "; ".join(f"{spec.name} [{spec.describe()}]" for spec in specs[config.name]))
-    plan = [(r, c, s, v) for r in range(repeats) for c in configs for s in specs[c.name] for v in variants]
+    return specs, budgets
+
+
+def _log_run_plan(args, setup: dict, specs: dict, plan: list, variants: list, machine: dict, out_dir: str) -> None:
+    """How many runs, over which network, and which layouts oversubscribe the cores."""
+    from .runner import threads_per_rank
+
+    configs, shaping, repeats = setup["configs"], setup["shaping"], setup["repeats"]
     log(f"pipemesh bench: {len(plan)} runs ({repeats} repeat(s) x {len(configs)} config(s) x "
         f"{' / '.join(str(len(specs[c.name])) for c in configs)} row(s) x {len(variants)} variant(s)); network: "
         f"{shaping.describe() if shaping else 'unshaped'}; logs in {out_dir}")
@@ -438,118 +528,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if over:
             log(f"note: {config.name} runs {config.world} ranks on {machine['cores']} cores: oversubscribed "
                 f"(1 thread per rank{', pinned per pipeline stage' if args.pin_cores else ''})")
-    try:
-        data_flags = prepare_data(os.path.join(out_dir, "data"))
-    except RuntimeError as error:
-        raise UsageError(str(error)) from error
-    results: List[RunResult] = []
-    started = time.monotonic()
-    namespace = ShapedNamespace(shaping, ranks=max(c.world for c in configs)) if shaping else None
-    _terminate_as_interrupt()
-    try:
-        if namespace:
-            try:
-                namespace.__enter__()
-            except NamespaceError as error:
-                raise UsageError(str(error)) from error
-        for index, (repeat, config, spec, shaped) in enumerate(plan, 1):
-            threads, _ = threads_per_rank(config.world, machine["cores"])
-            run_dir = os.path.join(out_dir, "runs")
-            train = training_args(model, config, spec, data_flags, run_dir)
-            prefix = namespace.prefix() if (shaped and namespace) else []
-            cmd = launch_command(config.world, train, prefix,
-                                 rank_namespaces=namespace.rank_namespaces if (shaped and namespace) else None,
-                                 master_port=29500 + index % 1000)  # a fresh port per run: no wait on TIME_WAIT
-            name = f"{config.name}-{spec.name}-{'shaped' if shaped else 'unshaped'}-r{repeat}"
-            cores = stage_cores(config.pp, config.dp, machine["cores"]) if args.pin_cores else None
-            code, wall, rss, text = _run_one(cmd, run_env(threads, cores=cores),
-                                             os.path.join(out_dir, "logs", name + ".log"), args.timeout)
-            parsed = parse_log(text)
-            error = "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}"
-            results.append(RunResult(config=config.name, schedule=spec.name, shaped=shaped, repeat=repeat, returncode=code,
-                                     wall_s=wall, log_path=os.path.join(out_dir, "logs", name + ".log"), parsed=parsed,
-                                     peak_rss_mb=rss, error=error, activation_peak_bytes=peak_per_rank(text, config.world),
-                                     **dict(zip(("model_state_bytes", "peak_memory_bytes"),
-                                                memory_per_rank(text, config.world)))))
-            measured = parsed.measured(model.warmup_iters)
-            ms = sorted(it.elapsed_ms for it in measured)
-            med = ms[len(ms) // 2] if ms else float("nan")
-            log(f"[{index}/{len(plan)}] {name}: " + (f"{med:.0f} ms/iteration, {wall:.0f} s" if code == 0
-                                                    else f"FAILED ({error.splitlines()[0] if error else code})"))
-    except KeyboardInterrupt:
-        log("pipemesh bench: interrupted; the namespace is being removed")
-        return 130
-    finally:
-        if namespace:
-            namespace.close()
-    summary = summarize(results, model, configs, specs, budgets,
-                        shaping.payload_bytes_per_s if shaping else None, (shaping.delay_ms / 1e3) if shaping else 0.0,
-                        args.link_share, setup["sharding"], setup["auto"].per_rank_network)
-    for entry in summary:
-        threads, over = threads_per_rank(entry["world"], machine["cores"])
-        entry.update({"threads_per_rank": threads, "oversubscribed": over, "cores": machine["cores"],
-                      "pinned": bool(args.pin_cores)})
-    shaping_desc = shaping.describe() if shaping else "none (--unshaped)"
-    document = {
-        "machine": machine, "network": {"shaped": bool(shaping), "rate_mbit": shaping.rate_mbit if shaping else None,
-                                        "delay_ms": shaping.delay_ms if shaping else 0.0,
-                                        "topology": (("per-rank" if shaping.per_rank else "shared") if shaping
-                                                     else None),
-                                        "nic_queue": shaping.nic_queue if shaping else None,
-                                        "burst_bytes": shaping.burst_bytes if shaping else None},
-        "model": {**model.to_dict(), "tokens_per_iteration": {c.name: model.tokens_per_iteration(c.dp) for c in configs}},
-        "sharding": ({"stock": STOCK_SHARDING_NOTE, "flags": list(DISTRIBUTED_OPTIMIZER_FLAGS)}
-                     if setup["sharding"] else None),
-        "repeats": repeats, "wall_s": time.monotonic() - started, "out_dir": out_dir, "configs": summary,
-        "rows": [compact_row(entry, row) for entry in summary for row in entry["schedules"]],
-    }
-    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=1)
-    if args.plot:
-        plot_summary(summary, args.plot, shaping_desc)
-    if args.json and args.json != "-":
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-    if args.json == "-":
-        print(json.dumps(document, indent=1))
-    else:
-        print(f"machine: {machine['cores']} cores, {machine['memory_gb']} GiB, {machine['backend']}, torch {machine['torch']}; "
-              f"model: hidden {model.chunk.hidden_size}, seq {model.chunk.seq_length}, micro-batch "
-              f"{model.chunk.micro_batch_size}, m {model.microbatches}, V {model.vpp}, {model.chunk.num_layers} layer(s) "
-              "per chunk; "
-              f"{model.warmup_iters} warm-up + {model.measured_iters} measured iterations, {repeats} repeat(s); "
-              f"wall {document['wall_s']:.0f} s")
-        print(format_table(summary, shaping_desc))
-        if args.plot:
-            print(f"wrote chart: {args.plot}")
-        print(f"logs and summary.json: {out_dir}")
-    failed = sum(1 for r in results if r.returncode != 0)
-    return 1 if failed == len(results) else 0
-
-
-COMPACT_KEYS = ("name", "default", "fits", "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
-                "tokens_per_s_spread", "tokens_per_s_runs", "stock_flags", "setting", "groups",
-                "recomputed_chunk_microbatches")
-SHARDING_KEYS = ("sharding", "model_state_bytes", "peak_memory_bytes", "predicted_model_state_bytes",
-                 "predicted_peak_memory_bytes")
-"""Row keys added with ``--sharding``: levels per chunk, measured model state and peak of state + activations
-per rank, and their predictions."""
-
-
-def compact_row(entry: dict, row: dict) -> dict:
-    """One schedule row of the JSON's flat ``rows`` list: the keys above (``default``: a row of Megatron's default
-    command), its configuration and budget, and for PipeMesh rows ``ratio_to_best_stock`` and
-    ``ratio_to_best_default`` (to the configuration's fastest stock row, and fastest default row, that fits); with
-    ``--sharding`` also :data:`SHARDING_KEYS` and the memory budget."""
-    out = {"config": entry["config"], "activation_budget_bytes": entry.get("activation_budget_bytes"),
-           **{k: row.get(k) for k in COMPACT_KEYS}}
-    if entry.get("sharding"):
-        out.update({"memory_budget_bytes": entry.get("memory_budget_bytes"), **{k: row.get(k) for k in SHARDING_KEYS}})
-    if not row["stock"]:
-        for key in ("best_stock", "best_default"):
-            out[f"ratio_to_{key}"] = row.get(f"ratio_to_{key}")
-            out[key] = entry.get(key)
-    return out
 
 
 def _terminate_as_interrupt() -> None:
@@ -563,12 +541,6 @@ def _terminate_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
-
-
-def _run_one(cmd, env, log_path, timeout):
-    from .runner import run_once
-
-    return run_once(cmd, env, log_path, timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:

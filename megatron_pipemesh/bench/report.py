@@ -239,79 +239,115 @@ def _mib(values) -> str:
 
 
 def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
+    """The bench's table: per layout its heading, one line per row, the best rows and ratios, the simulator's
+    calibration; then what the columns mean."""
     lines = []
     sharded = any(entry.get("sharding") for entry in summary)
     for entry in summary:
-        budget = entry.get("memory_budget_bytes" if entry.get("sharding") else "activation_budget_bytes")
-        lines.append(f"## {entry['config']} (PP={entry['pp']}, DP={entry['dp']}, {entry['world']} ranks); shaped: "
-                     f"{shaping_desc}; {'memory (model state + activations)' if entry.get('sharding') else 'activation'} "
-                     f"budget per rank: " + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none"))
-        if entry.get("stock_sharding"):
-            lines.append(f"   note: {entry['stock_sharding']}")
-        if entry.get("oversubscribed"):
-            lines.append(f"   note: {entry['world']} ranks on {entry.get('cores')} cores: oversubscribed "
-                         f"(1 thread per rank{'; ranks pinned to the core of their pipeline stage' if entry.get('pinned') else ''}; "
-                         "compute times are inflated and noisy)")
-        memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
-                  else "")
+        lines += _entry_heading(entry, shaping_desc)
         width = max([17] + [len(row["name"]) + bool(row.get("default")) for row in entry["schedules"]])  # with its mark
-        header = (f"{'schedule':<{width}} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
-                  f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
-        lines.append(header)
-        lines.append("-" * len(header))
-        for row in entry["schedules"]:
-            s, u = row["shaped"] or {}, row["unshaped"] or {}
-            main = s if s.get("runs") else u
-            predicted = row.get("predicted_peak_activation_bytes")
-            peaks = f"{_mib(row.get('peak_activation_bytes'))} ({_mib(predicted)})"
-            if entry.get("sharding"):
-                total = f"{_mib(row.get('peak_memory_bytes'))} ({_mib(row.get('predicted_peak_memory_bytes'))})"
-                state = f"{_mib(row.get('model_state_bytes'))} ({_mib(row.get('predicted_model_state_bytes'))})"
-                peaks = f"{total:<35} {state:<35} {peaks}"
-            lines.append(
-                f"{row['name'] + ('*' if row.get('default') else ''):<{width}} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
-                f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
-                f"{_fmt(main.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
-                f"{_fmt(100 * row['comm_share'] if row.get('comm_share') is not None else None, '.0f'):>6}  "
-                f"{peaks:<30} {_ranks(main.get('idle_ms')):<17} {row['setting']}")
-            for variant in ("shaped", "unshaped"):
-                v = row.get(variant) or {}
-                if v.get("failed_runs"):
-                    lines.append(f"   {variant}: {v['failed_runs']} run(s) failed" + (f": {v['errors'][0]}" if v.get("errors") else ""))
-        for key, what in (("best_stock", "best stock"), ("best_default", "best default command")):
-            best = entry.get(key)
-            if best:
-                ratios = ", ".join(f"{r['name']} {_fmt(r.get(f'ratio_to_{key}'), '.3f')}"
-                                   for r in entry["schedules"] if not r["stock"])
-                lines.append(f"{what} (fastest that fits): {best} [{entry.get(f'{key}_setting')}]; "
-                             f"PipeMesh / {what}: {ratios}")
-            else:
-                lines.append(f"{what}: no such row fits the budget")
-        for variant in ("shaped", "unshaped"):
-            ratios = entry.get(f"pipemesh_vs_best_stock_{variant}") or {}
-            top = entry.get(f"best_stock_{variant}")
-            if top and ratios and any(r.get("shaped") for r in entry["schedules"]) and \
-                    any(r.get("unshaped") for r in entry["schedules"]):
-                parts = ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in ratios.items())
-                lines.append(f"   {variant}: best stock {top}; PipeMesh / best stock: {parts}")
-        cal = [(row["name"], row.get("calibration") or {}) for row in entry["schedules"]]
-        if any(c for _, c in cal):
-            fitted = entry.get("fitted_transfer_overhead_ms")
-            lines.append("simulator calibration (measured costs -> simulate): predicted vs measured iteration ms"
-                         + (f"; per-transfer overhead {fitted:.2f} ms fitted on the "
-                            f"{entry.get('overhead_fitted_variant', 'unshaped')} {entry.get('overhead_fitted_on')} run"
-                            if fitted is not None else ""))
-            for name, c in cal:
-                parts = []
-                for variant in ("shaped", "unshaped"):
-                    if variant in c:
-                        x = c[variant]
-                        parts.append(f"{variant} {x['iteration_ms']:.0f} vs {x['measured_iteration_ms']:.0f} "
-                                     f"({100 * x['error']:+.1f}%)")
-                if c.get("error"):
-                    parts.append(c["error"])
-                lines.append(f"   {name:<{width}} " + "; ".join(parts))
+        lines += _row_lines(entry, width)
+        lines += _best_lines(entry)
+        lines += _calibration_lines(entry, width)
         lines.append("")
+    lines.append(_legend(sharded))
+    return "\n".join(lines)
+
+
+def _entry_heading(entry: dict, shaping_desc: str) -> List[str]:
+    """A layout's title (its budget) and its notes."""
+    lines = []
+    budget = entry.get("memory_budget_bytes" if entry.get("sharding") else "activation_budget_bytes")
+    lines.append(f"## {entry['config']} (PP={entry['pp']}, DP={entry['dp']}, {entry['world']} ranks); shaped: "
+                 f"{shaping_desc}; {'memory (model state + activations)' if entry.get('sharding') else 'activation'} "
+                 f"budget per rank: " + (f"{budget / 2 ** 20:.2f} MiB" if budget is not None else "none"))
+    if entry.get("stock_sharding"):
+        lines.append(f"   note: {entry['stock_sharding']}")
+    if entry.get("oversubscribed"):
+        lines.append(f"   note: {entry['world']} ranks on {entry.get('cores')} cores: oversubscribed "
+                     f"(1 thread per rank{'; ranks pinned to the core of their pipeline stage' if entry.get('pinned') else ''}; "
+                     "compute times are inflated and noisy)")
+    return lines
+
+
+def _row_lines(entry: dict, width: int) -> List[str]:
+    """The column header and one line per row (with its failed runs)."""
+    lines = []
+    memory = (f"{'state+act peak MiB/rank (pred.)':<35} {'state MiB/rank (pred.)':<35} " if entry.get("sharding")
+              else "")
+    header = (f"{'schedule':<{width}} {'fits':<4} {'tok/s':>7} {'spread':>6} {'iter ms':>8} {'unsh tok/s':>10} "
+              f"{'comm %':>6}  {memory}{'act. peak MiB/rank (pred.)':<30} {'idle ms per rank':<17} setting")
+    lines.append(header)
+    lines.append("-" * len(header))
+    for row in entry["schedules"]:
+        s, u = row["shaped"] or {}, row["unshaped"] or {}
+        main = s if s.get("runs") else u
+        predicted = row.get("predicted_peak_activation_bytes")
+        peaks = f"{_mib(row.get('peak_activation_bytes'))} ({_mib(predicted)})"
+        if entry.get("sharding"):
+            total = f"{_mib(row.get('peak_memory_bytes'))} ({_mib(row.get('predicted_peak_memory_bytes'))})"
+            state = f"{_mib(row.get('model_state_bytes'))} ({_mib(row.get('predicted_model_state_bytes'))})"
+            peaks = f"{total:<35} {state:<35} {peaks}"
+        lines.append(
+            f"{row['name'] + ('*' if row.get('default') else ''):<{width}} {'yes' if row['fits'] else 'NO':<4} {_fmt(row.get('tokens_per_s'), '.0f'):>7} "
+            f"{_fmt(100 * row['tokens_per_s_spread'] if row.get('tokens_per_s_spread') is not None else None, '.1f'):>5}% "
+            f"{_fmt(main.get('iteration_ms_median'), '.0f'):>8} {_fmt(u.get('tokens_per_s_median'), '.0f'):>10} "
+            f"{_fmt(100 * row['comm_share'] if row.get('comm_share') is not None else None, '.0f'):>6}  "
+            f"{peaks:<30} {_ranks(main.get('idle_ms')):<17} {row['setting']}")
+        for variant in ("shaped", "unshaped"):
+            v = row.get(variant) or {}
+            if v.get("failed_runs"):
+                lines.append(f"   {variant}: {v['failed_runs']} run(s) failed" + (f": {v['errors'][0]}" if v.get("errors") else ""))
+    return lines
+
+
+def _best_lines(entry: dict) -> List[str]:
+    """The best stock and best default rows, and PipeMesh's ratio to each, shaped and unshaped."""
+    lines = []
+    for key, what in (("best_stock", "best stock"), ("best_default", "best default command")):
+        best = entry.get(key)
+        if best:
+            ratios = ", ".join(f"{r['name']} {_fmt(r.get(f'ratio_to_{key}'), '.3f')}"
+                               for r in entry["schedules"] if not r["stock"])
+            lines.append(f"{what} (fastest that fits): {best} [{entry.get(f'{key}_setting')}]; "
+                         f"PipeMesh / {what}: {ratios}")
+        else:
+            lines.append(f"{what}: no such row fits the budget")
+    for variant in ("shaped", "unshaped"):
+        ratios = entry.get(f"pipemesh_vs_best_stock_{variant}") or {}
+        top = entry.get(f"best_stock_{variant}")
+        if top and ratios and any(r.get("shaped") for r in entry["schedules"]) and \
+                any(r.get("unshaped") for r in entry["schedules"]):
+            parts = ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in ratios.items())
+            lines.append(f"   {variant}: best stock {top}; PipeMesh / best stock: {parts}")
+    return lines
+
+
+def _calibration_lines(entry: dict, width: int) -> List[str]:
+    """The simulator's predicted vs measured iteration time per row (none without a calibration)."""
+    lines: List[str] = []
+    cal = [(row["name"], row.get("calibration") or {}) for row in entry["schedules"]]
+    if any(c for _, c in cal):
+        fitted = entry.get("fitted_transfer_overhead_ms")
+        lines.append("simulator calibration (measured costs -> simulate): predicted vs measured iteration ms"
+                     + (f"; per-transfer overhead {fitted:.2f} ms fitted on the "
+                        f"{entry.get('overhead_fitted_variant', 'unshaped')} {entry.get('overhead_fitted_on')} run"
+                        if fitted is not None else ""))
+        for name, c in cal:
+            parts = []
+            for variant in ("shaped", "unshaped"):
+                if variant in c:
+                    x = c[variant]
+                    parts.append(f"{variant} {x['iteration_ms']:.0f} vs {x['measured_iteration_ms']:.0f} "
+                                 f"({100 * x['error']:+.1f}%)")
+            if c.get("error"):
+                parts.append(c["error"])
+            lines.append(f"   {name:<{width}} " + "; ".join(parts))
+    return lines
+
+
+def _legend(sharded: bool) -> str:
+    """What the columns mean."""
     fits_text = ("fits: every rank's measured peak of model state (weights + gradients + optimizer state, with "
                  "gathered ZeRO-3 weights, ZeRO-2/3 gradient buffers and the optimizer step's whole buffers) + "
                  "activations within the memory budget (--sharding: every row runs Megatron's distributed optimizer "
@@ -319,12 +355,11 @@ def format_table(summary: Sequence[dict], shaping_desc: str) -> str:
                  "schedule ran" if sharded else
                  "fits: every rank's measured peak activation bytes (activation meter: saved-for-backward tensors on "
                  "CPU, the CUDA allocator on GPU) within the budget")
-    lines.append(fits_text + "; a row that does not fit never counts as best. *: Megatron's default command (1F1B, "
-                 "or interleaved with g = p; the first of none / selective / full block k predicted to fit). "
-                 "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
-                 "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
-                 "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")
-    return "\n".join(lines)
+    return (fits_text + "; a row that does not fit never counts as best. *: Megatron's default command (1F1B, "
+            "or interleaved with g = p; the first of none / selective / full block k predicted to fit). "
+            "tok/s: median over repeats (shaped when measured); spread: (max-min)/median over repeats; iter ms: "
+            "median over measured iterations; comm %: 1 - unshaped/shaped iteration time; idle = forward-backward "
+            "- (forward-compute + backward-compute) per rank (Megatron timers); pred.: the memory model's peak.")
 
 
 def plot_summary(summary: Sequence[dict], path: str, shaping_desc: str) -> None:
