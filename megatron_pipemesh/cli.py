@@ -17,9 +17,9 @@ from .cli_common import UsageError, check_number, positive_int, require_matplotl
 from .config import add_cli_arguments
 from .planning.layout import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplit,
                               LayoutError)
-from .planning.costs import (DEFAULT_HOST_LINK_GBPS, GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, OpCosts,
-                             analytic_costs, planning_levels)
-from .planning.memory import MEMORY_MARGIN
+from .planning.clusters import PLANNING_CLUSTER, flat_cluster
+from .planning.costs import GB, REDUCE_SCATTER_STEPS, ModelSpec, OpCosts, analytic_costs, planning_levels
+from .planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN
 from .planning.planner import PlannerOptions
 from .planning.simulator import simulate
 from .schedule.config import ScheduleConfig
@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> ScheduleConfig:
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
-    d_model, d_cluster = ModelSpec(), ClusterSpec()
+    d_model, d_cluster = ModelSpec(), PLANNING_CLUSTER
     model = parser.add_argument_group("model (analytic costs)")
     model.add_argument("--num-layers", type=positive_int, default=d_model.num_layers)
     model.add_argument("--hidden-size", type=positive_int, default=d_model.hidden_size)
@@ -118,7 +118,7 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def costs_from_args(args: argparse.Namespace, config: ScheduleConfig) -> OpCosts:
-    planning = ClusterSpec()
+    planning = PLANNING_CLUSTER
     for flag, example, positive in (("forward_ms", "10", True), ("backward_ms", "20", True), ("p2p_ms", "1", False),
                                     ("dp_reduce_ms", "5", False), ("dp_gather_ms", "5", False), ("activation_mb", "64", False),
                                     ("device_tflops", f"{planning.device_tflops:g}", True),
@@ -149,9 +149,11 @@ def model_cluster_from_args(args: argparse.Namespace):
     model = ModelSpec(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.micro_batch_size,
                       args.vocab_size, args.ffn_hidden_size, 4 if args.dtype == "fp32" else 2,
                       layer_split=split_from_args(args))
-    cluster = ClusterSpec(args.tp, args.dp, args.device_tflops, args.mfu, args.device_memory_gb, args.dp_gbps,
-                          args.p2p_gbps, args.latency_us, args.sequence_parallel, not args.no_distributed_optimizer,
-                          host_link_gbps=_host_link_gbps(args), collectives=args.collectives)
+    cluster = flat_cluster(tp=args.tp, dp=args.dp, device_tflops=args.device_tflops, mfu=args.mfu,
+                           device_memory_gb=args.device_memory_gb, dp_gbps=args.dp_gbps, p2p_gbps=args.p2p_gbps,
+                           latency_us=args.latency_us, sequence_parallel=args.sequence_parallel,
+                           distributed_optimizer=not args.no_distributed_optimizer, host_link_gbps=args.host_link_gbps,
+                           collectives=args.collectives)
     return model, cluster
 
 

@@ -24,12 +24,12 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .cli_common import nonnegative_number, positive_int, positive_number
-from .planning.costs import DEFAULT_HOST_LINK_GBPS, ClusterSpec
-from .planning.memory import MEMORY_MARGIN
+from .planning.clusters import PLANNING_CLUSTER
+from .planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN
 from .schedule.plan import SHARD_SCOPES
 from .schedule.spans import SHARD_LEVELS
 
-_PLANNING = ClusterSpec()
+_PLANNING = PLANNING_CLUSTER
 """The analytic cost model's defaults, which the cost flags share."""
 _MARGIN = round(100 * MEMORY_MARGIN)
 

@@ -16,18 +16,17 @@ of ``--pipemesh-host-memory-gb``).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..planning.memory import MEMORY_MARGIN
-from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
-from ..planning.devices import find_device
+from ..planning.clusters import flat_cluster
+from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN, MFU
+from ..planning.costs import GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
+from ..planning.devices import DeviceRate, find_device
 from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
+from ..runtime.cpu_rate import measured_cpu_tflops
 from ..schedule.plan import RunPlan, RunPlanError
 from .measured import Replanning
 
@@ -160,51 +159,22 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None)
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
                       dropout_mask_bytes=1 if _on_cuda() else None, layer_split=layer_split(args),
                       **layer_spec_fields(args))
-    cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
-                          mfu=rate.mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
-                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                          distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                          host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
-                          host_copies_on_compute=not _on_cuda(), collectives=collectives(args))
-    if getattr(args, "pipemesh_ranks_per_node", None):  # the node scope's nodes (resolved by check_sharding_args)
-        cluster = dataclasses.replace(cluster, devices_per_node=args.pipemesh_ranks_per_node)
+    cluster = flat_cluster(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
+                           mfu=rate.mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
+                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                           host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None),
+                           host_copies_on_compute=not _on_cuda(), collectives=collectives(args),
+                           # the node scope's nodes (resolved by check_sharding_args)
+                           devices_per_node=getattr(args, "pipemesh_ranks_per_node", None))
     return model, cluster
-
-
-@dataclass(frozen=True)
-class DeviceRate:
-    """The compute rate the analytic costs assume, and where it came from."""
-
-    tflops: float
-    """TFLOP/s of one device."""
-    mfu: float
-    """Fraction of it the layers reach (1 for a measured rate, which is already an achieved one)."""
-    source: str = ""
-    """Said in the plan line when the rate was measured here ('' for a given or known peak)."""
-    rank_local: bool = False
-    """Measured by this rank: the ranks agree on the slowest at the first call."""
-
-
-@functools.lru_cache(maxsize=1)
-def measured_cpu_tflops(size: int = 512, repeats: int = 8) -> float:
-    """Achieved fp32 matmul rate of this process's CPU threads (TFLOP/s), measured once per process."""
-    import time
-
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mm(a, b)
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def device_rate(args, what: str) -> DeviceRate:
     """``--pipemesh-device-tflops``, else the known peak of this GPU, else (without CUDA) the CPU's measured matmul
     rate; a GPU of unknown peak is a ValueError naming the flag."""
     given = getattr(args, "pipemesh_device_tflops", None)
-    mfu = getattr(args, "pipemesh_mfu", None) or ClusterSpec.mfu
+    mfu = getattr(args, "pipemesh_mfu", None) or MFU
     if given:
         return DeviceRate(given, mfu)
     peak = _device_defaults(args)[0]
@@ -212,7 +182,7 @@ def device_rate(args, what: str) -> DeviceRate:
         return DeviceRate(peak, mfu)
     if not _on_cuda():
         rate = measured_cpu_tflops()
-        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", rank_local=True)
+        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", given=False, rank_local=True)
     raise ValueError(f"{what} needs --pipemesh-device-tflops: the peak 16-bit TFLOP/s of this GPU is not known here. "
                      "Example: --pipemesh-device-tflops 312")
 

@@ -18,23 +18,13 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+from ..planning.clusters import MEASURED_TIME_FIELDS, with_measured_times
 from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from ..planning.planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan
 
-TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s", "dp_gather_s")
-
-
-def with_measured_times(costs: OpCosts, measured: Dict[str, float]) -> OpCosts:
-    """Analytic memory terms, measured times (recompute cost scaled by the measured/analytic forward)."""
-    scale = measured["forward_s"] / costs.forward_s if costs.forward_s else 1.0
-    recompute = {level: value * scale for level, value in costs.recompute_s.items()}
-    # An uneven split's stages scale the measured chunk (the slowest middle one, as the analytic chunk is the largest).
-    stages = tuple(dataclasses.replace(stage, recompute_s={level: value * scale for level, value in stage.recompute_s.items()})
-                   for stage in costs.stages)
-    return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0, stages=stages,
-                               **{key: float(measured[key]) for key in TIME_FIELDS})
+TIME_FIELDS = MEASURED_TIME_FIELDS
 
 
 def load_profile(path: str) -> Dict[str, float]:

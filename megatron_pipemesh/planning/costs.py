@@ -45,16 +45,13 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import FinalCollective
+from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
 from .layout import LayerSplit
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 from .topology import GBIT, Topology, topology
 
 GB = 1024 ** 3
 
-DEFAULT_HOST_LINK_GBPS = 200.0
-"""Device-host copy bandwidth per rank and direction (Gbit/s) when nothing is measured: PCIe 4.0 x16
-moves 31.5 GB/s raw per direction (16 GT/s x 16 lanes x 128/130); pinned-memory cudaMemcpyAsync reaches
-about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 Gbit/s."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ class ClusterSpec:
     """Data-parallel size d."""
     device_tflops: float = 312.0
     """Peak dense TFLOP/s of one device in the compute dtype."""
-    mfu: float = 0.45
+    mfu: float = MFU
     """Fraction of peak actually reached by the layers."""
     device_memory_gb: float = 80.0
     """Memory per device (GiB)."""
