@@ -31,6 +31,13 @@ PREDICTION_KEYS = ("predicted_iteration_time_s", "idle_fraction", "exposed_comm_
 """The planner's prediction in a plan file, in file order (the first eight precede the placement)."""
 
 
+def megatron_groups(pp: int, microbatches: int, group_size: Optional[int] = None) -> Tuple[int, ...]:
+    """The groups Megatron runs with ``--microbatch-group-size-per-virtual-pipeline-stage group_size`` (p where it is
+    not given or outside [p, m]), in either direction."""
+    size = group_size if group_size and pp <= group_size <= microbatches else pp
+    return tuple(uniform_groups(microbatches, size))
+
+
 class RunPlanError(ValueError):
     """An inconsistent plan; the message says what is wrong and how to make a valid one."""
 
@@ -125,8 +132,7 @@ class RunPlan:
                                           f"{FORWARD_FLAG} {microbatches} {BACKWARD_FLAG} {microbatches}")
             config = None
         if config is None:
-            size = group_size if group_size and pp <= group_size <= microbatches else pp
-            groups = tuple(uniform_groups(microbatches, size))
+            groups = megatron_groups(pp, microbatches, group_size)
             return ScheduleConfig(pp, vpp, microbatches, groups, groups)
         return config
 
