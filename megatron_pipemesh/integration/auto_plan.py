@@ -28,6 +28,7 @@ from ..planning.costs import GB, ClusterSpec, ModelSpec
 from ..planning.devices import DeviceRate, find_device
 from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions
+from ..planning.planner_options import RECOMPUTE_ONLY
 from ..planning.request import (AUTO, GROUPS, PLACED_GROUPS, PLAN_FILE, SHARDING_AUTO, LoweringSettings,
                                 PlanRequest)
 from ..planning.resolve import Resolution, load_plan_file, resolve
@@ -35,9 +36,6 @@ from ..runtime.cpu_rate import measured_cpu_tflops
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan
 from .measured import Replanning
-
-RECOMPUTE_ONLY = PlannerOptions.activation_placement
-"""The default placement mode: recomputation is the only memory lever."""
 
 
 def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:

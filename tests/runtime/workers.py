@@ -303,7 +303,7 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
 
     best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget, PlannerOptions(activation_placement=placement))
     schedule = make_pipemesh(best.config.forward_groups, best.config.backward_groups,
-                             recompute={k: v for k, v in best.recompute.items() if v != "none"}, measure_memory=True)
+                             recompute={k: v for k, v in best.placement.items() if v != "none"}, measure_memory=True)
     planned = h.run_schedule(schedule, model, spec, microbatches)
     mine = best.result.ranks[dist.get_rank() % pp]
     return {"plain": plain, "planned": planned, "budget": budget, "unplanned_model_peak": unplanned,
@@ -312,6 +312,6 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
             "measured_host_peak": schedule.last_stats.peak_host_bytes,
             "predicted_block_peak": mine.peak_pinned_bytes, "measured_block_peak": schedule.last_stats.peak_block_bytes,
             "plain_measured_peak": plain_peak,
-            "recomputed": sum(1 for v in best.recompute.values() if v not in ("none", "host")),
-            "hosted": sum(1 for v in best.recompute.values() if v == "host"),
+            "recomputed": sum(1 for v in best.placement.values() if v not in ("none", "host")),
+            "hosted": sum(1 for v in best.placement.values() if v == "host"),
             "groups": (best.config.forward_groups, best.config.backward_groups)}
