@@ -1,6 +1,6 @@
 """The ``pipemesh bench`` subcommand: stock Megatron schedules vs PipeMesh, measured side by side.
 
-Hook (in ``megatron_pipemesh/cli.py``'s ``build_parser``)::
+Hook (in ``megatron_pipemesh/cli/parser.py``'s ``build_parser``)::
 
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from ..cli.common import UsageError, check_number, parse_number, require_matplotlib, run_command
 from ..planning.defaults import MFU
 from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
