@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
+from ..schedule.lower import check_lookahead
 from ..schedule.plan import SHARD_SCOPES
 from ..schedule.spans import SHARD_LEVELS
 from .clusters import costs_for
@@ -41,9 +42,11 @@ class LoweringSettings:
     """Ranks a ZeRO-2/3 shard spans (:data:`~..schedule.plan.SHARD_SCOPES`)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recv_lookahead, int) or self.recv_lookahead < 0:
-            raise ValueError(f"--pipemesh-recv-lookahead {self.recv_lookahead} is invalid: it must be >= 0. Example: "
-                             "--pipemesh-recv-lookahead 1")
+        try:
+            check_lookahead("recv_lookahead", self.recv_lookahead)
+        except ValueError as error:
+            raise ValueError(f"--pipemesh-recv-lookahead {self.recv_lookahead} is invalid: {error}. Example: "
+                             "--pipemesh-recv-lookahead 1") from error
         if self.sharding != SHARDING_AUTO:
             object.__setattr__(self, "sharding", tuple(self.sharding))
             unknown = [level for level in self.sharding if level not in SHARD_LEVELS]

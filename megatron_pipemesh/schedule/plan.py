@@ -16,7 +16,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
 from .levers import BASIC_LEVERS, HOST, SELECTIVE_MODULES, Lever, runtime_lever
-from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
+from .lower import (DEFAULT_RELOAD_LOOKAHEAD, LOOKAHEAD_LEAST, LoweredSchedule, LoweringOptions, check_lookahead,
+                    host_placement_of, lower)
 from .spans import SHARD_LEVELS
 
 Key = Tuple[int, int, int]
@@ -100,10 +101,8 @@ class RunPlan:
             raise RunPlanError(f"sharding gives {len(self.sharding)} levels for {config.vpp} virtual chunks (one per chunk)")
         if self.shard_scope not in SHARD_SCOPES:
             raise RunPlanError(f"shard scope {self.shard_scope!r}: use one of {', '.join(SHARD_SCOPES)}")
-        for name, least in (("recv_lookahead", 0), ("reload_lookahead", 1), ("gather_lookahead", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise RunPlanError(f"{name} {value!r} must be an integer >= {least} (compute ops)")
+        for name in LOOKAHEAD_LEAST:
+            check_lookahead(name, getattr(self, name), RunPlanError)
 
     # What the plan holds ------------------------------------------------------------------------
     @property
