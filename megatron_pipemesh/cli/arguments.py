@@ -13,6 +13,7 @@ from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN
 from ..planning.layout import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, LayerSplit,
                                LayoutError)
 from ..planning.planner import PlannerOptions
+from ..planning.request import AUTO, LoweringSettings, PlanRequest
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS, CATEGORIES
 from .common import UsageError, check_number, positive_int
@@ -209,3 +210,19 @@ def budget_bytes(args: argparse.Namespace) -> float:
         raise UsageError("--memory-budget-gb is required with direct costs (--forward-ms ...): there is no device "
                          "description to derive it from. Example: --memory-budget-gb 20")
     return args.device_memory_gb * GB * (1 - MEMORY_MARGIN)
+
+
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    """The ``pipemesh plan`` surface's adapter: its flags as the planner's :class:`PlanRequest` (checked in the
+    order a user fixes them: the sizes, the budget, the sharding, then the costs)."""
+    split_from_args(args)  # V from a layout
+    config = ScheduleConfig(args.pp, args.vpp, args.microbatches)  # p, V, m rules first
+    budget = budget_bytes(args)
+    options = planner_options_from_args(args)
+    given = sharding_from_args(args, allow_auto=True)
+    costs = costs_from_args(args, config)  # the cost flags' rules, and the direct costs when given
+    direct = args.forward_ms is not None
+    model, cluster = (None, None) if direct else model_cluster_from_args(args)
+    lowering = LoweringSettings() if given is None else LoweringSettings(sharding=given[0], shard_scope=args.shard_scope)
+    return PlanRequest(args.pp, args.vpp, args.microbatches, AUTO, model=model, cluster=cluster, budget_bytes=budget,
+                       planner=options, lowering=lowering, price_sharding=True, direct_costs=costs if direct else None)

@@ -6,43 +6,32 @@ import argparse
 import json
 
 from ..planning.costs import GB
-from ..schedule.config import ScheduleConfig
 from ..schedule.levers import FULL, SELECTIVE
-from .arguments import (budget_bytes, costs_from_args, placement_lines, planner_options_from_args, print_splits,
-                        sharding_from_args, split_from_args)
+from ..planning.resolve import resolve
+from .arguments import placement_lines, plan_request, print_splits
 from .common import UsageError
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..planning.planner import NoFeasiblePlan, baseline_plans, plan_schedule
+    from ..planning.planner import NoFeasiblePlan, baseline_plans
 
-    split_from_args(args)  # V from a layout
-    ScheduleConfig(args.pp, args.vpp, args.microbatches)  # p, V, m rules first
-    budget = budget_bytes(args)
-    options = planner_options_from_args(args)
-    costs_for = lambda cfg: costs_from_args(args, cfg)  # noqa: E731
-    given = sharding_from_args(args, allow_auto=True)
+    request = plan_request(args)
     try:
-        if given is None:
-            best, evaluated = plan_schedule(args.pp, args.vpp, args.microbatches, costs_for, budget, options)
-        else:
-            from ..planning.sharding import plan_with_sharding
-            levels, model, cluster = given
-            best, by_levels = plan_with_sharding(args.pp, args.vpp, args.microbatches, costs_for, budget, model, cluster,
-                                                 args.shard_scope, levels, options)
-            evaluated = [plan for plan in by_levels.values() if plan is not None]
+        resolution = resolve(request)
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
-    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, costs_for, budget, options, sharding=best.sharding)
+    best, evaluated, budget, options = resolution.chosen, resolution.candidates, request.budget_bytes, request.planner
+    baselines = baseline_plans(args.pp, args.vpp, args.microbatches, request.costs_for, budget, options,
+                               sharding=best.sharding)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(best.run_plan().to_json())
+            handle.write(resolution.plan.to_json())
     if args.json:
-        print(json.dumps({**best.to_dict(), "candidates_evaluated": len(evaluated),
+        print(json.dumps({**best.to_dict(), "candidates_evaluated": evaluated,
                           "baselines": {name: plan.to_dict() for name, plan in baselines.items()}}, indent=1))
         return 0
-    what = "candidate group lists" if given is None else "sharding level mixes (each with its best groups)"
-    print(f"memory budget {budget / GB:.2f} GiB per device; {len(evaluated)} {what} simulated")
+    what = "sharding level mixes (each with its best groups)" if request.prices_sharding else "candidate group lists"
+    print(f"memory budget {budget / GB:.2f} GiB per device; {evaluated} {what} simulated")
     header = (f"{'schedule':<14} {'groups (fwd / bwd)':<22} {'iter ms':>9} {'idle %':>7} {'exp.comm ms':>11} "
               f"{'recompute':>18} {'fits':>5}  peak memory GiB per rank")
     print(header)

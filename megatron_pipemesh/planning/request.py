@@ -9,6 +9,7 @@ Pure: no torch, no processes.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
@@ -94,6 +95,12 @@ class PlanRequest:
     """Measured per-op times (a profile, :data:`.clusters.MEASURED_TIME_FIELDS`) in place of the analytic ones."""
     lowering: LoweringSettings = LoweringSettings()
     """Lookahead and sharding settings the plan carries."""
+    price_sharding: bool = False
+    """The planner prices the given levels' gathers, reductions and memory (``pipemesh plan --sharding``); False:
+    given levels are only carried into the plan (training's flags). The planner's own levels are always priced."""
+    direct_costs: Optional[OpCosts] = None
+    """Per-op costs given directly (``pipemesh plan --forward-ms ...``), the same for every schedule, in place of the
+    model's on the cluster."""
 
     def __post_init__(self) -> None:
         if self.source not in PLAN_SOURCES:
@@ -108,19 +115,30 @@ class PlanRequest:
         if self.source == PLAN_FILE and not self.plan_file:
             raise ValueError("a plan-file request needs the plan's path (pipemesh plan ... --output plan.json)")
         if self.plans:
-            missing = [name for name in ("model", "cluster", "budget_bytes") if getattr(self, name) is None]
+            needed = ("budget_bytes",) if self.direct_costs is not None else ("model", "cluster", "budget_bytes")
+            missing = [name for name in needed if getattr(self, name) is None]
             if missing:
                 raise ValueError(f"the planner ({self.source}) needs the request's {', '.join(missing)}")
             if not self.budget_bytes > 0:
                 raise ValueError(f"memory budget {self.budget_bytes / 2 ** 30:.2f} GiB is invalid: it must be > 0")
         if self.lowering.sharding == SHARDING_AUTO and self.source != AUTO:
             raise ValueError("sharding auto is chosen by the planner with the groups: it needs --forward-groups auto")
+        if self.direct_costs is not None and (self.measured or self.prices_sharding):
+            raise ValueError("costs given directly have no model to price measured times or sharding levels with")
 
     @property
     def plans(self) -> bool:
         """Whether the planner runs (it needs the model, the cluster and the budget)."""
         return self.source in (AUTO, PLACED_GROUPS)
 
+    @property
+    def prices_sharding(self) -> bool:
+        """Whether the planner searches with a sharding model (the planner's levels, or given ones it prices)."""
+        return self.lowering.sharding == SHARDING_AUTO or bool(self.price_sharding and self.lowering.levels)
+
     def costs_for(self, config: ScheduleConfig) -> OpCosts:
-        """The planner's costs for ``config`` (analytic on the request's cluster, with its measured times)."""
+        """The planner's costs for ``config`` (analytic on the request's cluster, with its measured times; or the
+        direct costs, a fresh copy per schedule)."""
+        if self.direct_costs is not None:
+            return copy.deepcopy(self.direct_costs)
         return costs_for(self.model, self.cluster, config, dict(self.measured) if self.measured else None)

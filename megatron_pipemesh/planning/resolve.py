@@ -70,13 +70,15 @@ def _run_plan(chosen: Plan, request: PlanRequest) -> RunPlan:
 
 
 def _planned(request: PlanRequest) -> Resolution:
-    """``auto``: the planner's groups and memory levers (and, with sharding auto, the levels per chunk)."""
+    """``auto``: the planner's groups and memory levers (and, with sharding auto, the levels per chunk; with priced
+    given levels, the groups and levers for them)."""
     pp, vpp, m = request.pp, request.vpp, request.microbatches
-    if request.lowering.sharding == SHARDING_AUTO:
+    if request.prices_sharding:
         from .sharding import plan_with_sharding
 
         chosen, by_levels = plan_with_sharding(pp, vpp, m, request.costs_for, request.budget_bytes, request.model,
-                                               request.cluster, request.lowering.shard_scope, options=request.planner)
+                                               request.cluster, request.lowering.shard_scope, request.lowering.sharding,
+                                               request.planner)
         evaluated = [plan for plan in by_levels.values() if plan is not None]
     else:
         chosen, evaluated = plan_schedule(pp, vpp, m, request.costs_for, request.budget_bytes, request.planner)
