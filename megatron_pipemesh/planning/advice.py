@@ -34,12 +34,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import DEVICE
 from .bounds import bound_for, virtual_sizes
-from .clusters import nic_cluster
+from .clusters import costs_for, nic_cluster
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
-from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
+from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
+from .planner_options import RECOMPUTE_ONLY
 from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
 
@@ -350,7 +351,7 @@ def planner_options(pp: int, microbatches: int, host_budget_bytes: Optional[floa
     multiples of p and m, groups of p between, every stock group size), with host placement when host memory is
     given (recomputation only otherwise), fitting at most :data:`FIT_LIMIT` lists per candidate."""
     sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
-    placement = "auto" if host_budget_bytes is not None else "recompute-only"
+    placement = "auto" if host_budget_bytes is not None else RECOMPUTE_ONLY
     return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
                           activation_placement=placement, host_budget_bytes=host_budget_bytes, fit_limit=FIT_LIMIT)
 
@@ -366,7 +367,7 @@ def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = fl
     model, spec = candidate.model, candidate.cluster
     try:
         plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
-                                lambda config: analytic_costs(model, spec, config, planning_levels(model)),
+                                lambda config: costs_for(model, spec, config),
                                 cluster.budget_bytes,
                                 planner_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
                                 incumbent_s=incumbent_s, time_up=time_up)
@@ -425,7 +426,7 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
             raise NoFeasiblePlan(f"the command's --forward-groups auto finds no plan that fits "
                                  f"{cluster.device_memory_gb:g} GiB per GPU")
         return _plan_row("user", user, plan)
-    costs = analytic_costs(user.model, user.cluster, problem.pipemesh, planning_levels(user.model))
+    costs = costs_for(user.model, user.cluster, problem.pipemesh)
     plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
                               planner_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
     return _plan_row("user", user, plan)

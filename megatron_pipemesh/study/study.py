@@ -82,8 +82,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout, SearchLog, candidates, search_layouts
 from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
-from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
+from ..planning.clusters import costs_for
+from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
+from ..planning.planner_options import RECOMPUTE_ONLY
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
 from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock, default_stock
 from ..schedule.config import ScheduleConfig
@@ -150,7 +152,7 @@ DATACENTRE: Tuple[StudyRow, ...] = (
 """The paper-scale rows (32 micro-batches per replica, TP + sequence parallelism)."""
 
 
-def _planner_options(pp: int, microbatches: int, placement: str = "recompute-only") -> PlannerOptions:
+def _planner_options(pp: int, microbatches: int, placement: str = RECOMPUTE_ONLY) -> PlannerOptions:
     """The structured group family (first forward group and last backward group at multiples of p
     and m, depth-first in between, plus every stock group size): the exhaustive search over all
     group lists gains little and costs minutes per row. ``placement``: the activation placement mode."""
@@ -162,11 +164,11 @@ def _planner_options(pp: int, microbatches: int, placement: str = "recompute-onl
 
 def _costs_for(model: ModelSpec, cluster: ClusterSpec):
     """PipeMesh's analytic costs of a schedule, with every level its planner may choose."""
-    return lambda config: analytic_costs(model, cluster, config, planning_levels(model))
+    return lambda config: costs_for(model, cluster, config)
 
 
 def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
-                  incumbent_s: float = float("inf"), placement: str = "recompute-only"):
+                  incumbent_s: float = float("inf"), placement: str = RECOMPUTE_ONLY):
     """PipeMesh's best plan over V with the ``placement`` mode (None if nothing fits or nothing beats
     ``incumbent_s``)."""
     best = None
