@@ -143,7 +143,7 @@ def host_budget_bytes(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[
     return given * GB, False
 
 
-def planner_options(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[PlannerOptions, Optional[float], bool]:
+def megatron_planner_options(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[PlannerOptions, Optional[float], bool]:
     """(the planner's placement options, the host link Gbit/s for the costs, whether some input is rank-local)."""
     settings = _flags(args, settings)
     mode = placement_mode(args, settings)
@@ -249,7 +249,7 @@ def megatron_request(args, settings: PipeMeshConfig, source: str, pp: int, vpp: 
         return PlanRequest(**given), None
     what = "--forward-groups auto" if source == AUTO else "--pipemesh-activation-placement auto with given groups"
     budget, rate = _budget_and_rate(args, what, settings)
-    options, link, host_local = planner_options(args, settings)
+    options, link, host_local = megatron_planner_options(args, settings)
     model, cluster = model_and_cluster(args, rate, link, settings, ranks_per_node)
     profile = settings.measurement.profile
     measured = None

@@ -40,7 +40,7 @@ from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
-from .planner_options import RECOMPUTE_ONLY
+from .planner_options import RECOMPUTE_ONLY, structured_options
 from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
 
@@ -346,14 +346,12 @@ round; with every list that may win fitted, one GPT-13B candidate of 16 ranks an
 The lists are simulated without levers first, so the three fitted are the three that are fastest before memory."""
 
 
-def planner_options(pp: int, microbatches: int, host_budget_bytes: Optional[float]) -> PlannerOptions:
-    """PipeMesh's search for the advice: the structured group family (first forward and last backward group at
-    multiples of p and m, groups of p between, every stock group size), with host placement when host memory is
-    given (recomputation only otherwise), fitting at most :data:`FIT_LIMIT` lists per candidate."""
-    sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
+def advice_planner_options(pp: int, microbatches: int, host_budget_bytes: Optional[float]) -> PlannerOptions:
+    """PipeMesh's search for the advice: the structured group family (:func:`.planner_options.structured_options`),
+    with host placement when host memory is given (recomputation only otherwise), fitting at most
+    :data:`FIT_LIMIT` lists per candidate."""
     placement = "auto" if host_budget_bytes is not None else RECOMPUTE_ONLY
-    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
-                          activation_placement=placement, host_budget_bytes=host_budget_bytes, fit_limit=FIT_LIMIT)
+    return structured_options(pp, microbatches, placement, host_budget_bytes, FIT_LIMIT)
 
 
 def _host_bytes(cluster: AdviceCluster) -> Optional[float]:
@@ -369,7 +367,7 @@ def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = fl
         plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
                                 lambda config: costs_for(model, spec, config),
                                 cluster.budget_bytes,
-                                planner_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
+                                advice_planner_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
                                 incumbent_s=incumbent_s, time_up=time_up)
     except (NoFeasiblePlan, ScheduleConfigError):
         return None
@@ -428,7 +426,7 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
         return _plan_row("user", user, plan)
     costs = costs_for(user.model, user.cluster, problem.pipemesh)
     plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
-                              planner_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
+                              advice_planner_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
     return _plan_row("user", user, plan)
 
 

@@ -85,7 +85,7 @@ from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
 from ..planning.clusters import costs_for
 from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
-from ..planning.planner_options import RECOMPUTE_ONLY
+from ..planning.planner_options import RECOMPUTE_ONLY, structured_options
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
 from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock, default_stock
 from ..schedule.config import ScheduleConfig
@@ -156,10 +156,8 @@ def _planner_options(pp: int, microbatches: int, placement: str = RECOMPUTE_ONLY
     """The structured group family (first forward group and last backward group at multiples of p
     and m, depth-first in between, plus every stock group size): the exhaustive search over all
     group lists gains little and costs minutes per row. ``placement``: the activation placement mode."""
-    sizes = tuple(sorted(set(range(pp, microbatches + 1, pp)) | {microbatches}))
     host = HOST_MEMORY_GB * GB if placement == "auto" else None
-    return PlannerOptions(first_forward_candidates=sizes, last_backward_candidates=sizes,
-                          activation_placement=placement, host_budget_bytes=host)
+    return structured_options(pp, microbatches, placement, host)
 
 
 def _costs_for(model: ModelSpec, cluster: ClusterSpec):
