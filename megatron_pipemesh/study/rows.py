@@ -84,11 +84,16 @@ class StudyRow:
                 f"{' te' if self.layer_spec == 'te' else ''} {self.gpus_per_node}/node")
 
 
+def row_node(row: StudyRow) -> int:
+    """Devices of one node of ``row`` (behind one NIC): a TP group never spans VMs."""
+    return max(row.gpus_per_node, row.tp)
+
+
 def row_specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
     """The model and cluster ``row`` stands for (the assumptions of :mod:`.study`'s docstring)."""
     model = dataclasses.replace(GPT[row.model], layer_spec=row.layer_spec,
                                 grad_bytes=2 if row.grad_reduce_in_bf16 else 4)
-    node = max(row.gpus_per_node, row.tp)  # a TP group never spans VMs
+    node = row_node(row)
     cluster = nic_cluster(tp=row.tp, dp=row.dp, devices_per_node=node, nic_gbps=node * row.gbps, link_gbps=row.gbps,
                           intra_node_gbps=INTRA_NODE_GBPS[row.regime],
                           device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0), device_memory_gb=row.memory_gb,
