@@ -23,13 +23,14 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .cli_common import nonnegative_number, positive_int, positive_number
-from .planning.costs import DEFAULT_HOST_LINK_GBPS, ClusterSpec
-from .planning.memory import MEMORY_MARGIN
+from .cli.common import nonnegative_number, positive_int, positive_number
+from .planning.clusters import PLANNING_CLUSTER
+from .planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN
+from .planning.planner_options import PLACEMENT_MODES, RECOMPUTE_ONLY
 from .schedule.plan import SHARD_SCOPES
 from .schedule.spans import SHARD_LEVELS
 
-_PLANNING = ClusterSpec()
+_PLANNING = PLANNING_CLUSTER
 """The analytic cost model's defaults, which the cost flags share."""
 _MARGIN = round(100 * MEMORY_MARGIN)
 
@@ -51,7 +52,7 @@ def _positive_group(text: str) -> int:
 
 _NUMBER_TYPES = (float, positive_number, nonnegative_number)
 
-ACTIVATION_PLACEMENTS = ("recompute-only", "auto", "device")
+ACTIVATION_PLACEMENTS = PLACEMENT_MODES
 """Values of ``--pipemesh-activation-placement`` (see :attr:`PlacementSettings.activation_placement`)."""
 
 
@@ -138,7 +139,7 @@ class PlacementSettings:
         "'recompute-only' (default: on the device, recomputed where memory binds), 'auto' (per chunk-micro-batch "
         "the cheapest of device, host memory (offloaded after the forward, reloaded before the backward), "
         "selective or full recomputation), 'device' (all on the device, no offload, no recomputation: a plan "
-        "that does not fit the memory budget is an error)", "recompute-only", env="ACTIVATION_PLACEMENT",
+        "that does not fit the memory budget is an error)", RECOMPUTE_ONLY, env="ACTIVATION_PLACEMENT",
         cli="--activation-placement", choices=ACTIVATION_PLACEMENTS)
     """Memory levers the planner may use: 'recompute-only' (recomputation, today's behaviour), 'auto'
     (host offload and recomputation, chosen per chunk-micro-batch by bytes freed per ms of added time) or

@@ -74,7 +74,7 @@ GPT_13B_ADVICE = ("plan --nodes 16 --gpus-per-node 1 --nic-gbps 6.25 --gpu A10G 
                   "--tokenizer-type NullTokenizer --vocab-size 50257 --train-iters 1000 --lr 1e-4'")
 """README "What should I run?": GPT-1.3B on 16 single-GPU A10G VMs (about 10 CPU-s of search)."""
 
-# tests/test_cli_advice.py's tiny GPT and cluster, at a given device rate: without --gpu / --device-tflops the costs
+# tests/cli/test_megatron_args.py's tiny GPT and cluster, at a given device rate: without --gpu / --device-tflops the costs
 # are this machine's measured CPU matmul rate, which no fixture can pin.
 TINY_ADVICE = ("plan --nodes 1 --gpus-per-node 4 --device-memory-gb 1 --nic-gbps 0.25 --device-tflops 0.05 --quiet "
                "--json --megatron-args '--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "

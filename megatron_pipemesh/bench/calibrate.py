@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from ..planning.clusters import bench_network_cluster
 from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, OpCosts
 from ..planning.simulator import simulate
 from ..planning.topology import topology
@@ -139,10 +140,7 @@ def network_cluster(dp: int, gbps: float, per_rank: bool, **fields) -> ClusterSp
     its payload through the one bucket, :func:`allreduce_s`), each on a link of its own. The bench's ranks are CPU
     processes, whose host copies run on their compute thread."""
     fields.setdefault("host_copies_on_compute", True)
-    if per_rank:
-        return ClusterSpec(dp=dp, dp_gbps=gbps, p2p_gbps=gbps, nic_gbps=gbps, devices_per_node=1,
-                           collectives=COLLECTIVES, **fields)
-    return ClusterSpec(dp=dp, dp_gbps=gbps / dp, p2p_gbps=gbps, collectives=COLLECTIVES, **fields)
+    return bench_network_cluster(dp, gbps, per_rank, COLLECTIVES, **fields)
 
 
 def sharding_model(model: ModelSetup, config: ParallelConfig, levels: Sequence[str], bytes_per_s: Optional[float],

@@ -1,6 +1,6 @@
 """The ``pipemesh bench`` subcommand: stock Megatron schedules vs PipeMesh, measured side by side.
 
-Hook (in ``megatron_pipemesh/cli.py``'s ``build_parser``)::
+Hook (in ``megatron_pipemesh/cli/parser.py``'s ``build_parser``)::
 
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -17,7 +17,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli_common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from ..cli.common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from ..planning.defaults import MFU
 from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 from .session import compact_row, log, print_results, run_all, summary_document  # noqa: F401 (compact_row: the JSON's rows)
@@ -159,7 +160,7 @@ def _add_pipemesh_args(pm) -> None:
                     help="backward groups of the 'pipemesh' run (default: two groups, the last one large)")
     pm.add_argument("--device-tflops", type=float, default=0.05,
                     help="planner and predictions: peak TFLOP/s of one rank (default 0.05: a CPU core)")
-    pm.add_argument("--mfu", type=float, default=0.45, help="planner and predictions: fraction of peak (default 0.45)")
+    pm.add_argument("--mfu", type=float, default=MFU, help=f"planner and predictions: fraction of peak (default {MFU:g})")
     pm.add_argument("--activation-placement", choices=("auto", "recompute-only"), default="auto",
                     help="PipeMesh rows' memory levers: 'auto' (default) places chunk-micro-batches in host memory or "
                          "recomputes them, as the planner chooses; 'recompute-only' only recomputes (stock rows only "
@@ -321,14 +322,14 @@ def _check_values(args: argparse.Namespace, repeats, warmup, iters) -> None:
                                        ("--layers-per-chunk", args.layers_per_chunk, "1", False),
                                        ("--delay-ms", args.delay_ms, "1", True), ("--queue-ms", args.queue_ms, "200", False),
                                        ("--device-tflops", args.device_tflops, "0.05", False),
-                                       ("--mfu", args.mfu, "0.45", False), ("--link-share", args.link_share, "0.5", False)):
+                                       ("--mfu", args.mfu, f"{MFU:g}", False), ("--link-share", args.link_share, "0.5", False)):
         check_number(name, value, example, positive=not zero, required=True)
     for name, value in (("--repeats", repeats), ("--warmup", warmup), ("--iters", iters)):
         if int(value) != value:
             raise UsageError(f"{name} {value} is invalid: it must be a whole number. Example: {name} 3")
     if args.mfu > 1 or args.link_share > 1:
         raise UsageError(f"--mfu {args.mfu} / --link-share {args.link_share} is invalid: both are fractions in (0, 1]. "
-                     "Example: --mfu 0.45 --link-share 1")
+                     f"Example: --mfu {MFU:g} --link-share 1")
     if args.vpp < 2:
         raise UsageError(f"--vpp {args.vpp} is invalid: the interleaved and PipeMesh schedules need at least 2 chunks per "
                      "rank. Example: --vpp 2")

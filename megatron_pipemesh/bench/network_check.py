@@ -177,7 +177,7 @@ def cmd_network_check(args, shaping) -> int:
     try:
         document = run_check(NetworkCheckSettings(), shaping, out_dir, log)
     except NamespaceError as error:
-        from ..cli_common import UsageError
+        from ..cli.common import UsageError
 
         raise UsageError(str(error)) from error
     with open(os.path.join(out_dir, "network-check.json"), "w", encoding="utf-8") as handle:

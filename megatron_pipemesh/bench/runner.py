@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..planning.costs import ModelSpec
+from ..planning.defaults import MFU
 from .logparse import ParsedLog
 
 SCHEDULES = ("1f1b", "interleaved", "pipemesh", "pipemesh-auto")
@@ -113,7 +114,7 @@ class AutoPlanSettings:
 
     memory_budget_gb: float = 8.0
     device_tflops: float = 0.05
-    mfu: float = 0.45
+    mfu: float = MFU
     activation_placement: str = "auto"
     """PipeMesh rows' memory levers (``--activation-placement``): 'auto' places chunk-micro-batches in host
     memory or recomputes them, 'recompute-only' only recomputes. Stock rows only recompute on CPU: Megatron's

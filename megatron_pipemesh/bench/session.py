@@ -8,7 +8,7 @@ import os
 import sys
 from typing import List
 
-from ..cli_common import UsageError
+from ..cli.common import UsageError
 
 
 def log(text: str) -> None:

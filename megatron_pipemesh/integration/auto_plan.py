@@ -17,18 +17,24 @@ of ``--pipemesh-host-memory-gb``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..planning.memory import MEMORY_MARGIN
-from ..planning.costs import DEFAULT_HOST_LINK_GBPS, GB, ClusterSpec, ModelSpec, analytic_costs, planning_levels
-from ..planning.devices import find_device
+from ..config import PipeMeshConfig
+from ..planning.clusters import flat_cluster
+from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN, MFU
+from ..planning.costs import GB, ClusterSpec, ModelSpec
+from ..planning.devices import DeviceRate, find_device
 from ..planning.layout import LayerSplit
-from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
+from ..planning.planner import NoFeasiblePlan, PlannerOptions
+from ..planning.planner_options import RECOMPUTE_ONLY
+from ..planning.request import (AUTO, GROUPS, PLACED_GROUPS, PLAN_FILE, SHARDING_AUTO, LoweringSettings,
+                                PlanRequest)
+from ..planning.resolve import Resolution, load_plan_file, resolve
+from ..runtime.cpu_rate import measured_cpu_tflops
 from ..schedule.config import ScheduleConfig
-from ..schedule.plan import RunPlan, RunPlanError
+from ..schedule.plan import RunPlan
 from .measured import Replanning
 
 
@@ -90,18 +96,24 @@ def collectives(args) -> str:
     return "gloo" if backend == "gloo" else "nccl"
 
 
-def placement_mode(args) -> str:
-    return getattr(args, "pipemesh_activation_placement", None) or "recompute-only"
+def _flags(args, settings: Optional[PipeMeshConfig]) -> PipeMeshConfig:
+    """PipeMesh's settings of ``args`` (the one reading of its flags), unless the caller has them."""
+    return PipeMeshConfig.from_args(args) if settings is None else settings
 
 
-def host_link_gbps(args) -> Tuple[float, str, bool]:
+def placement_mode(args, settings: Optional[PipeMeshConfig] = None) -> str:
+    return _flags(args, settings).placement.activation_placement or RECOMPUTE_ONLY
+
+
+def host_link_gbps(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[float, str, bool]:
     """(Gbit/s, where it came from, whether it is rank-local) of the host link the planner assumes:
     ``--pipemesh-host-link-gbps``; else, when 'auto' placement may offload on a GPU, measured once now
     (:func:`..runtime.host_link.startup_host_link`); else the planning default."""
-    given = getattr(args, "pipemesh_host_link_gbps", None)
+    settings = _flags(args, settings)
+    given = settings.placement.host_link_gbps
     if given:
         return float(given), "given", False
-    if placement_mode(args) == "auto" and _on_cuda():
+    if placement_mode(args, settings) == "auto" and _on_cuda():
         from ..runtime.host_link import startup_host_link
         link = startup_host_link()
         return link.planning_gbps, (f"measured d2h {link.d2h_gbps:.0f} / h2d {link.h2d_gbps:.0f} Gbit/s with "
@@ -119,11 +131,11 @@ def machine_host_share_bytes() -> Optional[float]:
     return available / max(local, 1) * (1 - MEMORY_MARGIN)
 
 
-def host_budget_bytes(args) -> Tuple[Optional[float], bool]:
+def host_budget_bytes(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[Optional[float], bool]:
     """(host memory per rank offloaded activations may fill, whether it is rank-local): the machine's
     share, capped by ``--pipemesh-host-memory-gb`` when given."""
     share = machine_host_share_bytes()
-    given = getattr(args, "pipemesh_host_memory_gb", None)
+    given = _flags(args, settings).placement.host_memory_gb
     if given is None:
         return share, share is not None
     if share is not None and share < given * GB:
@@ -131,13 +143,14 @@ def host_budget_bytes(args) -> Tuple[Optional[float], bool]:
     return given * GB, False
 
 
-def planner_options(args) -> Tuple[PlannerOptions, Optional[float], bool]:
+def megatron_planner_options(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[PlannerOptions, Optional[float], bool]:
     """(the planner's placement options, the host link Gbit/s for the costs, whether some input is rank-local)."""
-    mode = placement_mode(args)
+    settings = _flags(args, settings)
+    mode = placement_mode(args, settings)
     if mode != "auto":
         return PlannerOptions(activation_placement=mode), None, False
-    link, _, link_local = host_link_gbps(args)
-    host_budget, budget_local = host_budget_bytes(args)
+    link, _, link_local = host_link_gbps(args, settings)
+    host_budget, budget_local = host_budget_bytes(args, settings)
     return PlannerOptions(activation_placement=mode, host_budget_bytes=host_budget), link, link_local or budget_local
 
 
@@ -152,7 +165,11 @@ def padded_vocab_size(args) -> int:
     return vocab or 50304
 
 
-def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None) -> Tuple[ModelSpec, ClusterSpec]:
+def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None, settings: Optional[PipeMeshConfig] = None,
+                      ranks_per_node: Optional[int] = None) -> Tuple[ModelSpec, ClusterSpec]:
+    """The model of Megatron's args and the cluster of PipeMesh's cost flags (``ranks_per_node``: the node scope's
+    nodes, found by the flag check; default --pipemesh-ranks-per-node)."""
+    settings = _flags(args, settings)
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
@@ -160,51 +177,22 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None)
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None), dtype_bytes=dtype_bytes,
                       dropout_mask_bytes=1 if _on_cuda() else None, layer_split=layer_split(args),
                       **layer_spec_fields(args))
-    cluster = ClusterSpec(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
-                          mfu=rate.mfu, dp_gbps=args.pipemesh_dp_gbps, p2p_gbps=args.pipemesh_p2p_gbps,
-                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                          distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                          host_link_gbps=host_link or getattr(args, "pipemesh_host_link_gbps", None) or DEFAULT_HOST_LINK_GBPS,
-                          host_copies_on_compute=not _on_cuda(), collectives=collectives(args))
-    if getattr(args, "pipemesh_ranks_per_node", None):  # the node scope's nodes (resolved by check_sharding_args)
-        cluster = dataclasses.replace(cluster, devices_per_node=args.pipemesh_ranks_per_node)
+    cluster = flat_cluster(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size, device_tflops=rate.tflops,
+                           mfu=rate.mfu, dp_gbps=settings.costs.dp_gbps, p2p_gbps=settings.costs.p2p_gbps,
+                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                           distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                           host_link_gbps=host_link or settings.placement.host_link_gbps,
+                           host_copies_on_compute=not _on_cuda(), collectives=collectives(args),
+                           devices_per_node=ranks_per_node or settings.sharding.ranks_per_node)
     return model, cluster
 
 
-@dataclass(frozen=True)
-class DeviceRate:
-    """The compute rate the analytic costs assume, and where it came from."""
-
-    tflops: float
-    """TFLOP/s of one device."""
-    mfu: float
-    """Fraction of it the layers reach (1 for a measured rate, which is already an achieved one)."""
-    source: str = ""
-    """Said in the plan line when the rate was measured here ('' for a given or known peak)."""
-    rank_local: bool = False
-    """Measured by this rank: the ranks agree on the slowest at the first call."""
-
-
-@functools.lru_cache(maxsize=1)
-def measured_cpu_tflops(size: int = 512, repeats: int = 8) -> float:
-    """Achieved fp32 matmul rate of this process's CPU threads (TFLOP/s), measured once per process."""
-    import time
-
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mm(a, b)
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-def device_rate(args, what: str) -> DeviceRate:
+def device_rate(args, what: str, settings: Optional[PipeMeshConfig] = None) -> DeviceRate:
     """``--pipemesh-device-tflops``, else the known peak of this GPU, else (without CUDA) the CPU's measured matmul
     rate; a GPU of unknown peak is a ValueError naming the flag."""
-    given = getattr(args, "pipemesh_device_tflops", None)
-    mfu = getattr(args, "pipemesh_mfu", None) or ClusterSpec.mfu
+    settings = _flags(args, settings)
+    given = settings.costs.device_tflops
+    mfu = settings.costs.mfu or MFU
     if given:
         return DeviceRate(given, mfu)
     peak = _device_defaults(args)[0]
@@ -212,57 +200,117 @@ def device_rate(args, what: str) -> DeviceRate:
         return DeviceRate(peak, mfu)
     if not _on_cuda():
         rate = measured_cpu_tflops()
-        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", rank_local=True)
+        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", given=False, rank_local=True)
     raise ValueError(f"{what} needs --pipemesh-device-tflops: the peak 16-bit TFLOP/s of this GPU is not known here. "
                      "Example: --pipemesh-device-tflops 312")
 
 
-def _budget_and_rate(args, what: str) -> Tuple[float, DeviceRate]:
-    budget = args.pipemesh_memory_budget_gb or _device_defaults(args)[1]
+def _budget_and_rate(args, what: str, settings: Optional[PipeMeshConfig] = None) -> Tuple[float, DeviceRate]:
+    settings = _flags(args, settings)
+    budget = settings.costs.memory_budget_gb or _device_defaults(args)[1]
     if budget is None:
         raise ValueError(f"{what} needs --pipemesh-memory-budget-gb on a machine without CUDA (there is "
                          "no device memory to read). Example: --pipemesh-memory-budget-gb 8")
-    return budget, device_rate(args, what)
+    return budget, device_rate(args, what, settings)
 
 
-def auto_plan(args, pp: int, vpp: int, microbatches: int) -> Tuple[RunPlan, str, Optional[Replanning]]:
-    """Run the planner for this run: (the plan, its summary line, its re-planning inputs); raises ValueError
-    with a user-facing message."""
-    budget, rate = _budget_and_rate(args, "--forward-groups auto")
-    options, link, host_local = planner_options(args)
-    model, cluster = model_and_cluster(args, rate, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
-    profile = getattr(args, "pipemesh_profile", None)
-    source, costs_for, measured = costs_source(rate), analytic, None
-    if profile and os.path.exists(profile):
-        from .measured import load_profile, with_measured_times
+@dataclass(frozen=True)
+class FoundInputs:
+    """What this rank found for the planner beyond the request itself: said in the plan line, and agreed on by the
+    ranks at the first call where it is rank-local."""
+
+    what: str
+    """The flags that asked for the planner (named in its errors)."""
+    rate: DeviceRate
+    """The device rate the costs assume."""
+    budget_gb: float
+    """The device memory budget (GiB)."""
+    budget_given: bool
+    """--pipemesh-memory-budget-gb was given (else read from this rank's free memory)."""
+    host_link: Optional[float]
+    """The host link of 'auto' placement (Gbit/s), None for other modes."""
+    host_local: bool
+    """The host link or host memory was found by this rank."""
+    profile: Optional[str]
+    """--pipemesh-profile (its times are the request's measured times when the file exists)."""
+
+
+def megatron_request(args, settings: PipeMeshConfig, source: str, pp: int, vpp: int, microbatches: int,
+                     lowering: LoweringSettings = LoweringSettings(),
+                     ranks_per_node: Optional[int] = None) -> Tuple[PlanRequest, Optional[FoundInputs]]:
+    """The Megatron surface's adapter: the run's :class:`PlanRequest` from Megatron's args and PipeMesh's flags, and
+    (for the planner's sources) what this rank found for it. Raises ValueError naming the flag to give."""
+    groups = (settings.schedule.forward_groups, settings.schedule.backward_groups)
+    given = dict(pp=pp, vpp=vpp, microbatches=microbatches, source=source, lowering=lowering,
+                 forward_groups=None if "auto" in groups else groups[0],
+                 backward_groups=None if "auto" in groups else groups[1],
+                 group_size=getattr(args, "microbatch_group_size_per_vp_stage", None), plan_file=settings.schedule.plan)
+    if source not in (AUTO, PLACED_GROUPS):
+        return PlanRequest(**given), None
+    what = "--forward-groups auto" if source == AUTO else "--pipemesh-activation-placement auto with given groups"
+    budget, rate = _budget_and_rate(args, what, settings)
+    options, link, host_local = megatron_planner_options(args, settings)
+    model, cluster = model_and_cluster(args, rate, link, settings, ranks_per_node)
+    profile = settings.measurement.profile
+    measured = None
+    if source == AUTO and profile and os.path.exists(profile):
+        from .measured import load_profile
         measured = load_profile(profile)
-        source, costs_for = f"measured costs from {profile}", lambda cfg: with_measured_times(analytic(cfg), measured)
-    sharding_auto = list(getattr(args, "pipemesh_sharding", None) or []) == ["auto"]
+    request = PlanRequest(**given, model=model, cluster=cluster, budget_bytes=budget * GB, planner=options,
+                          measured=measured)
+    return request, FoundInputs(what, rate, budget, bool(settings.costs.memory_budget_gb), link, host_local, profile)
+
+
+def resolve_megatron(args, settings: PipeMeshConfig, source: str, pp: int, vpp: int, microbatches: int,
+                     lowering: LoweringSettings = LoweringSettings(),
+                     ranks_per_node: Optional[int] = None) -> Tuple[RunPlan, str, Optional[Replanning]]:
+    """The run's plan, its plan line ('' for given groups) and its re-planning inputs (None: nothing to agree on or
+    measure). Raises ValueError with a user-facing message."""
+    request, found = megatron_request(args, settings, source, pp, vpp, microbatches, lowering, ranks_per_node)
     try:
-        if sharding_auto:  # levels per chunk chosen jointly with the groups and recomputation
-            from ..planning.sharding import plan_with_sharding
-            best, by_levels = plan_with_sharding(pp, vpp, microbatches, costs_for, budget * GB, model, cluster,
-                                                 getattr(args, "pipemesh_shard_scope", "data-parallel"), options=options)
-            evaluated = [plan for plan in by_levels.values() if plan is not None]
-        else:
-            best, evaluated = plan_schedule(pp, vpp, microbatches, costs_for, budget * GB, options)
+        resolution = resolve(request)
     except NoFeasiblePlan as error:
-        raise ValueError(f"--forward-groups auto: {error}") from error
-    summary = (f"PipeMesh plan (auto, {source}, {len(evaluated)} candidates, budget {budget:.2f} GiB"
-               f"{_placement_note(options, link)}): {best.summary()}")
-    if sharding_auto:
-        return best.run_plan(), f"{summary}; sharding {' '.join(best.sharding.spec.levels)}", None
-    measure_iters = (getattr(args, "pipemesh_measure_iters", 0) or 0) if measured is None else 0
-    # A budget read from this rank's free memory differs between ranks; the schedule's first call (a point
-    # every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ.
-    agree_on_budget = not args.pipemesh_memory_budget_gb
-    replan = None
-    if measure_iters or agree_on_budget or host_local or rate.rank_local:
-        replan = Replanning(model, cluster, budget * GB, pp, vpp, microbatches, measured=measured,
-                            measure_iters=measure_iters, profile_path=profile, agree_on_budget=agree_on_budget,
-                            planner_options=options, agree_on_host=host_local, agree_on_rate=rate.rank_local)
-    return best.run_plan(), summary, replan
+        if source == AUTO:
+            raise ValueError(f"--forward-groups auto: {error}") from error
+        raise ValueError(f"{found.what}: {error}. Use --forward-groups auto --backward-groups auto, a larger budget, or "
+                         "a smaller --micro-batch-size") from error
+    plan = resolution.plan
+    if source == PLAN_FILE:
+        return plan, f"PipeMesh plan from {request.plan_file}: {plan.describe()}", None
+    if source == GROUPS:
+        return plan, "", None
+    return plan, plan_line(request, found, resolution), replanning(request, found, settings)
+
+
+def plan_line(request: PlanRequest, found: FoundInputs, resolution: Resolution) -> str:
+    """The start-up line of a planned run: where its costs came from, the budget, the placement inputs, the plan."""
+    note = _placement_note(request.planner, found.host_link)
+    chosen = resolution.chosen
+    if request.source == PLACED_GROUPS:
+        return (f"PipeMesh plan (given groups, {costs_source(found.rate)}, budget {found.budget_gb:.2f} GiB{note}): "
+                f"{chosen.summary()}")
+    costs = f"measured costs from {found.profile}" if request.measured else costs_source(found.rate)
+    line = (f"PipeMesh plan (auto, {costs}, {resolution.candidates} candidates, budget {found.budget_gb:.2f} GiB"
+            f"{note}): {chosen.summary()}")
+    if request.lowering.sharding == SHARDING_AUTO:
+        line += f"; sharding {' '.join(chosen.sharding.spec.levels)}"
+    return line
+
+
+def replanning(request: PlanRequest, found: FoundInputs, settings: PipeMeshConfig) -> Optional[Replanning]:
+    """What the ranks re-plan at the first call (None: nothing). A budget read from this rank's free memory, a host
+    link or host memory found here, or a measured CPU rate differ between ranks; the schedule's first call (a point
+    every rank reaches, with process groups) re-plans for the minimum over all ranks when they differ. With
+    ``--pipemesh-measure-iters`` (and no saved profile) the measured costs re-plan once more."""
+    if request.lowering.sharding == SHARDING_AUTO:
+        return None  # the levels, groups and levers are chosen together at start-up on an explicit budget
+    measure_iters = (settings.measurement.measure_iters or 0) if request.source == AUTO and not request.measured else 0
+    agree_on_budget = not found.budget_given
+    if not (measure_iters or agree_on_budget or found.host_local or found.rate.rank_local):
+        return None
+    return Replanning(request, measure_iters=measure_iters, profile_path=found.profile if measure_iters else None,
+                      agree_on_budget=agree_on_budget, agree_on_host=found.host_local,
+                      agree_on_rate=found.rate.rank_local)
 
 
 def costs_source(rate: DeviceRate) -> str:
@@ -272,50 +320,30 @@ def costs_source(rate: DeviceRate) -> str:
 
 def _placement_note(options: PlannerOptions, link: Optional[float]) -> str:
     if options.activation_placement != "auto":
-        return f", activation placement {options.activation_placement}" if options.activation_placement != "recompute-only" else ""
+        return f", activation placement {options.activation_placement}" if options.activation_placement != RECOMPUTE_ONLY else ""
     host = "unlimited" if options.host_budget_bytes is None else f"{options.host_budget_bytes / GB:.1f} GiB"
     return f", activation placement auto, host link {link:g} Gbit/s, host memory {host} per rank"
 
 
-def place_given_groups(args, config: ScheduleConfig) -> Tuple[RunPlan, str, Optional[Replanning]]:
+def auto_plan(args, pp: int, vpp: int, microbatches: int,
+              settings: Optional[PipeMeshConfig] = None) -> Tuple[RunPlan, str, Optional[Replanning]]:
+    """``--forward-groups auto``: (the plan, its plan line, its re-planning inputs); raises ValueError with a
+    user-facing message."""
+    settings = _flags(args, settings)
+    lowering = LoweringSettings(sharding=SHARDING_AUTO if settings.sharding.levels in ("auto", ("auto",)) else ())
+    return resolve_megatron(args, settings, AUTO, pp, vpp, microbatches, lowering)
+
+
+def place_given_groups(args, config: ScheduleConfig,
+                       settings: Optional[PipeMeshConfig] = None) -> Tuple[RunPlan, str, Optional[Replanning]]:
     """``--pipemesh-activation-placement auto`` with given groups: host placement and recomputation for
-    ``config`` under the memory budget (``--pipemesh-memory-budget-gb`` or the device's free memory)."""
-    what = "--pipemesh-activation-placement auto with given groups"
-    budget, rate = _budget_and_rate(args, what)
-    options, link, host_local = planner_options(args)
-    model, cluster = model_and_cluster(args, rate, link)
-    analytic = lambda cfg: analytic_costs(model, cluster, cfg, planning_levels(model))  # noqa: E731
-    plan = fit_with_recompute(config, analytic(config), budget * GB, options)
-    if not plan.fits:
-        peak = max(r.peak_memory_bytes for r in plan.result.ranks)
-        raise ValueError(f"{what}: {config.describe()} does not fit the memory budget of {budget:.2f} GiB per device "
-                         f"even with host placement and recomputation (peak {peak / GB:.2f} GiB). Use --forward-groups "
-                         "auto --backward-groups auto, a larger budget, or a smaller --micro-batch-size")
-    agree_on_budget = not args.pipemesh_memory_budget_gb
-    replan = None
-    if agree_on_budget or host_local or rate.rank_local:
-        replan = Replanning(model, cluster, budget * GB, config.pp, config.vpp, config.microbatches,
-                            agree_on_budget=agree_on_budget, planner_options=options, agree_on_host=host_local,
-                            agree_on_rate=rate.rank_local, fixed_config=config)
-    summary = (f"PipeMesh plan (given groups, {costs_source(rate)}, budget {budget:.2f} GiB"
-               f"{_placement_note(options, link)}): {plan.summary()}")
-    return plan.run_plan(), summary, replan
+    ``config``'s groups under the memory budget (``--pipemesh-memory-budget-gb`` or the device's free memory)."""
+    settings = _flags(args, settings)
+    schedule = dataclasses.replace(settings.schedule, forward_groups=config.forward_groups,
+                                   backward_groups=config.backward_groups)
+    return resolve_megatron(args, dataclasses.replace(settings, schedule=schedule), PLACED_GROUPS, config.pp,
+                            config.vpp, config.microbatches)
 
 
-def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> RunPlan:
-    """A plan saved by ``pipemesh plan --output``; raises ValueError naming the mismatch."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as error:
-        raise ValueError(f"--pipemesh-plan {path}: cannot read the plan ({error}). Create one with "
-                         "`pipemesh plan ... --output plan.json`") from error
-    try:
-        plan = RunPlan.from_json(text)
-    except RunPlanError as error:
-        raise ValueError(f"--pipemesh-plan {path}: {error}") from error
-    found = (plan.schedule.pp, plan.schedule.vpp, plan.schedule.microbatches)
-    if found != (pp, vpp, microbatches):
-        raise ValueError(f"--pipemesh-plan {path} was made for p, V, m = {found} but this run has {(pp, vpp, microbatches)}; "
-                         "re-run `pipemesh plan` with this run's sizes")
-    return plan
+load_plan = load_plan_file
+"""A plan saved by ``pipemesh plan --output`` (:func:`..planning.resolve.load_plan_file`)."""

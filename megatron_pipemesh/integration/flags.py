@@ -13,11 +13,12 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 from ..config import PipeMeshConfig, add_megatron_arguments
-from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError
+from ..planning.request import AUTO, GROUPS, PLACED_GROUPS, PLAN_FILE, LoweringSettings
 from ..runtime.unsupported import unsupported_message
+from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfigError
 from ..schedule.plan import RunPlan
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class PipeMeshArgs:
     """Inputs of the measured re-planning (``--pipemesh-measure-iters``, rank-local planning inputs), None when off."""
     ranks_per_node: Optional[int] = None
     """Ranks per node of the node scope (``--pipemesh-shard-scope node``), checked at start-up; None: other scope."""
+    optimizer_instances: Optional[int] = None
+    """``--num-distributed-optimizer-instances`` the node scope sets (:func:`apply_megatron_options`); None: Megatron's."""
 
 
 class PipeMeshArgumentError(ValueError):
@@ -65,14 +68,14 @@ def microbatches_per_iteration(args) -> int:
 
 
 def check_pipemesh_args(args) -> PipeMeshArgs:
-    """Validate PipeMesh's flags against Megatron's validated ``args``; raise PipeMeshArgumentError."""
+    """Validate PipeMesh's flags against Megatron's validated ``args`` and resolve the run's plan; raise
+    PipeMeshArgumentError. Writes nothing into ``args`` (:func:`apply_megatron_options` does, once)."""
     try:
         settings = PipeMeshConfig.from_args(args)
     except ValueError as error:
         raise PipeMeshArgumentError(str(error)) from error
-    sharding = check_sharding_args(args, settings)
+    levels, node = check_sharding(args, settings)
     timeout_s = 60.0 * getattr(args, "distributed_timeout_minutes", 30)
-    node_scope = settings.sharding.scope == "node"
     if not settings.enabled:
         given = [flag for flag, value in ((FORWARD_FLAG, settings.schedule.forward_groups), (BACKWARD_FLAG, settings.schedule.backward_groups))
                  if value is not None]
@@ -80,12 +83,23 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
             raise PipeMeshArgumentError(
                 f"{' and '.join(given)} given with {SCHEDULE_FLAG} default: the groups only take effect with the PipeMesh "
                 f"schedule. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} 8 4 {BACKWARD_FLAG} 6 6")
-        per_node = args.pipemesh_ranks_per_node if sharding is not None and node_scope else None
-        return PipeMeshArgs(False, None, timeout_s, settings, ranks_per_node=per_node)
+        return PipeMeshArgs(False, None, timeout_s, settings, ranks_per_node=node.ranks_per_node if node else None,
+                            optimizer_instances=node.instances if node else None)
     check_memory_meter_args(args, settings)
-    plan, summary, replan = _plan(args, settings, sharding)
-    per_node = args.pipemesh_ranks_per_node if plan.sharding and node_scope else None
-    return PipeMeshArgs(True, plan, timeout_s, settings, summary, replan, per_node)
+    plan, summary, replan = _plan(args, settings, levels, node)
+    if plan.sharding and plan.sharding != tuple(levels or ()):  # the plan file's or the planner's levels, same rules
+        _, node = check_sharding(args, dataclasses.replace(
+            settings, sharding=dataclasses.replace(settings.sharding, levels=plan.sharding)))
+    per_node = node.ranks_per_node if plan.sharding and node else None
+    return PipeMeshArgs(True, plan, timeout_s, settings, summary, replan, per_node,
+                        optimizer_instances=node.instances if node else None)
+
+
+def apply_megatron_options(args, settings: PipeMeshArgs) -> None:
+    """The one Megatron option PipeMesh sets, after the plan is resolved: node-scope sharding runs as Megatron's
+    hierarchical distributed optimizer, with one instance per node a data-parallel group spans."""
+    if settings.optimizer_instances is not None:
+        args.num_distributed_optimizer_instances = settings.optimizer_instances
 
 
 def check_memory_meter_args(args, settings: PipeMeshConfig) -> None:
@@ -105,13 +119,9 @@ def check_memory_meter_args(args, settings: PipeMeshConfig) -> None:
         "or add --no-gradient-accumulation-fusion (or drop --overlap-grad-reduce) for the measuring run")
 
 
-def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optional[Replanning]]:
-    """The run's plan, where it came from, and its re-planning inputs: given groups, Megatron's group size, a
-    plan file, or the planner (``auto``, or placement for given groups)."""
+def check_pipeline_args(args, settings: PipeMeshConfig) -> None:
+    """The PipeMesh schedule's rules on Megatron's pipeline and batch flags, and on which plan flags combine."""
     forward, backward = settings.schedule.forward_groups, settings.schedule.backward_groups
-    lookahead = settings.schedule.recv_lookahead
-    if lookahead < 0:
-        raise PipeMeshArgumentError(f"--pipemesh-recv-lookahead {lookahead} is invalid: it must be >= 0. Example: --pipemesh-recv-lookahead 1")
     pp = args.pipeline_model_parallel_size
     vpp = args.virtual_pipeline_model_parallel_size
     if pp < 2:
@@ -145,57 +155,50 @@ def _plan(args, settings: PipeMeshConfig, sharding) -> Tuple[RunPlan, str, Optio
             f"{FORWARD_FLAG}/{BACKWARD_FLAG} (lists or auto) or --pipemesh-plan with --rampup-batch-size is invalid: groups "
             f"and plans are made for one number of micro-batches per iteration, which batch-size ramp-up changes. Drop "
             f"--rampup-batch-size or the group flags")
-    m = microbatches_per_iteration(args)
-    scope = settings.sharding.scope
-    if auto or plan_file:
-        from .auto_plan import auto_plan, load_plan
-        try:
-            if plan_file:
-                plan, summary, replan = load_plan(plan_file, pp, vpp, m), None, None
-                summary = f"PipeMesh plan from {plan_file}: {plan.describe()}"
-            else:
-                plan, summary, replan = auto_plan(args, pp, vpp, m)
-        except (ValueError, ScheduleConfigError) as error:
-            raise PipeMeshArgumentError(str(error)) from error
-        if plan.sharding:  # levels saved in the plan file, or chosen by the planner (--pipemesh-sharding auto)
-            if sharding not in (None, "auto") and tuple(sharding) != plan.sharding:
-                raise PipeMeshArgumentError(
-                    f"--pipemesh-sharding {' '.join(sharding)} and --pipemesh-plan {plan_file} (sharding "
-                    f"{' '.join(plan.sharding)}) disagree; the plan file holds the levels. Drop one of them")
-            sharding = check_sharding_args(args, dataclasses.replace(
-                settings, sharding=dataclasses.replace(settings.sharding, levels=plan.sharding)))
-        elif sharding == "auto":
-            sharding = None
-        return dataclasses.replace(plan, recv_lookahead=lookahead, sharding=tuple(sharding or ()), shard_scope=scope), \
-            summary, replan
-    group_size = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+
+
+def plan_source(settings: PipeMeshConfig) -> str:
+    """Where the run's plan comes from (:data:`~..planning.request.PLAN_SOURCES`)."""
+    if settings.schedule.plan:
+        return PLAN_FILE
+    if "auto" in (settings.schedule.forward_groups, settings.schedule.backward_groups):
+        return AUTO
+    return PLACED_GROUPS if settings.placement.activation_placement == "auto" else GROUPS
+
+
+def _plan(args, settings: PipeMeshConfig, levels, node: Optional[NodeScope]) -> Tuple[RunPlan, str, Optional[Replanning]]:
+    """The run's plan, its plan line and its re-planning inputs, resolved from the Megatron surface's request."""
+    from .auto_plan import resolve_megatron
+
     try:
-        if forward is None and backward is None:
-            config = ScheduleConfig.uniform(pp, vpp, m, group_size)
-        else:  # a missing forward list: Megatron's group size, as the runtime would choose it
-            config = ScheduleConfig(pp, vpp, m, forward or RunPlan().config_for(pp, vpp, m, group_size).forward_groups,
-                                    backward or ())
+        lowering = LoweringSettings(settings.schedule.recv_lookahead, levels or (), settings.sharding.scope)
+    except ValueError as error:
+        raise PipeMeshArgumentError(str(error)) from error
+    check_pipeline_args(args, settings)
+    source = plan_source(settings)
+    pp, vpp, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, microbatches_per_iteration(args)
+    try:
+        return resolve_megatron(args, settings, source, pp, vpp, m, lowering, node.ranks_per_node if node else None)
     except ScheduleConfigError as error:
+        if source in (PLAN_FILE, AUTO):
+            raise PipeMeshArgumentError(str(error)) from error
         raise PipeMeshArgumentError(
             f"{error} (micro-batches per iteration m = --global-batch-size {args.global_batch_size} / "
             f"(--micro-batch-size {args.micro_batch_size} x data-parallel size {args.data_parallel_size}) = {m}; "
             f"p = {pp}, V = {vpp})") from error
-    base = RunPlan(config if forward or backward else None, sharding=tuple(sharding or ()), shard_scope=scope,
-                   recv_lookahead=lookahead)
-    if settings.placement.activation_placement == "auto":  # given groups: place / recompute under the budget
-        from .auto_plan import place_given_groups
-        try:
-            plan, summary, replan = place_given_groups(args, config)
-        except (ValueError, ScheduleConfigError) as error:
-            raise PipeMeshArgumentError(str(error)) from error
-        return dataclasses.replace(plan, recv_lookahead=lookahead, sharding=base.sharding, shard_scope=scope), \
-            summary, replan
-    return base, "", None
+    except ValueError as error:
+        raise PipeMeshArgumentError(str(error)) from error
 
 
 def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, ...]]:
+    """The levels of --pipemesh-sharding, validated against Megatron's ``args`` (:func:`check_sharding`)."""
+    return check_sharding(args, settings)[0]
+
+
+def check_sharding(args, settings: PipeMeshConfig) -> Tuple[Union[None, str, Tuple[str, ...]], Optional[NodeScope]]:
     """Validate --pipemesh-sharding / --pipemesh-shard-scope against Megatron's ``args``: one level per
-    virtual chunk (or one for all), the distributed optimizer, no Megatron-FSDP, and what the runtime executes."""
+    virtual chunk (or one for all), the distributed optimizer, no Megatron-FSDP, and what the runtime executes.
+    Returns the levels (None without the flag, 'auto' for the planner's) and the node scope's nodes."""
     from ..planning.sharding import FLAG, ShardingError, parse_levels
     from ..schedule.spans import ZERO_STAGE
 
@@ -204,7 +207,7 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             raise PipeMeshArgumentError(f"--pipemesh-shard-scope {settings.sharding.scope} without {FLAG}: the scope applies "
                                         f"to ZeRO-2/3 chunks. Example: {FLAG} optim optim_grads_params "
                                         f"--pipemesh-shard-scope {settings.sharding.scope}")
-        return None
+        return None, None
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     try:
         levels = parse_levels(settings.sharding.levels, vpp,
@@ -218,8 +221,9 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
             f"chunk's wrapper (megatron/core/optimizer/__init__.py:1082); per-chunk levels run on the distributed optimizer. "
             f"Example: --use-distributed-optimizer {FLAG} optim optim_grads_params")
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    node = None
     if settings.sharding.scope == "node":
-        args.num_distributed_optimizer_instances = node_scope_instances(args, settings)
+        node = node_scope(args, settings)
     elif instances > 1:
         raise PipeMeshArgumentError(
             f"{FLAG} with --num-distributed-optimizer-instances {instances} is invalid under --pipemesh-shard-scope "
@@ -236,7 +240,7 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
                 f"--pipemesh-memory-budget-gb (the same plan on every rank), without --pipemesh-measure-iters; or take "
                 f"the levels `pipemesh plan --sharding auto` prints. Example: {SCHEDULE_FLAG} pipemesh {FORWARD_FLAG} "
                 f"auto {BACKWARD_FLAG} auto --pipemesh-memory-budget-gb 40 {FLAG} auto")
-        return "auto"  # resolved by the planner (check_pipemesh_args), then checked like given levels
+        return "auto", node  # resolved by the planner (check_pipemesh_args), then checked like given levels
     if any(ZERO_STAGE[level] > 1 for level in levels):
         example = f"--pipeline-schedule pipemesh --use-distributed-optimizer --overlap-param-gather {FLAG} {' '.join(levels)}"
         if not settings.enabled:
@@ -261,7 +265,7 @@ def check_sharding_args(args, settings: PipeMeshConfig) -> Optional[Tuple[str, .
                         f"{FLAG} optim_grads_params with {flag} is not supported: between iterations a ZeRO-3 chunk holds "
                         f"only its parameter shard (the rest of its parameters is gathered per group), which {flag} would "
                         f"read. Drop {flag} or use {FLAG} optim_grads")
-    return levels
+    return levels, node
 
 
 RANKS_PER_NODE_FLAG = "--pipemesh-ranks-per-node"
@@ -292,15 +296,23 @@ def detect_ranks_per_node(given: Optional[int], environ) -> Tuple[int, str]:
         f"(torchrun) or SLURM_NTASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
 
 
-def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
-    """``--pipemesh-shard-scope node`` as Megatron's hierarchical distributed optimizer: the number of
-    distributed-optimizer instances (nodes a data-parallel group spans), after checking that every
-    data-parallel group splits evenly into nodes. Records the ranks per node in
-    ``args.pipemesh_ranks_per_node`` (the runtime re-checks the real groups at start-up)."""
+@dataclass(frozen=True)
+class NodeScope:
+    """``--pipemesh-shard-scope node`` as Megatron's hierarchical distributed optimizer."""
+
+    ranks_per_node: int
+    """Ranks per node (the runtime re-checks the real groups at start-up)."""
+    instances: int
+    """Distributed-optimizer instances: the nodes a data-parallel group spans."""
+
+
+def node_scope(args, settings: PipeMeshConfig, environ=None) -> NodeScope:
+    """``--pipemesh-shard-scope node``: the ranks per node and the number of distributed-optimizer instances (nodes
+    a data-parallel group spans), after checking that every data-parallel group splits evenly into nodes."""
     from ..planning.sharding import ShardingError, shard_size
 
     environ = os.environ if environ is None else environ
-    per_node, source = detect_ranks_per_node(getattr(args, "pipemesh_ranks_per_node", None), environ)
+    per_node, source = detect_ranks_per_node(settings.sharding.ranks_per_node, environ)
     rank = int(environ.get("RANK", getattr(args, "rank", 0) or 0))
     where = f"rank {rank}: {source}={per_node}"
     tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1) or 1
@@ -337,8 +349,7 @@ def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
             f"--pipemesh-shard-scope node ({instances} distributed-optimizer instances) needs the einops package: "
             f"Megatron builds the groups of its hierarchical distributed optimizer with it "
             f"(megatron/core/parallel_state.py:401). Install it: pip install 'einops~=0.8'")
-    args.pipemesh_ranks_per_node = per_node
-    return instances
+    return NodeScope(per_node, instances)
 
 
 def fail(error: Exception) -> "NoReturn":  # noqa: F821

@@ -194,11 +194,12 @@ def merge_yaml_settings(args, parser, argv=None) -> None:
 
 
 def _activate_from(args) -> None:
-    from .flags import PipeMeshArgumentError, check_pipemesh_args, fail
+    from .flags import PipeMeshArgumentError, apply_megatron_options, check_pipemesh_args, fail
     from .report import announce_plan
 
     try:
         settings = check_pipemesh_args(args)
+        apply_megatron_options(args, settings)
         activate(settings)
     except PipeMeshArgumentError as error:
         fail(error)

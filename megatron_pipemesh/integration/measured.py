@@ -18,23 +18,15 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from ..planning.costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
-from ..planning.planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
-from ..schedule.config import ScheduleConfig
+from ..planning.clusters import MEASURED_TIME_FIELDS
+from ..planning.costs import ClusterSpec, ModelSpec
+from ..planning.planner import NoFeasiblePlan
+from ..planning.request import PlanRequest
+from ..planning.resolve import Resolution, resolve
 from ..schedule.plan import RunPlan
 
-TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s", "dp_gather_s")
-
-
-def with_measured_times(costs: OpCosts, measured: Dict[str, float]) -> OpCosts:
-    """Analytic memory terms, measured times (recompute cost scaled by the measured/analytic forward)."""
-    scale = measured["forward_s"] / costs.forward_s if costs.forward_s else 1.0
-    recompute = {level: value * scale for level, value in costs.recompute_s.items()}
-    # An uneven split's stages scale the measured chunk (the slowest middle one, as the analytic chunk is the largest).
-    stages = tuple(dataclasses.replace(stage, recompute_s={level: value * scale for level, value in stage.recompute_s.items()})
-                   for stage in costs.stages)
-    return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0, stages=stages,
-                               **{key: float(measured[key]) for key in TIME_FIELDS})
+TIME_FIELDS = MEASURED_TIME_FIELDS
+"""The per-op times a profile file holds."""
 
 
 def load_profile(path: str) -> Dict[str, float]:
@@ -48,36 +40,29 @@ def load_profile(path: str) -> Dict[str, float]:
 
 @dataclass(frozen=True)
 class Replanning:
-    """What the measured re-planner needs to plan again inside training (see :class:`MeasuredReplanner`)."""
+    """What the measured re-planner needs to plan again inside training (see :class:`MeasuredReplanner`): the run's
+    request, and which of its inputs the ranks agree on or measure."""
 
-    model: ModelSpec
-    """The model the analytic costs price."""
-    cluster: ClusterSpec
-    """The cluster as this rank found it (device rate, host link)."""
-    budget_bytes: float
-    """Device memory the plan may use, as this rank found it."""
-    pp: int
-    """Pipeline size p."""
-    vpp: int
-    """Virtual chunks per rank V."""
-    microbatches: int
-    """Micro-batches per iteration m."""
-    measured: Optional[Dict[str, float]] = None
-    """Times from a saved profile (``--pipemesh-profile``) the start-up plan used; None: analytic times."""
+    request: PlanRequest
+    """The start-up request (model, cluster, budget and placement options as this rank found them)."""
     measure_iters: int = 0
     """Training calls timed before re-planning from measured costs (0: none)."""
     profile_path: Optional[str] = None
     """Where the measured costs are saved (--pipemesh-profile)."""
     agree_on_budget: bool = False
     """The budget was read from this rank's free memory: re-plan for the minimum over ranks."""
-    planner_options: PlannerOptions = PlannerOptions()
-    """The run's placement options."""
     agree_on_host: bool = False
     """The host link or host budget was found by this rank: re-plan with the minimum over ranks."""
     agree_on_rate: bool = False
     """The device rate was measured by this rank (its CPU's matmul rate): re-plan with the slowest over ranks."""
-    fixed_config: Optional[ScheduleConfig] = None
-    """The groups were given: re-planning only re-fits placement and recomputation to them."""
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.request.model
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.request.cluster
 
 
 class MeasuredReplanner:
@@ -91,30 +76,30 @@ class MeasuredReplanner:
       placement (measured or read per rank).
     * ``measure_iters`` > 0: after that many training calls, re-plan once from measured costs.
 
-    A new plan keeps the start-up plan's receive lookahead and sharding (``base``).
+    Each re-plan resolves the start-up request with what the ranks agreed on or measured
+    (:func:`..planning.resolve.resolve`), so the new plan keeps its lowering settings.
     """
 
     def __init__(self, schedule, make_schedule: Callable[[RunPlan], object], base: RunPlan, inputs: Replanning):
-        # make_schedule(plan) -> a PipeMeshSchedule running ``plan``.
+        # make_schedule(plan) -> a PipeMeshSchedule running ``plan``; ``base``: the start-up plan (running now).
         self.schedule, self.make_schedule, self.base = schedule, make_schedule, base
-        self.model, self.cluster, self.measured = inputs.model, inputs.cluster, inputs.measured
-        self.budget_bytes, self.pp, self.vpp, self.microbatches = (inputs.budget_bytes, inputs.pp, inputs.vpp,
-                                                                   inputs.microbatches)
-        self.measure_iters, self.profile_path = inputs.measure_iters, inputs.profile_path
-        self.planner_options, self.fixed_config = inputs.planner_options, inputs.fixed_config
+        self.inputs = inputs
+        self.request = inputs.request
         self.agree_on_budget, self.agree_on_host, self.agree_on_rate = (inputs.agree_on_budget, inputs.agree_on_host,
                                                                         inputs.agree_on_rate)
         self.history: List = []
 
-    def costs_for(self, config: ScheduleConfig) -> OpCosts:
-        """The costs the next plan is made with: analytic on this cluster, with the measured times once there are."""
-        analytic = analytic_costs(self.model, self.cluster, config, planning_levels(self.model))
-        return with_measured_times(analytic, self.measured) if self.measured else analytic
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.request.cluster
 
-    def _switch_to(self, best: Plan) -> None:
-        """Run ``best`` from the next call on (the new schedule continues the old one's transfer tags)."""
-        plan = best.run_plan(self.base.recv_lookahead, self.base.sharding, self.base.shard_scope)
-        self.schedule = self.make_schedule(plan).continue_from(self.schedule)
+    @property
+    def budget_bytes(self) -> float:
+        return self.request.budget_bytes
+
+    def _switch_to(self, resolution: Resolution) -> None:
+        """Run the resolved plan from the next call on (the new schedule continues the old one's transfer tags)."""
+        self.schedule = self.make_schedule(resolution.plan).continue_from(self.schedule)
 
     @property
     def options(self):
@@ -135,9 +120,10 @@ class MeasuredReplanner:
             self.agree_on_rate = False
             self._agree_on_rate()
         result = self.schedule(**kwargs)
-        if self.measure_iters and not kwargs.get("forward_only") and len(self.history) < self.measure_iters:
+        measure_iters = self.inputs.measure_iters
+        if measure_iters and not kwargs.get("forward_only") and len(self.history) < measure_iters:
             self.history.append(self.schedule.last_stats)
-            if len(self.history) >= self.measure_iters:
+            if len(self.history) >= measure_iters:
                 self._replan(kwargs)
         return result
 
@@ -149,10 +135,9 @@ class MeasuredReplanner:
         low, high = min(budgets), max(budgets)
         if low == high:
             return
-        self.budget_bytes = low
         rank0 = dist.get_rank() == 0
         try:
-            best = self._plan(low)
+            best = self._plan(budget_bytes=low)
         except NoFeasiblePlan as error:
             raise NoFeasiblePlan(f"--forward-groups auto: the smallest free-memory budget over all ranks "
                                  f"({low / 2**30:.2f} GiB, rank {budgets.index(low)}) admits no plan: {error}. Free "
@@ -160,24 +145,18 @@ class MeasuredReplanner:
         self._switch_to(best)
         if rank0:
             print(f"PipeMesh plan (auto, budget = minimum free memory over ranks {low / 2**30:.2f} GiB; ranks ranged "
-                  f"up to {high / 2**30:.2f} GiB): {best.summary()}", flush=True)
+                  f"up to {high / 2**30:.2f} GiB): {best.chosen.summary()}", flush=True)
 
-    def _plan(self, budget_bytes: float):
-        """The best plan for the current costs and ``budget_bytes``, with the run's placement options."""
-        if self.fixed_config is not None:
-            plan = fit_with_recompute(self.fixed_config, self.costs_for(self.fixed_config), budget_bytes,
-                                      self.planner_options)
-            if not plan.fits:
-                raise NoFeasiblePlan(f"{self.fixed_config.describe()} does not fit {budget_bytes / 2**30:.2f} GiB even with "
-                                     "host placement and recomputation")
-            return plan
-        return plan_schedule(self.pp, self.vpp, self.microbatches, self.costs_for, budget_bytes, self.planner_options)[0]
+    def _plan(self, **changes) -> Resolution:
+        """The start-up request resolved again with ``changes`` (agreed inputs, measured times), which it keeps."""
+        self.request = dataclasses.replace(self.request, **changes)
+        return resolve(self.request)
 
     def _agree_on_host(self) -> None:
         """All ranks re-plan with the slowest host link and the smallest host budget when they differ."""
         import torch.distributed as dist
 
-        mine = (self.cluster.host_link_gbps, self.planner_options.host_budget_bytes)
+        mine = (self.cluster.host_link_gbps, self.request.planner.host_budget_bytes)
         found: List = [None] * dist.get_world_size()
         dist.all_gather_object(found, mine)
         links = [f[0] for f in found if f[0] is not None]
@@ -185,14 +164,13 @@ class MeasuredReplanner:
         agreed = (min(links) if links else None, min(budgets) if budgets else None)
         if all(tuple(f) == agreed for f in found):
             return
-        self.cluster = dataclasses.replace(self.cluster, host_link_gbps=agreed[0])
-        self.planner_options = dataclasses.replace(self.planner_options, host_budget_bytes=agreed[1])
-        best = self._plan(self.budget_bytes)
+        best = self._plan(cluster=dataclasses.replace(self.cluster, host_link_gbps=agreed[0]),
+                          planner=dataclasses.replace(self.request.planner, host_budget_bytes=agreed[1]))
         self._switch_to(best)
         if dist.get_rank() == 0:
             host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
             print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
-                  f"over ranks): {best.summary()}", flush=True)
+                  f"over ranks): {best.chosen.summary()}", flush=True)
 
     def _agree_on_rate(self) -> None:
         """All ranks re-plan with the slowest measured device rate when they differ."""
@@ -203,12 +181,11 @@ class MeasuredReplanner:
         low, high = min(rates), max(rates)
         if low == high:
             return
-        self.cluster = dataclasses.replace(self.cluster, device_tflops=low)
-        best = self._plan(self.budget_bytes)
+        best = self._plan(cluster=dataclasses.replace(self.cluster, device_tflops=low))
         self._switch_to(best)
         if dist.get_rank() == 0:
             print(f"PipeMesh plan (auto, CPU matmul rate = the slowest over ranks {low * 1e3:.1f} GFLOP/s; ranks ranged "
-                  f"up to {high * 1e3:.1f} GFLOP/s): {best.summary()}", flush=True)
+                  f"up to {high * 1e3:.1f} GFLOP/s): {best.chosen.summary()}", flush=True)
 
     def _replan(self, kwargs) -> None:
         import torch.distributed as dist
@@ -226,25 +203,25 @@ class MeasuredReplanner:
             seq //= parallel_state.get_tensor_model_parallel_world_size()
         device = next(model[0].parameters()).device
         chunk_params = max(sum(p.numel() for p in chunk.parameters()) for chunk in model)
-        self.measured = measure_costs(
-            self.history[1:] or self.history, vpp=self.vpp, pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        measured = measure_costs(
+            self.history[1:] or self.history, vpp=self.request.vpp, pp_group=parallel_state.get_pipeline_model_parallel_group(),
             p2p_groups=get_pipemesh_p2p_groups(), dp_group=parallel_state.get_data_parallel_group(),
             shape=(seq, kwargs["micro_batch_size"], config.hidden_size), dtype=config.pipeline_dtype, device=device,
-            chunk_params=chunk_params, grad_bytes=self.model.grad_bytes,
+            chunk_params=chunk_params, grad_bytes=self.request.model.grad_bytes,
             distributed_optimizer=self.cluster.distributed_optimizer)
         rank0 = dist.get_rank() == 0
         if rank0:
             print("PipeMesh measured costs (s per chunk-micro-batch): "
-                  + ", ".join(f"{k} {v:.6f}" for k, v in self.measured.items()), flush=True)
-            if self.profile_path:
-                with open(self.profile_path, "w", encoding="utf-8") as handle:
-                    json.dump(self.measured, handle, indent=1)
+                  + ", ".join(f"{k} {v:.6f}" for k, v in measured.items()), flush=True)
+            if self.inputs.profile_path:
+                with open(self.inputs.profile_path, "w", encoding="utf-8") as handle:
+                    json.dump(measured, handle, indent=1)
         try:
-            best = self._plan(self.budget_bytes)  # the minimum over ranks once agreed
+            best = self._plan(measured=measured)  # on the budget agreed on, if any
         except NoFeasiblePlan as error:
             if rank0:
                 print(f"PipeMesh: keeping the analytic plan; the measured costs give no plan: {error}", flush=True)
             return
         self._switch_to(best)
         if rank0:
-            print(f"PipeMesh plan (measured): {best.summary()}", flush=True)
+            print(f"PipeMesh plan (measured): {best.chosen.summary()}", flush=True)

@@ -62,8 +62,10 @@ class Prediction:
     """Per rank: activation bytes of its chunk-micro-batches placed on the host (one iteration, summed)."""
 
 
-def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> Optional[Prediction]:
-    """Predict ``config`` (with its recomputation) for this run; None when the model shape is unknown."""
+def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None,
+            ranks_per_node: Optional[int] = None) -> Optional[Prediction]:
+    """Predict ``config`` (with its recomputation) for this run (``ranks_per_node``: the node scope's nodes); None
+    when the model shape is unknown."""
     from .auto_plan import costs_source, device_rate, model_and_cluster
 
     model_args = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
@@ -71,7 +73,7 @@ def predict(args, config: ScheduleConfig, recompute: Optional[Dict] = None) -> O
         return None
     rate = device_rate(args, "the predicted iteration")
     source = costs_source(rate)
-    model, cluster = model_and_cluster(args, rate)
+    model, cluster = model_and_cluster(args, rate, ranks_per_node=ranks_per_node)
     costs = analytic_costs(model, cluster, config)
     result = simulate(config, costs, recompute or {})
     placed = ScheduleCosts(config, costs, recompute or {})
@@ -96,17 +98,17 @@ def split_summary(args, config: ScheduleConfig) -> str:
         return f"layer split unknown ({error})"
 
 
-def sharding_summary(args, config: ScheduleConfig, levels) -> str:
+def sharding_summary(args, config: ScheduleConfig, plan: RunPlan, ranks_per_node: Optional[int] = None) -> str:
     """The levels and the model's weights + grads + optimizer bytes per pipeline rank for them and for ZeRO-1
     everywhere (the runtime prints the measured bytes next to its own prediction at iteration 2)."""
     from ..planning.sharding import ShardingSpec, rank_splits
     from .auto_plan import DeviceRate, model_and_cluster
 
-    scope = getattr(args, "pipemesh_shard_scope", "data-parallel")
-    text = f"sharding {' '.join(levels)}" + (f" (scope node, ranks per node: {args.pipemesh_ranks_per_node})"
+    levels, scope = plan.sharding, plan.shard_scope
+    text = f"sharding {' '.join(levels)}" + (f" (scope node, ranks per node: {ranks_per_node})"
                                              if scope == "node" else "")
     try:
-        model, cluster = model_and_cluster(args, DeviceRate(1.0, 1.0))
+        model, cluster = model_and_cluster(args, DeviceRate(1.0, 1.0), ranks_per_node=ranks_per_node)
         mine = rank_splits(model, cluster, config, ShardingSpec(tuple(levels), scope))
         zero1 = rank_splits(model, cluster, config, ShardingSpec(("optim",) * config.vpp, scope))
     except Exception as error:  # a report must not stop training
@@ -157,9 +159,9 @@ def plan_line(args, settings) -> str:
     if split:
         parts[0] += f" ({split})"
     if plan.sharding:
-        parts.append(sharding_summary(args, config, plan.sharding))
+        parts.append(sharding_summary(args, config, plan, settings.ranks_per_node))
     try:
-        prediction = predict(args, config, plan.placement)
+        prediction = predict(args, config, plan.placement, settings.ranks_per_node)
     except Exception as error:  # a report must not stop training; say why there is no prediction
         prediction = None
         parts.append(f"no prediction ({type(error).__name__}: {error})")

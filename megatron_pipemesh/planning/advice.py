@@ -34,7 +34,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import DEVICE, RECOMPUTE_ONLY
 from .bounds import bound_for, virtual_sizes
-from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
+from .clusters import costs_for, nic_cluster
+from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
+from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
@@ -59,11 +61,11 @@ class AdviceCluster:
     """Memory of one GPU, GiB [--device-memory-gb, or --gpu's]."""
     device_tflops: float
     """Dense 16-bit peak TFLOP/s of one GPU [--device-tflops, or --gpu's]."""
-    mfu: float = 0.45
+    mfu: float = MFU
     """Fraction of the peak the layers reach [--mfu]."""
     host_memory_gb: Optional[float] = None
     """Host memory per GPU for offloaded activations, GiB [--host-memory-gb]; None: neither side offloads."""
-    host_link_gbps: float = 200.0
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Device-host copy bandwidth per GPU and direction, Gbit/s [--host-link-gbps]."""
     nic_via_host: bool = True
     """Network traffic is staged through host memory (no GPUDirect RDMA: commodity clouds) [--gpudirect-rdma: no]."""
@@ -84,13 +86,12 @@ class AdviceCluster:
 
     def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool) -> ClusterSpec:
         """The planner's :class:`.costs.ClusterSpec` for one parallel layout."""
-        return ClusterSpec(tp=tp, dp=dp, device_tflops=self.device_tflops, mfu=self.mfu,
-                           device_memory_gb=self.device_memory_gb, dp_gbps=self.nic_gbps, p2p_gbps=self.nic_gbps,
-                           latency_us=self.latency_us, sequence_parallel=sequence_parallel and tp > 1,
-                           distributed_optimizer=distributed_optimizer, devices_per_node=self.gpus_per_node,
-                           nic_gbps=self.nic_gbps, host_link_gbps=self.host_link_gbps,
-                           intra_node_gbps=self.intra_node_gbps, nic_via_host=self.nic_via_host,
-                           host_copies_on_compute=self.host_copies_on_compute)
+        return nic_cluster(tp=tp, dp=dp, devices_per_node=self.gpus_per_node, nic_gbps=self.nic_gbps,
+                           link_gbps=self.nic_gbps, intra_node_gbps=self.intra_node_gbps,
+                           device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
+                           host_link_gbps=self.host_link_gbps, nic_via_host=self.nic_via_host,
+                           sequence_parallel=sequence_parallel and tp > 1, distributed_optimizer=distributed_optimizer,
+                           mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute)
 
 
 @dataclass(frozen=True)
@@ -364,7 +365,7 @@ def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = fl
     model, spec = candidate.model, candidate.cluster
     try:
         plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
-                                lambda config: analytic_costs(model, spec, config, planning_levels(model)),
+                                lambda config: costs_for(model, spec, config),
                                 cluster.budget_bytes,
                                 search_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
                                 incumbent_s=incumbent_s, time_up=time_up)
@@ -423,7 +424,7 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
             raise NoFeasiblePlan(f"the command's --forward-groups auto finds no plan that fits "
                                  f"{cluster.device_memory_gb:g} GiB per GPU")
         return _plan_row("user", user, plan)
-    costs = analytic_costs(user.model, user.cluster, problem.pipemesh, planning_levels(user.model))
+    costs = costs_for(user.model, user.cluster, problem.pipemesh)
     plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
                               search_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
     return _plan_row("user", user, plan)

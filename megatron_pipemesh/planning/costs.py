@@ -45,16 +45,13 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import FinalCollective
+from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
 from .layout import LayerSplit
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 from .topology import GBIT, Topology, topology
 
 GB = 1024 ** 3
 
-DEFAULT_HOST_LINK_GBPS = 200.0
-"""Device-host copy bandwidth per rank and direction (Gbit/s) when nothing is measured: PCIe 4.0 x16
-moves 31.5 GB/s raw per direction (16 GT/s x 16 lanes x 128/130); pinned-memory cudaMemcpyAsync reaches
-about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 Gbit/s."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ class ClusterSpec:
     """Data-parallel size d."""
     device_tflops: float = 312.0
     """Peak dense TFLOP/s of one device in the compute dtype."""
-    mfu: float = 0.45
+    mfu: float = MFU
     """Fraction of peak actually reached by the layers."""
     device_memory_gb: float = 80.0
     """Memory per device (GiB)."""
@@ -339,6 +336,54 @@ def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
                            bias_activation_fusion=model.bias_activation_fusion)
 
 
+def _tp_unit_s(model: ModelSpec, cluster: ClusterSpec, links: Topology) -> float:
+    """One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
+    reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC."""
+    t = cluster.tp
+    if t <= 1:
+        return 0.0
+    unit = 2 * (t - 1) / t * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes / (
+        links.tp_gbps * GBIT)
+    if t > cluster.devices_per_node:
+        unit += 2 * (t - 1) * cluster.latency_us * 1e-6
+    return unit
+
+
+def _dp_sync_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: float) -> Tuple[float, float]:
+    """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP."""
+    d = cluster.dp
+    if d <= 1:
+        return 0.0, 0.0
+    dp_route = links.dp_route(0)
+    dp_bytes_per_s = dp_route.lone_bytes_per_s if dp_route is not None else cluster.dp_gbps * GBIT
+    grads = params * model.grad_bytes / dp_bytes_per_s
+    if cluster.distributed_optimizer:
+        return (reduce_scatter_steps(cluster) * (d - 1) / d * grads,
+                (d - 1) / d * params * model.dtype_bytes / dp_bytes_per_s)
+    return 2 * (d - 1) / d * grads, 0.0
+
+
+def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, stage_layers: Sequence[int],
+                uneven: bool) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """(weights + grads + optimizer bytes, optimizer-step seconds) per pipeline rank."""
+    t, d = cluster.tp, cluster.dp
+    chunk_params = max(stage_layers) * model.layer_params() / t
+    static, optimizer = [], []
+    bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
+    for rank in range(config.pp):
+        rank_layers = sum(stage_layers[c * config.pp + rank] for c in range(config.vpp))
+        params = rank_layers * model.layer_params() / t if uneven else config.vpp * chunk_params
+        if rank == 0:
+            params += model.embedding_params() / t
+        if rank == config.pp - 1:
+            params += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
+        static.append(params * bytes_per_param)
+        # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
+        shard = params / d if cluster.distributed_optimizer else params
+        optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
+    return tuple(static), tuple(optimizer)
+
+
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
                    levels: Sequence[str] = BASIC_LEVERS) -> OpCosts:
     """Derive :class:`OpCosts` for ``config`` from the model and cluster, with activation bytes and
@@ -354,37 +399,15 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     act_elems = s * b * h / sp
     links = topology(cluster, config.pp)
     p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s if config.pp > 1 else 0.0
-    # One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
-    # reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC.
-    tp_unit = 0.0
-    if t > 1:
-        tp_unit = 2 * (t - 1) / t * s * b * h * model.dtype_bytes / (links.tp_gbps * GBIT)
-        if t > cluster.devices_per_node:
-            tp_unit += 2 * (t - 1) * cluster.latency_us * 1e-6
+    tp_unit = _tp_unit_s(model, cluster, links)
     tp_layer = 2 * tp_unit  # per layer and direction: after attention and after the MLP (forward), their inputs' grads
     first_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (tp_unit, 0.0)
     last_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (0.0, tp_unit)
-    chunk_params = layers * model.layer_params() / t
-    rank_layers = [sum(stage_layers[c * config.pp + r] for c in range(config.vpp)) for r in range(config.pp)]
-    d = cluster.dp
-    dp_route = links.dp_route(0)
-    dp_bytes_per_s = dp_route.lone_bytes_per_s if dp_route is not None else cluster.dp_gbps * GBIT
-
-    def sync_s(params: float) -> Tuple[float, float]:
-        """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP."""
-        if d <= 1:
-            return 0.0, 0.0
-        grads = params * model.grad_bytes / dp_bytes_per_s
-        if cluster.distributed_optimizer:
-            return (reduce_scatter_steps(cluster) * (d - 1) / d * grads,
-                    (d - 1) / d * params * model.dtype_bytes / dp_bytes_per_s)
-        return 2 * (d - 1) / d * grads, 0.0
-
-    reduce, gather = sync_s(chunk_params)
+    reduce, gather = _dp_sync_s(model, cluster, links, layers * model.layer_params() / t)
     # The embedding (and position table) lives in stage 0's bucket, the output layer (or the tied embedding's
     # copy) in the last's.
-    first_dp = sum(sync_s(model.embedding_params() / t))
-    last_dp = sum(sync_s(model.vocab_size * h / t))
+    first_dp = sum(_dp_sync_s(model, cluster, links, model.embedding_params() / t))
+    last_dp = sum(_dp_sync_s(model, cluster, links, model.vocab_size * h / t))
     embedding = 0.0
     if model.tied_embeddings and config.pp > 1:
         # Two ranks: a ring all-reduce sends half the gradient each way twice.
@@ -411,27 +434,16 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                                    recompute_s(count), {level: transient_bytes(shape, count, level) for level in levels})
                  for count in set(stage_layers)}
         stages = tuple(kinds[count] for count in stage_layers)
-    static, optimizer = [], []
-    bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
-    for rank in range(config.pp):
-        params = rank_layers[rank] * model.layer_params() / t if stages else config.vpp * chunk_params
-        if rank == 0:
-            params += model.embedding_params() / t
-        if rank == config.pp - 1:
-            params += model.vocab_size * h / t  # the output layer (tied: the embedding's copy)
-        static.append(params * bytes_per_param)
-        # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
-        shard = params / d if cluster.distributed_optimizer else params
-        optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
+    static, optimizer = _rank_state(model, cluster, config, stage_layers, bool(stages))
     tp_forward = tp_backward = layers * tp_layer
     return OpCosts(
         forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
         dp_gather_s=gather, latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
         activation_bytes=middle, first_stage_activation_bytes=first, last_stage_activation_bytes=last,
         recompute_s=recompute_s(layers),
-        first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=tuple(optimizer),
+        first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=optimizer,
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=tuple(static), host_link_gbps=cluster.host_link_gbps,
+        static_bytes=static, host_link_gbps=cluster.host_link_gbps,
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
         first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,

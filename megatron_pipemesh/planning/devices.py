@@ -55,3 +55,20 @@ def find_device(name: str) -> Optional[Device]:
 def known_names() -> str:
     """The table's names, for error messages."""
     return ", ".join(device.name for device in DEVICES)
+
+
+@dataclass(frozen=True)
+class DeviceRate:
+    """The compute rate the analytic costs assume for one device, and where it came from (every surface's one
+    name for it: training's ``--forward-groups auto``, ``pipemesh plan --megatron-args``)."""
+
+    tflops: float
+    """TFLOP/s of one device."""
+    mfu: float
+    """Fraction of it the layers reach (1 for a measured rate, which is already an achieved one)."""
+    source: str = ""
+    """Where the rate came from, said in the output ('' where a plan line need not say it)."""
+    given: bool = True
+    """Given by the user or known for the device (not measured here)."""
+    rank_local: bool = False
+    """Measured by this rank: the ranks agree on the slowest at the first call."""

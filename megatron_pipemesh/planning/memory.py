@@ -75,10 +75,7 @@ from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
 from ..schedule.levers import DEVICE, SELECTIVE_MODULES, Lever
-
-MEMORY_MARGIN = 0.10
-"""Fraction of device memory a plan leaves free by default (allocator fragmentation, communication buffers,
-workspace): the budget is the free (training) or total (planning) memory minus this share."""
+from .defaults import MEMORY_MARGIN  # noqa: F401  (re-exported: the margin is declared in .defaults)
 
 
 def selective_module_sets(layer_spec: str = "local") -> Tuple[Tuple[str, ...], ...]:

@@ -16,7 +16,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig, ScheduleConfigError, uniform_groups
 from .levers import BASIC_LEVERS, HOST, SELECTIVE_MODULES, Lever, runtime_lever
-from .lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
+from .lower import (DEFAULT_RELOAD_LOOKAHEAD, LOOKAHEAD_LEAST, LoweredSchedule, LoweringOptions, check_lookahead,
+                    host_placement_of, lower)
 from .spans import SHARD_LEVELS
 
 Key = Tuple[int, int, int]
@@ -29,6 +30,13 @@ PREDICTION_KEYS = ("predicted_iteration_time_s", "idle_fraction", "exposed_comm_
                    "fits", "recompute_share", "recompute_counts", "placement_counts", "peak_host_gb",
                    "host_memory_budget_gb", "exposed_host_s")
 """The planner's prediction in a plan file, in file order (the first eight precede the placement)."""
+
+
+def megatron_groups(pp: int, microbatches: int, group_size: Optional[int] = None) -> Tuple[int, ...]:
+    """The groups Megatron runs with ``--microbatch-group-size-per-virtual-pipeline-stage group_size`` (p where it is
+    not given or outside [p, m]), in either direction."""
+    size = group_size if group_size and pp <= group_size <= microbatches else pp
+    return tuple(uniform_groups(microbatches, size))
 
 
 OLD_PLACEMENT_KEY = "recompute"
@@ -93,10 +101,8 @@ class RunPlan:
             raise RunPlanError(f"sharding gives {len(self.sharding)} levels for {config.vpp} virtual chunks (one per chunk)")
         if self.shard_scope not in SHARD_SCOPES:
             raise RunPlanError(f"shard scope {self.shard_scope!r}: use one of {', '.join(SHARD_SCOPES)}")
-        for name, least in (("recv_lookahead", 0), ("reload_lookahead", 1), ("gather_lookahead", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise RunPlanError(f"{name} {value!r} must be an integer >= {least} (compute ops)")
+        for name in LOOKAHEAD_LEAST:
+            check_lookahead(name, getattr(self, name), RunPlanError)
 
     # What the plan holds ------------------------------------------------------------------------
     @property
@@ -130,8 +136,7 @@ class RunPlan:
                                           f"{FORWARD_FLAG} {microbatches} {BACKWARD_FLAG} {microbatches}")
             config = None
         if config is None:
-            size = group_size if group_size and pp <= group_size <= microbatches else pp
-            groups = tuple(uniform_groups(microbatches, size))
+            groups = megatron_groups(pp, microbatches, group_size)
             return ScheduleConfig(pp, vpp, microbatches, groups, groups)
         return config
 

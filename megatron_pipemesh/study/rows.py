@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
+from ..planning.clusters import nic_cluster
 from ..planning.costs import ClusterSpec, ModelSpec
 
 TARGET = 1.15
@@ -83,15 +84,19 @@ class StudyRow:
                 f"{' te' if self.layer_spec == 'te' else ''} {self.gpus_per_node}/node")
 
 
+def row_node(row: StudyRow) -> int:
+    """Devices of one node of ``row`` (behind one NIC): a TP group never spans VMs."""
+    return max(row.gpus_per_node, row.tp)
+
+
 def row_specs(row: StudyRow) -> Tuple[ModelSpec, ClusterSpec]:
     """The model and cluster ``row`` stands for (the assumptions of :mod:`.study`'s docstring)."""
     model = dataclasses.replace(GPT[row.model], layer_spec=row.layer_spec,
                                 grad_bytes=2 if row.grad_reduce_in_bf16 else 4)
-    node = max(row.gpus_per_node, row.tp)  # a TP group never spans VMs
-    cluster = ClusterSpec(tp=row.tp, dp=row.dp, device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0),
-                          device_memory_gb=row.memory_gb, dp_gbps=row.gbps, p2p_gbps=row.gbps,
-                          sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                          devices_per_node=node, nic_gbps=node * row.gbps, intra_node_gbps=INTRA_NODE_GBPS[row.regime],
+    node = row_node(row)
+    cluster = nic_cluster(tp=row.tp, dp=row.dp, devices_per_node=node, nic_gbps=node * row.gbps, link_gbps=row.gbps,
+                          intra_node_gbps=INTRA_NODE_GBPS[row.regime],
+                          device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0), device_memory_gb=row.memory_gb,
                           host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0),
-                          nic_via_host=row.regime in NIC_VIA_HOST)
+                          nic_via_host=row.regime in NIC_VIA_HOST, sequence_parallel=row.sequence_parallel)
     return model, cluster

@@ -82,7 +82,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout, SearchLog, candidates, search_layouts
 from ..planning.bounds import bound_for, iteration_lower_bound, virtual_sizes
-from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs, planning_levels
+from ..planning.clusters import costs_for
+from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..planning.planner_options import structured_options
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
@@ -90,7 +91,8 @@ from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock, defa
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import DEVICE, RECOMPUTE_ONLY
 from ..planning.memory import MEMORY_MARGIN
-from .rows import GPT, TARGET, StudyRow, row_specs
+from .rows import (DEVICE_TFLOPS, GPT, HOST_LINK_GBPS, INTRA_NODE_GBPS, NIC_VIA_HOST, TARGET, StudyRow, row_node,
+                   row_specs)
 
 HOST_MEMORY_GB = 48.0
 """Host memory per device for offloaded activations (GiB): an 8-GPU commodity server with 768 GiB of RAM
@@ -160,11 +162,11 @@ def _planner_options(pp: int, microbatches: int, placement: str = RECOMPUTE_ONLY
 
 def _costs_for(model: ModelSpec, cluster: ClusterSpec):
     """PipeMesh's analytic costs of a schedule, with every level its planner may choose."""
-    return lambda config: analytic_costs(model, cluster, config, planning_levels(model))
+    return lambda config: costs_for(model, cluster, config)
 
 
 def pipemesh_auto(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: float,
-                  incumbent_s: float = float("inf"), placement: str = "recompute-only"):
+                  incumbent_s: float = float("inf"), placement: str = RECOMPUTE_ONLY):
     """PipeMesh's best plan over V with the ``placement`` mode (None if nothing fits or nothing beats
     ``incumbent_s``)."""
     best = None
@@ -297,15 +299,16 @@ row and 2.4% slower than it on the GPT-13B row. The best layout found is a real 
 full search's (``advice_complete`` says whether the search ended by the bound)."""
 
 
-def advice_cluster(row: StudyRow, cluster: ClusterSpec) -> AdviceCluster:
-    """The cluster of ``row`` as ``pipemesh plan --megatron-args`` describes one: its nodes (a TP group never spans
-    one), their NIC, the row's device, host memory and links (:func:`.rows.row_specs`)."""
-    gpus = row.tp * row.pp * row.dp
-    return AdviceCluster(nodes=gpus // cluster.devices_per_node, gpus_per_node=cluster.devices_per_node,
-                         nic_gbps=cluster.nic_gbps, intra_node_gbps=cluster.intra_node_gbps,
-                         device_memory_gb=row.memory_gb, device_tflops=cluster.device_tflops, mfu=cluster.mfu,
-                         host_memory_gb=HOST_MEMORY_GB, host_link_gbps=cluster.host_link_gbps,
-                         nic_via_host=cluster.nic_via_host, latency_us=cluster.latency_us)
+def advice_cluster(row: StudyRow) -> AdviceCluster:
+    """The cluster of ``row`` as ``pipemesh plan --megatron-args`` describes one, from the row's own words (the
+    assumptions :func:`.rows.row_specs` prices): its nodes (a TP group never spans one), their NIC, the row's device,
+    host memory and links."""
+    node = row_node(row)
+    return AdviceCluster(nodes=row.tp * row.pp * row.dp // node, gpus_per_node=node, nic_gbps=node * row.gbps,
+                         intra_node_gbps=INTRA_NODE_GBPS[row.regime], device_memory_gb=row.memory_gb,
+                         device_tflops=DEVICE_TFLOPS.get(int(row.memory_gb), 312.0), host_memory_gb=HOST_MEMORY_GB,
+                         host_link_gbps=HOST_LINK_GBPS.get(int(row.memory_gb), 100.0),
+                         nic_via_host=row.regime in NIC_VIA_HOST)
 
 
 def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, plan) -> Optional[dict]:
@@ -316,7 +319,7 @@ def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, pl
     problem = AdviceProblem(model, ParallelLayout(row.tp, row.pp, row.dp), plan.config.vpp if plan else 1,
                             row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
                             grad_reduce_in_bf16=row.grad_reduce_in_bf16)
-    advice = advice_cluster(row, cluster)
+    advice = advice_cluster(row)
     log = SearchLog()
     best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,
                              pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), log=log,

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_pipemesh.integration import auto_plan as auto
 from megatron_pipemesh.integration.measured import MeasuredReplanner
+from megatron_pipemesh.planning.costs import analytic_costs
 from megatron_pipemesh.planning.planner import NoFeasiblePlan
 
 MIB = 2 ** 20
@@ -136,6 +137,6 @@ def test_without_a_rate_auto_plans_at_the_measured_cpu_rate_and_ranks_agree_on_t
     replanner()
     replanner()
     assert replanner.cluster.device_tflops == pytest.approx(0.0004) and len(made) == 1
-    slow = auto.analytic_costs(replan.model, replanner.cluster, plan.schedule)
-    fast = auto.analytic_costs(replan.model, replan.cluster, plan.schedule)
+    slow = analytic_costs(replan.model, replanner.cluster, plan.schedule)
+    fast = analytic_costs(replan.model, replan.cluster, plan.schedule)
     assert slow.forward_s == pytest.approx(100 * fast.forward_s)

@@ -147,17 +147,22 @@ def test_sharding_flags_are_checked_before_work(overrides, message):
 
 def test_node_scope_becomes_megatrons_instances(monkeypatch):
     """--pipemesh-shard-scope node sets --num-distributed-optimizer-instances to the nodes a data-parallel group
-    spans, from the flag, LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE; none of them is an error naming the fix."""
-    from megatron_pipemesh.integration.flags import detect_ranks_per_node
+    spans (in the one step after validation, apply_megatron_options), from the flag, LOCAL_WORLD_SIZE or
+    SLURM_NTASKS_PER_NODE; none of them is an error naming the fix."""
+    from megatron_pipemesh.integration.flags import apply_megatron_options, detect_ranks_per_node
     node = dict(pipemesh_sharding=["optim", "optim_grads_params"], use_distributed_optimizer=True, overlap_param_gather=True,
                 pipemesh_shard_scope="node", data_parallel_size=4, world_size=16, num_distributed_optimizer_instances=1,
                 global_batch_size=64)
     args = _args(pipemesh_ranks_per_node=2, **node)
     settings = check_pipemesh_args(args)
+    assert args.num_distributed_optimizer_instances == 1  # the check writes nothing into Megatron's args
+    apply_megatron_options(args, settings)
     assert args.num_distributed_optimizer_instances == 2 and settings.ranks_per_node == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a node holds a whole data-parallel group: one instance
     args = _args(pipemesh_ranks_per_node=None, **node)
-    assert check_pipemesh_args(args).ranks_per_node == 8 and args.num_distributed_optimizer_instances == 1
+    settings = check_pipemesh_args(args)
+    apply_megatron_options(args, settings)
+    assert settings.ranks_per_node == 8 and args.num_distributed_optimizer_instances == 1
     assert check_pipemesh_args(_args(pipemesh_sharding=["optim"], use_distributed_optimizer=True)).ranks_per_node is None
     assert detect_ranks_per_node(None, {"SLURM_NTASKS_PER_NODE": "4(x2)"}) == (4, "SLURM_NTASKS_PER_NODE")
     assert detect_ranks_per_node(3, {"LOCAL_WORLD_SIZE": "8"}) == (3, "--pipemesh-ranks-per-node")

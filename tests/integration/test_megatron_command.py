@@ -32,7 +32,7 @@ def test_a_bare_assertion_of_megatron_is_named_by_its_condition():
     """3 heads with hidden 256, as a new user types it: validate_args fails a bare `assert`, and the error says
     which file, line and condition (not "validate_args rejects the command on 2 GPUs: " and nothing after it), in
     read_command and in what `pipemesh plan --megatron-args` prints."""
-    from tests.test_cli import run
+    from tests.cli.test_commands import run
 
     command = TINY.replace("--hidden-size 64 --num-attention-heads 4", "--hidden-size 256 --num-attention-heads 3")
     with pytest.raises(CommandError) as error:

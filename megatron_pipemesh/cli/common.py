@@ -1,5 +1,5 @@
 """What the ``pipemesh`` command and its ``bench`` subcommand share: the usage error, argument checks and
-the error-to-exit-code rule.  A leaf module, so ``cli`` and ``bench.cli`` need not import each other."""
+the error-to-exit-code rule.  A leaf module, so the subcommands and ``bench.cli`` need not import each other."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import math
 import sys
 from typing import Optional
 
-from .schedule.config import ScheduleConfigError
-from .schedule.timeline import ScheduleError
+from ..schedule.config import ScheduleConfigError
+from ..schedule.timeline import ScheduleError
 
 
 class UsageError(Exception):

@@ -4,9 +4,9 @@
         --nodes 2 --gpus-per-node 8 --nic-gbps 25 --gpu A10G [--host-memory-gb 48] [--json]
     pipemesh plan --nodes 2 --gpus-per-node 8 --nic-gbps 25 --gpu A10G -- --num-layers 24 ...
 
-The command is read by Megatron's own parser (:mod:`.integration.megatron_command`) for the cluster's GPU count; the
-search is :func:`.planning.advice.advise`; each row's flags are the user's with only the changed ones replaced
-(:mod:`.integration.command_flags`). This module is the argument plumbing and the report.
+The command is read by Megatron's own parser (:mod:`..integration.megatron_command`) for the cluster's GPU count; the
+search is :func:`..planning.advice.advise`; each row's flags are the user's with only the changed ones replaced
+(:mod:`..integration.command_flags`). This module is the argument plumbing and the report.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .cli_common import UsageError, positive_int, positive_number
-from .planning.costs import DEFAULT_HOST_LINK_GBPS, GB
+from ..planning.costs import GB
+from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU
+from ..planning.devices import DeviceRate
+from .common import UsageError, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
 
@@ -45,7 +46,7 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                          help="dense 16-bit peak TFLOP/s of one GPU (default: --gpu's; without either, this machine's "
                               "measured matmul rate, said in the output)")
     cluster.add_argument("--mfu", type=positive_number, default=None,
-                         help="fraction of the peak the layers reach (default 0.45; 1 for a measured rate)")
+                         help=f"fraction of the peak the layers reach (default {MFU:g}; 1 for a measured rate)")
     cluster.add_argument("--host-memory-gb", type=positive_number, default=None,
                          help="host memory per GPU for offloaded activations, GiB (default: no offloading on either side)")
     cluster.add_argument("--host-link-gbps", type=positive_number, default=DEFAULT_HOST_LINK_GBPS,
@@ -89,23 +90,9 @@ def wants_advice(argv: Sequence[str]) -> bool:
     return tail is not None or any(w == MEGATRON_ARGS or w.startswith(MEGATRON_ARGS + "=") for w in own)
 
 
-@dataclass(frozen=True)
-class Rate:
-    """The device's compute rate for the advice and where it came from."""
-
-    tflops: float
-    """TFLOP/s of one device."""
-    mfu: float
-    """Fraction of it the layers reach."""
-    source: str
-    """Where the rate came from, said in the output."""
-    given: bool
-    """Given by the user (--device-tflops or --gpu), so a PipeMesh row's placement flags tell the runtime too."""
-
-
-def _device(args) -> Tuple[float, Rate]:
+def _device(args) -> Tuple[float, DeviceRate]:
     """(device memory GiB, compute rate) from --gpu / --device-memory-gb / --device-tflops / --mfu, checked."""
-    from .planning.devices import find_device, known_names
+    from ..planning.devices import find_device, known_names
 
     device = None
     if args.gpu is not None:
@@ -118,18 +105,18 @@ def _device(args) -> Tuple[float, Rate]:
         raise UsageError("--device-memory-gb (the memory of one GPU, GiB) or --gpu MODEL is required. "
                          "Example: --device-memory-gb 24, or --gpu A10G")
     if args.mfu is not None and args.mfu > 1:
-        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu 0.45")
+        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu {MFU:g}")
     if args.device_tflops or device:
         tflops = args.device_tflops or device.peak_tflops
         where = "--device-tflops" if args.device_tflops else f"--gpu {device.name}"
-        mfu = args.mfu if args.mfu is not None else 0.45
-        return memory, Rate(tflops, mfu, f"{tflops:g} TFLOP/s peak ({where}) at MFU {mfu:g}", True)
-    from .integration.auto_plan import measured_cpu_tflops
+        mfu = args.mfu if args.mfu is not None else MFU
+        return memory, DeviceRate(tflops, mfu, f"{tflops:g} TFLOP/s peak ({where}) at MFU {mfu:g}", given=True)
+    from ..runtime.cpu_rate import measured_cpu_tflops
 
     rate = measured_cpu_tflops()
     mfu = args.mfu if args.mfu is not None else 1.0  # a measured rate is an achieved one
-    return memory, Rate(rate, mfu, f"this machine's measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s (no "
-                                   "--device-tflops or --gpu given)", False)
+    return memory, DeviceRate(rate, mfu, f"this machine's measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s (no "
+                                         "--device-tflops or --gpu given)", given=False)
 
 
 def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
@@ -148,9 +135,9 @@ def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
 
 def problem_and_cluster(args, words: Sequence[str]):
     """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``."""
-    from .integration.megatron_command import CommandError, read_command
-    from .planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
-    from .schedule.config import ScheduleConfig
+    from ..integration.megatron_command import CommandError, read_command
+    from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
+    from ..schedule.config import ScheduleConfig
 
     memory, rate = _device(args)
     gpus = args.nodes * args.gpus_per_node
@@ -190,8 +177,8 @@ def problem_and_cluster(args, words: Sequence[str]):
 
 def row_flags(user, row, problem, cluster, rate) -> List[str]:
     """The complete flags of ``row``: the user's with the row's replacing what it changes."""
-    from .integration.command_flags import REPLACED, expand_aliases, pipemesh_flags, replace_flags, stock_flags
-    from .integration.megatron_command import option_aliases
+    from ..integration.command_flags import REPLACED, expand_aliases, pipemesh_flags, replace_flags, stock_flags
+    from ..integration.megatron_command import option_aliases
 
     if row.name == "user":
         return list(user.flags)
@@ -207,7 +194,7 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
 
 def report(user, problem, cluster, rate, advice) -> Dict:
     """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags)."""
-    from .planning.advice import ROWS, tokens_per_s
+    from ..planning.advice import ROWS, tokens_per_s
 
     user_row = advice.rows["user"]
     rows: Dict[str, Optional[dict]] = {}
@@ -236,7 +223,7 @@ def report(user, problem, cluster, rate, advice) -> Dict:
 
 def text(out: Dict) -> str:
     """The ranked table, the notes and the one command to run."""
-    from .planning.advice import ROWS
+    from ..planning.advice import ROWS
 
     present = [(name, out["rows"][name]) for name in ROWS if out["rows"][name] is not None]
     ranked = sorted(present, key=lambda item: (not item[1]["fits"], item[1]["predicted_iteration_s"]))
@@ -275,8 +262,8 @@ def _progress_to_stderr() -> Callable[[str], None]:
 
 def cmd_advice(argv: Sequence[str]) -> int:
     """``pipemesh plan --megatron-args ...`` from its words (after ``plan``)."""
-    from .planning.advice import advise
-    from .planning.planner import NoFeasiblePlan
+    from ..planning.advice import advise
+    from ..planning.planner import NoFeasiblePlan
 
     own, tail = split_argv(argv)
     args = build_advice_parser().parse_args(own)

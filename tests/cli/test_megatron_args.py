@@ -1,12 +1,12 @@
 """``pipemesh plan --megatron-args``: the rows and their keys, the flags of each row, the uneven split in the
-prediction, and errors that name the flag before any work (cli_advice.py)."""
+prediction, and errors that name the flag before any work (cli/megatron_args.py)."""
 import json
 import shlex
 
 import pytest
 
 from megatron_pipemesh.integration.command_flags import without
-from tests.test_cli import run
+from tests.cli.test_commands import run
 
 # The tiny GPT of the training tests (tests/training/test_pretrain_gpt.py TINY_GPT) at PP=2, V=2, on mock data,
 # dropout 0: the command of the issue's done-when.
@@ -137,7 +137,7 @@ def test_cluster_flags_are_checked_by_argparse():
 def test_text_says_when_the_user_command_does_not_fit(tiny):
     """The table marks a row over the memory, and the text says the user's command does not fit, naming the rows
     that do; the command to run is one that fits."""
-    from megatron_pipemesh.cli_advice import text
+    from megatron_pipemesh.cli.megatron_args import text
 
     out = json.loads(json.dumps(tiny))
     out["rows"]["user"]["fits"] = False
@@ -153,7 +153,7 @@ def test_text_says_when_the_user_command_does_not_fit(tiny):
 def test_costs_of_this_cpu_hold_compute_for_host_copies(device, on_cpu):
     """Without --gpu / --device-tflops the rows are priced for (and run on) this CPU, whose host copies are memcpys on
     the rank's thread: the cluster says so; given a GPU rate, copies run on streams of their own."""
-    from megatron_pipemesh.cli_advice import build_advice_parser, problem_and_cluster
+    from megatron_pipemesh.cli.megatron_args import build_advice_parser, problem_and_cluster
     args = build_advice_parser().parse_args(CLUSTER + device + ["--megatron-args", TINY])
     _, _, cluster, rate = problem_and_cluster(args, shlex.split(TINY))
     assert rate.given is not on_cpu

@@ -1,0 +1,68 @@
+"""The ``pipemesh`` command's parser: one subcommand per module of this package (and the bench, study and headroom
+wings, which add their own)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from ..config import add_cli_arguments
+from .arguments import add_cost_args, add_schedule_args
+from .common import positive_int, run_command
+from .plan import cmd_plan
+from .show import cmd_show
+from .simulate import cmd_simulate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipemesh", description="PipeMesh elastic pipeline schedules for Megatron-LM (no GPU needed).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print each rank's op order")
+    add_schedule_args(show)
+    show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
+    show.add_argument("--lowered", action="store_true", help="include sends, receives and data-parallel sync ops")
+    show.add_argument("--picture", action="store_true", help="draw a text timeline (F = 1, B = 2 time units)")
+    show.add_argument("--sharding", nargs="+", metavar="LEVEL", help="ZeRO level per chunk (optim, optim_grads, "
+                      "optim_grads_params): --lowered then shows the GATHER / RELEASE / REDUCE ops")
+    show.add_argument("--num-layers", type=positive_int, default=None,
+                      help="transformer layers: with the split flags, print the layers of every stage")
+    show.set_defaults(func=cmd_show)
+    sim = sub.add_parser("simulate", help="simulate the schedule next to depth-first and breadth-first")
+    add_schedule_args(sim)
+    add_cost_args(sim)
+    add_cli_arguments(sim.add_argument_group("budget (optional: fit each schedule to it, as `pipemesh plan` does)"),
+                      ("memory_budget_gb", "activation_placement", "host_memory_gb"))
+    add_cli_arguments(sim.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
+    sim.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
+    sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
+    sim.set_defaults(func=cmd_simulate)
+    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
+    add_schedule_args(plan, groups=False)
+    add_cost_args(plan)
+    add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb", "activation_placement", "host_memory_gb"))
+    add_cli_arguments(plan.add_argument_group("mixed sharding"), ("sharding", "shard_scope"))
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--output", metavar="PLAN.json", help="save the plan (groups and recomputation) for --pipemesh-plan")
+    plan.add_argument("--megatron-args", metavar='"FLAGS"', help="instead of the flags above: your pretrain_gpt.py "
+                      "command's flags and your cluster; prints the best stock flags, PipeMesh and the best layout for "
+                      "it (its own flags: pipemesh plan --megatron-args '' --help)")
+    plan.set_defaults(func=cmd_plan)
+    from ..bench.cli import add_bench_parser
+    add_bench_parser(sub)
+    from ..study.study import add_study_parser
+    add_study_parser(sub)
+    from ..study.headroom import add_headroom_parser
+    add_headroom_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from .megatron_args import cmd_advice, wants_advice
+        if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
+            return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_command(args)

@@ -1,0 +1,18 @@
+"""The planning defaults every surface shares: declared here once, imported where used.
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+MFU = 0.45
+"""Fraction of a device's peak dense FLOP/s the transformer layers reach (a given or known peak; a rate measured
+here is already an achieved one and is used at 1)."""
+
+DEFAULT_HOST_LINK_GBPS = 200.0
+"""Device-host copy bandwidth per rank and direction (Gbit/s) when nothing is measured: PCIe 4.0 x16
+moves 31.5 GB/s raw per direction (16 GT/s x 16 lanes x 128/130); pinned-memory cudaMemcpyAsync reaches
+about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 Gbit/s."""
+
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory a plan leaves free by default (allocator fragmentation, communication buffers,
+workspace): the budget is the free (training) or total (planning) memory minus this share."""
