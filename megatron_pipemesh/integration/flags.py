@@ -84,6 +84,9 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
         return PipeMeshArgs(False, None, timeout_s, settings, ranks_per_node=per_node)
     check_memory_meter_args(args, settings)
     plan, summary, replan = _plan(args, settings, sharding)
+    unsupported = unsupported_message(args, plan)  # features that conflict with the levers the plan chose
+    if unsupported:
+        raise PipeMeshArgumentError(unsupported)
     per_node = args.pipemesh_ranks_per_node if plan.sharding and node_scope else None
     return PipeMeshArgs(True, plan, timeout_s, settings, summary, replan, per_node)
 

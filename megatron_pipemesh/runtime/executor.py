@@ -164,7 +164,7 @@ class PipeMeshSchedule:
         if adjust_tensor_shapes_fn is not None:
             raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
         config = get_model_config(model[0])
-        check_model_config(config)  # features the stock interleaved schedule handles and this one does not
+        check_model_config(config, self.plan)  # features the stock interleaved schedule handles and this one does not
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp

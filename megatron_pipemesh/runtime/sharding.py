@@ -55,6 +55,7 @@ back, so that a memory meter outside the runtime (the bench's) samples model sta
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -401,6 +402,9 @@ class ShardingRuntime:
                 if not getattr(getattr(ddp, "ddp_config", None), "use_distributed_optimizer", False):
                     raise ValueError(f"--pipemesh-sharding needs every chunk wrapped by Megatron's DDP with the distributed "
                                      f"optimizer; chunk {chunk} is {type(ddp).__name__}")
+                if self.levels[chunk] != "optim" and getattr(ddp.ddp_config, "nccl_ub", False):
+                    from .unsupported import unsupported_message  # the parse-time refusal, for configs built by code
+                    raise ValueError(unsupported_message(SimpleNamespace(nccl_ub=True), SimpleNamespace(sharding=self.levels)))
             self.states = {}
             for chunk, (ddp, level) in enumerate(zip(model, self.levels)):
                 if level == "optim":
