@@ -67,6 +67,9 @@ class RankResult:
     peak_pinned_bytes: float = 0.0
     """Peak of the host blocks holding them (each chunk-micro-batch's bytes rounded up to a power of two, as the
     pinned allocator takes them: :func:`.memory.host_block_bytes`); what the host budget limits."""
+    host_blocks: Dict[int, int] = field(default_factory=dict)
+    """Chunk -> bytes of the pinned block each of its host-placed chunk-micro-batches takes on this rank (what the
+    runtime's pool allocates up front: ``RunPlan.host_blocks``)."""
 
 
 @dataclass
@@ -179,10 +182,11 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
                 transient = adapter.transient(rank, e.op.chunk, adapter.kept_level(rank, e.op))
                 deltas.append((e.start, 0, transient))
                 deltas.append((e.end, -1, -size - transient))
-        host_deltas = []
+        host_deltas, blocks = [], {}
         for c in copies[rank]:
             size = adapter.activation(rank, c.op)
             if c.op.kind is OpKind.OFFLOAD:  # off the device once copied; host buffer filled from the copy's start
+                blocks[c.op.chunk] = host_block_bytes(size)
                 deltas.append((c.end, -1, -size))
                 host_deltas.append((c.start, size))
             else:  # back on the device from the reload's start; host buffer free once copied
@@ -217,5 +221,5 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
         exposed = waits_p2p + exposed_dp + waits_host
         ranks.append(RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - exposed),
                                 peak_act, peak_total, peak_live, recompute_s, waits_host, peak_host,
-                                sum(1 for c in copies[rank] if c.op.kind is OpKind.OFFLOAD), peak_pinned))
+                                sum(1 for c in copies[rank] if c.op.kind is OpKind.OFFLOAD), peak_pinned, blocks))
     return SimulationResult(config, end, ranks, timeline, memory, host_memory)

@@ -186,3 +186,13 @@ def test_rank_model_exposes_copies_on_the_compute_stream_whole():
     placed = simulate(CFG, costs, {(0, 0, 0): HOST, (0, 0, 1): HOST})
     assert exposed == pytest.approx(4 * 0.1) == pytest.approx(placed.ranks[0].exposed_host_s)
     assert _RankModel(simulate(CFG, _costs(0.1)), ScheduleCosts(CFG, _costs(0.1)), 0, 2).windows({(0, 0), (0, 1)})[1] == 0.0
+
+
+def test_the_run_plan_carries_the_pinned_block_of_each_host_placed_chunk():
+    """The plan tells the runtime the pinned block each host-placed chunk-micro-batch takes, per (rank, chunk), so its
+    pool is allocated before the first call: 1e8 bytes of activations -> one 2**27-byte block."""
+    one = fit_with_recompute(CFG, _costs(0.1), 6.5 * BYTES,
+                             PlannerOptions(activation_placement="auto", host_budget_bytes=1 << 27))
+    (rank, chunk, _), = [key for key, level in one.recompute.items() if level == HOST]
+    assert one.run_plan().host_blocks == {(rank, chunk): 1 << 27}
+    assert fit_with_recompute(CFG, _costs(0.1), 100 * BYTES, AUTO).run_plan().host_blocks == {}
