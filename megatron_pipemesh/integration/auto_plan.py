@@ -29,6 +29,7 @@ from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan, RunPlanError
+from .host_memory import check_plan_fits_host, host_share
 from .measured import Replanning
 
 
@@ -110,13 +111,10 @@ def host_link_gbps(args) -> Tuple[float, str, bool]:
 
 
 def machine_host_share_bytes() -> Optional[float]:
-    """This rank's share of the host's available memory (available / local ranks, minus the margin)."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system with these names
-        return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return available / max(local, 1) * (1 - MEMORY_MARGIN)
+    """This rank's share of the host's available memory (:func:`.host_memory.host_share`: MemAvailable capped by the
+    job's cgroup, over the launcher's ranks per node, minus the margin)."""
+    share = host_share()
+    return None if share is None else share.bytes
 
 
 def host_budget_bytes(args) -> Tuple[Optional[float], bool]:
@@ -314,6 +312,7 @@ def load_plan(path: str, pp: int, vpp: int, microbatches: int) -> RunPlan:
         plan = RunPlan.from_json(text)
     except RunPlanError as error:
         raise ValueError(f"--pipemesh-plan {path}: {error}") from error
+    check_plan_fits_host(plan, f"--pipemesh-plan {path}", host_share() if plan.host_placement else None)
     found = (plan.schedule.pp, plan.schedule.vpp, plan.schedule.microbatches)
     if found != (pp, vpp, microbatches):
         raise ValueError(f"--pipemesh-plan {path} was made for p, V, m = {found} but this run has {(pp, vpp, microbatches)}; "

@@ -271,28 +271,29 @@ RANKS_PER_NODE_FLAG = "--pipemesh-ranks-per-node"
 
 
 def detect_ranks_per_node(given: Optional[int], environ) -> Tuple[int, str]:
-    """Ranks per node and where the number came from: ``--pipemesh-ranks-per-node``, torchrun's
-    ``LOCAL_WORLD_SIZE`` or Slurm's ``SLURM_NTASKS_PER_NODE`` (in that order)."""
+    """Ranks per node and where the number came from: ``--pipemesh-ranks-per-node``, else what the launcher says
+    (:func:`.host_memory.launcher_ranks_per_node`: torchrun's ``LOCAL_WORLD_SIZE``, Slurm's task counts)."""
     if given is not None:
         if given < 1:
             raise PipeMeshArgumentError(f"{RANKS_PER_NODE_FLAG} {given} is invalid: it must be >= 1. "
                                         f"Example: {RANKS_PER_NODE_FLAG} 8")
         return given, RANKS_PER_NODE_FLAG
-    local = environ.get("LOCAL_WORLD_SIZE")
-    if local:
-        return int(local), "LOCAL_WORLD_SIZE"
-    slurm = environ.get("SLURM_NTASKS_PER_NODE")
-    if slurm:
-        # Slurm writes "8" or "8(x4)"; a comma lists nodes with different task counts.
-        if "," in slurm:
-            raise PipeMeshArgumentError(
-                f"--pipemesh-shard-scope node with SLURM_NTASKS_PER_NODE={slurm} is invalid: the nodes run different "
-                f"numbers of ranks, so the data-parallel groups cannot split evenly into nodes. Launch the same number "
-                f"of tasks on every node (e.g. --ntasks-per-node 8)")
-        return int(slurm.split("(")[0]), "SLURM_NTASKS_PER_NODE"
-    raise PipeMeshArgumentError(
-        f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
-        f"(torchrun) or SLURM_NTASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
+    from .host_memory import launcher_ranks_per_node
+
+    try:
+        found = launcher_ranks_per_node(environ)
+    except ValueError as error:
+        raise PipeMeshArgumentError(f"--pipemesh-shard-scope node: {error}. Give it: {RANKS_PER_NODE_FLAG} 8") from error
+    if found is None:
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
+            f"(torchrun) or SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
+    if len(set(found.nodes)) > 1:  # Slurm's "8(x2),4": nodes with different task counts
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node with {found.source}={environ[found.source]} is invalid: the nodes run "
+            f"different numbers of ranks, so the data-parallel groups cannot split evenly into nodes. Launch the same "
+            f"number of tasks on every node (e.g. --ntasks-per-node 8)")
+    return found.count, found.source
 
 
 def node_scope_instances(args, settings: PipeMeshConfig, environ=None) -> int:
