@@ -87,6 +87,11 @@ def _sharding_levels(source, plan) -> Tuple[str, ...]:
     return tuple(getattr(source, "pipemesh_sharding", None) or ())
 
 
+def _zero_2_3(source, plan) -> bool:
+    """Whether some chunk of the run is ZeRO-2/3."""
+    return any(level in ZERO_2_3 for level in _sharding_levels(source, plan))
+
+
 def _host_placement(source, plan) -> bool:
     """Whether chunk-micro-batches may be placed on the host: the plan places some, or 'auto' placement may (the
     planner, and the re-planner at the first calls, choose per chunk-micro-batch)."""
@@ -114,7 +119,7 @@ class UnsupportedCombination:
 UNSUPPORTED_COMBINATIONS = (
     UnsupportedCombination(
         "nccl_ub", "--use-nccl-ub", "ZeRO-2/3 chunks (--pipemesh-sharding optim_grads / optim_grads_params, or a plan "
-        "file or --pipemesh-sharding auto that chose them)", lambda source, plan: any(level in ZERO_2_3 for level in _sharding_levels(source, plan)),
+        "file or --pipemesh-sharding auto that chose them)", _zero_2_3,
         "with --use-nccl-ub Megatron allocates each chunk's parameter and gradient buffers in an NCCL memory pool "
         "(ncclMemAlloc, registered with the data-parallel communicators: param_and_grad_buffer.py:1129-1152). A "
         "ZeRO-2/3 chunk frees those buffers' storage between groups and re-allocates it with resize_ outside that "
