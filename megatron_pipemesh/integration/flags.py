@@ -287,7 +287,8 @@ def detect_ranks_per_node(given: Optional[int], environ) -> Tuple[int, str]:
     if found is None:
         raise PipeMeshArgumentError(
             f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
-            f"(torchrun) or SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
+            f"(torchrun), SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (Slurm) or OMPI_COMM_WORLD_LOCAL_SIZE / "
+            f"MPI_LOCALNRANKS (mpirun). Give it: {RANKS_PER_NODE_FLAG} 8")
     if len(set(found.nodes)) > 1:  # Slurm's "8(x2),4": nodes with different task counts
         raise PipeMeshArgumentError(
             f"--pipemesh-shard-scope node with {found.source}={environ[found.source]} is invalid: the nodes run "

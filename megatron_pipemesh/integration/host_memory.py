@@ -10,7 +10,8 @@
 * **Ranks per node** come from the launcher: torchrun's ``LOCAL_WORLD_SIZE``; Slurm's ``SLURM_NTASKS_PER_NODE``
   (set with ``--ntasks-per-node``), else ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` (``"8(x2),4"``:
   this node's entry by ``SLURM_NODEID``; a plain ``srun`` with one task per GPU sets these, not
-  ``LOCAL_WORLD_SIZE``); else the GPUs this process sees (one rank per GPU), else one.
+  ``LOCAL_WORLD_SIZE``); mpirun's ``OMPI_COMM_WORLD_LOCAL_SIZE`` / ``MPI_LOCALNRANKS``; else the GPUs this
+  process sees (one rank per GPU), else one.
 
 Each rank's share is the available memory over the ranks of the node, less the planning margin.
 """
@@ -126,17 +127,18 @@ class RanksPerNode:
 SLURM_TASK_COUNTS = ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 """Slurm's variables with tasks per node, in the order they are trusted (the first is the user's --ntasks-per-node,
 the others what srun placed: the step's, then the job's)."""
+MPI_LOCAL_SIZES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+"""Ranks on this node as Open MPI's and MPICH's (Hydra's) mpirun say."""
 
 
 def launcher_ranks_per_node(environ: Mapping[str, str]) -> Optional[RanksPerNode]:
     """Ranks on this node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, then Slurm's task counts
     (:data:`SLURM_TASK_COUNTS`; a list gives this node's entry by ``SLURM_NODEID``, the largest when that is not
-    known); None when neither launched this process. ValueError naming a malformed value."""
+    known), then mpirun's (:data:`MPI_LOCAL_SIZES`); None when none of them launched this process. ValueError
+    naming a malformed value."""
     local = environ.get("LOCAL_WORLD_SIZE")
     if local:
-        if not local.strip().isdigit() or int(local) < 1:
-            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is not a positive number of ranks")
-        return RanksPerNode(int(local), "LOCAL_WORLD_SIZE", (int(local),))
+        return _local_size("LOCAL_WORLD_SIZE", local)
     for name in SLURM_TASK_COUNTS:
         value = environ.get(name)
         if not value:
@@ -145,7 +147,16 @@ def launcher_ranks_per_node(environ: Mapping[str, str]) -> Optional[RanksPerNode
         node = environ.get("SLURM_NODEID", "")
         mine = nodes[int(node)] if node.isdigit() and int(node) < len(nodes) else max(nodes)
         return RanksPerNode(mine, name, nodes)
+    for name in MPI_LOCAL_SIZES:
+        if environ.get(name):
+            return _local_size(name, environ[name])
     return None
+
+
+def _local_size(name: str, value: str) -> RanksPerNode:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r} is not a positive number of ranks")
+    return RanksPerNode(int(value), name, (int(value),))
 
 
 def _visible_gpus(environ: Mapping[str, str]) -> int:

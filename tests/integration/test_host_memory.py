@@ -19,7 +19,7 @@ def node(tmp_path, monkeypatch):
     meminfo.write_text(FULL_CACHE)
     monkeypatch.setattr(hm, "MEMINFO", str(meminfo))
     monkeypatch.setattr(hm, "PROC_CGROUP", str(tmp_path / "no-cgroup"))
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NODEID", "CUDA_VISIBLE_DEVICES") + hm.SLURM_TASK_COUNTS:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NODEID", "CUDA_VISIBLE_DEVICES") + hm.SLURM_TASK_COUNTS + hm.MPI_LOCAL_SIZES:
         monkeypatch.delenv(name, raising=False)
     return tmp_path
 
@@ -46,6 +46,7 @@ def test_a_plain_srun_shares_available_memory_among_its_tasks(node, monkeypatch)
      "SLURM_STEP_TASKS_PER_NODE"),
     ({"SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}, 4, "SLURM_TASKS_PER_NODE"),
     ({"SLURM_TASKS_PER_NODE": "8(x2),4"}, 8, "SLURM_TASKS_PER_NODE"),  # node unknown: the largest count
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0"}, 4, "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, 3, "visible GPUs"),
     ({}, 1, "default (no launcher count, no GPU)"),
 ])
