@@ -39,7 +39,7 @@ from ..schedule.ops import Op
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD
 from .memory import host_block_bytes, selective_levels
 from .simulator import (DeadlineExceeded, RecomputePlan, SimulationResult, TimeUp, check_time, lowering_for,
-                        simulate)
+                        pinned_pool_bytes, simulate)
 
 PLACEMENT_MODES = ("recompute-only", "auto", "device")
 """``PlannerOptions.activation_placement`` values (``--pipemesh-activation-placement``)."""
@@ -452,13 +452,13 @@ class _RankModel:
         return {k: tuple(v) for k, v in times.items()}, exposed
 
     def host_peak(self, windows) -> float:
-        """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end), in
-        host blocks (:func:`.memory.host_block_bytes`: what the pinned allocator takes, which the budget limits)."""
+        """Pinned bytes of the copies in ``windows`` (held from the offload's start to the reload's end) as the
+        runtime's pool takes them (:func:`.simulator.pinned_pool_bytes`, which the budget limits)."""
         deltas = []
         for (chunk, _), (off_start, _, _, rel_end) in windows.items():
-            size = host_block_bytes(self.adapter.bytes_at(self.rank, chunk, DEVICE))
+            size = self.adapter.bytes_at(self.rank, chunk, DEVICE)
             deltas += [(off_start, size), (rel_end, -size)]
-        return _peak(deltas)[1]
+        return pinned_pool_bytes(deltas)
 
     def device_peak(self, plan: RecomputePlan, windows) -> Tuple[float, float]:
         """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""

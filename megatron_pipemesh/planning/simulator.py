@@ -11,7 +11,6 @@ timeline per rank counts the host memory it holds from the OFFLOAD's start to th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -65,8 +64,9 @@ class RankResult:
     host_placed: int = 0
     """Chunk-micro-batches whose activations this rank offloads to host memory."""
     peak_pinned_bytes: float = 0.0
-    """Peak of the host blocks holding them (each chunk-micro-batch's bytes rounded up to a power of two, as the
-    pinned allocator takes them: :func:`.memory.host_block_bytes`); what the host budget limits."""
+    """Pinned memory of the host blocks holding them, as the runtime's pool takes it (each chunk-micro-batch's bytes
+    rounded up to a power of two, as the pinned allocator takes them: :func:`.memory.host_block_bytes`; per block
+    size the most held at once: :func:`pinned_pool_bytes`); what the host budget limits."""
     host_blocks: Dict[int, int] = field(default_factory=dict)
     """Chunk -> bytes of the pinned block each of its host-placed chunk-micro-batches takes on this rank (what the
     runtime's pool allocates up front: ``RunPlan.host_blocks``)."""
@@ -123,6 +123,21 @@ def lowering_for(costs: OpCosts, recompute: Optional[RecomputePlan] = None,
     the host copies of the plan's 'host' chunk-micro-batches."""
     return LoweringOptions(param_sync=costs.dp_gather_s > 0, grad_sync=True,
                            host_placement=host_placement_of(recompute), reload_lookahead=reload_lookahead)
+
+
+def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
+    """Pinned bytes the runtime's pool takes for a rank's host copies (``(time, +bytes)`` when a chunk-micro-batch's
+    activations reach the host, ``(time, -bytes)`` when they leave): each takes one block of its bytes rounded up
+    to a power of two (:func:`.memory.host_block_bytes`), blocks are never given back and serve keys of their own
+    size, so per block size the most blocks held at once, summed over sizes. (At least the peak of the blocks held
+    together; more when sizes peak at different times.)"""
+    held: Dict[int, int] = {}
+    most: Dict[int, int] = {}
+    for _, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):  # gives back before taking at equal times
+        block = host_block_bytes(abs(size))
+        held[block] = held.get(block, 0) + (1 if size > 0 else -1)
+        most[block] = max(most.get(block, 0), held[block])
+    return float(sum(block * count for block, count in most.items()))
 
 
 def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[RecomputePlan] = None,
@@ -209,13 +224,13 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
             peak_act = max(peak_act, act)
             peak_total = max(peak_total, static + act + buffers)
             steps.append((t, static + act + buffers))
-        host = peak_host = pinned = peak_pinned = 0.0
+        host = peak_host = 0.0
         host_steps = []
         for t, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):
             host += size
-            pinned += math.copysign(host_block_bytes(abs(size)), size)
-            peak_host, peak_pinned = max(peak_host, host), max(peak_pinned, pinned)
+            peak_host = max(peak_host, host)
             host_steps.append((t, host))
+        peak_pinned = pinned_pool_bytes(host_deltas)
         memory.append(steps)
         host_memory.append(host_steps)
         exposed = waits_p2p + exposed_dp + waits_host
