@@ -11,8 +11,8 @@ levers: with ``auto`` the planner places chunk-micro-batches on the host or reco
 ``--forward-groups auto`` or, for given groups, a memory budget (:func:`place_given_groups`). Its
 inputs that differ between ranks are agreed on at the first call (:mod:`.measured`): the free device
 memory, the host-link bandwidth measured at start-up on GPU (:mod:`..runtime.host_link`; on CPU the
-planning default) and the host memory share per rank (available memory / local ranks, also the cap
-of ``--pipemesh-host-memory-gb``).
+planning default) and the host memory share per rank (:mod:`.host_memory`: MemAvailable over the launcher's
+ranks per node, also the cap of ``--pipemesh-host-memory-gb``; a plan file that needs more is refused).
 """
 from __future__ import annotations
 
