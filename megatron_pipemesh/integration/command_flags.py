@@ -18,13 +18,11 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from ..planning.layout import SPLIT_FLAGS, VPP_FLAGS, LayerSplit
-from ..planning.stock import StockSetting
+from ..planning.stock_options import BF16_REDUCE_FLAG, GROUP_FLAG, PP_FLAG, TP_FLAG, stock_flags, vpp_flags
 from ..schedule.config import ScheduleConfig
 
-TP_FLAG = "--tensor-model-parallel-size"
-PP_FLAG = "--pipeline-model-parallel-size"
-VPP_FLAG = VPP_FLAGS[0]
-GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+__all__ = ["REPLACED", "flag_name", "without", "replace_flags", "expand_aliases", "split_flags", "stock_flags",
+           "pipemesh_flags"]
 RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-modules", "--recompute-method", "--recompute-num-layers",
                    "--recompute-activations")
 OFFLOAD_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules", "--activation-offload-fraction")
@@ -32,7 +30,7 @@ PIPEMESH_FLAGS = ("--pipeline-schedule", "--forward-groups", "--backward-groups"
                   "--pipemesh-activation-placement", "--pipemesh-memory-budget-gb", "--pipemesh-host-memory-gb",
                   "--pipemesh-device-tflops")
 REPLACED = (TP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
-            "--grad-reduce-in-bf16", *PIPEMESH_FLAGS)
+            BF16_REDUCE_FLAG, *PIPEMESH_FLAGS)
 """Every flag a recommendation may set: the user's are dropped and the row's own written instead."""
 
 
@@ -72,28 +70,6 @@ def split_flags(split: LayerSplit) -> List[str]:
     return split.flags()
 
 
-def _vpp_flags(vpp: int, split: LayerSplit) -> List[str]:
-    """V's flag: none at V = 1, none with a layout (its stages set V; Megatron refuses both), else the stage count."""
-    if vpp == 1 or split.layout is not None:
-        return []
-    return [VPP_FLAG, str(vpp)]
-
-
-def stock_flags(setting: StockSetting, tp: int, split: LayerSplit) -> List[str]:
-    """The flags of a stock row: TP, PP, V, group size (interleaved only, and only where it is not Megatron's default
-    p, so that a row that changes nothing reads as the user's command), recomputation, offloading, bf16 reduce (when
-    the setting has it, i.e. the user asked), and the split."""
-    out = [TP_FLAG, str(tp), PP_FLAG, str(setting.pp)] + _vpp_flags(setting.vpp, split)
-    if setting.vpp > 1 and setting.effective_group_size != setting.pp:
-        out += [GROUP_FLAG, str(setting.effective_group_size)]
-    out += setting.recompute.flags()
-    if setting.offload is not None:
-        out += setting.offload.flags()
-    if setting.grad_reduce_in_bf16:
-        out.append("--grad-reduce-in-bf16")
-    return out + split_flags(split)
-
-
 def pipemesh_flags(config: ScheduleConfig, tp: int, split: LayerSplit, grad_reduce_in_bf16: bool,
                    budget_gb: Optional[float] = None, host_memory_gb: Optional[float] = None,
                    device_tflops: Optional[float] = None) -> List[str]:
@@ -103,9 +79,9 @@ def pipemesh_flags(config: ScheduleConfig, tp: int, split: LayerSplit, grad_redu
     ``--pipemesh-activation-placement auto --pipemesh-memory-budget-gb B --pipemesh-host-memory-gb H`` (H = 0
     without host memory, so it recomputes only, as the advice did), and the device's TFLOP/s when the advice was given
     one (the runtime measures it otherwise)."""
-    out = [TP_FLAG, str(tp), PP_FLAG, str(config.pp)] + _vpp_flags(config.vpp, split) + split_flags(split)
+    out = [TP_FLAG, str(tp), PP_FLAG, str(config.pp)] + vpp_flags(config.vpp, split) + split_flags(split)
     if grad_reduce_in_bf16:
-        out.append("--grad-reduce-in-bf16")
+        out.append(BF16_REDUCE_FLAG)
     out += ["--pipeline-schedule", "pipemesh", "--forward-groups", *map(str, config.forward_groups),
             "--backward-groups", *map(str, config.backward_groups)]
     if budget_gb is not None:

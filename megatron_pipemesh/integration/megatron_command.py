@@ -10,10 +10,14 @@ command runs today.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import io
+import linecache
+import os
 import shlex
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -122,8 +126,39 @@ def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Na
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, RuntimeError, TypeError) as error:
         raise CommandError(f"Megatron's validate_args rejects the command on {world_size} GPUs: "
-                           f"{error or type(error).__name__}") from error
+                           f"{str(error) or failed_check(error)}") from error
     return args
+
+
+def failed_check(error: BaseException) -> str:
+    """Where Megatron raised ``error`` when it carries no message (most of validate_args's checks are bare
+    ``assert``s): ``file:line: assert <condition>`` of the last frame inside megatron, the condition read from its
+    source (a check spread over several lines is joined into one); the exception's type where there is no source."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if f"{os.sep}megatron{os.sep}" in frame.filename]
+    if not frames:
+        return type(error).__name__
+    frame = frames[-1]
+    where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    statement = _statement_at(frame.filename, frame.lineno) or (frame.line or "").strip()
+    return f"{where}: {statement}" if statement else f"{where}: {type(error).__name__}"
+
+
+def _statement_at(filename: str, lineno: int) -> Optional[str]:
+    """The source of the innermost ``assert`` spanning ``lineno`` in ``filename``, on one line (None if there is
+    none or the file cannot be read)."""
+    source = "".join(linecache.getlines(filename))
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    checks = [node for node in ast.walk(tree)
+              if isinstance(node, ast.Assert) and node.lineno <= lineno <= (node.end_lineno or node.lineno)]
+    if not checks:
+        return None
+    check = max(checks, key=lambda node: node.lineno)
+    condition = ast.get_source_segment(source, check.test) or ast.unparse(check.test)
+    return "assert " + " ".join(condition.split())
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from ..schedule.timeline import DeadlineExceeded, Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 from .memory import host_block_bytes
 
-RecomputePlan = Dict[Tuple[int, int, int], str]
-"""(rank, chunk, micro-batch) -> lever (:class:`..schedule.levers.Lever` or its name); missing means 'none'."""
+PlacementPlan = Dict[Tuple[int, int, int], str]
+"""Where each chunk-micro-batch's activations are between its forward and backward: (rank, chunk, micro-batch) ->
+lever (:class:`..schedule.levers.Lever` or its name: a recompute level or host memory); missing means on the device."""
 
 TimeUp = Optional[Callable[[], bool]]
 """A search's time limit: asked before each simulation; True stops the search with :class:`SearchTimeUp`."""
@@ -117,12 +118,12 @@ class SimulationResult:
         }
 
 
-def lowering_for(costs: OpCosts, recompute: Optional[RecomputePlan] = None,
+def lowering_for(costs: OpCosts, placement: Optional[PlacementPlan] = None,
                  reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD) -> LoweringOptions:
     """Emit parameter gathers only when they cost something (distributed optimizer over DP > 1), and
     the host copies of the plan's 'host' chunk-micro-batches."""
     return LoweringOptions(param_sync=costs.dp_gather_s > 0, grad_sync=True,
-                           host_placement=host_placement_of(recompute), reload_lookahead=reload_lookahead)
+                           host_placement=host_placement_of(placement), reload_lookahead=reload_lookahead)
 
 
 def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
@@ -140,7 +141,7 @@ def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
     return float(sum(block * count for block, count in most.items()))
 
 
-def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[RecomputePlan] = None,
+def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[PlacementPlan] = None,
              schedule: Optional[LoweredSchedule] = None, sharding=None,
              deadline_s: Optional[float] = None) -> SimulationResult:
     """Simulate one iteration of ``config`` (or a prebuilt lowered ``schedule``, whose host placement
@@ -150,13 +151,13 @@ def simulate(config: ScheduleConfig, costs: OpCosts, recompute: Optional[Recompu
     iteration is known to end after it (a search that keeps only faster schedules; one ending exactly then
     runs to its end)."""
     if sharding is None:
-        schedule = schedule or lower(config, lowering_for(costs, recompute))
-        adapter = ScheduleCosts(config, costs, recompute)
+        schedule = schedule or lower(config, lowering_for(costs, placement))
+        adapter = ScheduleCosts(config, costs, placement)
     else:
-        schedule = schedule or lower(config, sharding.lowering(lowering_for(costs, recompute)))
-        adapter = sharding.adapter(config, costs, recompute)
+        schedule = schedule or lower(config, sharding.lowering(lowering_for(costs, placement)))
+        adapter = sharding.adapter(config, costs, placement)
         splits = sharding.splits(config)
-    if schedule.options.host_placement != host_placement_of(recompute):
+    if schedule.options.host_placement != host_placement_of(placement):
         raise ValueError("the lowered schedule's host placement differs from the plan's 'host' entries: lower it "
                          "with lowering_for(costs, plan)")
     timeline = execute(schedule, adapter, deadline_s)

@@ -1,325 +1,35 @@
-"""Stock Megatron's whole option set for one (model, cluster, p, d, m), predicted and ranked.
+"""Stock Megatron's whole option set (:mod:`.stock_options`) for one (model, cluster, p, d, m), predicted and ranked.
 
-What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerates:
+Each setting's cost is predicted with the simulator (:mod:`.simulator`, the same engine and costs as PipeMesh's
+planner) and its per-rank peak activation bytes with :mod:`.stock_memory`. Because a fixed-order schedule never
+finishes earlier when its ops get longer, the fastest setting of one (schedule, V, g) that fits a budget is the
+fitting one with the least recomputation time; :func:`best_stock` simulates only those, in order of a compute
+lower bound, and stops once the bound exceeds the fastest time found.
 
-* schedule: 1F1B (V = 1), or interleaved with V >= 2 virtual stages per rank for every V that
-  divides the layers per pipeline rank, with every group size
-  ``--microbatch-group-size-per-virtual-pipeline-stage g`` the schedule accepts: p <= g <= m and
-  the last group (m mod g) either empty or at least p (``schedules.py`` raises otherwise);
-* recomputation: none; ``--recompute-granularity selective`` with ``--recompute-modules`` any
-  non-empty subset of ``core_attn``, ``layernorm``, ``mlp`` (the modules a dense layer honours:
-  ``moe_act``/``moe``/``shared_experts`` need MoE, ``mla_up_proj`` MLA; ``layernorm`` acts only where
-  the norm is a separate module, i.e. not with Transformer Engine's fused LayerNormLinear);
-  ``--recompute-granularity full --recompute-method uniform|block --recompute-num-layers k`` for
-  every k from 1 to the layers of one model chunk (Megatron applies k per chunk; a larger k acts
-  like k = layers);
-* activation offloading (on request, with a host memory limit, and only on Transformer Engine's layer
-  spec, which Megatron requires for it): ``--fine-grained-activation-offloading --offload-modules
-  qkv_linear core_attn attn_proj`` with ``--activation-offload-fraction`` 1/4 ... 1, alone or with
-  selective recomputation (:class:`StockOffload` says how it is modelled);
-* ``--grad-reduce-in-bf16`` (on request; PipeMesh's side is then given the same gradient bytes);
-* Megatron's *default command* (:func:`default_stock`): what a user runs without a sweep, 1F1B and the
-  interleaved schedule with the default group size g = p at every V, each with the first of none, selective,
-  full block recomputation of the fewest layers that fits, no offloading; the best of those;
-* sharding (on request, :data:`STOCK_SHARDING`): one level for every chunk, the uniform levels Megatron
-  offers: ``optim`` = ``--use-distributed-optimizer`` (ZeRO-1, Megatron's DDP buffers), and through
-  Megatron-FSDP ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` (ZeRO-2) or
-  ``optim_grads_params`` (ZeRO-3), GPU only (:class:`MegatronFsdpSharding` says how they are modelled).
-
-Megatron's ``num_microbatches_with_partial_activation_checkpoints`` is read by no layer in
-megatron-core 0.19.2, so stock has no per-micro-batch recomputation and none is offered here.
-
-Each setting is a frozen dataclass whose ``flags()`` are the exact Megatron flags. Its cost is
-predicted with the simulator (:mod:`.simulator`, the same engine and costs as PipeMesh's planner)
-and its per-rank peak activation bytes with :mod:`.memory`. Because a fixed-order schedule never
-finishes earlier when its ops get longer, the fastest setting of one (schedule, V, g) that fits a
-budget is the fitting one with the least recomputation time; :func:`best_stock` simulates only
-those, in order of a compute lower bound, and stops once the bound exceeds the fastest time found.
+Pure: no torch, no processes.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.levers import DEVICE, Lever
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
-from ..schedule.spans import SHARD_LEVELS
-from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape, analytic_costs
 from .bounds import virtual_sizes
-from .layout import LayerSplit
-from .memory import OFFLOAD_MODULES, offloadable_layer_bytes, selective_module_sets
-from .sharding import ShardingModel, ShardingSpec
+from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
 from .simulator import DeadlineExceeded, TimeUp, check_time, lowering_for, simulate
+from .stock_memory import (FSDP_MODELS, Budget, ChunkKinds, MegatronFsdpSharding, OffloadModel, live_states,
+                           model_for, order_peaks, per_rank, sharding_model, uniform_plan)
+from .stock_options import (OFFLOAD_FRACTIONS, STOCK_SHARDING, StockOffload, StockRecompute, StockSetting,
+                            default_recompute_ladder, group_sizes, recompute_options, schedule_options, sharding_flags)
 
-Budget = Union[float, Sequence[float]]
-"""Activation bytes allowed per pipeline rank: one number for every rank, or one per rank. With a
-sharding level above ZeRO-1 it is still the device memory left after the *distributed optimizer's*
-static bytes: the bytes the level saves are added to it, its gather and gradient buffers taken from it."""
-
-STOCK_SHARDING = SHARD_LEVELS
-"""The uniform sharding levels stock Megatron offers: the distributed optimizer (ZeRO-1) and
-Megatron-FSDP's ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy``)."""
-
-
-def sharding_flags(level: Optional[str]) -> List[str]:
-    """Megatron's flags for a uniform sharding ``level`` (None: none given, whatever the run uses).
-
-    Megatron-FSDP makes ``--use-distributed-optimizer`` implicit (``training/arguments.py:1106-1112``)
-    and requires ``--ckpt-format fsdp_dtensor`` (``:1146``)."""
-    if level is None:
-        return []
-    if level == "optim":
-        return ["--use-distributed-optimizer"]
-    if level not in STOCK_SHARDING:
-        raise ValueError(f"stock sharding level {level!r}: use one of {', '.join(STOCK_SHARDING)}, "
-                         f"e.g. --data-parallel-sharding-strategy optim_grads")
-    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level, "--ckpt-format", "fsdp_dtensor"]
-
-
-FSDP_MODELS = ("span", "per-microbatch bound")
-"""How a stock ZeRO-2/3 setting's time and memory are predicted (:class:`MegatronFsdpSharding`)."""
-
-
-class MegatronFsdpSharding(ShardingModel):
-    """Megatron-FSDP's uniform ZeRO-2 / ZeRO-3 on a stock schedule, predicted at least as favourably as
-    megatron-core 0.19.2 runs it.
-
-    What Megatron-FSDP does (``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py``): with
-    ``optim_grads_params`` every ``TransformerLayer`` is an FSDP unit (``mcore_fsdp_adapter.py:158-164``);
-    its parameters are all-gathered in a pre-forward hook (``_pre_forward_param_unshard``, ``:780-797``)
-    and released after the unit's forward (``_post_forward``, ``:956-978``), gathered again before its
-    backward (``_pre_backward_param_unshard``, ``:897-913``) and released after it: per unit, per
-    micro-batch, forward and backward. With ``optim_grads`` or ``optim_grads_params`` the gradients are
-    reduce-scattered after *every* backward (``grad_reduce_every_bprop``, ``:757-771`` and ``:865-880``);
-    ``no_sync`` does not defer them (``:1150-1162``: "for grads shard mode there will actually always be
-    gradient sync happening"), each bucket's whole gradient living in a temporary buffer until its
-    reduce-scatter (``param_and_grad_buffer.py:3868``, ``:4230``). Pipeline parallelism: the
-    schedules call each chunk's forward and backward as with DDP (``training/training.py:3532-3547``
-    installs the chunks' ``no_sync`` / ``start_grad_sync`` / ``start_param_sync`` the same way), each
-    virtual chunk is its own wrapper, and no check rejects ``--use-megatron-fsdp`` with pipeline or
-    virtual pipeline parallelism (``training/arguments.py`` rejects pipeline parallelism only for
-    ``--use-torch-fsdp2``, ``:997-1001``).
-
-    Stock gets the faster of two predictions (each fitting the memory on its own terms):
-
-    * ``span``: PipeMesh's own span model (this class as a :class:`.sharding.ShardingModel`): one
-      all-gather per merged group span and one reduce-scatter per backward group -- fewer collectives
-      than Megatron's per micro-batch ones -- with the whole chunk's weights held during a span;
-    * ``per-microbatch bound``: Megatron-FSDP's own pattern, with buffers of one FSDP unit (one layer's
-      gathered weights and gradient bucket), and as time a lower bound: the busier of a rank's compute
-      (:func:`_compute_bound`) and its data-parallel channel carrying 2m gathers (ZeRO-3) and m
-      reduce-scatters per chunk (:meth:`microbatch_channel_s`), as if they overlapped perfectly."""
-
-    def unit_buffers(self) -> float:
-        """Bytes one FSDP unit (a transformer layer) holds beyond its shard: gathered weights (ZeRO-3) and
-        its whole gradient bucket."""
-        unit = self.model.layer_params() / self.cluster.tp
-        rest = 1 - 1 / self.cluster.dp
-        zero3 = self.spec.levels[0] == "optim_grads_params"
-        return unit * rest * (self.model.grad_bytes + (self.model.dtype_bytes if zero3 else 0))
-
-    def microbatch_channel_s(self, config: ScheduleConfig, costs: OpCosts) -> List[float]:
-        """Per rank: seconds its data-parallel channel is busy per iteration with Megatron-FSDP's
-        collectives (ring time per collective as :class:`.sharding.ShardedCosts`)."""
-        adapter = self.adapter(config, costs, {})
-        zero3 = self.spec.levels[0] == "optim_grads_params"
-        m = config.microbatches
-        out = []
-        for rank in range(config.pp):
-            busy = 0.0
-            for chunk in range(config.vpp):
-                gather = adapter.data_parallel(rank, Op(OpKind.GATHER, chunk, 0))
-                reduce = adapter.data_parallel(rank, Op(OpKind.REDUCE, chunk, 0))
-                # ZeRO-2 gathers the updated parameters once (after the step), ZeRO-3 per forward and backward.
-                busy += (2 * m if zero3 else 1) * gather + m * reduce
-            out.append(busy)
-        return out
-
-
-@dataclass(frozen=True)
-class StockRecompute:
-    """One of Megatron's recomputation settings (applied to every layer of every chunk and micro-batch)."""
-
-    granularity: str = "none"
-    """'none', 'selective' or 'full' [--recompute-granularity]."""
-    modules: Tuple[str, ...] = ()
-    """Selective only: the checkpointed submodules [--recompute-modules]; () = Megatron's default core_attn."""
-    method: Optional[str] = None
-    """Full only: 'uniform' or 'block' [--recompute-method]."""
-    num_layers: Optional[int] = None
-    """Full only: k [--recompute-num-layers]: layers per checkpoint (uniform) or checkpointed layers per chunk (block)."""
-
-    def __post_init__(self) -> None:
-        if self.granularity not in ("none", "selective", "full"):
-            raise ValueError(f"--recompute-granularity {self.granularity}: use none, selective or full")
-        if self.granularity == "full" and (self.method not in ("uniform", "block") or not self.num_layers or self.num_layers < 1):
-            raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
-                             "--recompute-num-layers k >= 1, e.g. --recompute-method block --recompute-num-layers 2")
-        if self.granularity != "full" and (self.method or self.num_layers):
-            raise ValueError("--recompute-method/--recompute-num-layers apply only to --recompute-granularity full")
-        if self.modules and self.granularity != "selective":
-            raise ValueError("--recompute-modules applies only to --recompute-granularity selective")
-        if self.modules:
-            Lever.selective(self.modules)  # validates the names
-
-    @property
-    def level(self) -> Lever:
-        """The lever with the same memory and time."""
-        if self.granularity == "none":
-            return DEVICE
-        if self.granularity == "selective":
-            return Lever.selective(self.modules or ("core_attn",))
-        return Lever.parse(f"{self.method}:{self.num_layers}")
-
-    def flags(self) -> List[str]:
-        if self.granularity == "none":
-            return []
-        out = ["--recompute-granularity", self.granularity]
-        if self.granularity == "selective":
-            if self.modules:
-                out += ["--recompute-modules", *self.modules]
-            return out
-        return out + ["--recompute-method", str(self.method), "--recompute-num-layers", str(self.num_layers)]
-
-    def describe(self) -> str:
-        return " ".join(self.flags()) or "no recomputation"
-
-
-OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-"""The ``--activation-offload-fraction`` values the search tries (least first: the least that fits)."""
-
-
-@dataclass(frozen=True)
-class StockOffload:
-    """Megatron's fine-grained activation offloading of :data:`.memory.OFFLOAD_MODULES` (megatron-core
-    0.19.2, ``pipeline_parallel/fine_grained_activation_offload.py``; CUDA and Transformer Engine only).
-
-    What it does: around each offloaded module's forward, saved-tensor hooks collect what the module saves;
-    after the module, a side stream copies the group to pinned host memory and the device copy is freed
-    (``bulk_offload_group``); in the backward, the group of the next layer is reloaded while the current one
-    computes (``bulk_reload``), and a chunk's last layer before the chunk's backward starts
-    (``pre_reload_last_layer``). It works in every stock schedule (``schedules.py`` resets it after each
-    forward-backward). ``--activation-offload-fraction`` offloads that share of the eligible groups.
-
-    How it is modelled, at least as favourably as Megatron runs it: a stored chunk-micro-batch holds
-    :func:`.memory.offloadable_layer_bytes` x layers x fraction fewer bytes; the chunk in its forward
-    or backward holds two layers' offloadable bytes more (the group in flight and the one being used);
-    the host holds the offloaded bytes of every stored chunk-micro-batch (within the host memory limit);
-    and the time is the schedule's own (copies overlap compute perfectly) or, if longer, the rank's host
-    link carrying every copy in one direction back to back (:meth:`OffloadModel.busy_s`)."""
-
-    fraction: float = 1.0
-    """Share of the offload groups moved [--activation-offload-fraction]."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"--activation-offload-fraction {self.fraction}: use a value in (0, 1], e.g. 0.5")
-
-    def flags(self) -> List[str]:
-        out = ["--fine-grained-activation-offloading", "--offload-modules", *OFFLOAD_MODULES]
-        return out + ([] if self.fraction == 1 else ["--activation-offload-fraction", f"{self.fraction:g}"])
-
-    def describe(self) -> str:
-        return f"offload {', '.join(OFFLOAD_MODULES)}" + ("" if self.fraction == 1 else f" x{self.fraction:g}")
-
-
-@dataclass(frozen=True)
-class StockSetting:
-    """One stock Megatron configuration of the pipeline schedule and recomputation."""
-
-    pp: int
-    """Pipeline size p [--pipeline-model-parallel-size]."""
-    vpp: int
-    """Virtual stages per rank V [--num-virtual-stages-per-pipeline-rank]; 1 = 1F1B."""
-    microbatches: int
-    """Micro-batches per iteration per data-parallel replica m."""
-    group_size: Optional[int] = None
-    """Interleaved only: g [--microbatch-group-size-per-virtual-pipeline-stage]; None = Megatron's default p."""
-    recompute: StockRecompute = StockRecompute()
-    """Recomputation applied everywhere."""
-    grad_reduce_in_bf16: bool = False
-    """[--grad-reduce-in-bf16] Reduce gradients in bf16 (2 bytes) instead of fp32."""
-    sharding: Optional[str] = None
-    """Uniform sharding level of every chunk (:data:`STOCK_SHARDING`, flags :func:`sharding_flags`); None:
-    not part of the setting (the distributed optimizer is assumed, no flag is emitted)."""
-    offload: Optional[StockOffload] = None
-    """Fine-grained activation offloading (None: off)."""
-
-    def __post_init__(self) -> None:
-        sharding_flags(self.sharding)  # validates the level
-        if self.offload is not None and self.recompute.granularity == "full":
-            raise ValueError("--fine-grained-activation-offloading with --recompute-granularity full: a recomputed "
-                             "layer saves only its input; use selective recomputation or none with offloading")
-
-    @property
-    def schedule(self) -> str:
-        return "1f1b" if self.vpp == 1 else "interleaved"
-
-    @property
-    def effective_group_size(self) -> Optional[int]:
-        return None if self.vpp == 1 else (self.group_size or self.pp)
-
-    def config(self) -> ScheduleConfig:
-        """The same schedule in PipeMesh notation (uniform groups of g; groups are irrelevant at V = 1)."""
-        if self.vpp == 1:
-            return ScheduleConfig.depth_first(self.pp, 1, self.microbatches)
-        return ScheduleConfig.uniform(self.pp, self.vpp, self.microbatches, self.effective_group_size)
-
-    def flags(self) -> List[str]:
-        out = ["--pipeline-model-parallel-size", str(self.pp)]
-        if self.vpp > 1:
-            out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp),
-                    "--microbatch-group-size-per-virtual-pipeline-stage", str(self.effective_group_size)]
-        out += self.recompute.flags()
-        if self.offload is not None:
-            out += self.offload.flags()
-        if self.grad_reduce_in_bf16:
-            out.append("--grad-reduce-in-bf16")
-        return out + sharding_flags(self.sharding)
-
-    def describe(self) -> str:
-        sched = "1F1B" if self.vpp == 1 else f"interleaved V={self.vpp} g={self.effective_group_size}"
-        return (f"{sched}, {self.recompute.describe()}" + (f", {self.offload.describe()}" if self.offload else "")
-                + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
-                + (f", sharding {self.sharding}" if self.sharding else ""))
-
-    def to_dict(self) -> dict:
-        return {"schedule": self.schedule, "vpp": self.vpp, "group_size": self.effective_group_size,
-                "recompute": self.recompute.describe(), "grad_reduce_in_bf16": self.grad_reduce_in_bf16,
-                "offload_fraction": self.offload.fraction if self.offload else None,
-                "sharding": self.sharding, "flags": self.flags()}
-
-
-def recompute_options(layers_per_chunk: int, layer_spec: str = "local") -> List[StockRecompute]:
-    """Every stock recomputation setting for chunks of ``layers_per_chunk`` layers."""
-    out = [StockRecompute()]
-    for chosen in selective_module_sets(layer_spec):
-        out.append(StockRecompute("selective", () if chosen == ("core_attn",) else chosen))
-    for method in ("block", "uniform"):
-        for k in range(1, layers_per_chunk + 1):
-            out.append(StockRecompute("full", method=method, num_layers=k))
-    return out
-
-
-def group_sizes(pp: int, microbatches: int) -> List[int]:
-    """Every g Megatron's interleaved schedule accepts: p <= g <= m, m mod g = 0 or >= p."""
-    return [g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp]
-
-
-def schedule_options(pp: int, num_layers: int, microbatches: int,
-                     split: LayerSplit = LayerSplit()) -> List[Tuple[int, Optional[int]]]:
-    """(V, g) of every stock schedule: 1F1B and interleaved for every V at which ``split`` places the layers (evenly:
-    every V dividing the layers per rank; a layout: its own V)."""
-    if split.even and num_layers % pp:
-        raise ValueError(f"--num-layers {num_layers} must be a multiple of --pipeline-model-parallel-size {pp}, or give "
-                         "an uneven split (e.g. --pipeline-model-parallel-layout)")
-    out: List[Tuple[int, Optional[int]]] = []
-    for vpp in split.virtual_sizes(num_layers, pp):
-        out += [(1, None)] if vpp == 1 else [(vpp, g) for g in group_sizes(pp, microbatches)]
-    return out
+__all__ = [  # the options and the memory model are also reached through the search, their first home
+    "Budget", "STOCK_SHARDING", "StockOffload", "StockRecompute", "StockSetting", "default_recompute_ladder",
+    "group_sizes", "live_states", "order_peaks", "recompute_options", "schedule_options", "sharding_flags",
+    "uniform_plan", "StockResult", "evaluate", "best_per_schedule", "best_stock", "default_settings", "default_stock",
+    "activation_budget"]
 
 
 @dataclass
@@ -341,7 +51,7 @@ class StockResult:
     """Per pipeline rank with offloading: the peak of offloaded activations in host memory (else empty)."""
 
     def fits(self, budget: Budget) -> bool:
-        return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, _per_rank(budget, len(self.peak_activation_bytes))))
+        return all(peak <= limit for peak, limit in zip(self.peak_activation_bytes, per_rank(budget, len(self.peak_activation_bytes))))
 
     def to_dict(self) -> dict:
         return {**self.setting.to_dict(), "iteration_s": self.iteration_s,
@@ -349,167 +59,8 @@ class StockResult:
                 "host_peak_bytes": list(self.host_peak_bytes)}
 
 
-def _per_rank(budget: Budget, pp: int) -> List[float]:
-    if isinstance(budget, (int, float)):
-        return [float(budget)] * pp
-    if len(budget) != pp:
-        raise ValueError(f"an activation budget per rank needs {pp} values, got {len(budget)}")
-    return [float(b) for b in budget]
-
-
-def _model_for(model: ModelSpec, setting: StockSetting) -> ModelSpec:
-    return dataclasses.replace(model, grad_bytes=2) if setting.grad_reduce_in_bf16 else model
-
-
-def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
-                schedule: Optional[LoweredSchedule] = None) -> Dict[str, Tuple[float, ...]]:
-    """Per-rank activation peak of ``config`` with each level of ``levels`` applied everywhere, from
-    the program order (one compute stream per rank, so the order fixes the peak): a forward adds
-    its chunk's bytes, a backward holds its recomputation's transient bytes until it frees them.
-
-    The live set at each step is counted once per rank as live chunk-micro-batches per kind of chunk
-    (:class:`ChunkKinds`: chunks that hold the same bytes); each level's peak is then a maximum over those counts."""
-    schedule = schedule or lower(config, lowering_for(costs))
-    adapter = ScheduleCosts(config, costs)
-    kinds = ChunkKinds.of(config, adapter)
-    counts = live_states(config, schedule, kinds)
-    return {level: _peaks(counts, kinds.bytes_at(adapter, level), kinds.transient(adapter, level)) for level in levels}
-
-
-@dataclass(frozen=True)
-class ChunkKinds:
-    """The chunks of each rank grouped by what one micro-batch of them holds at any level: the same stage costs
-    (layers) and the same first/last-stage extras. An even split has at most three kinds per rank."""
-
-    of_chunk: Tuple[Tuple[int, ...], ...]
-    """Per rank: the kind of each chunk."""
-    chunks: Tuple[Tuple[int, ...], ...]
-    """Per rank: one chunk of each kind, in kind order."""
-
-    @classmethod
-    def of(cls, config: ScheduleConfig, adapter: Optional[ScheduleCosts] = None) -> "ChunkKinds":
-        """The kinds of ``config``'s chunks under ``adapter``'s stage costs (None: every stage alike)."""
-        last = config.num_stages - 1
-        of_chunk, chunks = [], []
-        for rank in range(config.pp):
-            keys: Dict[tuple, int] = {}
-            row = []
-            for chunk in range(config.vpp):
-                stage = config.stage(rank, chunk)
-                costs = id(adapter.stage_costs(rank, chunk)) if adapter is not None else None
-                row.append(keys.setdefault((costs, stage == 0, stage == last), len(keys)))
-            of_chunk.append(tuple(row))
-            chunks.append(tuple(row.index(kind) for kind in range(len(keys))))
-        return cls(tuple(of_chunk), tuple(chunks))
-
-    def bytes_at(self, adapter: ScheduleCosts, level: str) -> List[List[float]]:
-        """Per rank and kind: one micro-batch's activation bytes at ``level``."""
-        return [[adapter.bytes_at(rank, chunk, level) for chunk in chunks] for rank, chunks in enumerate(self.chunks)]
-
-    def transient(self, adapter: ScheduleCosts, level: str) -> List[List[float]]:
-        """Per rank and kind: the bytes recomputation at ``level`` re-creates during a backward."""
-        return [[adapter.transient(rank, chunk, level) for chunk in chunks] for rank, chunks in enumerate(self.chunks)]
-
-
-LiveStates = List[set]
-"""Per rank: every (live chunk-micro-batches per kind of :class:`ChunkKinds`, the kind in a backward or -1) its
-program order passes through (:func:`live_states`)."""
-
-
-def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
-    """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
-    it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
-    by being stage 0 or the last stage only (an even split)."""
-    kinds = kinds or ChunkKinds.of(config)
-    counts = []
-    for rank in range(config.pp):
-        of_chunk = kinds.of_chunk[rank]
-        live = [0] * len(kinds.chunks[rank])
-        states = set()
-        for op in schedule.programs[rank]:
-            kind = op.kind
-            if kind is OpKind.FORWARD:
-                live[of_chunk[op.chunk]] += 1
-                states.add((tuple(live), -1))
-            elif kind is OpKind.BACKWARD:
-                states.add((tuple(live), of_chunk[op.chunk]))
-                live[of_chunk[op.chunk]] -= 1
-        counts.append(states)
-    return counts
-
-
-def _peaks(counts: LiveStates, held: Sequence[Sequence[float]], transient: Sequence[Sequence[float]],
-           in_flight: Optional[Sequence[float]] = None) -> Tuple[float, ...]:
-    """Per rank: the peak over its live states of ``held[rank][kind]`` per live chunk-micro-batch of that kind,
-    ``transient[rank][kind]`` during a backward of that kind and ``in_flight[rank]`` always."""
-    out = []
-    for rank, states in enumerate(counts):
-        sizes, extra = held[rank], transient[rank]
-        base = in_flight[rank] if in_flight is not None else 0.0
-        out.append(max(sum(n * size for n, size in zip(live, sizes)) + (extra[backward] if backward >= 0 else 0.0) + base
-                       for live, backward in states))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class OffloadModel:
-    """Bytes and copy time of :class:`StockOffload` on one (model, cluster, p x V)."""
-
-    layer_bytes: float
-    """:func:`.memory.offloadable_layer_bytes` of one layer and micro-batch."""
-    layers: Tuple[int, ...]
-    """Layers of each stage (stage order s = c*p + r)."""
-    host_link_gbps: float
-    """Device-host copy bandwidth per direction (Gbit/s)."""
-    pp: int
-    """Pipeline size p (rank r's chunk c is stage c*p + r)."""
-
-    @classmethod
-    def of(cls, model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig) -> "OffloadModel":
-        return cls(offloadable_layer_bytes(activation_shape(model, cluster)), model.stage_layers(config.pp, config.vpp),
-                   cluster.host_link_gbps, config.pp)
-
-    def chunk_bytes(self, offload: StockOffload, rank: int, chunk: int) -> float:
-        """Bytes one stored micro-batch of ``chunk`` on ``rank`` keeps in host memory instead of on the device."""
-        return offload.fraction * self.layers[chunk * self.pp + rank] * self.layer_bytes
-
-    def _moved(self, kinds: ChunkKinds, offload: StockOffload) -> List[List[float]]:
-        return [[self.chunk_bytes(offload, rank, chunk) for chunk in chunks] for rank, chunks in enumerate(kinds.chunks)]
-
-    def device_peaks(self, counts: LiveStates, kinds: ChunkKinds, adapter: ScheduleCosts, level: str,
-                     offload: StockOffload) -> Tuple[float, ...]:
-        """Per-rank activation peak with ``level`` everywhere and ``offload``: two layers' groups in flight."""
-        held = [[size - moved for size, moved in zip(sizes, moves)]
-                for sizes, moves in zip(kinds.bytes_at(adapter, level), self._moved(kinds, offload))]
-        flight = [min(2, max(self.layers[c * self.pp + r] for c in range(len(kinds.of_chunk[r])))) * self.layer_bytes
-                  for r in range(self.pp)]
-        return _peaks(counts, held, kinds.transient(adapter, level), flight)
-
-    def host_peaks(self, counts: LiveStates, kinds: ChunkKinds, offload: StockOffload) -> Tuple[float, ...]:
-        """Per-rank peak of the offloaded bytes in host memory."""
-        moved = self._moved(kinds, offload)
-        return _peaks(counts, moved, [[0.0] * len(row) for row in moved])
-
-    def busy_s(self, config: ScheduleConfig, offload: StockOffload) -> float:
-        """Seconds the busiest rank's host link needs per iteration and direction: every chunk-micro-batch's copy."""
-        total = max(sum(self.chunk_bytes(offload, rank, chunk) for chunk in range(config.vpp)) for rank in range(config.pp))
-        return config.microbatches * total * 8 / (self.host_link_gbps * 1e9)
-
-
-def uniform_plan(config: ScheduleConfig, level: str) -> Dict[Tuple[int, int, int], str]:
-    """A recompute plan with ``level`` for every (rank, chunk, micro-batch): stock's only kind."""
-    return {(r, c, j): level for r in range(config.pp) for c in range(config.vpp) for j in range(config.microbatches)}
-
-
 def _costs(model: ModelSpec, cluster: ClusterSpec, setting: StockSetting, levels: Iterable[str]) -> OpCosts:
-    return analytic_costs(_model_for(model, setting), cluster, setting.config(), levels=tuple(levels))
-
-
-def sharding_model(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec) -> Optional[MegatronFsdpSharding]:
-    """The sharding model of a ZeRO-2/3 setting (None for the distributed optimizer or no level)."""
-    if setting.sharding in (None, "optim"):
-        return None
-    return MegatronFsdpSharding(_model_for(model, setting), cluster, ShardingSpec((setting.sharding,) * setting.vpp))
+    return analytic_costs(model_for(model, setting), cluster, setting.config(), levels=tuple(levels))
 
 
 def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: Optional[MegatronFsdpSharding],
@@ -545,7 +96,7 @@ def _microbatch_bound(setting: StockSetting, config: ScheduleConfig, costs: OpCo
     the peak with one unit's buffers, from the program-order activation ``peaks``."""
     resident = tuple(split.state.resident for split in sharding.splits(config))
     busy = max(sharding.microbatch_channel_s(config, costs))
-    time = max(_compute_bound(config, costs, setting.recompute.level), busy)
+    time = max(compute_bound(config, costs, setting.recompute.level), busy)
     buffers = sharding.unit_buffers()
     return StockResult(setting, time, tuple(p + r + buffers - static for p, r, static in zip(peaks, resident, costs.static_bytes)),
                        resident, FSDP_MODELS[1])
@@ -558,7 +109,7 @@ def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budg
     level = setting.recompute.level
     costs = _costs(model, cluster, setting, (level,))
     sharding = sharding_model(setting, model, cluster)
-    offload = OffloadModel.of(_model_for(model, setting), cluster, config) if setting.offload else None
+    offload = OffloadModel.of(model_for(model, setting), cluster, config) if setting.offload else None
     span = _result(setting, config, costs, sharding, offload=offload)
     if sharding is None:
         return span
@@ -591,7 +142,7 @@ class _Choice:
     link may make the offloading setting the slower one), or None if none fits."""
 
 
-class _Candidate(NamedTuple):
+class _StockOption(NamedTuple):
     """One recomputation (and offloading) option of a stock schedule in :func:`_choices`, ordered by its first
     three fields: least recomputation time, then least offloading, then enumeration order."""
 
@@ -622,7 +173,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
     option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits. ``vpps``: only
     these V (default: every V of :func:`schedule_options`)."""
     out = []
-    limits = _per_rank(budget, pp)
+    limits = per_rank(budget, pp)
     for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
         if vpps is not None and vpp not in vpps:
             continue
@@ -637,7 +188,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             adapter = ScheduleCosts(config, costs)
             kinds = ChunkKinds.of(config, adapter)
             counts = live_states(config, schedule, kinds)
-            offload = OffloadModel.of(_model_for(model, probe), cluster, config)
+            offload = OffloadModel.of(model_for(model, probe), cluster, config)
             for option in options:
                 if option.granularity == "full":
                     continue
@@ -652,10 +203,10 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             if shard is not None:  # the static bytes this level saves against the distributed optimizer
                 room = [limit + static - split.state.resident
                         for limit, static, split in zip(limits, costs.static_bytes, shard.splits(config))]
-            candidates = [_Candidate(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level])
+            candidates = [_StockOption(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level])
                           for index, o in enumerate(options)]
             if shard is None:
-                candidates += [_Candidate(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
+                candidates += [_StockOption(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
                                for index, (o, moved, peaks) in enumerate(offloads)]
             fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c.peaks, room))), key=lambda c: c[:3])
             if not fitting:
@@ -665,16 +216,16 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             without = (dataclasses.replace(setting, recompute=plain)
                        if (first.offload is not None and plain is not None) else None)
             # ZeRO-2/3 settings keep every fitting option for _simulated (no offloading with them).
-            bounds = (tuple((_compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
+            bounds = (tuple((compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
                       if shard is not None else ())
             out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
                                costs, schedule if shard is None else lower(config, shard.lowering(lowering_for(costs))),
-                               bounds[0][0] if bounds else _compute_bound(config, costs, first.recompute.level), shard,
+                               bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level), shard,
                                bounds, offload if first.offload is not None else None, without))
     return out
 
 
-def _compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
+def compute_bound(config: ScheduleConfig, costs: OpCosts, level: str) -> float:
     """max over ranks of (its forwards' and backwards' durations + its optimizer step), the
     simulator's own per-op durations (:class:`.costs.ScheduleCosts`)."""
     adapter = ScheduleCosts(config, costs, {(r, c, 0): level for r in range(config.pp) for c in range(config.vpp)})
@@ -762,13 +313,6 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     return best[2] if best else None
 
 
-def default_recompute_ladder(layers_per_chunk: int) -> List[StockRecompute]:
-    """The recomputation a Megatron user reaches for, cheapest first: none, ``--recompute-granularity selective``
-    (Megatron's default modules, ``core_attn``), then full block recomputation of k = 1, 2, ... layers per chunk."""
-    return ([StockRecompute(), StockRecompute("selective")]
-            + [StockRecompute("full", method="block", num_layers=k) for k in range(1, layers_per_chunk + 1)])
-
-
 def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                      grad_reduce_in_bf16: bool = False) -> List[StockResult]:
     """Megatron's default command at every V: 1F1B, and the interleaved schedule with Megatron's default group
@@ -785,7 +329,7 @@ def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
         config = probe.config()
         schedule = lower(config, lowering_for(costs))
         peaks = order_peaks(config, costs, [o.level for o in ladder], schedule)
-        limits = _per_rank(budget, pp)
+        limits = per_rank(budget, pp)
         fitting = next((o for o in ladder if all(peak <= limit for peak, limit in zip(peaks[o.level], limits))), None)
         if fitting is not None:
             out.append(_result(dataclasses.replace(probe, recompute=fitting), config, costs, None, schedule))

@@ -43,6 +43,19 @@ from .spans import SHARD_LEVELS, gather_spans, group_spans
 DEFAULT_RELOAD_LOOKAHEAD = 2
 """Compute ops between a RELOAD and its backward when nothing sizes it (the planner sizes it from the copy time)."""
 
+LOOKAHEAD_LEAST = {"recv_lookahead": 0, "reload_lookahead": 1, "gather_lookahead": 0}
+"""The fewest compute ops each lookahead may be: a receive or a gather may be posted right before the op that
+needs it, a RELOAD at least one compute op before its backward (it cannot share the backward's slot)."""
+
+
+def check_lookahead(name: str, value, error: type = ValueError) -> int:
+    """``value`` when it is a valid lookahead ``name`` (:data:`LOOKAHEAD_LEAST`: an integer count of compute ops, at
+    least the least), else ``error`` saying what is wrong."""
+    least = LOOKAHEAD_LEAST[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise error(f"{name} {value!r} must be an integer >= {least} (compute ops)")
+    return value
+
 
 @dataclass(frozen=True)
 class LoweringOptions:
@@ -165,14 +178,10 @@ def _options_dict(options: LoweringOptions) -> dict:
 
 def lower(config: ScheduleConfig, options: LoweringOptions = LoweringOptions()) -> LoweredSchedule:
     """Build every rank's lowered program for ``config``."""
-    if options.recv_lookahead < 0:
-        raise ValueError(f"recv_lookahead must be >= 0, got {options.recv_lookahead}")
-    if options.reload_lookahead < 1:
-        raise ValueError(f"reload_lookahead must be >= 1, got {options.reload_lookahead}")
+    for name in LOOKAHEAD_LEAST:
+        check_lookahead(name, getattr(options, name))
     if options.sharding and len(options.sharding) != config.vpp:
         raise ValueError(f"sharding gives {len(options.sharding)} levels for {config.vpp} virtual chunks (one per chunk)")
-    if options.gather_lookahead < 0:
-        raise ValueError(f"gather_lookahead must be >= 0, got {options.gather_lookahead}")
     for key in options.host_placement:
         rank, chunk, microbatch = key
         if not (0 <= rank < config.pp and 0 <= chunk < config.vpp and 0 <= microbatch < config.microbatches):

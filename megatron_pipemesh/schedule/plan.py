@@ -31,6 +31,11 @@ PREDICTION_KEYS = ("predicted_iteration_time_s", "idle_fraction", "exposed_comm_
 """The planner's prediction in a plan file, in file order (the first eight precede the placement)."""
 
 
+OLD_PLACEMENT_KEY = "recompute"
+"""The placement's key in plan files written before it was named for what it holds (recomputation and host
+placement); still read."""
+
+
 class RunPlanError(ValueError):
     """An inconsistent plan; the message says what is wrong and how to make a valid one."""
 
@@ -160,7 +165,7 @@ class RunPlan:
     # Plan files ---------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
         """The plan file's content (``pipemesh plan --output``): p, V, m, the groups, the prediction, the placement
-        (``recompute``: every lever but the device), the sharding levels, the lookaheads (the receive and gather
+        (``placement``: every lever but the device), the sharding levels, the lookaheads (the receive and gather
         lookaheads only where they differ from the default)."""
         config = self.schedule
         if config is None:
@@ -170,7 +175,7 @@ class RunPlan:
                                 "forward_groups": list(config.forward_groups),
                                 "backward_groups": list(config.backward_groups)}
         data.update((key, predicted[key]) for key in PREDICTION_KEYS[:8] if key in predicted)
-        data["recompute"] = [{"rank": r, "chunk": c, "microbatch": j, "level": str(lever)}
+        data["placement"] = [{"rank": r, "chunk": c, "microbatch": j, "level": str(lever)}
                              for (r, c, j), lever in self.placement.items()]
         if self.sharding:
             data.update(sharding=list(self.sharding), shard_scope=self.shard_scope)
@@ -185,23 +190,26 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunPlan":
-        """A plan from :meth:`to_dict`'s content (also the files of earlier versions, without lookaheads); raises
-        :class:`RunPlanError` naming what is wrong."""
+        """A plan from :meth:`to_dict`'s content (also the files of earlier versions: without lookaheads, and with the
+        placement under its earlier key ``recompute``); raises :class:`RunPlanError` naming what is wrong."""
         if not isinstance(data, Mapping):
             raise RunPlanError(f"a plan is a JSON object, got {type(data).__name__}")
-        known = {"pp", "vpp", "microbatches", "forward_groups", "backward_groups", "recompute", "recv_lookahead",
-                 "reload_lookahead", "gather_lookahead", "sharding", "shard_scope", "host_blocks", *PREDICTION_KEYS}
+        known = {"pp", "vpp", "microbatches", "forward_groups", "backward_groups", "placement", OLD_PLACEMENT_KEY,
+                 "recv_lookahead", "reload_lookahead", "gather_lookahead", "sharding", "shard_scope", "host_blocks",
+                 *PREDICTION_KEYS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RunPlanError(f"unknown key(s) {unknown}; a plan has {', '.join(sorted(known))}")
         missing = [key for key in ("pp", "vpp", "microbatches", "forward_groups", "backward_groups") if key not in data]
+        if "placement" in data and OLD_PLACEMENT_KEY in data:
+            raise RunPlanError(f"both 'placement' and its earlier name {OLD_PLACEMENT_KEY!r}; keep 'placement' only")
         if missing:
             raise RunPlanError(f"missing key(s) {missing}; re-run `pipemesh plan --output`")
         try:
             schedule = ScheduleConfig(data["pp"], data["vpp"], data["microbatches"], tuple(data["forward_groups"]),
                                       tuple(data["backward_groups"]))
             placement = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"]
-                         for e in data.get("recompute", [])}
+                         for e in data.get("placement", data.get(OLD_PLACEMENT_KEY, []))}
             host_blocks = {(int(e["rank"]), int(e["chunk"])): e["bytes"] for e in data.get("host_blocks", [])}
         except (KeyError, TypeError, ValueError) as error:
             raise RunPlanError(f"malformed plan ({type(error).__name__}: {error}); re-run `pipemesh plan --output`") from error

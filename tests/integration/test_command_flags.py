@@ -2,7 +2,7 @@
 from megatron_pipemesh.integration.command_flags import (REPLACED, pipemesh_flags, replace_flags, stock_flags,
                                                          without)
 from megatron_pipemesh.planning.layout import LayerSplit
-from megatron_pipemesh.planning.stock import StockOffload, StockRecompute, StockSetting
+from megatron_pipemesh.planning.stock_options import StockOffload, StockRecompute, StockSetting
 from megatron_pipemesh.schedule.config import ScheduleConfig
 
 USER = ["--num-layers", "8", "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp",

@@ -1,7 +1,7 @@
 """A user's pretrain_gpt.py command read by Megatron's own parser (integration/megatron_command.py)."""
 import pytest
 
-from megatron_pipemesh.integration.megatron_command import CommandError, read_command, split_flags
+from megatron_pipemesh.integration.megatron_command import CommandError, failed_check, read_command, split_flags
 
 TINY = ("torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
@@ -26,6 +26,40 @@ def test_unknown_flags_and_refused_commands_are_named():
         read_command(TINY + " --fast-mode 3", world_size=4)
     with pytest.raises(CommandError, match="validate_args rejects the command on 3 GPUs"):
         read_command(TINY, world_size=3)
+
+
+def test_a_bare_assertion_of_megatron_is_named_by_its_condition():
+    """3 heads with hidden 256, as a new user types it: validate_args fails a bare `assert`, and the error says
+    which file, line and condition (not "validate_args rejects the command on 2 GPUs: " and nothing after it), in
+    read_command and in what `pipemesh plan --megatron-args` prints."""
+    from tests.test_cli import run
+
+    command = TINY.replace("--hidden-size 64 --num-attention-heads 4", "--hidden-size 256 --num-attention-heads 3")
+    with pytest.raises(CommandError) as error:
+        read_command(command, world_size=2)
+    message = str(error.value)
+    assert message.startswith("Megatron's validate_args rejects the command on 2 GPUs: arguments.py:"), message
+    assert message.endswith(": assert args.hidden_size % args.num_attention_heads == 0"), message
+    code, _, err = run(["plan", "--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "1",
+                        "--megatron-args", command])
+    assert code == 2 and "assert args.hidden_size % args.num_attention_heads == 0" in err, (code, err)
+
+
+def test_a_bare_assertion_over_several_lines_is_joined(tmp_path):
+    """A check written over several lines is named by its whole condition on one line, at the line that failed;
+    frames outside megatron are not blamed."""
+    source = tmp_path / "megatron" / "checks.py"
+    source.parent.mkdir()
+    source.write_text("def check(args):\n    x = 1\n    assert (\n        args.a\n        == args.b\n    )\n")
+    namespace = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    with pytest.raises(AssertionError) as error:
+        namespace["check"](type("Args", (), {"a": 1, "b": 2}))
+    text = failed_check(error.value)
+    assert text.startswith("checks.py:") and text.endswith(": assert args.a == args.b"), text
+    with pytest.raises(AssertionError) as outside:
+        assert 1 == 2
+    assert failed_check(outside.value) == "AssertionError"
 
 
 def test_tensor_parallel_commands_validate_without_a_local_gpu():

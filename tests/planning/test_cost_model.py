@@ -101,9 +101,9 @@ def test_knapsack_takes_most_bytes_per_second_first():
                     recompute_s={"none": 0.0, "selective": 0.5, "full": 1.0}, static_bytes=(0.0, 0.0))
     peak = max(r.peak_memory_bytes for r in simulate(config, costs).ranks)
     plan = fit_with_recompute(config, costs, budget_bytes=peak - 150)
-    assert plan.fits and set(plan.recompute.values()) == {"full"}
+    assert plan.fits and set(plan.placement.values()) == {"full"}
     # Selective would need 15 chunk-micro-batches per rank (10 bytes each) to cover 150 bytes.
-    assert len(plan.recompute) < 15
+    assert len(plan.placement) < 15
 
 
 def test_host_level_keeps_none_bytes_and_copies_them_over_the_host_link():

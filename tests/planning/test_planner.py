@@ -89,11 +89,11 @@ def test_recompute_goes_to_early_ranks_and_long_waits():
     pp, vpp, m = 4, 2, 12
     costs = _direct_costs(pp)
     plan = fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 2.0 * GB)
-    assert plan.fits and plan.recompute
-    per_rank = [sum(1 for (r, _, _) in plan.recompute if r == rank) for rank in range(pp)]
+    assert plan.fits and plan.placement
+    per_rank = [sum(1 for (r, _, _) in plan.placement if r == rank) for rank in range(pp)]
     assert per_rank[0] >= per_rank[-1]
     # On rank 0 the first micro-batches of chunk 0 wait longest (their backward comes last).
-    rank0 = {(c, j) for (r, c, j) in plan.recompute if r == 0}
+    rank0 = {(c, j) for (r, c, j) in plan.placement if r == 0}
     assert (0, 0) in rank0
     assert plan.result.iteration_s > fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 100 * GB).result.iteration_s
 
@@ -156,7 +156,7 @@ def test_module_set_levels_are_chosen_where_they_free_memory_cheapest():
     config = ScheduleConfig.breadth_first(pp, vpp, m)
     both = fit_with_recompute(config, costs, 2.0 * GB)
     old = fit_with_recompute(config, costs, 2.0 * GB, PlannerOptions(allow_recompute=("selective", "full")))
-    assert both.fits and old.fits and "selective:mlp" in set(both.recompute.values())
+    assert both.fits and old.fits and "selective:mlp" in set(both.placement.values())
     assert both.result.iteration_s < old.result.iteration_s
     assert "selective:mlp" in both.to_dict()["recompute_counts"]
     # The levels the runtime applies: mlp sets only without linear biases, layernorm never (needs TE installed).
@@ -197,8 +197,8 @@ def test_fit_limit_and_incumbent_fit_the_fastest_lists_as_without_pruning(pp, vp
             plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options, incumbent_s=incumbent)
         return
     best, evaluated = plan_schedule(pp, vpp, m, lambda cfg: costs, budget_gb * GB, options, incumbent_s=incumbent)
-    assert [(p.config, p.recompute, p.result.iteration_s) for p in evaluated] == \
-        [(p.config, p.recompute, p.result.iteration_s) for p in fitted]
+    assert [(p.config, p.placement, p.result.iteration_s) for p in evaluated] == \
+        [(p.config, p.placement, p.result.iteration_s) for p in fitted]
     assert best.result.iteration_s == min(p.result.iteration_s for p in fitted if p.fits)
 
 
@@ -206,18 +206,18 @@ def test_a_recomputation_round_covers_every_estimated_peak_of_a_rank():
     """Breadth-first holds its activations long: the excess shows at many times on each rank. A round takes the
     upgrades at the simulated peak, then at each next peak estimated at the same times, so the fit needs few
     re-simulations (one peak per round took one per peak) and still fits."""
-    import megatron_pipemesh.planning.planner as planner
+    import megatron_pipemesh.planning.recompute_fit as recompute_fit
 
     pp, vpp, m = 4, 2, 24
     costs = _direct_costs(pp)
     calls = []
-    real = planner.simulate
-    planner.simulate = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    real = recompute_fit.simulate
+    recompute_fit.simulate = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
     try:
         plan = fit_with_recompute(ScheduleConfig.breadth_first(pp, vpp, m), costs, 2.2 * GB)
     finally:
-        planner.simulate = real
-    assert plan.fits and plan.recompute
+        recompute_fit.simulate = real
+    assert plan.fits and plan.placement
     assert len(calls) <= 4, f"{len(calls)} simulations"
 
 
@@ -298,7 +298,7 @@ def test_lists_that_cannot_fit_are_not_simulated_and_the_plan_is_the_same(budget
         unpruned = len(calls)
     finally:
         planner.simulate, planner.least_peaks = real_simulate, real_floor
-    assert (best.config, best.recompute, best.result.iteration_s) == (every.config, every.recompute, every.result.iteration_s)
+    assert (best.config, best.placement, best.result.iteration_s) == (every.config, every.placement, every.result.iteration_s)
     floors = [max(real_floor(config, costs, ["none", "selective", "full"])) for config in candidate_configs(pp, vpp, m)]
     over = sum(f > budget_gb * GB for f in floors)
     assert over > 0 and pruned <= unpruned - over, (over, pruned, unpruned)

@@ -27,7 +27,7 @@ def _costs(copy_s: float, selective_s: float = 0.2, full_s: float = 1.0) -> OpCo
 
 
 def _levels(plan, rank):
-    return sorted(level for (r, _, _), level in plan.recompute.items() if r == rank)
+    return sorted(level for (r, _, _), level in plan.placement.items() if r == rank)
 
 
 def test_tight_budget_offloads_where_recomputation_was_forced():
@@ -82,11 +82,11 @@ def test_device_placement_uses_no_lever_and_fails_clearly():
     """'device' keeps everything on the device: over budget the planner says so and names the alternatives."""
     device = PlannerOptions(activation_placement="device")
     plan = fit_with_recompute(CFG, _costs(0.1), 6.5 * BYTES, device)
-    assert not plan.fits and not plan.recompute
+    assert not plan.fits and not plan.placement
     with pytest.raises(NoFeasiblePlan, match="activation-placement device keeps every activation on the device.*auto"):
         plan_schedule(2, 2, 4, lambda cfg: _costs(0.1), 4.5 * BYTES, device)
     best, _ = plan_schedule(2, 2, 4, lambda cfg: _costs(0.1), 100 * BYTES, device)
-    assert best.fits and not best.recompute
+    assert best.fits and not best.placement
     with pytest.raises(ValueError, match="activation placement 'host'"):
         PlannerOptions(activation_placement="host")
 
@@ -133,13 +133,13 @@ def test_rank_model_predicts_the_simulated_peak_and_copies():
     """The planner's per-rank estimate (copy windows, exposed wait, device peak) matches the simulator on
     a plan whose copies hide and on one whose reload is late."""
     from megatron_pipemesh.planning.costs import ScheduleCosts
-    from megatron_pipemesh.planning.planner import _RankModel
+    from megatron_pipemesh.planning.rank_model import RankModel
     from megatron_pipemesh.planning.simulator import simulate
 
     for copy_s in (0.1, 10.0):
         costs = _costs(copy_s)
         bare = simulate(CFG, costs)
-        model = _RankModel(bare, ScheduleCosts(CFG, costs), 0, 2)
+        model = RankModel(bare, ScheduleCosts(CFG, costs), 0, 2)
         plan = {(0, 0, 0): HOST, (0, 0, 1): HOST, (0, 1, 3): "selective"}
         windows, exposed = model.windows({(0, 0), (0, 1)})
         placed = simulate(CFG, costs, plan)
@@ -177,15 +177,15 @@ def test_rank_model_exposes_copies_on_the_compute_stream_whole():
     import dataclasses
 
     from megatron_pipemesh.planning.costs import ScheduleCosts
-    from megatron_pipemesh.planning.planner import _RankModel
+    from megatron_pipemesh.planning.rank_model import RankModel
     from megatron_pipemesh.planning.simulator import simulate
 
     costs = dataclasses.replace(_costs(0.1), host_copies_on_compute=True)
-    model = _RankModel(simulate(CFG, costs), ScheduleCosts(CFG, costs), 0, 2)
+    model = RankModel(simulate(CFG, costs), ScheduleCosts(CFG, costs), 0, 2)
     _, exposed = model.windows({(0, 0), (0, 1)})
     placed = simulate(CFG, costs, {(0, 0, 0): HOST, (0, 0, 1): HOST})
     assert exposed == pytest.approx(4 * 0.1) == pytest.approx(placed.ranks[0].exposed_host_s)
-    assert _RankModel(simulate(CFG, _costs(0.1)), ScheduleCosts(CFG, _costs(0.1)), 0, 2).windows({(0, 0), (0, 1)})[1] == 0.0
+    assert RankModel(simulate(CFG, _costs(0.1)), ScheduleCosts(CFG, _costs(0.1)), 0, 2).windows({(0, 0), (0, 1)})[1] == 0.0
 
 
 def test_the_run_plan_carries_the_pinned_block_of_each_host_placed_chunk():
@@ -193,7 +193,7 @@ def test_the_run_plan_carries_the_pinned_block_of_each_host_placed_chunk():
     pool is allocated before the first call: 1e8 bytes of activations -> one 2**27-byte block."""
     one = fit_with_recompute(CFG, _costs(0.1), 6.5 * BYTES,
                              PlannerOptions(activation_placement="auto", host_budget_bytes=1 << 27))
-    (rank, chunk, _), = [key for key, level in one.recompute.items() if level == HOST]
+    (rank, chunk, _), = [key for key, level in one.placement.items() if level == HOST]
     assert one.run_plan().host_blocks == {(rank, chunk): 1 << 27}
     assert fit_with_recompute(CFG, _costs(0.1), 100 * BYTES, AUTO).run_plan().host_blocks == {}
 

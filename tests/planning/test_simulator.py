@@ -137,11 +137,11 @@ def test_recompute_adds_backward_time():
     costs = OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0, activation_bytes={"none": 4.0, "selective": 2.0, "full": 1.0},
                     recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0})
     plain = simulate(cfg, costs)
-    one = simulate(cfg, costs, recompute={(0, 0, 0): "full", (0, 1, 1): "selective"})
+    one = simulate(cfg, costs, placement={(0, 0, 0): "full", (0, 1, 1): "selective"})
     assert one.ranks[0].recompute_s == pytest.approx(1.25)
     assert one.ranks[0].busy_s == pytest.approx(plain.ranks[0].busy_s + 1.25)
     assert one.ranks[1].recompute_s == 0.0 and one.ranks[1].busy_s == pytest.approx(plain.ranks[1].busy_s)
-    everything = simulate(cfg, costs, recompute={(0, c, j): "full" for c in range(2) for j in range(4)})
+    everything = simulate(cfg, costs, placement={(0, c, j): "full" for c in range(2) for j in range(4)})
     assert everything.ranks[0].recompute_s == pytest.approx(8.0)
     assert plain.ranks[0].peak_activation_bytes == pytest.approx(4.0 * plain.ranks[0].peak_live)
     assert everything.ranks[0].peak_activation_bytes == pytest.approx(1.0 * everything.ranks[0].peak_live)

@@ -1,16 +1,17 @@
-"""planning/stock.py: stock Megatron's whole option set, its flags, and the fastest fitting setting."""
+"""planning/stock.py: stock Megatron's settings predicted, and the fastest fitting setting."""
 from typing import List, Optional, Sequence
 
 import pytest
 
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec
-from megatron_pipemesh.planning.stock import (STOCK_SHARDING, StockRecompute, StockSetting, activation_budget,
-                                              best_per_schedule, best_stock, default_recompute_ladder,
-                                              default_settings, default_stock, evaluate, group_sizes, order_peaks,
-                                              recompute_options, schedule_options, uniform_plan)
+from megatron_pipemesh.planning.stock import (activation_budget, best_per_schedule, best_stock, default_settings,
+                                              default_stock, evaluate)
+from megatron_pipemesh.planning.stock_memory import order_peaks, uniform_plan
+from megatron_pipemesh.planning.stock_options import (STOCK_SHARDING, StockOffload, StockRecompute, StockSetting,
+                                                      default_recompute_ladder, recompute_options, schedule_options)
 from megatron_pipemesh.planning.costs import analytic_costs
 from megatron_pipemesh.planning.simulator import SearchTimeUp, lowering_for, simulate
-from megatron_pipemesh.planning.stock import live_states
+from megatron_pipemesh.planning.stock_memory import live_states
 from megatron_pipemesh.schedule.lower import lower
 
 MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
@@ -25,45 +26,6 @@ def stock_settings(pp: int, num_layers: int, microbatches: int, layer_spec: str 
         for recompute in recompute_options(num_layers // (pp * vpp), layer_spec):
             out += [StockSetting(pp, vpp, microbatches, g, recompute, grad_reduce_in_bf16, level) for level in sharding]
     return out
-
-
-def test_group_sizes_follow_megatrons_rule():
-    """g ranges over [p, m] and the last group (m mod g) is empty or at least p, as schedules.py demands."""
-    assert group_sizes(4, 10) == [5, 6, 10]
-    assert group_sizes(2, 8) == [2, 3, 4, 5, 6, 8]  # 8 mod 7 = 1 < p
-    assert all(g >= 4 and (12 % g == 0 or 12 % g >= 4) for g in group_sizes(4, 12))
-
-
-def test_schedule_options_every_v_dividing_layers_per_rank():
-    """1F1B plus interleaved for every V >= 2 dividing the layers per rank, each with every group size."""
-    options = schedule_options(2, 12, 4)  # 6 layers per rank: V in 2, 3, 6
-    assert (1, None) in options
-    assert sorted({v for v, _ in options}) == [1, 2, 3, 6]
-    assert [g for v, g in options if v == 3] == group_sizes(2, 4)
-    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size"):
-        schedule_options(3, 8, 4)
-
-
-def test_recompute_options_and_flags():
-    """Every module set (no layernorm with TE), block and uniform for every k, with Megatron's exact flags."""
-    local = recompute_options(3)
-    assert len(local) == 1 + 7 + 3 + 3
-    assert len(recompute_options(3, "te")) == 1 + 3 + 3 + 3
-    assert StockRecompute().flags() == []
-    assert StockRecompute("selective").flags() == ["--recompute-granularity", "selective"]
-    assert StockRecompute("selective", ("core_attn", "mlp")).flags() == [
-        "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"]
-    assert StockRecompute("full", method="block", num_layers=2).flags() == [
-        "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"]
-    setting = StockSetting(4, 2, 16, 8, StockRecompute("selective"), grad_reduce_in_bf16=True)
-    assert setting.flags() == ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                               "--microbatch-group-size-per-virtual-pipeline-stage", "8",
-                               "--recompute-granularity", "selective", "--grad-reduce-in-bf16"]
-    assert StockSetting(4, 1, 16).flags() == ["--pipeline-model-parallel-size", "4"]
-    with pytest.raises(ValueError, match="recompute-method"):
-        StockRecompute("full")
-    with pytest.raises(ValueError, match="recompute-modules"):
-        StockRecompute("selective", ("moe_act",))
 
 
 def test_order_peaks_equal_simulated_peaks():
@@ -179,31 +141,11 @@ def test_uniform_zero_levels_fit_where_the_distributed_optimizer_does_not():
 TE = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, layer_spec="te")
 
 
-def test_offload_flags_and_refusals():
-    """Megatron's exact offloading flags; full recomputation and non-TE layer specs are refused by name."""
-    from megatron_pipemesh.planning.memory import offloadable_layer_bytes
-    from megatron_pipemesh.planning.costs import activation_shape
-    from megatron_pipemesh.planning.stock import StockOffload
-
-    setting = StockSetting(2, 2, 8, 4, StockRecompute("selective", ("mlp",)), offload=StockOffload(0.5))
-    assert setting.flags()[-6:] == ["--offload-modules", "qkv_linear", "core_attn", "attn_proj",
-                                    "--activation-offload-fraction", "0.5"]
-    assert StockOffload().flags() == ["--fine-grained-activation-offloading", "--offload-modules", "qkv_linear",
-                                      "core_attn", "attn_proj"]
-    with pytest.raises(ValueError, match="recompute-granularity full"):
-        StockSetting(2, 2, 8, 4, StockRecompute("full", method="block", num_layers=1), offload=StockOffload())
-    with pytest.raises(ValueError, match="activation-offload-fraction"):
-        StockOffload(0.0)
-    with pytest.raises(ValueError, match="transformer_engine"):
-        offloadable_layer_bytes(activation_shape(MODEL, CLUSTER))
-
-
 def test_offload_frees_the_attention_inputs_of_every_stored_chunk():
     """An offloading setting keeps the same time where the host link keeps up, holds exactly the offloaded
     bytes per stored chunk-micro-batch fewer (two layers' groups in flight) and puts them in host memory."""
     from megatron_pipemesh.planning.costs import activation_shape
     from megatron_pipemesh.planning.memory import offloadable_layer_bytes
-    from megatron_pipemesh.planning.stock import StockOffload
 
     plain = evaluate(StockSetting(2, 2, 8, 8), TE, CLUSTER)
     moved = evaluate(StockSetting(2, 2, 8, 8, offload=StockOffload()), TE, CLUSTER)
@@ -225,7 +167,6 @@ def test_offload_frees_the_attention_inputs_of_every_stored_chunk():
 def test_best_stock_offloads_only_with_a_host_limit_and_te():
     """Between the offloaded and the whole peak of breadth-first, stock offloads instead of recomputing when it
     may (host memory given, Transformer Engine); with too little host memory or the local spec it does not."""
-    from megatron_pipemesh.planning.stock import StockOffload
 
     pp, m = 2, 8
     plain = evaluate(StockSetting(pp, 2, m, m), TE, CLUSTER)

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 
 from megatron_pipemesh.planning.memory import ActivationShape, activation_bytes
-from megatron_pipemesh.planning.stock import StockRecompute
+from megatron_pipemesh.planning.stock_options import StockRecompute
 from tests import megatron_harness as h
 
 TOL = 0.001  # 0.1 %: the model states every saved tensor; the measured excess is 4-byte bookkeeping

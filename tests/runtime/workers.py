@@ -304,7 +304,7 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
 
     best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget, PlannerOptions(activation_placement=placement))
     schedule = make_pipemesh(best.config.forward_groups, best.config.backward_groups,
-                             recompute={k: v for k, v in best.recompute.items() if v != "none"}, measure_memory=True,
+                             recompute={k: v for k, v in best.placement.items() if v != "none"}, measure_memory=True,
                              host_blocks=best.run_plan().host_blocks)
     planned = h.run_schedule(schedule, model, spec, microbatches)
     pool = schedule._offloader.pool if schedule._offloader is not None else None
@@ -317,6 +317,6 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
             "plain_measured_peak": plain_peak,
             "pool": None if pool is None else {"reserved": pool.reserved, "late_allocations": pool.late_allocations,
                                                "bytes": pool.allocated_bytes},
-            "recomputed": sum(1 for v in best.recompute.values() if v not in ("none", "host")),
-            "hosted": sum(1 for v in best.recompute.values() if v == "host"),
+            "recomputed": sum(1 for v in best.placement.values() if v not in ("none", "host")),
+            "hosted": sum(1 for v in best.placement.values() if v == "host"),
             "groups": (best.config.forward_groups, best.config.backward_groups)}

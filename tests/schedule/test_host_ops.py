@@ -59,7 +59,7 @@ def test_evaluation_programs_ignore_placement():
 def test_bad_placement_is_refused_before_lowering():
     with pytest.raises(ValueError, match=r"host placement \(0, 2, 0\).*chunks 0..1"):
         _lowered(((0, 2, 0),))
-    with pytest.raises(ValueError, match="reload_lookahead must be >= 1"):
+    with pytest.raises(ValueError, match="reload_lookahead 0 must be an integer >= 1"):
         _lowered(reload_lookahead=0)
 
 

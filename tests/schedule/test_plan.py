@@ -96,12 +96,19 @@ def test_placement_is_typed_and_checked():
 
 
 def test_plan_files_of_earlier_versions_load_and_bad_ones_are_named():
-    """A file without lookaheads loads with the defaults; unknown or missing keys are named."""
+    """A file without lookaheads, with the placement under its earlier key 'recompute', loads with the defaults and
+    is written back under 'placement'; unknown or missing keys are named."""
+    entries = [{"rank": 0, "chunk": 1, "microbatch": 3, "level": "selective"}]
     old = {"pp": 2, "vpp": 2, "microbatches": 8, "forward_groups": [6, 2], "backward_groups": [4, 4],
-           "recompute": [{"rank": 0, "chunk": 1, "microbatch": 3, "level": "selective"}], "fits": True}
+           "recompute": entries, "fits": True}
     plan = RunPlan.from_dict(old)
     assert plan.reload_lookahead == 2 and plan.recv_lookahead == 1 and plan.predicted == {"fits": True}
-    assert plan.to_dict() == {**old, "reload_lookahead": 2}
+    assert plan.placement == {(0, 1, 3): "selective"}
+    written = plan.to_dict()
+    assert "recompute" not in written and written["placement"] == entries
+    assert RunPlan.from_dict(written) == plan
+    with pytest.raises(RunPlanError, match="both 'placement' and its earlier name 'recompute'"):
+        RunPlan.from_dict({**written, "recompute": entries})
     with pytest.raises(RunPlanError, match=r"unknown key\(s\) \['groups'\]"):
         RunPlan.from_dict({**old, "groups": 2})
     with pytest.raises(RunPlanError, match=r"missing key\(s\) \['backward_groups'\]"):
