@@ -11,8 +11,8 @@ levers: with ``auto`` the planner places chunk-micro-batches on the host or reco
 ``--forward-groups auto`` or, for given groups, a memory budget (:func:`place_given_groups`). Its
 inputs that differ between ranks are agreed on at the first call (:mod:`.measured`): the free device
 memory, the host-link bandwidth measured at start-up on GPU (:mod:`..runtime.host_link`; on CPU the
-planning default) and the host memory share per rank (available memory / local ranks, also the cap
-of ``--pipemesh-host-memory-gb``).
+planning default) and the host memory share per rank (:mod:`.host_memory`: MemAvailable over the launcher's
+ranks per node, also the cap of ``--pipemesh-host-memory-gb``; a plan file that needs more is refused).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from ..planning.resolve import Resolution, load_plan_file, resolve
 from ..runtime.cpu_rate import measured_cpu_tflops
 from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan
+from .host_memory import check_plan_fits_host, host_share
 from .measured import Replanning
 
 
@@ -122,13 +123,10 @@ def host_link_gbps(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[flo
 
 
 def machine_host_share_bytes() -> Optional[float]:
-    """This rank's share of the host's available memory (available / local ranks, minus the margin)."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system with these names
-        return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return available / max(local, 1) * (1 - MEMORY_MARGIN)
+    """This rank's share of the host's available memory (:func:`.host_memory.host_share`: MemAvailable capped by the
+    job's cgroup, over the launcher's ranks per node, minus the margin)."""
+    share = host_share()
+    return None if share is None else share.bytes
 
 
 def host_budget_bytes(args, settings: Optional[PipeMeshConfig] = None) -> Tuple[Optional[float], bool]:
@@ -275,7 +273,8 @@ def resolve_megatron(args, settings: PipeMeshConfig, source: str, pp: int, vpp: 
         raise ValueError(f"{found.what}: {error}. Use --forward-groups auto --backward-groups auto, a larger budget, or "
                          "a smaller --micro-batch-size") from error
     plan = resolution.plan
-    if source == PLAN_FILE:
+    if source == PLAN_FILE:  # made elsewhere: its pinned pool must fit this node's share of host memory
+        check_plan_fits_host(plan, f"--pipemesh-plan {request.plan_file}", host_share() if plan.host_placement else None)
         return plan, f"PipeMesh plan from {request.plan_file}: {plan.describe()}", None
     if source == GROUPS:
         return plan, "", None

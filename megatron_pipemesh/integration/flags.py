@@ -87,6 +87,9 @@ def check_pipemesh_args(args) -> PipeMeshArgs:
                             optimizer_instances=node.instances if node else None)
     check_memory_meter_args(args, settings)
     plan, summary, replan = _plan(args, settings, levels, node)
+    unsupported = unsupported_message(args, plan)  # features that conflict with the levers the plan chose
+    if unsupported:
+        raise PipeMeshArgumentError(unsupported)
     if plan.sharding and plan.sharding != tuple(levels or ()):  # the plan file's or the planner's levels, same rules
         _, node = check_sharding(args, dataclasses.replace(
             settings, sharding=dataclasses.replace(settings.sharding, levels=plan.sharding)))
@@ -272,28 +275,30 @@ RANKS_PER_NODE_FLAG = "--pipemesh-ranks-per-node"
 
 
 def detect_ranks_per_node(given: Optional[int], environ) -> Tuple[int, str]:
-    """Ranks per node and where the number came from: ``--pipemesh-ranks-per-node``, torchrun's
-    ``LOCAL_WORLD_SIZE`` or Slurm's ``SLURM_NTASKS_PER_NODE`` (in that order)."""
+    """Ranks per node and where the number came from: ``--pipemesh-ranks-per-node``, else what the launcher says
+    (:func:`.host_memory.launcher_ranks_per_node`: torchrun's ``LOCAL_WORLD_SIZE``, Slurm's task counts)."""
     if given is not None:
         if given < 1:
             raise PipeMeshArgumentError(f"{RANKS_PER_NODE_FLAG} {given} is invalid: it must be >= 1. "
                                         f"Example: {RANKS_PER_NODE_FLAG} 8")
         return given, RANKS_PER_NODE_FLAG
-    local = environ.get("LOCAL_WORLD_SIZE")
-    if local:
-        return int(local), "LOCAL_WORLD_SIZE"
-    slurm = environ.get("SLURM_NTASKS_PER_NODE")
-    if slurm:
-        # Slurm writes "8" or "8(x4)"; a comma lists nodes with different task counts.
-        if "," in slurm:
-            raise PipeMeshArgumentError(
-                f"--pipemesh-shard-scope node with SLURM_NTASKS_PER_NODE={slurm} is invalid: the nodes run different "
-                f"numbers of ranks, so the data-parallel groups cannot split evenly into nodes. Launch the same number "
-                f"of tasks on every node (e.g. --ntasks-per-node 8)")
-        return int(slurm.split("(")[0]), "SLURM_NTASKS_PER_NODE"
-    raise PipeMeshArgumentError(
-        f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
-        f"(torchrun) or SLURM_NTASKS_PER_NODE (Slurm). Give it: {RANKS_PER_NODE_FLAG} 8")
+    from .host_memory import launcher_ranks_per_node
+
+    try:
+        found = launcher_ranks_per_node(environ)
+    except ValueError as error:
+        raise PipeMeshArgumentError(f"--pipemesh-shard-scope node: {error}. Give it: {RANKS_PER_NODE_FLAG} 8") from error
+    if found is None:
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node needs the number of ranks per node: the launcher sets none of LOCAL_WORLD_SIZE "
+            f"(torchrun), SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (Slurm) or OMPI_COMM_WORLD_LOCAL_SIZE / "
+            f"MPI_LOCALNRANKS (mpirun). Give it: {RANKS_PER_NODE_FLAG} 8")
+    if len(set(found.nodes)) > 1:  # Slurm's "8(x2),4": nodes with different task counts
+        raise PipeMeshArgumentError(
+            f"--pipemesh-shard-scope node with {found.source}={environ[found.source]} is invalid: the nodes run "
+            f"different numbers of ranks, so the data-parallel groups cannot split evenly into nodes. Launch the same "
+            f"number of tasks on every node (e.g. --ntasks-per-node 8)")
+    return found.count, found.source
 
 
 @dataclass(frozen=True)

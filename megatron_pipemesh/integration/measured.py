@@ -192,7 +192,7 @@ class MeasuredReplanner:
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
-        from ..runtime.profiler import measure_costs
+        from ..runtime.profiler import bucket_reductions, measure_costs
         from .parallel_state import get_pipemesh_p2p_groups
 
         model = kwargs["model"]
@@ -202,13 +202,15 @@ class MeasuredReplanner:
         if config.sequence_parallel:
             seq //= parallel_state.get_tensor_model_parallel_world_size()
         device = next(model[0].parameters()).device
-        chunk_params = max(sum(p.numel() for p in chunk.parameters()) for chunk in model)
+        largest = max(model, key=lambda chunk: sum(p.numel() for p in chunk.parameters()))
+        chunk_params = sum(p.numel() for p in largest.parameters())
         measured = measure_costs(
             self.history[1:] or self.history, vpp=self.request.vpp, pp_group=parallel_state.get_pipeline_model_parallel_group(),
             p2p_groups=get_pipemesh_p2p_groups(), dp_group=parallel_state.get_data_parallel_group(),
             shape=(seq, kwargs["micro_batch_size"], config.hidden_size), dtype=config.pipeline_dtype, device=device,
             chunk_params=chunk_params, grad_bytes=self.request.model.grad_bytes,
-            distributed_optimizer=self.cluster.distributed_optimizer)
+            distributed_optimizer=self.cluster.distributed_optimizer,
+            reductions=bucket_reductions(largest))  # the groups Megatron's bucket groups reduce on
         rank0 = dist.get_rank() == 0
         if rank0:
             print("PipeMesh measured costs (s per chunk-micro-batch): "

@@ -81,7 +81,8 @@ class Plan:
             sharding, shard_scope = self.sharding.spec.levels, self.sharding.spec.scope
         data = self.to_dict()
         return RunPlan(self.config, self.placement, tuple(sharding), shard_scope, recv_lookahead, self.reload_lookahead,
-                       predicted={key: data[key] for key in PREDICTION_KEYS})
+                       predicted={key: data[key] for key in PREDICTION_KEYS},
+                       host_blocks={(r.rank, chunk): size for r in self.result.ranks for chunk, size in r.host_blocks.items()})
 
     def to_dict(self) -> dict:
         counts = {lever: 0 for lever in BASIC_LEVERS if lever.recomputes}

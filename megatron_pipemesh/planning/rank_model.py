@@ -10,8 +10,7 @@ from typing import Dict, List, Tuple
 from ..schedule.levers import DEVICE, KEPT
 from ..schedule.ops import Op, OpKind
 from .costs import ScheduleCosts
-from .memory import host_block_bytes
-from .simulator import PlacementPlan, SimulationResult
+from .simulator import PlacementPlan, SimulationResult, pinned_pool_bytes
 
 
 class RankModel:
@@ -83,13 +82,13 @@ class RankModel:
         return {k: tuple(v) for k, v in times.items()}, exposed
 
     def host_peak(self, windows) -> float:
-        """Peak host bytes of the copies in ``windows`` (held from the offload's start to the reload's end), in
-        host blocks (:func:`.memory.host_block_bytes`: what the pinned allocator takes, which the budget limits)."""
+        """Pinned bytes of the copies in ``windows`` (held from the offload's start to the reload's end) as the
+        runtime's pool takes them (:func:`.simulator.pinned_pool_bytes`, which the budget limits)."""
         deltas = []
         for (chunk, _), (off_start, _, _, rel_end) in windows.items():
-            size = host_block_bytes(self.adapter.bytes_at(self.rank, chunk, DEVICE))
+            size = self.adapter.bytes_at(self.rank, chunk, DEVICE)
             deltas += [(off_start, size), (rel_end, -size)]
-        return running_peak(deltas)[1]
+        return pinned_pool_bytes(deltas)
 
     def device_peak(self, plan: PlacementPlan, windows) -> Tuple[float, float]:
         """(time, bytes) of the device memory peak under ``plan`` with the host copies at ``windows``."""

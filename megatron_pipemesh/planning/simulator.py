@@ -11,7 +11,6 @@ timeline per rank counts the host memory it holds from the OFFLOAD's start to th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -66,8 +65,12 @@ class RankResult:
     host_placed: int = 0
     """Chunk-micro-batches whose activations this rank offloads to host memory."""
     peak_pinned_bytes: float = 0.0
-    """Peak of the host blocks holding them (each chunk-micro-batch's bytes rounded up to a power of two, as the
-    pinned allocator takes them: :func:`.memory.host_block_bytes`); what the host budget limits."""
+    """Pinned memory of the host blocks holding them, as the runtime's pool takes it (each chunk-micro-batch's bytes
+    rounded up to a power of two, as the pinned allocator takes them: :func:`.memory.host_block_bytes`; per block
+    size the most held at once: :func:`pinned_pool_bytes`); what the host budget limits."""
+    host_blocks: Dict[int, int] = field(default_factory=dict)
+    """Chunk -> bytes of the pinned block each of its host-placed chunk-micro-batches takes on this rank (what the
+    runtime's pool allocates up front: ``RunPlan.host_blocks``)."""
 
 
 @dataclass
@@ -121,6 +124,21 @@ def lowering_for(costs: OpCosts, placement: Optional[PlacementPlan] = None,
     the host copies of the plan's 'host' chunk-micro-batches."""
     return LoweringOptions(param_sync=costs.dp_gather_s > 0, grad_sync=True,
                            host_placement=host_placement_of(placement), reload_lookahead=reload_lookahead)
+
+
+def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
+    """Pinned bytes the runtime's pool takes for a rank's host copies (``(time, +bytes)`` when a chunk-micro-batch's
+    activations reach the host, ``(time, -bytes)`` when they leave): each takes one block of its bytes rounded up
+    to a power of two (:func:`.memory.host_block_bytes`), blocks are never given back and serve keys of their own
+    size, so per block size the most blocks held at once, summed over sizes. (At least the peak of the blocks held
+    together; more when sizes peak at different times.)"""
+    held: Dict[int, int] = {}
+    most: Dict[int, int] = {}
+    for _, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):  # gives back before taking at equal times
+        block = host_block_bytes(abs(size))
+        held[block] = held.get(block, 0) + (1 if size > 0 else -1)
+        most[block] = max(most.get(block, 0), held[block])
+    return float(sum(block * count for block, count in most.items()))
 
 
 def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[PlacementPlan] = None,
@@ -184,6 +202,8 @@ class _HostMemory(NamedTuple):
     steps: List[Tuple[float, float]]
     peak: float
     peak_pinned: float
+    blocks: Dict[int, int]
+    """Chunk -> bytes of the pinned block each of its host-placed chunk-micro-batches takes."""
 
 
 def _device_memory(adapter, rank: int, events, copies, buffer_deltas, static: float) -> _DeviceMemory:
@@ -227,20 +247,21 @@ def _device_memory(adapter, rank: int, events, copies, buffer_deltas, static: fl
 
 
 def _host_memory(adapter, rank: int, copies) -> _HostMemory:
-    """The host buffer of an offload is filled from the copy's start, that of a reload free once copied; pinned
-    blocks are each chunk-micro-batch's bytes rounded up as the pinned allocator takes them."""
-    host_deltas = []
+    """The host buffer of an offload is filled from the copy's start, that of a reload free once copied; the pinned
+    bytes are the runtime's pool of blocks (:func:`pinned_pool_bytes`)."""
+    host_deltas, blocks = [], {}
     for c in copies:
         size = adapter.activation(rank, c.op)
+        if c.op.kind is OpKind.OFFLOAD:
+            blocks[c.op.chunk] = host_block_bytes(size)
         host_deltas.append((c.start, size) if c.op.kind is OpKind.OFFLOAD else (c.end, -size))
-    host = peak_host = pinned = peak_pinned = 0.0
+    host = peak_host = 0.0
     steps = []
     for t, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):
         host += size
-        pinned += math.copysign(host_block_bytes(abs(size)), size)
-        peak_host, peak_pinned = max(peak_host, host), max(peak_pinned, pinned)
+        peak_host = max(peak_host, host)
         steps.append((t, host))
-    return _HostMemory(steps, peak_host, peak_pinned)
+    return _HostMemory(steps, peak_host, pinned_pool_bytes(host_deltas), blocks)
 
 
 def _rank_result(rank: int, timeline: Timeline, adapter, copies, copies_on_compute: bool, end: float,
@@ -261,4 +282,4 @@ def _rank_result(rank: int, timeline: Timeline, adapter, copies, copies_on_compu
     exposed = waits_p2p + exposed_dp + waits_host
     return RankResult(rank, busy, idle, waits_p2p, exposed_dp, max(0.0, idle - exposed), device.peak_activation,
                       device.peak_total, device.peak_live, recompute_s, waits_host, host.peak,
-                      sum(1 for c in copies if c.op.kind is OpKind.OFFLOAD), host.peak_pinned)
+                      sum(1 for c in copies if c.op.kind is OpKind.OFFLOAD), host.peak_pinned, host.blocks)

@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..schedule.config import BACKWARD_FLAG, FORWARD_FLAG, ScheduleConfig
+from ..schedule.host_blocks import pool_blocks
 from ..schedule.levers import DEVICE
 from ..schedule.lower import LoweredSchedule, LoweringOptions, lower
 from ..schedule.ops import F, Op, OpKind
@@ -181,7 +182,7 @@ class PipeMeshSchedule:
         if adjust_tensor_shapes_fn is not None:
             raise PipeMeshRuntimeError("adjust_tensor_shapes_fn is not supported with interleaved chunks (as in Megatron)")
         config = get_model_config(model[0])
-        check_model_config(config)  # features the stock interleaved schedule handles and this one does not
+        check_model_config(config, self.plan)  # features the stock interleaved schedule handles and this one does not
         if pg_collection is None:
             pg_collection = mcore._build_default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
@@ -270,6 +271,10 @@ class _Run:
             self.offloader = owner.offloader(self.device)
             self.host_meter = self.meter if self.meter is not None else ambient_meter()
             self.offloader.begin(model_tensors(model), self.host_meter)
+            # The pinned pool is sized now, before any receive is posted (a pinned allocation inside an OFFLOAD would
+            # run while posted NCCL receives spin on the device).
+            sizes = {chunk: size for (rank, chunk), size in plan.host_blocks.items() if rank == self.pp_rank}
+            self.offloader.reserve(pool_blocks(self.program, sizes))
 
     # Helpers -------------------------------------------------------------------------------
     def _disable_grad_sync(self):
@@ -471,6 +476,12 @@ class _Run:
             stats.peak_block_bytes = int(self.offloader.peak_block_bytes)
             stats.offloaded_bytes = dict(self.offloaded)
             self.offloader.clear()
+            pool = self.offloader.pool
+            if pool.late_allocations and not pool.late_reported:
+                pool.late_reported = True  # once per pool: later calls allocate nothing more
+                print(f"PipeMesh: rank {self.rank}: {pool.late_allocations} pinned host block(s) were allocated inside "
+                      f"OFFLOAD (pool now {pool.allocated_bytes / 2**30:.2f} GiB): the plan priced some host-placed "
+                      "chunk-micro-batches below the bytes their forward saved", flush=True)
         if self.meter is not None:
             stats.memory_source = self.meter.kind
             stats.peak_activation_bytes = int(self.meter.peak_bytes)

@@ -44,8 +44,10 @@ Copies and buffers:
 
 * CUDA: device-to-host copies run on one side stream and host-to-device copies on another (the
   link is full-duplex), both non-blocking, into pinned host blocks taken from
-  :class:`HostBufferPool` (grown only when no free block of the size class is left: after the first
-  iteration no pinned memory is allocated). A block's size is the key's bytes rounded up to a power of
+  :class:`HostBufferPool`, which the executor sizes at the schedule's start from the plan's block sizes
+  (:meth:`ActivationOffloader.reserve`, before any receive is posted: a pinned allocation inside OFFLOAD would
+  run while posted NCCL receives spin); it grows inside an OFFLOAD only when the plan priced a block too small (or
+  gave no sizes: then in the first iteration only). A block's size is the key's bytes rounded up to a power of
   two (:func:`~..planning.memory.host_block_bytes`): torch's caching host allocator rounds every pinned
   block that way, so asking for exactly that size makes the pool's count the real pinned memory, and
   the planner holds its host budget to the same rounded bytes. Ordering uses events only (no
@@ -64,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -160,27 +162,63 @@ def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
 class HostBufferPool:
     """Reusable host blocks (pinned on CUDA) in size classes of :func:`host_block_bytes` (powers of two).
 
-    ``acquire`` returns a free block of the class of ``nbytes`` (at least ``nbytes``; allocating only when none
-    is free) and the event of the last copy that read it (None when free to use); ``release`` returns it with
-    that event. A block is allocated at exactly its class size, which torch's caching host allocator does not
-    round further: ``allocated_bytes`` is the real (pinned) memory.
+    ``reserve`` allocates blocks up front (at a schedule's start: :mod:`..schedule.host_blocks`). ``acquire``
+    returns a free block of the class of ``nbytes``, else the smallest larger free one (a key priced above its real
+    size still uses its reserved block), allocating only when none is free, and the event of the last copy that
+    read it (None when free to use); ``release`` returns it with that event. A block is allocated at exactly its
+    class size, which torch's caching host allocator does not round further: ``allocated_bytes`` is the real
+    (pinned) memory.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: Dict[int, List[Tuple[torch.Tensor, object]]] = {}
+        self._blocks: Dict[int, int] = {}
+        """Size -> blocks of that size the pool owns (free or lent)."""
         self.allocated_bytes = 0
         """Host bytes this pool ever allocated (its footprint: blocks are never given back)."""
         self.allocations = 0
+        self.late_allocations = 0
+        """Blocks ``acquire`` had to allocate (inside an OFFLOAD) after a reservation: 0 when the plan sized the pool."""
+        self.reserved = False
+        self.late_reported = False
+        """The executor said so (once per pool)."""
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        try:
+            block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as error:
+            raise OffloadError(f"cannot allocate a {'pinned ' if self.pin else ''}host block of {size / 2**20:.1f} MiB "
+                               f"for host placement (the pool holds {self.allocated_bytes / 2**30:.2f} GiB in "
+                               f"{self.allocations} blocks): {error}. Give the plan less host memory "
+                               "(--pipemesh-host-memory-gb) or run fewer ranks per node") from error
+        self.allocations += 1
+        self.allocated_bytes += size
+        self._blocks[size] = self._blocks.get(size, 0) + 1
+        return block
+
+    def reserve(self, blocks: Mapping[int, int]) -> int:
+        """Own at least ``blocks[size]`` blocks of each size (allocating the missing ones, free); returns bytes
+        allocated now. Call it while every block is free (between calls)."""
+        added = 0
+        for size, count in blocks.items():
+            for _ in range(count - self._blocks.get(size, 0)):
+                self._free.setdefault(size, []).append((self._allocate(size), None))
+                added += size
+        self.reserved = self.reserved or bool(blocks)
+        return added
 
     def acquire(self, nbytes: int) -> Tuple[torch.Tensor, object]:
         size = host_block_bytes(nbytes)
         free = self._free.get(size)
         if free:
             return free.pop()
-        self.allocations += 1
-        self.allocated_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin), None
+        larger = min((s for s, blocks in self._free.items() if s > size and blocks), default=None)
+        if larger is not None:
+            return self._free[larger].pop()
+        if self.reserved:
+            self.late_allocations += 1
+        return self._allocate(size), None
 
     def release(self, buffer: torch.Tensor, event: object = None) -> None:
         self._free.setdefault(buffer.numel(), []).append((buffer, event))
@@ -244,6 +282,11 @@ class ActivationOffloader:
         self.peak_block_bytes = 0
 
     # Per call ------------------------------------------------------------------------------------
+    def reserve(self, blocks: Mapping[int, int]) -> int:
+        """Allocate the pinned blocks a call's program needs (size -> count, :func:`..schedule.host_blocks.pool_blocks`)
+        that the pool does not own yet, at the call's start; returns the bytes allocated now (0 after the first call)."""
+        return self.pool.reserve(blocks)
+
     def begin(self, excluded: Iterable[torch.Tensor] = (), meter=None) -> None:
         """Start a call: ``excluded`` storages (parameters, buffers) never move, wherever their bytes are later."""
         self.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,11 +94,24 @@ def time_allreduce(numel: int, dtype, device, group, repeats: int = 3,
     return _median(times[1:]) * numel / sample
 
 
+def bucket_reductions(chunk) -> List[Tuple[object, int]]:
+    """(group, elements) of each gradient buffer of a Megatron DDP ``chunk``, on the group its bucket groups reduce
+    on: the buffer's ``data_parallel_group`` (``partition_buckets`` hands it to every bucket group as its collective
+    group), which is Megatron's distributed-optimizer instance (a part of the data-parallel ranks with
+    ``--num-distributed-optimizer-instances`` > 1), the data-parallel group with context parallelism, and for expert
+    buffers the expert data-parallel one. Empty for a chunk without Megatron's buffers."""
+    buffers = list(getattr(chunk, "buffers", None) or []) + list(getattr(chunk, "expert_parallel_buffers", None) or [])
+    return [(buffer.data_parallel_group, buffer.grad_data.numel()) for buffer in buffers]
+
+
 def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, p2p_groups: Mapping[LinkKey, object],
                   dp_group, shape, dtype, device, chunk_params: int, grad_bytes: int,
-                  distributed_optimizer: bool) -> Dict[str, float]:
+                  distributed_optimizer: bool,
+                  reductions: Optional[Sequence[Tuple[object, int]]] = None) -> Dict[str, float]:
     """Measure on this rank, gather every rank's numbers and combine them identically everywhere
-    (``p2p_groups``: the per-link groups the runtime sends on).
+    (``p2p_groups``: the per-link groups the runtime sends on; ``reductions``: (group, elements) of each gradient
+    buffer of the chunk, :func:`bucket_reductions`, timed one after another as a chunk's gradient sync runs them;
+    without it, ``chunk_params`` elements on ``dp_group``).
 
     Returns seconds per chunk-micro-batch: forward, backward, first/last-stage extras, p2p
     transfer, data-parallel gradient reduction and parameter gather per chunk.
@@ -107,8 +120,10 @@ def measure_costs(history: Sequence[RuntimeStats], *, vpp: int, pp_group, p2p_gr
     local = compute_medians(history, vpp, pp_rank, pp)
     local["p2p_s"] = time_pipeline_transfer(shape, dtype, device, pp_group, p2p_groups)
     grad_dtype = torch.float32 if grad_bytes == 4 else torch.bfloat16
-    allreduce = time_allreduce(chunk_params, grad_dtype, device, dp_group)
-    d = dp_group.size() if dp_group is not None else 1
+    if not reductions:
+        reductions = [(dp_group, chunk_params)]
+    allreduce = sum(time_allreduce(numel, grad_dtype, device, group) for group, numel in reductions)
+    d = max(group.size() if group is not None else 1 for group, _ in reductions)
     # Ring reduce-scatter and all-gather each move half of an all-reduce's data.
     local["dp_reduce_s"] = allreduce / 2 if distributed_optimizer else allreduce
     local["dp_gather_s"] = allreduce / 2 * (2 / grad_bytes if grad_bytes else 1) if distributed_optimizer and d > 1 else 0.0

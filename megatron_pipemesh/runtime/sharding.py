@@ -55,6 +55,7 @@ back, so that a memory meter outside the runtime (the bench's) samples model sta
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -354,12 +355,12 @@ class ProgramSharding:
         kind = op.kind
         if kind is OpKind.PARAM_SYNC:
             self._count("gather", op.chunk, sum(b.param_data.numel() * b.param_data.element_size()
-                                                for b in self.model[op.chunk].buffers))
+                                                for b in _buffers(self.model[op.chunk])))
         elif kind is OpKind.GRAD_SYNC:
             if state is not None:
                 state.restore_grads()
             self._count("reduce", op.chunk, sum(b.grad_data.numel() * b.grad_data.element_size()
-                                                for b in self.model[op.chunk].buffers))
+                                                for b in _buffers(self.model[op.chunk])))
             self._count("cross", op.chunk, cross_node_bytes(self.model[op.chunk]))
         elif state is not None and kind.is_compute:
             state.wait_gather()
@@ -401,6 +402,9 @@ class ShardingRuntime:
                 if not getattr(getattr(ddp, "ddp_config", None), "use_distributed_optimizer", False):
                     raise ValueError(f"--pipemesh-sharding needs every chunk wrapped by Megatron's DDP with the distributed "
                                      f"optimizer; chunk {chunk} is {type(ddp).__name__}")
+                if self.levels[chunk] != "optim" and getattr(ddp.ddp_config, "nccl_ub", False):
+                    from .unsupported import unsupported_message  # the parse-time refusal, for configs built by code
+                    raise ValueError(unsupported_message(SimpleNamespace(nccl_ub=True), SimpleNamespace(sharding=self.levels)))
             self.states = {}
             for chunk, (ddp, level) in enumerate(zip(model, self.levels)):
                 if level == "optim":
@@ -414,26 +418,40 @@ class ShardingRuntime:
         return ProgramSharding(model, self.levels, self.states)
 
 
+def _buffers_with_dp(ddp) -> List[Tuple[object, int]]:
+    """Every buffer of ``ddp`` (dense and expert-parallel) with the size of the data-parallel group its gradients
+    are averaged over: dense buffers over ``dp_cp_group``, expert ones over ``expt_dp_group`` (each shards over its
+    own ``data_parallel_group``, the distributed-optimizer instance of that group; without the attribute, one)."""
+    def size(name: str, buffer) -> int:
+        group = getattr(ddp, name, None)
+        return group.size() if group is not None else buffer.data_parallel_group.size()
+
+    return ([(buffer, size("dp_cp_group", buffer)) for buffer in ddp.buffers]
+            + [(buffer, size("expt_dp_group", buffer)) for buffer in getattr(ddp, "expert_parallel_buffers", [])])
+
+
 def predicted_report(program: ProgramSharding, config, pp_rank: int, lookahead: int = 1) -> Dict[str, object]:
     """What the planning model predicts for this rank's chunks (their real buffer sizes, the real data-parallel
     and instance sizes): bytes held by parameters, gradients and optimizer state while no group runs, and the
     bytes each chunk gathers, reduces and all-reduces across nodes per iteration
-    (:func:`megatron_pipemesh.planning.sharding.chunk_traffic`)."""
+    (:func:`megatron_pipemesh.planning.sharding.chunk_traffic`). Every buffer counts with its own group and
+    element sizes: under expert parallelism the expert buffers shard over the expert data-parallel group, and a
+    chunk may hold buffers of several dtypes."""
     from ..planning.sharding import bytes_per_param, chunk_traffic
 
     held, gather, reduce, cross = 0.0, {}, {}, {}
     for chunk, ddp in enumerate(program.model):
         level = program.levels[chunk]
-        buffers = list(ddp.buffers)
-        shard = buffers[0].data_parallel_group.size()  # Megatron's distributed-optimizer instance
-        dp = ddp.dp_cp_group.size() if getattr(ddp, "dp_cp_group", None) is not None else shard
-        numel = sum(b.param_data.numel() for b in buffers)
-        w, g = buffers[0].param_data.element_size(), buffers[0].grad_data.element_size()
-        held += numel * bytes_per_param(level, shard, w, g).resident
-        traffic = chunk_traffic(config, pp_rank, chunk, level, numel, dp, shard, w, g, lookahead)
-        gather[chunk] = traffic.gathers * traffic.gather_bytes
-        reduce[chunk] = traffic.reduces * traffic.reduce_bytes
-        cross[chunk] = traffic.cross_node_bytes
+        gather[chunk] = reduce[chunk] = cross[chunk] = 0.0
+        for buffer, dp in _buffers_with_dp(ddp):
+            shard = buffer.data_parallel_group.size()  # Megatron's distributed-optimizer instance of this buffer
+            numel = buffer.param_data.numel()
+            w, g = buffer.param_data.element_size(), buffer.grad_data.element_size()
+            held += numel * bytes_per_param(level, shard, w, g).resident
+            traffic = chunk_traffic(config, pp_rank, chunk, level, numel, dp, shard, w, g, lookahead)
+            gather[chunk] += traffic.gathers * traffic.gather_bytes
+            reduce[chunk] += traffic.reduces * traffic.reduce_bytes
+            cross[chunk] += traffic.cross_node_bytes
     return {"held": held, "gather": gather, "reduce": reduce, "cross": cross}
 
 

@@ -72,6 +72,10 @@ class RunPlan:
     predicted: Optional[Mapping[str, Any]] = None
     """What the planner predicted for the plan (:data:`PREDICTION_KEYS`: iteration time, memory per rank, ...),
     kept in the plan file for the user; the runtime never reads it."""
+    host_blocks: Mapping[Tuple[int, int], int] = field(default_factory=dict)
+    """(pipeline rank, chunk) -> bytes of the pinned block each host-placed chunk-micro-batch of that chunk takes,
+    as the planner priced it (its activation bytes rounded up to a power of two): the runtime allocates its pinned
+    pool from it before the first call (:mod:`.host_blocks`). Empty: not known (the pool grows in the first call)."""
 
     def __post_init__(self) -> None:
         placement = {}
@@ -87,6 +91,14 @@ class RunPlan:
                 placement[key] = parsed
         object.__setattr__(self, "placement", dict(sorted(placement.items())))
         object.__setattr__(self, "sharding", tuple(self.sharding))
+        blocks = {}
+        for key, size in dict(self.host_blocks).items():
+            if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
+                    and isinstance(size, int) and size > 0 and size & (size - 1) == 0):
+                raise RunPlanError(f"host block entry {key!r}: {size!r} is not (pipeline rank, chunk) -> a positive "
+                                   "power of two of bytes; re-run `pipemesh plan --output`")
+            blocks[key] = size
+        object.__setattr__(self, "host_blocks", dict(sorted(blocks.items())))
         config = self.schedule
         if config is not None:
             outside = [key for key in placement if not (0 <= key[0] < config.pp and 0 <= key[1] < config.vpp
@@ -174,6 +186,8 @@ class RunPlan:
             data.update(sharding=list(self.sharding), shard_scope=self.shard_scope)
         data.update((key, predicted[key]) for key in PREDICTION_KEYS[8:] if key in predicted)
         data["reload_lookahead"] = self.reload_lookahead
+        if self.host_blocks:
+            data["host_blocks"] = [{"rank": r, "chunk": c, "bytes": size} for (r, c), size in self.host_blocks.items()]
         for name in ("recv_lookahead", "gather_lookahead"):
             if getattr(self, name) != getattr(RunPlan, name):
                 data[name] = getattr(self, name)
@@ -186,7 +200,8 @@ class RunPlan:
         if not isinstance(data, Mapping):
             raise RunPlanError(f"a plan is a JSON object, got {type(data).__name__}")
         known = {"pp", "vpp", "microbatches", "forward_groups", "backward_groups", "placement", OLD_PLACEMENT_KEY,
-                 "recv_lookahead", "reload_lookahead", "gather_lookahead", "sharding", "shard_scope", *PREDICTION_KEYS}
+                 "recv_lookahead", "reload_lookahead", "gather_lookahead", "sharding", "shard_scope", "host_blocks",
+                 *PREDICTION_KEYS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RunPlanError(f"unknown key(s) {unknown}; a plan has {', '.join(sorted(known))}")
@@ -200,6 +215,7 @@ class RunPlan:
                                       tuple(data["backward_groups"]))
             placement = {(int(e["rank"]), int(e["chunk"]), int(e["microbatch"])): e["level"]
                          for e in data.get("placement", data.get(OLD_PLACEMENT_KEY, []))}
+            host_blocks = {(int(e["rank"]), int(e["chunk"])): e["bytes"] for e in data.get("host_blocks", [])}
         except (KeyError, TypeError, ValueError) as error:
             raise RunPlanError(f"malformed plan ({type(error).__name__}: {error}); re-run `pipemesh plan --output`") from error
         sharding = data.get("sharding")
@@ -207,7 +223,7 @@ class RunPlan:
                    data.get("shard_scope", "data-parallel"), data.get("recv_lookahead", 1),
                    data.get("reload_lookahead", DEFAULT_RELOAD_LOOKAHEAD),
                    data.get("gather_lookahead", LoweringOptions.gather_lookahead),
-                   {key: data[key] for key in PREDICTION_KEYS if key in data} or None)
+                   {key: data[key] for key in PREDICTION_KEYS if key in data} or None, host_blocks)
 
     def to_json(self) -> str:
         """The plan file's text."""

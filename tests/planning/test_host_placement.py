@@ -143,3 +143,36 @@ def test_host_budget_counts_the_pinned_blocks():
                              PlannerOptions(activation_placement="auto", host_budget_bytes=block))
     assert one.fits and _levels(one, 0) == [HOST]
     assert one.result.ranks[0].peak_host_bytes == BYTES and one.result.ranks[0].peak_pinned_bytes == block
+
+
+def test_the_run_plan_carries_the_pinned_block_of_each_host_placed_chunk():
+    """The plan tells the runtime the pinned block each host-placed chunk-micro-batch takes, per (rank, chunk), so its
+    pool is allocated before the first call: 1e8 bytes of activations -> one 2**27-byte block."""
+    one = fit_with_recompute(CFG, _costs(0.1), 6.5 * BYTES,
+                             PlannerOptions(activation_placement="auto", host_budget_bytes=1 << 27))
+    (rank, chunk, _), = [key for key, level in one.placement.items() if level == HOST]
+    assert one.run_plan().host_blocks == {(rank, chunk): 1 << 27}
+    assert fit_with_recompute(CFG, _costs(0.1), 100 * BYTES, AUTO).run_plan().host_blocks == {}
+
+
+def test_the_host_budget_holds_the_runtime_pool_of_blocks_of_several_sizes():
+    """The first stage's chunk-micro-batches carry the embedding's activations too, so rank 0 offloads blocks of two
+    sizes. The runtime's pool never gives a block back and serves a key only from its own size, so it holds, per
+    size, the most blocks held at once -- more than the blocks held together at any one time. The simulator's pinned
+    peak (what the host budget limits) is that pool, block for block."""
+    from megatron_pipemesh.schedule.host_blocks import pool_blocks, pool_bytes
+
+    config = ScheduleConfig.depth_first(4, 2, 8)
+    costs = OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0,
+                    activation_bytes={"none": BYTES, "selective": BYTES / 2, "full": BYTES / 10},
+                    first_stage_activation_bytes={"none": 0.4 * BYTES, "selective": 0.2 * BYTES, "full": 0.0},
+                    recompute_s={"none": 0.0, "selective": 0.5, "full": 1.0}, host_link_gbps=BYTES * 8 / 0.1 / 1e9,
+                    static_bytes=(0.0,) * 4)
+    plan = fit_with_recompute(config, costs, 4 * BYTES, AUTO)
+    run = plan.run_plan()
+    assert set(run.host_blocks[(0, c)] for c in range(2)) == {1 << 28, 1 << 27}  # 1.4e8 and 1e8 bytes
+    programs = run.lower(param_sync=False, grad_sync=True).programs
+    for rank, program in enumerate(programs):
+        blocks = pool_blocks(program, {c: size for (r, c), size in run.host_blocks.items() if r == rank})
+        assert plan.result.ranks[rank].peak_pinned_bytes == pool_bytes(blocks), rank
+    assert plan.result.ranks[0].peak_pinned_bytes == 2 * (1 << 28) + 12 * (1 << 27)

@@ -202,3 +202,48 @@ def test_host_blocks_are_counted_at_the_size_the_pinned_allocator_takes():
     offloader.reload("a")
     loss.backward()
     assert offloader.block_bytes == 0 and offloader.peak_block_bytes == 8192
+
+
+def test_a_reserved_pool_allocates_nothing_inside_offload():
+    """The blocks a program needs, allocated up front (the executor does it at the schedule's start), serve every
+    OFFLOAD: no allocation happens inside one, in the first call or later; a reservation is idempotent."""
+    linear, x = _layer()
+    offloader = ActivationOffloader(torch.device("cpu"))
+    assert offloader.reserve({8192: 2}) == 2 * 8192 and offloader.reserve({8192: 2}) == 0
+    for _ in range(2):
+        offloader.begin(linear.parameters())
+        losses = []
+        for key in range(2):
+            with torch.autograd.graph.saved_tensors_hooks(*offloader.hooks(key)):
+                losses.append(_forward(linear, x))
+            offloader.offload(key)  # 6144 bytes each: the 8 KiB class
+        for key in range(2):
+            offloader.reload(key)
+            losses[key].backward()
+            offloader.release(key)
+    assert (offloader.pool.allocations, offloader.pool.late_allocations) == (2, 0)
+
+
+def test_a_block_priced_too_large_still_serves_and_one_priced_too_small_is_counted():
+    """A key smaller than its reserved block takes the block (no new allocation); one larger than every free block
+    is allocated inside the OFFLOAD and counted, so the executor can say the plan under-priced it."""
+    pool = HostBufferPool(pin=False)
+    pool.reserve({8192: 1})
+    block, _ = pool.acquire(3000)  # class 4096: served by the free 8 KiB block
+    assert block.numel() == 8192 and (pool.allocations, pool.late_allocations) == (1, 0)
+    pool.release(block)
+    pool.acquire(9000)
+    assert (pool.allocations, pool.late_allocations, pool.allocated_bytes) == (2, 1, 8192 + 16384)
+
+
+def test_a_failing_pinned_allocation_names_the_sizes(monkeypatch):
+    """The pool's allocation failing (no pinnable memory left) is an error naming the block and the pool's size."""
+    pool = HostBufferPool(pin=False)
+    pool.reserve({4096: 1})
+
+    def empty(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(OffloadError, match=r"host block of 0\.0 MiB .* holds 0\.00 GiB in 1 blocks.*out of memory"):
+        pool.reserve({4096: 2})

@@ -87,7 +87,8 @@ def test_meter_around_the_whole_call_sees_host_placed_activations(pp2):
 
 
 def test_auto_placement_under_a_tight_budget_offloads_and_meets_the_prediction(pp2):
-    """Where recompute-only must recompute (70% budget), 'auto' offloads; measured peaks within 10% of the plan's."""
+    """Where recompute-only must recompute (70% budget), 'auto' offloads; measured peaks within 10% of the plan's; the
+    pinned pool is allocated from the plan before the first call, so no OFFLOAD allocates."""
     plain = h.merge_rank_results([r["auto_placement"]["plain"] for r in pp2])
     planned = h.merge_rank_results([r["auto_placement"]["planned"] for r in pp2])
     assert _flat(planned["losses"]) == pytest.approx(_flat(plain["losses"]), rel=TOL, abs=0)
@@ -102,6 +103,8 @@ def test_auto_placement_under_a_tight_budget_offloads_and_meets_the_prediction(p
             print("host peak: activations", auto["measured_host_peak"], auto["predicted_host_peak"],
                   "blocks", auto["measured_block_peak"], auto["predicted_block_peak"])
             assert auto["measured_block_peak"] == auto["predicted_block_peak"], auto  # the real pinned bytes
+            # The plan's block sizes sized the pinned pool at the schedule's start: no OFFLOAD allocated one.
+            assert auto["pool"]["reserved"] and auto["pool"]["late_allocations"] == 0, auto["pool"]
 
 
 def test_failing_host_copy_names_rank_step_and_op(pp2):

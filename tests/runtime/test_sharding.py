@@ -226,3 +226,37 @@ def test_a_gather_launched_by_the_optimizer_step_is_finished_and_used():
     program.begin()                    # no gather in flight: released as usual
     assert ddp.buffers[0].param_data.untyped_storage().nbytes() == 0
     program.end()
+
+
+@pytest.mark.parametrize("level", ["optim", "optim_grads", "optim_grads_params"])
+def test_prediction_counts_every_buffer_with_its_own_group_and_dtype(level):
+    """The predicted report prices each buffer with its own group and element sizes: a bf16 and an fp32 dense
+    buffer sharded over 4 ranks of a data-parallel group of 8 (two instances), and an expert buffer sharded over
+    its expert data-parallel group of 2 (one instance) -- not the first dense buffer's numbers for all of them."""
+    from megatron_pipemesh.planning.sharding import bytes_per_param, chunk_traffic
+    from megatron_pipemesh.runtime.sharding import predicted_report
+    from megatron_pipemesh.schedule.config import ScheduleConfig
+
+    group = lambda n: SimpleNamespace(size=lambda: n)  # noqa: E731
+
+    def buffer(numel, dtype, shard):
+        return SimpleNamespace(param_data=torch.zeros(numel, dtype=dtype), grad_data=torch.zeros(numel),
+                               data_parallel_group=group(shard))
+
+    dense = [buffer(64, torch.bfloat16, 4), buffer(16, torch.float32, 4)]
+    expert = [buffer(32, torch.bfloat16, 2)]
+    ddp = SimpleNamespace(buffers=dense, expert_parallel_buffers=expert, dp_cp_group=group(8), expt_dp_group=group(2))
+    config = ScheduleConfig(2, 2, 4, (2, 2), (2, 2))
+    program = ProgramSharding([ddp, ddp], (level, level), {})
+    got = predicted_report(program, config, pp_rank=1)
+    want_held, want = 0.0, {"gather": 0.0, "reduce": 0.0, "cross": 0.0}
+    for numel, w, shard, dp in ((64, 2, 4, 8), (16, 4, 4, 8), (32, 2, 2, 2)):
+        want_held += 2 * numel * bytes_per_param(level, shard, w, 4).resident
+        traffic = chunk_traffic(config, 1, 1, level, numel, dp, shard, w, 4)
+        want["gather"] += traffic.gathers * traffic.gather_bytes
+        want["reduce"] += traffic.reduces * traffic.reduce_bytes
+        want["cross"] += traffic.cross_node_bytes
+    assert got["held"] == pytest.approx(want_held)
+    for what in ("gather", "reduce", "cross"):
+        assert got[what][1] == pytest.approx(want[what]), what
+    assert got["cross"][1] == pytest.approx((64 * 4 + 16 * 4) / 4)  # the expert buffer crosses no instance

@@ -7,7 +7,7 @@ from tests import megatron_harness as h
 
 
 def make_pipemesh(forward_groups=None, backward_groups=None, recompute=None, sharding=(), recv_lookahead=1,
-                  **options):
+                  host_blocks=None, **options):
     """The PipeMesh schedule of these groups (None: Megatron's group size) and placement, with runtime ``options``."""
     from megatron.core import parallel_state
 
@@ -22,7 +22,8 @@ def make_pipemesh(forward_groups=None, backward_groups=None, recompute=None, sha
                                 parallel_state.get_virtual_pipeline_model_parallel_world_size(),
                                 sum(forward_groups or backward_groups), tuple(forward_groups or ()),
                                 tuple(backward_groups or ()))
-    plan = RunPlan(config, recompute or {}, tuple(sharding or ()), recv_lookahead=recv_lookahead)
+    plan = RunPlan(config, recompute or {}, tuple(sharding or ()), recv_lookahead=recv_lookahead,
+                   host_blocks=host_blocks or {})
     return PipeMeshSchedule(plan, PipeMeshOptions(**options), p2p_groups=get_pipemesh_p2p_groups)
 
 
@@ -303,8 +304,10 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
 
     best, _ = plan_schedule(pp, vp, microbatches, lambda cfg: costs, budget, PlannerOptions(activation_placement=placement))
     schedule = make_pipemesh(best.config.forward_groups, best.config.backward_groups,
-                             recompute={k: v for k, v in best.placement.items() if v != "none"}, measure_memory=True)
+                             recompute={k: v for k, v in best.placement.items() if v != "none"}, measure_memory=True,
+                             host_blocks=best.run_plan().host_blocks)
     planned = h.run_schedule(schedule, model, spec, microbatches)
+    pool = schedule._offloader.pool if schedule._offloader is not None else None
     mine = best.result.ranks[dist.get_rank() % pp]
     return {"plain": plain, "planned": planned, "budget": budget, "unplanned_model_peak": unplanned,
             "measured_peak": schedule.last_stats.peak_activation_bytes,
@@ -312,6 +315,8 @@ def planned_under_budget(budget_fraction: float, pp: int = 2, vp: int = 2, micro
             "measured_host_peak": schedule.last_stats.peak_host_bytes,
             "predicted_block_peak": mine.peak_pinned_bytes, "measured_block_peak": schedule.last_stats.peak_block_bytes,
             "plain_measured_peak": plain_peak,
+            "pool": None if pool is None else {"reserved": pool.reserved, "late_allocations": pool.late_allocations,
+                                               "bytes": pool.allocated_bytes},
             "recomputed": sum(1 for v in best.placement.values() if v not in ("none", "host")),
             "hosted": sum(1 for v in best.placement.values() if v == "host"),
             "groups": (best.config.forward_groups, best.config.backward_groups)}

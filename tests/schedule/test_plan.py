@@ -132,3 +132,16 @@ def test_flags_given_groups_auto_and_plan_file_all_make_a_run_plan(tmp_path):
     path.write_text(auto.plan.to_json())
     loaded = check_pipemesh_args(_args(pipemesh_plan=str(path)))
     assert loaded.plan == auto.plan
+
+
+def test_host_blocks_travel_in_the_plan_file_and_are_checked():
+    """The pinned block sizes per (rank, chunk) round-trip through the plan file; a size that is not a power of two
+    (the pool's classes) or a malformed key is refused naming the entry."""
+    plan = RunPlan(CONFIG, {(0, 1, 2): "host"}, host_blocks={(0, 1): 1 << 20})
+    again = RunPlan.from_json(plan.to_json())
+    assert again.host_blocks == {(0, 1): 1 << 20} and again.to_json() == plan.to_json()
+    assert "host_blocks" not in RunPlan(CONFIG).to_dict()
+    with pytest.raises(RunPlanError, match=r"host block entry \(0, 1\): 1000"):
+        RunPlan(CONFIG, host_blocks={(0, 1): 1000})
+    with pytest.raises(RunPlanError, match="host block entry"):
+        RunPlan(CONFIG, host_blocks={(0, 1, 2): 1 << 20})
