@@ -9,6 +9,8 @@ Pure: no torch, no processes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -93,8 +95,9 @@ def _from_file(request: PlanRequest) -> RunPlan:
         raise RunPlanError(f"--pipemesh-sharding {' '.join(lowering.sharding)} and --pipemesh-plan {request.plan_file} "
                            f"(sharding {' '.join(saved.sharding)}) disagree; the plan file holds the levels. Drop one of "
                            "them")
-    return RunPlan(saved.schedule, saved.placement, saved.sharding or lowering.levels, lowering.shard_scope,
-                   lowering.recv_lookahead, saved.reload_lookahead, saved.gather_lookahead, saved.predicted)
+    # Everything else the file holds (placement, lookaheads, host blocks, prediction) is kept as saved.
+    return dataclasses.replace(saved, sharding=saved.sharding or lowering.levels, shard_scope=lowering.shard_scope,
+                               recv_lookahead=lowering.recv_lookahead)
 
 
 def load_plan_file(path: str, pp: int, vpp: int, microbatches: int) -> RunPlan:

@@ -31,7 +31,7 @@ class _Chunk:
         return iter(self.weights)
 
 
-def test_replan_times_the_groups_megatrons_bucket_groups_reduce_on(monkeypatch):
+def test_replan_times_the_groups_megatrons_bucket_groups_reduce_on(monkeypatch, capsys):
     """The all-reduce benchmark runs on each gradient buffer's own group (what Megatron's bucket groups reduce on:
     the distributed-optimizer instance, the expert data-parallel group), with that buffer's elements, for the largest
     chunk -- never on ``get_data_parallel_group()``, which spans every instance and no expert split."""
@@ -56,15 +56,17 @@ def test_replan_times_the_groups_megatrons_bucket_groups_reduce_on(monkeypatch):
     timed = []
     monkeypatch.setattr(profiler, "time_allreduce",
                         lambda numel, dtype, device, group, **k: timed.append((group.name, numel)) or 1e-3)
-    inputs = Replanning(model=SimpleNamespace(grad_bytes=4), cluster=SimpleNamespace(distributed_optimizer=True),
-                        budget_bytes=1.0, pp=1, vpp=2, microbatches=4, measure_iters=1)
+    request = SimpleNamespace(model=SimpleNamespace(grad_bytes=4), cluster=SimpleNamespace(distributed_optimizer=True),
+                              budget_bytes=1.0, pp=1, vpp=2, microbatches=4)
+    inputs = Replanning(request=request, measure_iters=1)
     replanner = MeasuredReplanner(None, None, None, inputs)
 
-    def no_plan(budget):
+    def no_plan(**changes):
         raise NoFeasiblePlan("kept")
 
     monkeypatch.setattr(replanner, "_plan", no_plan)
     model = [_Chunk(40, instance, experts), _Chunk(72, instance, experts)]
     replanner._replan({"model": model, "seq_length": 16, "micro_batch_size": 2})
     assert timed == [("instance", 64), ("expert", 8)]
-    assert replanner.measured["dp_reduce_s"] == 1e-3  # (two all-reduces) / 2: a reduce-scatter moves half
+    printed = capsys.readouterr().out
+    assert "dp_reduce_s 0.001000" in printed  # (two all-reduces) / 2: a reduce-scatter moves half
