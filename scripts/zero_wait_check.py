@@ -31,44 +31,59 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-WAIT_LINE = "zero-wait rank {rank} call {call}: {count} waits {seconds:.6f} s"
-WAIT_RE = re.compile(r"zero-wait rank (\d+) call (\d+): (\d+) waits ([0-9.]+) s")
+WAIT_LINE = "zero-wait rank {rank} call {call}: {count} waits {seconds:.6f} s, launch to done {done:.6f} s"
+WAIT_RE = re.compile(r"zero-wait rank (\d+) call (\d+): (\d+) waits ([0-9.]+) s, launch to done ([0-9.]+) s")
 RANK_ENTRY = "--rank-entry"
 PP, DP = 2, 2
 
 
 def install_wait_timer() -> None:
-    """In a rank: time every ``finish_reduce`` that has a reduction in flight, print the sum per training call."""
+    """In a rank: time every ``finish_reduce`` that has a reduction in flight and print, per training call, the
+    sum of those waits and the sum, over the waits longer than 1 ms, of the time from the REDUCE's launch to the
+    wait's end (then the reduce-scatter's own duration, up to the accumulation after it)."""
     import torch.distributed as dist
 
     from megatron_pipemesh.runtime import sharding
 
     waits: List[float] = []
+    done: List[float] = []
+    launched: Dict[int, float] = {}
     calls = [0]
-    finish, end = sharding.ChunkSharding.finish_reduce, sharding.ProgramSharding.end
+    finish, end, reduce = sharding.ChunkSharding.finish_reduce, sharding.ProgramSharding.end, sharding.ChunkSharding.reduce
+
+    def timed_reduce(self) -> int:
+        nbytes = reduce(self)
+        launched[self.chunk] = time.perf_counter()
+        return nbytes
 
     def timed_finish(self) -> None:
         if not self.pending:
             return finish(self)
         start = time.perf_counter()
         finish(self)
-        waits.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        waits.append(now - start)
+        if now - start > 1e-3 and self.chunk in launched:
+            done.append(now - launched[self.chunk])
 
     def reported_end(self) -> None:
         end(self)
         calls[0] += 1
-        print(WAIT_LINE.format(rank=dist.get_rank(), call=calls[0], count=len(waits), seconds=sum(waits)), flush=True)
+        print(WAIT_LINE.format(rank=dist.get_rank(), call=calls[0], count=len(waits), seconds=sum(waits),
+                               done=sum(done) / len(done) if done else 0.0), flush=True)
         waits.clear()
+        done.clear()
 
     sharding.ChunkSharding.finish_reduce = timed_finish
+    sharding.ChunkSharding.reduce = timed_reduce
     sharding.ProgramSharding.end = reported_end
 
 
-def parse_waits(text: str) -> Dict[int, Dict[int, float]]:
-    """rank -> {training call: seconds waited in finish_reduce}."""
-    out: Dict[int, Dict[int, float]] = {}
-    for rank, call, _, seconds in WAIT_RE.findall(text):
-        out.setdefault(int(rank), {})[int(call)] = float(seconds)
+def parse_waits(text: str) -> Dict[int, Dict[int, List[float]]]:
+    """rank -> {training call: [seconds waited in finish_reduce, mean launch-to-done seconds of those waits]}."""
+    out: Dict[int, Dict[int, List[float]]] = {}
+    for rank, call, _, seconds, done in WAIT_RE.findall(text):
+        out.setdefault(int(rank), {})[int(call)] = [float(seconds), float(done)]
     return out
 
 
@@ -136,13 +151,13 @@ def _metrics(runs: Sequence[dict], model, config):
     return variant_metrics(results, model, config)
 
 
-def measured_wait_ms(runs: Sequence[dict], warmup: int) -> List[float]:
-    """Per pipeline rank: the median over the measured training calls of every repeat of the wait per call,
-    averaged over the pipeline rank's data-parallel ranks."""
+def measured_wait_ms(runs: Sequence[dict], warmup: int, field: int = 0) -> List[float]:
+    """Per pipeline rank: the median over the measured training calls of every repeat of the wait per call
+    (``field`` 1: of the mean launch-to-done time of the waits), averaged over its data-parallel ranks."""
     per_rank: Dict[int, List[float]] = {}
     for run in runs:
         for rank, calls in run["waits"].items():
-            per_rank.setdefault(int(rank), []).extend(s for call, s in calls.items() if int(call) > warmup)
+            per_rank.setdefault(int(rank), []).extend(v[field] for call, v in calls.items() if int(call) > warmup)
     return [1e3 * statistics.mean(statistics.median(per_rank[r]) for r in per_rank if r // DP == stage)
             for stage in range(PP)]
 
@@ -173,6 +188,9 @@ def predict(out_dir: str) -> dict:
         result = simulate(sched, costs, sharding=sharding_model(model, config, levels, rate))
         predicted_ms = result.iteration_s * 1e3 + compute.overhead_ms
         waits = [1e3 * sum(e.comm_part for e in events if e.waited_on == "reduce") for events in result.timeline.compute]
+        reduce_ms = [1e3 * statistics.mean([c.end - c.start for c in result.timeline.comms
+                                            if c.src == rank and c.op.kind.value == "REDUCE"] or [0.0])
+                     for rank in range(PP)]
         measured_ms = shaped["iteration_ms_median"]
         out["plans"][name] = {
             "levels": list(levels), "measured_iteration_ms": measured_ms, "predicted_iteration_ms": predicted_ms,
@@ -180,6 +198,8 @@ def predict(out_dir: str) -> dict:
             "measured_iteration_ms_all": [shaped["iteration_ms_min"], shaped["iteration_ms_max"]],
             "measured_reduce_wait_ms": measured_wait_ms(runs[(name, True)], model.warmup_iters),
             "predicted_reduce_wait_ms": waits,
+            "measured_reduce_launch_to_done_ms": measured_wait_ms(runs[(name, True)], model.warmup_iters, 1),
+            "modelled_reduce_ms": reduce_ms,
             "unshaped_iteration_ms": unshaped["iteration_ms_median"]}
     return out
 
