@@ -15,7 +15,7 @@ overhead fitted on the control's loopback run; the predicted wait is the simulat
 REDUCE (``waited_on == 'reduce'``). ``--predict-only DIR`` re-predicts from a finished run's ``runs.json`` with
 whatever ``megatron_pipemesh`` is importable (point PYTHONPATH at an older tree to see its prediction).
 
-Usage (root, for the network namespaces; about 5 minutes on an idle 2-core machine)::
+Usage (root, for the network namespaces; about 2.5 minutes per repeat on a loaded 2-core machine)::
 
     .venv/bin/python scripts/zero_wait_check.py --out-dir /tmp/zero-wait --rate 200mbit
     PYTHONPATH=/path/to/old/tree .venv/bin/python scripts/zero_wait_check.py --predict-only /tmp/zero-wait
