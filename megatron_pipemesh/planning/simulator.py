@@ -49,8 +49,9 @@ class RankResult:
     exposed_p2p_s: float
     """Idle time spent waiting for pipeline transfers in flight."""
     exposed_dp_s: float
-    """Idle time waiting for parameter gathers plus the gradient-sync tail after the last backward (the
-    embedding all-reduce of the first and last stage included)."""
+    """Idle time waiting for parameter gathers and, before a backward of a ZeRO-2/3 chunk, for its previous group's
+    reduction, plus the gradient-sync tail after the last backward (the embedding all-reduce of the first and last
+    stage included)."""
     bubble_s: float
     """Idle time that no communication explains (pipeline fill/drain and dependency bubbles)."""
     peak_activation_bytes: float
@@ -271,7 +272,8 @@ def _rank_result(rank: int, timeline: Timeline, adapter, copies, copies_on_compu
     busy = sum(e.end - e.start for e in events)
     recompute_s = sum(adapter.recompute_time(rank, e.op) for e in events if e.op.kind is OpKind.BACKWARD)
     waits_p2p = sum(e.comm_part for e in events if e.waited_on == "p2p")
-    waits_param = sum(e.comm_part for e in events if e.waited_on == "param")
+    # ZeRO-3 gathers and the ZeRO-2/3 reductions a backward waits for: exposed data-parallel time
+    waits_param = sum(e.comm_part for e in events if e.waited_on == "param" or e.waited_on == "reduce")
     waits_host = sum(e.comm_part for e in events if e.waited_on == "host")
     if copies_on_compute:  # each copy held the compute stream: all of it exposed
         waits_host += sum(c.end - c.start for c in copies)

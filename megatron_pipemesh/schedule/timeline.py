@@ -14,8 +14,11 @@ ended, and a backward whose activations were offloaded starts when its RELOAD ha
 there are no host-link channels: an OFFLOAD or RELOAD runs on the compute stream, in program order,
 and holds it for its duration.
 Mixed sharding: GATHER and REDUCE run on the data-parallel channel like the syncs; a compute op of
-a ZeRO-3 chunk starts when the GATHER of its span has finished; RELEASE is instantaneous (recorded
-as a zero-length 'release' event, for the memory timeline).
+a ZeRO-3 chunk starts when the GATHER of its span has finished; a backward of a ZeRO-2/3 chunk starts
+when the chunk's last REDUCE issued before it has finished (the runtime's reduce-scatter reads the
+chunk's one gradient buffer, which the next backward group accumulates into: before each backward it
+waits for that reduction, keeps the reduced shard and brings the buffer back zeroed); RELEASE is
+instantaneous (recorded as a zero-length 'release' event, for the memory timeline).
 If no rank can make progress before every program ends, the schedule deadlocks.
 
 How long a transfer takes: without shared links each takes its own duration (``Costs.transfer``,
@@ -118,7 +121,8 @@ class ComputeEvent:
     data_ready: float
     """When the input (or parameters) arrived; 0 when nothing was awaited."""
     waited_on: str
-    """'p2p', 'param', 'host' or '' : what the latest-arriving dependency was."""
+    """'p2p', 'param', 'host', 'reduce' (its ZeRO-2/3 chunk's previous REDUCE) or '': what the latest-arriving
+    dependency was."""
     comm_part: float = 0.0
     """Part of the wait caused by the transfer itself (the rest is pipeline bubble)."""
 
@@ -177,9 +181,9 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
     """Each op of each rank program as a tuple the engine reads without recomputing placement:
 
     * compute: (code, op, input key id or -1, waits for a parameter gather, is forward, host key,
-      waits for its ZeRO-3 span's GATHER);
+      waits for its ZeRO-3 span's GATHER, waits for its ZeRO-2/3 chunk's last REDUCE);
     * receive: (code, key id, channel id); send: (code, key id, channel id, producer compute op);
-    * data-parallel and GATHER / REDUCE: (code, op, is PARAM_SYNC, is GATHER); RELEASE: (code, op);
+    * data-parallel and GATHER / REDUCE: (code, op, is PARAM_SYNC, is GATHER, is REDUCE); RELEASE: (code, op);
     * host copy: (code, op, is OFFLOAD, host key).
 
     Memoized per (config, options) while the programs hold the very same op objects (every
@@ -206,6 +210,7 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                     peers[direction, op.chunk] = (input_source(cfg, rank, probe), output_target(cfg, rank, probe))
         param_chunks = {op.chunk for op in program if op.kind is OpKind.PARAM_SYNC}
         zero3 = set() if schedule.options.forward_only else set(schedule.options.zero3_chunks)
+        zero2 = set() if schedule.options.forward_only else set(schedule.options.zero2_chunks)
         producers: Dict[Tuple[str, int, Optional[int]], Op] = {}
         out = []
         append = out.append
@@ -217,9 +222,10 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                     name = (rank, kind, chunk, microbatch) if op.peer is None else (rank, kind, chunk, microbatch, op.peer)
                     key = key_ids.setdefault(name, len(key_ids))
                 forward = kind == "F"
-                # A ZeRO-3 chunk waits for the GATHER of its span instead of a PARAM_SYNC.
+                # A ZeRO-3 chunk waits for the GATHER of its span instead of a PARAM_SYNC; a backward of a
+                # ZeRO-2/3 chunk for the reduction of the chunk's previous backward group (its REDUCE).
                 append((_COMPUTE_OP, op, key, forward and chunk in param_chunks and chunk not in zero3, forward,
-                        (rank, chunk, microbatch), chunk in zero3))
+                        (rank, chunk, microbatch), chunk in zero3, not forward and chunk in zero2))
                 if op.peer is None:
                     producers[kind, chunk, microbatch] = op
             elif kind == "RECV_F" or kind == "RECV_B":
@@ -237,7 +243,7 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
             elif op.kind is OpKind.RELEASE:
                 append((_RELEASE_OP, op))
             elif op.kind.is_dp or op.kind.is_shard:
-                append((_DP_OP, op, op.kind is OpKind.PARAM_SYNC, op.kind is OpKind.GATHER))
+                append((_DP_OP, op, op.kind is OpKind.PARAM_SYNC, op.kind is OpKind.GATHER, op.kind is OpKind.REDUCE))
             else:
                 append((_HOST_OP, op, op.kind is OpKind.OFFLOAD, (rank, chunk, microbatch)))
         code.append(out)
@@ -308,7 +314,7 @@ class _Engine:
         """The semantics of the module docstring, in time order.
 
         Each rank runs its instructions at its stream's free time until a compute op, which either starts
-        (the rank resumes at its end) or waits for a transfer, gather or reload (the rank resumes when it
+        (the rank resumes at its end) or waits for a transfer, gather, reduction or reload (the rank resumes when it
         ends). Transfers run on FIFO channels; on shared links (``costs.links()``) their pace follows the
         network, otherwise each takes its own duration. Written as one function with local state (it is the
         simulator's inner loop)."""
@@ -332,6 +338,8 @@ class _Engine:
             for program in code]
         # ZeRO-3 chunk -> end of its open GATHER (None while released or gathering)
         gathered: List[Dict[int, Optional[float]]] = [{c: None for c in self.s.options.zero3_chunks} for _ in range(p)]
+        # ZeRO-2/3 chunk -> end of its last REDUCE (None while it runs; absent before the first)
+        reduced: List[Dict[int, Optional[float]]] = [{} for _ in range(p)]
         offloaded: Dict[Tuple[int, int, int], Optional[float]] = {}  # None: the copy is running
         reloaded: Dict[Tuple[int, int, int], Optional[float]] = {}
         links = self.links
@@ -367,8 +375,8 @@ class _Engine:
         def start_dp(rank: int) -> None:
             if dp_flight[rank] is not None or not dp_queue[rank]:
                 return
-            op, is_param, is_gather = dp_queue[rank].popleft()
-            dp_flight[rank] = (op, is_param, is_gather, clock[0])
+            op, is_param, is_gather, is_reduce = dp_queue[rank].popleft()
+            dp_flight[rank] = (op, is_param, is_gather, is_reduce, clock[0])
             launch(("dp", rank), dp_cost(rank, op), dp_routes[rank])
 
         def start_host(lane: str, rank: int) -> None:
@@ -411,13 +419,15 @@ class _Engine:
                 start_channel(channel)
             elif kind == "dp":
                 rank = token[1]
-                op, is_param, is_gather, start = dp_flight[rank]
+                op, is_param, is_gather, is_reduce, start = dp_flight[rank]
                 dp_flight[rank] = None
                 comms.append(CommEvent(rank, rank, op, start, now, "dp"))
                 if is_param:
                     param_ready[rank][op.chunk] = now
                 elif is_gather:
                     gathered[rank][op.chunk] = now
+                elif is_reduce:
+                    reduced[rank][op.chunk] = now
                 if now > rank_end[rank]:
                     rank_end[rank] = now
                 wake(rank)
@@ -462,7 +472,7 @@ class _Engine:
                 ins = program[i]
                 what = ins[0]
                 if what == _COMPUTE_OP:
-                    _, op, key, waits_param, forward, host_key, waits_gather = ins
+                    _, op, key, waits_param, forward, host_key, waits_gather, waits_reduce = ins
                     data_ready, waited_on, comm_part = 0.0, "", 0.0
                     if key >= 0:
                         got = arrival[key]
@@ -491,6 +501,14 @@ class _Engine:
                     if back is not None and back > max(data_ready, now):
                         data_ready, waited_on = back, "host"
                         comm_part = back - now
+                    if waits_reduce:
+                        reduce_end = reduced[rank].get(op.chunk, 0.0)
+                        if reduce_end is None:
+                            blocked[rank] = True
+                            break
+                        if reduce_end > max(data_ready, now):
+                            data_ready, waited_on = reduce_end, "reduce"
+                            comm_part = reduce_end - now
                     start = data_ready if data_ready > now else now
                     end = start + compute_cost(rank, op)
                     if 0.0 > comm_part:
@@ -507,7 +525,9 @@ class _Engine:
                     queues[ins[2]].append((ins[1], now, ins[3]))
                     start_channel(ins[2])
                 elif what == _DP_OP:
-                    dp_queue[rank].append((ins[1], ins[2], ins[3]))
+                    if ins[4]:
+                        reduced[rank][ins[1].chunk] = None
+                    dp_queue[rank].append((ins[1], ins[2], ins[3], ins[4]))
                     start_dp(rank)
                 elif what == _RELEASE_OP:
                     op = ins[1]

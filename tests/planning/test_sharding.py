@@ -1,4 +1,5 @@
-"""Mixed sharding model: bytes per parameter per level, scopes, flag parsing, gather/reduce counts."""
+"""Mixed sharding model: bytes per parameter per level, scopes, flag parsing, gather/reduce counts, and the
+reduce-scatter a ZeRO-2/3 backward waits for in the predicted iteration."""
 import pytest
 
 from megatron_pipemesh.planning.costs import ClusterSpec, ModelSpec, analytic_costs
@@ -195,3 +196,48 @@ def test_gloo_reduce_scatter_of_a_zero2_chunk_costs_an_all_reduce():
     params = 2 * model.layer_params()  # rank 0's chunk 1 = stage 2: two layers
     assert seconds["nccl"] == pytest.approx(0.75 * params * model.grad_bytes * 8 / 1e9)
     assert seconds["gloo"] == pytest.approx(2 * seconds["nccl"])
+
+
+def _zero2_with_reduce_of(reduce_s):
+    """OpCosts F=1 s, B=2 s, free p2p, and a ZeRO-2 sharding model (p=2, V=1, d=2) whose data-parallel link makes a
+    reduce-scatter of the chunk's gradients take ``reduce_s`` on both ranks."""
+    from megatron_pipemesh.planning.costs import OpCosts
+    from megatron_pipemesh.planning.sharding import ShardingModel, chunk_params
+
+    model = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=512, position_embedding="rope")
+    params = chunk_params(model, ClusterSpec(dp=2), ScheduleConfig(2, 1, 4))
+    assert params[0] == params[1]  # embedding on rank 0, untied output layer of the same size on rank 1
+    gbps = 0.5 * params[0][0] * model.grad_bytes * 8 / (reduce_s * 1e9)  # NCCL ring over d=2: half the buffer
+    sharding = ShardingModel(model, ClusterSpec(dp=2, dp_gbps=gbps), ShardingSpec(("optim_grads",)))
+    return OpCosts(forward_s=1.0, backward_s=2.0, p2p_s=0.0), sharding
+
+
+@pytest.mark.parametrize("reduce_s", [5.0, 3.0])
+def test_zero2_plan_with_two_backward_groups_pays_the_reduce_its_backward_waits_for(reduce_s):
+    """The runtime's backward of a ZeRO-2/3 chunk waits for the chunk's previous REDUCE (they share the gradient
+    buffer), so the plan's predicted iteration includes that wait. p=2 V=1 m=4, backward groups 2 2, F=1 s, B=2 s,
+    free p2p, and a data-parallel link slow enough that a reduce-scatter of the chunk takes R (3 or 5 s).
+    By hand (tests/schedule/test_timeline.py has the event list for R=5): rank 1 launches REDUCE at 7 (after B1), its
+    B2 waits for it until 7+R instead of starting at 8 after F2, and everything after moves by R-1: rank 0 ends
+    with its GRAD_SYNC at 14+2R. Without the wait the iteration would end at max(15, 9+R)+R."""
+    from megatron_pipemesh.planning.simulator import simulate
+
+    config = ScheduleConfig(2, 1, 4, (2, 2), (2, 2))
+    costs, sharding = _zero2_with_reduce_of(reduce_s)
+    result = simulate(config, costs, sharding=sharding)
+    assert result.iteration_s == pytest.approx(14 + 2 * reduce_s)
+    assert result.iteration_s - (max(15, 9 + reduce_s) + reduce_s) == pytest.approx(reduce_s - 1)
+    # Rank 1's exposed data-parallel time: the wait before B2 (R-1) and its GRAD_SYNC after the last backward (R).
+    assert result.ranks[1].exposed_dp_s == pytest.approx(2 * reduce_s - 1)
+
+
+def test_planner_ranks_zero2_plans_by_their_reduce_wait():
+    """The planner simulates its candidates, so it ranks them with the wait: in the setting above (R = 5 s) two
+    backward groups take 14+2R = 24 s, one backward group (no REDUCE: the gradients are reduced once, in
+    GRAD_SYNC, after the last backward at 15) takes 15+R = 20 s. Without the wait both were 20 s and the planner
+    kept the two groups."""
+    from megatron_pipemesh.planning.planner import PlannerOptions, plan_schedule
+
+    costs, sharding = _zero2_with_reduce_of(5.0)
+    best, _ = plan_schedule(2, 1, 4, lambda config: costs, float("inf"), PlannerOptions(), sharding=sharding)
+    assert best.config.backward_groups == (4,) and best.result.iteration_s == pytest.approx(20.0)

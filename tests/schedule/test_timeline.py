@@ -1,11 +1,11 @@
 """The timeline engine (the simulator's inner loop): exact results recorded from the reference
-engine, and its memoized compiled form never reused for edited programs."""
+engine, its memoized compiled form never reused for edited programs, and the waits it models by hand."""
 import hashlib
 
 import pytest
 
 from megatron_pipemesh.schedule import DeadlockError, LoweringOptions, OpKind, ScheduleConfig, lower
-from megatron_pipemesh.schedule.timeline import execute
+from megatron_pipemesh.schedule.timeline import UnitCosts, execute
 
 
 class _UnevenCosts:
@@ -67,3 +67,30 @@ def test_edited_programs_are_recompiled():
     with pytest.raises(DeadlockError, match="rank 1"):
         execute(schedule)
     assert lower(config).programs[1] == program  # the memoized lowering was not edited either
+
+
+def test_backward_of_a_zero2_chunk_waits_for_the_previous_groups_reduce():
+    """The runtime reduce-scatters a ZeRO-2/3 chunk's gradient buffer after each backward group but the last
+    (REDUCE) and, before the chunk's next backward, waits for it (``runtime/sharding.py``: ``restore_grads`` ->
+    ``finish_reduce``): the next group accumulates into the same buffer. Hand-computed, p=2 V=1 m=4 with backward
+    groups 2 2, F=1, B=2, free p2p, every data-parallel op 5:
+
+    rank 1: F0 1-2 B0 2-4 F1 4-5 B1 5-7, REDUCE 7-12, F2 7-8; B2 waits for the REDUCE: 12-14 (8-10 if it did not),
+    F3 14-15 B3 15-17, GRAD_SYNC 17-22.
+    rank 0: F0 0-1 F1 1-2 B0 4-6 F2 6-7 B1 7-9, REDUCE 9-14, F3 9-10; B2 (its REDUCE and rank 1's B2 both end at 14)
+    14-16, B3 17-19, GRAD_SYNC 19-24: the iteration takes 24, not 20."""
+    schedule = lower(ScheduleConfig(2, 1, 4, (2, 2), (2, 2)), LoweringOptions(param_sync=False, sharding=("optim_grads",)))
+    timeline = execute(schedule, UnitCosts(dp=5.0))
+    spans = [{str(e.op): (e.start, e.end) for e in events} for events in timeline.compute]
+    assert spans[1] == {"F0.0": (1, 2), "B0.0": (2, 4), "F0.1": (4, 5), "B0.1": (5, 7), "F0.2": (7, 8),
+                        "B0.2": (12, 14), "F0.3": (14, 15), "B0.3": (15, 17)}
+    assert spans[0] == {"F0.0": (0, 1), "F0.1": (1, 2), "B0.0": (4, 6), "F0.2": (6, 7), "B0.1": (7, 9), "F0.3": (9, 10),
+                        "B0.2": (14, 16), "B0.3": (17, 19)}
+    waited = next(e for e in timeline.compute[1] if str(e.op) == "B0.2")
+    assert (waited.waited_on, waited.comm_part) == ("reduce", 4.0)
+    dp = sorted((c.src, str(c.op), c.start, c.end) for c in timeline.comms if c.lane == "dp")
+    assert dp == [(0, "GRAD_SYNC0", 19, 24), (0, "REDUCE0.0", 9, 14), (1, "GRAD_SYNC0", 17, 22), (1, "REDUCE0.0", 7, 12)]
+    assert timeline.makespan == 24
+    # ZeRO-1 reduces once, in GRAD_SYNC: nothing to wait for before a backward.
+    plain = execute(lower(schedule.config, LoweringOptions(param_sync=False, sharding=("optim",))), UnitCosts(dp=5.0))
+    assert not any(e.waited_on == "reduce" for events in plain.compute for e in events)
