@@ -77,6 +77,7 @@ from gpu_check_lib.executor import DELAY_CYCLES, check_no_caching, mixed_placeme
 from gpu_check_lib.host_link import check_host_link  # noqa: E402
 from gpu_check_lib.megatron_path import check_megatron_path, transformer_engine_version  # noqa: E402
 from gpu_check_lib.meter import check_meter  # noqa: E402
+from gpu_check_lib.meter_offload import check_meter_offload  # noqa: E402
 from gpu_check_lib.recompute import check_recompute  # noqa: E402
 from gpu_check_lib.timing import check_timing  # noqa: E402
 
@@ -137,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     run("megatron_path", lambda: check_megatron_path(device, "nccl" if cuda else "gloo"))
     run("host_link", lambda: check_host_link(device))
     run("meter", lambda: check_meter(device))
+    run("meter_offload", lambda: check_meter_offload(device))
     run("recompute", lambda: check_recompute(device))
     run("timing", lambda: check_timing(device))
     run("bench", lambda: check_bench(out.parent, deadline, args.bench))

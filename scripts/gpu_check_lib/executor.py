@@ -30,6 +30,59 @@ def mixed_placement(pp: int, vpp: int, microbatches: int) -> Dict:
 
 
 @contextlib.contextmanager
+def one_rank_at_a_time(device):
+    """While inside, the thread-ranks take turns: a rank runs alone until it must wait for a peer (a loopback wait
+    not matched yet, a collective), then hands the turn on. Yields ``turns(target)``, the rank function to give
+    :func:`~megatron_pipemesh.runtime.loopback.run_ranks` (it takes the turn first and gives it back at the end).
+    Why: the CUDA meter reads the allocator's counters, which are the device's, not a thread's; taking turns, a
+    rank's forward runs with no other rank allocating. On CUDA a rank hands over only once the device finished its
+    work and the allocator processed the events of blocks freed under ``record_stream`` (an allocation does that),
+    so no rank's still-pending blocks show in another's readings. The schedule is unchanged: a rank only ever
+    waited where it now hands over."""
+    import threading
+
+    import torch
+
+    from megatron_pipemesh.runtime import loopback
+
+    turn = threading.Lock()
+
+    def hand_over() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.empty(1, device=device)  # processes finished copies' events; freed at once
+        turn.release()
+
+    def blocking(method, ready):
+        def call(self, *args, **kwargs):
+            if ready(self):
+                return method(self, *args, **kwargs)
+            hand_over()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                turn.acquire()
+        return call
+
+    def turns(target):
+        def rank_main(transport):
+            turn.acquire()
+            try:
+                return target(transport)
+            finally:
+                hand_over()
+        return rank_main
+
+    wait, gather = loopback.LoopbackWork.wait, loopback.LoopbackWorld._all_gather
+    loopback.LoopbackWork.wait = blocking(wait, lambda work: work._matched.is_set())
+    loopback.LoopbackWorld._all_gather = blocking(gather, lambda world: False)
+    try:
+        yield turns
+    finally:
+        loopback.LoopbackWork.wait, loopback.LoopbackWorld._all_gather = wait, gather
+
+
+@contextlib.contextmanager
 def delayed_offload_copies(cycles: int):
     """While inside, every host-placement copy (``ActivationOffloader.offload`` / ``reload``) starts after ``cycles``
     GPU cycles of sleep on its side stream (nothing on CPU or with 0 cycles). The streams are the offloader's own
@@ -60,12 +113,17 @@ def delayed_offload_copies(cycles: int):
 
 def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_stage: int = 1, microbatches: int = 8,
                  forward_groups=(8,), backward_groups=(4, 4), mbs: int = 2, seq: int = 32, vocab: int = 128,
-                 placement: Optional[Dict] = None, delay_cycles: int = 0):
+                 placement: Optional[Dict] = None, delay_cycles: int = 0, hidden: int = 64,
+                 measure_memory: bool = False, one_at_a_time: bool = False, warmup: bool = False):
     """PipeMesh on ``pp`` thread-ranks vs the whole model (``placement``: the runtime's per (rank, chunk,
     micro-batch) placement plan); returns the check's record. On CUDA every thread-rank runs on a compute stream of
     its own and the loopback copies on communication streams (as NCCL); ``delay_cycles`` > 0 makes every copy on a
     side stream (loopback links, host placement's offload and reload) sleep that many GPU cycles first, so a missing
-    wait, event or ``record_stream`` lets the compute streams overwrite or read the bytes before the copy did."""
+    wait, event or ``record_stream`` lets the compute streams overwrite or read the bytes before the copy did.
+    ``measure_memory``: the runtime's activation meter on every rank (its peaks per rank in the record);
+    ``one_at_a_time``: the ranks take turns (:func:`one_rank_at_a_time`), so that on CUDA each rank's allocator
+    readings are its own; ``warmup``: the same call once before the one the record is of (on CUDA the first forward
+    on a rank's stream allocates cuBLAS's workspace, which the allocator meter would count as that forward's)."""
     import torch
 
     from megatron.core.pipeline_parallel import schedules as mcore
@@ -79,10 +137,11 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     batches = make_batches(microbatches, mbs, seq, vocab, device)
     models = []
     for stage in range(stages):
-        model = make_gpt(make_config(layers_per_stage), device, vocab, seq, pre=stage == 0, post=stage == stages - 1)
+        model = make_gpt(make_config(layers_per_stage, hidden=hidden), device, vocab, seq, pre=stage == 0,
+                         post=stage == stages - 1)
         set_weights(model, stage * layers_per_stage)
         models.append(model)
-    whole = make_gpt(make_config(stages * layers_per_stage), device, vocab, seq, pre=True, post=True)
+    whole = make_gpt(make_config(stages * layers_per_stage, hidden=hidden), device, vocab, seq, pre=True, post=True)
     set_weights(whole, 0)
 
     # Reference: Megatron's no-pipelining schedule over the whole model.
@@ -109,19 +168,22 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
 
     def rank_schedule(transport):
         chunks = [models[c * pp + transport.rank()] for c in range(vpp)]
-        for chunk in chunks:
-            chunk.zero_grad()
         schedule = PipeMeshSchedule(
             RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)), placement or {}),
-            PipeMeshOptions(p2p_timeout_s=60.0),
+            PipeMeshOptions(p2p_timeout_s=60.0, measure_memory=measure_memory),
             transport=transport)
-        with CudaToCpuMode() if cpu_compat_active() else contextlib.nullcontext():  # torch modes are per thread
-            out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                           num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs, pg_collection=collection)
+        for _ in range(2 if warmup else 1):
+            for chunk in chunks:
+                chunk.zero_grad()
+            with CudaToCpuMode() if cpu_compat_active() else contextlib.nullcontext():  # torch modes are per thread
+                out = schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+                               model=chunks, num_microbatches=microbatches, seq_length=seq, micro_batch_size=mbs,
+                               pg_collection=collection)
         return [[float(x) for x in d["lm loss"].view(-1)] for d in out], schedule.last_stats, schedule._offloader
 
-    with megatron_in_threads(), delayed_offload_copies(delay_cycles):
-        results, failures = run_ranks(world, rank_main)
+    with megatron_in_threads(), delayed_offload_copies(delay_cycles), (
+            one_rank_at_a_time(device) if one_at_a_time else contextlib.nullcontext(lambda f: f)) as turns:
+        results, failures = run_ranks(world, turns(rank_main))
     errors = {rank: f"{type(error).__name__}: {error}" for rank, error in failures.items()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -138,6 +200,10 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
                                              if r in results else 0 for r in range(pp)])
     if errors or len(results) != pp:
         return {**record, "status": "fail", "errors": errors or {"threads": "did not finish"}}
+    if measure_memory:
+        record.update(memory_source=results[0][1].memory_source,
+                      peak_activation_bytes=[results[r][1].peak_activation_bytes for r in range(pp)],
+                      peak_block_bytes=[results[r][1].peak_block_bytes for r in range(pp)])
     losses = results[pp - 1][0]
     loss_diff = max((abs(a - b) / max(abs(b), 1e-30) for x, y in zip(losses, reference_losses) for a, b in zip(x, y)),
                     default=float("inf"))
