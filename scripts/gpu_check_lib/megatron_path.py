@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from .common import TOLERANCE, forward_step, make_batches, make_config, raise_allocator_peak, set_weights
 from .executor import delayed_offload_copies
@@ -123,15 +123,27 @@ def build_megatron_rank(device, backend: str, rank: int, pp: int, vpp: int, laye
     return SimpleNamespace(chunks=chunks, optimizer=optimizer, config=config, groups=groups)
 
 
-def run_megatron_path(device, backend: str, host: bool, sharded: bool, pp: int = 2, vpp: int = 2, layers_per_chunk: int = 1,
-                      microbatches: int = 4, forward_groups=(4,), backward_groups=(2, 2), iterations: int = 3,
-                      hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 64, mbs: int = 2,
-                      te: Optional[str] = None, delay_cycles: int = 0, timeout_s: float = 60.0) -> dict:
+def host_placement(pp: int, vpp: int, microbatches: int) -> Dict:
+    """Where the Megatron-path runs place activations on the host: half of chunk 0's micro-batches on every rank (the
+    first stage's and a middle stage's layers: with TE, TE's linears, which reach ``main_grad`` through a weakref to
+    the Parameter and so work even when handed a copy of it) and the other half of the last stage's last chunk's,
+    which holds Megatron's own fused-wgrad output layer (``ColumnParallelLinear`` whatever the layer spec): where a
+    saved Parameter reaching the backward as a copy fails whether or not Transformer Engine imports."""
+    placement = {(r, 0, j): HOST for r in range(pp) for j in range(0, microbatches, 2)}
+    placement.update({(pp - 1, vpp - 1, j): HOST for j in range(1, microbatches, 2)})
+    return placement
+
+
+def run_megatron_path(device, backend: str, host: bool, sharding: Sequence[str] = (), overlap_with_step: bool = False,
+                      pp: int = 2, vpp: int = 2, layers_per_chunk: int = 1, microbatches: int = 4, forward_groups=(4,),
+                      backward_groups=(2, 2), iterations: int = 3, hidden: int = 64, heads: int = 4, vocab: int = 256,
+                      seq: int = 64, mbs: int = 2, te: Optional[str] = None, delay_cycles: int = 0,
+                      timeout_s: float = 60.0) -> dict:
     """``iterations`` training steps of PipeMesh on ``pp`` thread-ranks with Megatron's default GPU path on every
-    rank (:func:`build_megatron_rank`); ``host``: half of chunk 0's micro-batches placed on the host; ``sharded``:
-    ZeRO-3 on chunk 0 (whose gather the optimizer step starts) and ZeRO-2 on chunk 1, with
-    ``--overlap-param-gather-with-optimizer-step``. Returns losses and grad norms per iteration (train()'s first
-    iteration without the forward pre-hooks and param_sync_func, as Megatron does)."""
+    rank (:func:`build_megatron_rank`); ``host``: :func:`host_placement`; ``sharding``: the ZeRO level per chunk
+    (e.g. ZeRO-3 on chunk 0, whose gather the optimizer step starts, and ZeRO-2 on chunk 1); ``overlap_with_step``:
+    ``--overlap-param-gather-with-optimizer-step`` (Megatron then buckets no chunk). Returns losses and grad norms per
+    iteration (train()'s first iteration without the forward pre-hooks and param_sync_func, as Megatron does)."""
     import torch
 
     from megatron_pipemesh.integration.cpu_compat import CudaToCpuMode, cpu_compat_active
@@ -142,9 +154,9 @@ def run_megatron_path(device, backend: str, host: bool, sharded: bool, pp: int =
 
     cuda = device.type == "cuda"
     ranks = [build_megatron_rank(device, backend, r, pp, vpp, layers_per_chunk, hidden, heads, vocab, seq, te,
-                                 overlap_with_step=sharded) for r in range(pp)]
-    placement = {(r, 0, j): HOST for r in range(pp) for j in range(0, microbatches, 2)} if host else {}
-    sharding = ("optim_grads_params", "optim_grads") if sharded else ()
+                                 overlap_with_step=overlap_with_step) for r in range(pp)]
+    placement = host_placement(pp, vpp, microbatches) if host else {}
+    sharding = tuple(sharding)
     batches = [make_batches(microbatches, mbs, seq, vocab, device, first=i * microbatches) for i in range(iterations)]
     # A failing rank leaves its peers waiting: ``timeout_s`` bounds that (timed waits on gloo, the world's host
     # timeout for untimed NCCL-policy waits).
@@ -163,7 +175,8 @@ def run_megatron_path(device, backend: str, host: bool, sharded: bool, pp: int =
         schedule = PipeMeshSchedule(RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups),
                                                            tuple(backward_groups)), placement, sharding),
                                     PipeMeshOptions(p2p_timeout_s=timeout_s, measure_memory=cuda), transport=transport)
-        out = {"losses": [], "grad_norms": [], "peak_activation_bytes": [], "offloaded_bytes": []}
+        out = {"losses": [], "grad_norms": [], "peak_activation_bytes": [], "offloaded_bytes": [],
+               "last_chunk_offloaded_bytes": []}
         param_sync = state.config.param_sync_func
         for chunk in state.chunks:  # train(): the first iteration runs without the forward pre-hooks
             chunk.disable_forward_pre_hook(param_sync=False)
@@ -187,6 +200,8 @@ def run_megatron_path(device, backend: str, host: bool, sharded: bool, pp: int =
                 stats = schedule.last_stats
                 out["peak_activation_bytes"].append(int(stats.peak_activation_bytes))
                 out["offloaded_bytes"].append(int(sum(stats.offloaded_bytes.values())))
+                out["last_chunk_offloaded_bytes"].append(int(sum(nbytes for (chunk, _), nbytes in
+                                                                 stats.offloaded_bytes.items() if chunk == vpp - 1)))
         return out
 
     with megatron_in_threads(), delayed_offload_copies(delay_cycles):
@@ -194,15 +209,18 @@ def run_megatron_path(device, backend: str, host: bool, sharded: bool, pp: int =
     if cuda:
         torch.cuda.synchronize(device)
     record = {"pp": pp, "vpp": vpp, "microbatches": microbatches, "iterations": iterations,
-              "host_placed": len(placement), "sharding": list(sharding),
-              "overlap_param_gather_with_optimizer_step": sharded,
+              "forward_groups": list(forward_groups), "backward_groups": list(backward_groups),
+              "host_placed": len(placement),
+              "host_placed_last_stage": sum(1 for (r, c, _) in placement if r == pp - 1 and c == vpp - 1),
+              "sharding": list(sharding), "overlap_param_gather_with_optimizer_step": overlap_with_step,
               "errors": {r: f"{type(e).__name__}: {e}" for r, e in failures.items()}}
     if failures or len(results) != pp:
         record["errors"] = record["errors"] or {"threads": "did not finish"}
         return record
     record.update(losses=results[pp - 1]["losses"], grad_norms=results[0]["grad_norms"],
                   peak_activation_bytes=[results[r]["peak_activation_bytes"] for r in range(pp)],
-                  offloaded_bytes=[results[r]["offloaded_bytes"] for r in range(pp)])
+                  offloaded_bytes=[results[r]["offloaded_bytes"] for r in range(pp)],
+                  last_stage_offloaded_bytes=results[pp - 1]["last_chunk_offloaded_bytes"])
     if cuda:  # the meter never resets the allocator's peak: Megatron's own memory report stays right
         record["max_memory_allocated_never_lowered"] = torch.cuda.max_memory_allocated(device) >= peaks_before
     return record
@@ -215,16 +233,18 @@ def _rel(a: float, b: float) -> float:
 def check_megatron_path(device, backend: str, delay_cycles: int = 0, timeout_s: float = 60.0) -> dict:
     """The PipeMesh runtime on Megatron's default GPU path (:func:`run_megatron_path`) with the levers the GPU path
     got wrong, against the same run without them: host placement (saved Parameters must reach the fused-wgrad
-    backward as themselves, or DDP's overlap hook asserts), then also ZeRO-3 on chunk 0 with the optimizer step's own
+    backward as themselves, or DDP's overlap hook asserts; :func:`host_placement` places chunk-micro-batches of the
+    last stage's last chunk, whose output layer is Megatron's own fused-wgrad linear, too), then also ZeRO-3 on chunk 0 with the optimizer step's own
     gather of chunk 0 in flight (Megatron asserts on a second gather) and ZeRO-2 on chunk 1. Every run must finish;
     the first iteration's losses must agree exactly, later ones and the grad norms within bf16's margin; a ZeRO-3
     chunk's host placement must move the same bytes as an unsharded one's (never its parameter buffer)."""
     te = transformer_engine_version() if device.type == "cuda" else None
     wgrad = wgrad_kernels(te)
     runs: Dict[str, dict] = {}
-    for name, host, sharded in (("plain", False, False), ("host", True, False), ("host_zero", True, True)):
-        runs[name] = run_megatron_path(device, backend, host=host, sharded=sharded, te=te, delay_cycles=delay_cycles,
-                                       timeout_s=timeout_s)
+    zero = ("optim_grads_params", "optim_grads")
+    for name, host, sharding in (("plain", False, ()), ("host", True, ()), ("host_zero", True, zero)):
+        runs[name] = run_megatron_path(device, backend, host=host, sharding=sharding, overlap_with_step=bool(sharding),
+                                       te=te, delay_cycles=delay_cycles, timeout_s=timeout_s)
         if runs[name].get("errors"):
             break  # the check failed; the other runs would only spend the time budget on their timeouts
     record = {"backend": backend, "device": str(device), "dtype": "bf16",
@@ -247,7 +267,11 @@ def check_megatron_path(device, backend: str, delay_cycles: int = 0, timeout_s: 
     finite = all(x == x and abs(x) != float("inf") for run in runs.values() for it in run["losses"] for x in it)
     moved = runs["host"]["offloaded_bytes"]
     same_bytes = all(b > 0 for per_rank in moved for b in per_rank) and runs["host_zero"]["offloaded_bytes"] == moved
-    ok = finite and same_bytes and first <= TOLERANCE and later <= MEGATRON_TOLERANCE and norms <= MEGATRON_TOLERANCE
+    # The last stage's last chunk moved bytes in every iteration of both host runs: its output layer's backward ran
+    # on what host placement handed it.
+    last_stage = all(b > 0 for name in ("host", "host_zero") for b in runs[name]["last_stage_offloaded_bytes"])
+    record["last_stage_host_placed"] = last_stage
+    ok = finite and same_bytes and last_stage and first <= TOLERANCE and later <= MEGATRON_TOLERANCE and norms <= MEGATRON_TOLERANCE
     if device.type == "cuda":
         # The allocator meter ran on every rank beside DDP, the fusion and host placement (it installs no saved-tensor
         # hooks). Its numbers are not compared here: the thread-ranks share one allocator, so each rank's deltas
