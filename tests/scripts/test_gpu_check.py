@@ -18,8 +18,9 @@ def _env():
 
 def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     """Every CPU check passes (executor for every rank role under both wait policies, with host placement too,
-    Megatron's default path on gloo, meter vs model within 10%, recompute switches), the GPU-only checks are
-    skipped with "skipped: needs CUDA", and the printed JSON is the file."""
+    Megatron's default path on gloo, ZeRO-2 with several backward groups, meter vs model within 10%, also under host
+    placement against the plan, recompute switches), the GPU-only checks are skipped with "skipped: needs CUDA", and
+    the printed JSON is the file."""
     out = tmp_path / "summary.json"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--bench", "skip", "--out", str(out)],
                           cwd=str(REPO), env=_env(), capture_output=True, text=True, timeout=480)
@@ -47,6 +48,14 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     assert runs["host_zero"]["overlap_param_gather_with_optimizer_step"] and runs["host"]["host_placed"] > 0
     assert megatron["zero3_host_moves_activations_only"] and megatron["first_iteration_max_rel_loss_diff"] == 0.0
     assert checks["meter"]["temporaries_excluded"].startswith("skipped: needs CUDA")
+    # The checks the second reading of the GPU path asked for: the last stage's last chunk host-placed (Megatron's
+    # own output layer), the meter under host placement held to the plan, ZeRO-2 with several backward groups.
+    assert runs["host"]["host_placed_last_stage"] > 0 and megatron["last_stage_host_placed"]
+    offload = checks["meter_offload"]
+    assert offload["status"] == "pass" and offload["peaks_within_tolerance"] and len(offload["ranks"]) == 2
+    zero2 = checks["zero2_backward_groups"]
+    assert zero2["status"] == "pass" and zero2["sharding"] == ["optim_grads", "optim_grads"]
+    assert len(zero2["backward_groups"]) > 2 and zero2["reduces_as_planned"] and zero2["reduce_scatters_waited"]
     assert summary["seconds"] < 480
 
 
