@@ -6,49 +6,49 @@ one, that needs CUDA reports ``skipped: needs CUDA (...)`` without it, never a p
 ``scripts/gpu_check_lib/`` (named in brackets; ``common.py`` holds the one-process world and the tiny GPT models); this
 file is the command line only:
 
-* ``executor_<backend>`` [executor]: the executor's forward/backward/send/receive path for every pipeline rank
-  role (first stage, middle stages, last stage with the loss; p=4, V=2, elastic groups) in one
-  process. NCCL cannot put two ranks on one GPU, so the ranks run as threads and each gives the
-  executor the runtime's in-process loopback transport (``runtime/loopback.py``), which on CUDA behaves like
-  NCCL: every thread-rank runs on a compute stream of its own, each copy runs on its link's communication
-  stream after an event from each poster, and the waiter's stream waits for the copy's event. Losses and every
-  gradient must equal the whole model run by Megatron's no-pipelining schedule (fp32); under the "nccl"
-  backend every wait must be untimed (a timed NCCL wait blocks the host), under "gloo" every wait timed.
+* ``executor_<backend>`` [executor]: the executor's forward/backward/send/receive path for every pipeline rank role
+  (first stage, middle stages, last stage with the loss; p=4, V=2, elastic groups) in one process. NCCL cannot put
+  two ranks on one GPU, so the ranks run as threads and each gives the executor the runtime's in-process loopback
+  transport (``runtime/loopback.py``), which on CUDA behaves like NCCL: every thread-rank runs on a compute stream
+  of its own, each copy runs on its link's communication stream after an event from each poster, and the waiter's
+  stream waits for the copy's event. Losses and every gradient must equal the whole model run by Megatron's
+  no-pipelining schedule (fp32); under the "nccl" backend every wait must be untimed (a timed NCCL wait blocks the
+  host), under "gloo" every wait timed.
 * ``executor_host`` [executor]: the executor check again with a placement plan mixing every kind (device, host,
-  selective, full recomputation) on every rank role: host placement's OFFLOAD / RELOAD (side
-  streams, events, pinned buffer pool on GPU; synchronous copies on CPU) must leave losses and
-  gradients unchanged.
-* ``executor_delayed_copies`` (CUDA) [executor]: ``executor_host`` with every side-stream copy (loopback links, offload,
-  reload) starting ~1 ms late (``torch.cuda._sleep``): a missing event wait or ``record_stream`` then lets a
-  compute stream reuse or read a block before its copy ran, and the comparison fails instead of the race being won.
-* ``executor_no_caching`` (CUDA) [executor]: ``executor_host`` in a child process under ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``
-  (every free a ``cudaFree``, every allocation a fresh ``cudaMalloc``): what only worked because the caching
-  allocator kept a freed block's bytes or reused blocks in a lucky order fails here. (``cudaFree`` synchronises
-  the device, so frees racing a side stream are the delayed-copies check's job.)
-* ``megatron_path`` [megatron_path]: PipeMesh on Megatron's default GPU path, 3 training steps on 2 thread-ranks (V=2): a real
-  process group (NCCL on GPU, even at world size 1; one communicator per thread-rank), bf16 chunks in
-  ``Float16Module``, Transformer Engine's layer spec when TE imports, Megatron DDP with
-  ``--overlap-grad-reduce --overlap-param-gather``, the distributed optimizer, gradient-accumulation fusion (the
-  ``main_grad`` path; the torch wgrad kernels where APEX is absent), and train()'s hooks. The same model runs
-  plain, with host placement, and with host placement plus ZeRO-3 on chunk 0, ZeRO-2 on chunk 1 and
-  ``--overlap-param-gather-with-optimizer-step``. Host placement covers half of chunk 0's micro-batches on every rank
-  and the other half of the last stage's last chunk's: with TE, chunk 0's linears are TE's, which reach
-  ``main_grad`` through a weakref and survive a copied weight; Megatron's own fused-wgrad output layer is in the last
-  stage's last chunk, and every iteration must move bytes there. Every run must finish (a saved Parameter that reaches the
-  fused-wgrad backward as a copy makes DDP's overlap hook assert; a ZeRO-3 release under the optimizer step's
-  in-flight gather makes Megatron's next gather assert), the first iteration's losses must be equal, later ones
-  within bf16's margin, and a ZeRO-3 chunk's host placement must move what an unsharded one moves. On CUDA also
-  the allocator meter runs on every rank, and Megatron's ``max_memory_allocated`` is never lowered. On
-  CPU the same code runs with gloo and the local spec (its CUDA-only parts named in the record). One GPU cannot
-  show per-bucket expert-parallel groups (MoE needs expert-data-parallel != data-parallel ranks):
-  ``tests/runtime/test_sharding.py`` does, on CPU.
+  selective, full recomputation) on every rank role: host placement's OFFLOAD / RELOAD (side streams, events, pinned
+  buffer pool on GPU; synchronous copies on CPU) must leave losses and gradients unchanged.
+* ``executor_delayed_copies`` (CUDA) [executor]: ``executor_host`` with every side-stream copy (loopback links,
+  offload, reload) starting ~1 ms late (``torch.cuda._sleep``): a missing event wait or ``record_stream`` then lets
+  a compute stream reuse or read a block before its copy ran, and the comparison fails instead of the race being
+  won.
+* ``executor_no_caching`` (CUDA) [executor]: ``executor_host`` in a child process under
+  ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (every free a ``cudaFree``, every allocation a fresh ``cudaMalloc``): what
+  only worked because the caching allocator kept a freed block's bytes or reused blocks in a lucky order fails here.
+  (``cudaFree`` synchronises the device, so frees racing a side stream are the delayed-copies check's job.)
+* ``megatron_path`` [megatron_path]: PipeMesh on Megatron's default GPU path, 3 training steps on 2 thread-ranks
+  (V=2): a real process group (NCCL on GPU, even at world size 1; one communicator per thread-rank), bf16 chunks in
+  ``Float16Module``, Transformer Engine's layer spec when TE imports, Megatron DDP with ``--overlap-grad-reduce
+  --overlap-param-gather``, the distributed optimizer, gradient-accumulation fusion (the ``main_grad`` path; the
+  torch wgrad kernels where APEX is absent), and train()'s hooks. The same model runs plain, with host placement,
+  and with host placement plus ZeRO-3 on chunk 0, ZeRO-2 on chunk 1 and
+  ``--overlap-param-gather-with-optimizer-step``. Host placement covers half of chunk 0's micro-batches on every
+  rank and the other half of the last stage's last chunk's: with TE, chunk 0's linears are TE's, which reach
+  ``main_grad`` through a weakref and survive a copied weight; Megatron's own fused-wgrad output layer is in the
+  last stage's last chunk, and every iteration must move bytes there. Every run must finish (a saved Parameter that
+  reaches the fused-wgrad backward as a copy makes DDP's overlap hook assert; a ZeRO-3 release under the optimizer
+  step's in-flight gather makes Megatron's next gather assert), the first iteration's losses must be equal, later
+  ones within bf16's margin, and a ZeRO-3 chunk's host placement must move what an unsharded one moves. On CUDA also
+  the allocator meter runs on every rank, and Megatron's ``max_memory_allocated`` is never lowered. On CPU the same
+  code runs with gloo and the local spec (its CUDA-only parts named in the record). One GPU cannot show per-bucket
+  expert-parallel groups (MoE needs expert-data-parallel != data-parallel ranks): ``tests/runtime/test_sharding.py``
+  does, on CPU.
 * ``zero2_backward_groups`` [zero_groups]: ZeRO-2 on every chunk with four backward groups (p=2, V=2, m=8; three
   ``REDUCE`` ops per chunk and iteration, Megatron's bucketing on chunk 0) on the same default path, against the
   same groups unsharded: every rank runs the plan's ``REDUCE`` ops and waits for their reduce-scatters before the
   chunk's next backward (the wait ``runtime/sharding.py`` makes), the first iteration's losses equal and grad norm
   within 1e-5, later ones within bf16's margin.
-* ``meter`` [meter]: the activation bytes one chunk's forward keeps, measured by the runtime's meter (the
-  CUDA caching allocator's counters on GPU, saved-tensor hooks on CPU) against the activation model of
+* ``meter`` [meter]: the activation bytes one chunk's forward keeps, measured by the runtime's meter (the CUDA
+  caching allocator's counters on GPU, saved-tensor hooks on CPU) against the activation model of
   ``planning/memory.py`` at each recompute level, within 10%; on CUDA the meter's peak must be what the forward
   keeps (not its temporaries) and ``max_memory_allocated`` must keep an earlier, larger peak (no reset).
 * ``meter_offload`` [meter_offload]: the meter under host placement against the plan: p=2, V=2, m=8 with every
@@ -60,14 +60,14 @@ file is the command line only:
 * ``recompute`` [recompute]: Megatron's recomputation switches (``runtime/recompute.py``) on the device: the
   gradients do not change and the kept bytes fall from none to selective to full.
 * ``host_link`` (CUDA) [host_link]: pinned copy bandwidth each direction (``runtime/host_link.py``, the start-up
-  measurement of training), one chunk's activations offloaded and reloaded through the runtime's
-  offloader (gradients unchanged), and how much of a copy of those bytes hides behind a chunk's forward
-  and backward (hidden fraction, bandwidth while overlapping). Prints the ``--pipemesh-host-link-gbps``
-  value the planner should use (the slower direction while overlapping compute).
+  measurement of training), one chunk's activations offloaded and reloaded through the runtime's offloader
+  (gradients unchanged), and how much of a copy of those bytes hides behind a chunk's forward and backward (hidden
+  fraction, bandwidth while overlapping). Prints the ``--pipemesh-host-link-gbps`` value the planner should use (the
+  slower direction while overlapping compute).
 * ``timing`` (CUDA) [timing]: CUDA-event op times (``runtime/stats.py``) against synchronised wall time.
-* ``bench`` [bench]: the memory-fair CPU benchmark, ``python -m megatron_pipemesh.bench --quick`` with 8
-  ranks (pp4xdp2); off unless ``--bench run`` (or ``--bench auto`` on a machine with the cores for 8 ranks):
-  it can take the whole time budget.
+* ``bench`` [bench]: the memory-fair CPU benchmark, ``python -m megatron_pipemesh.bench --quick`` with 8 ranks
+  (pp4xdp2); off unless ``--bench run`` (or ``--bench auto`` on a machine with the cores for 8 ranks): it can take
+  the whole time budget.
 """
 from __future__ import annotations
 

@@ -148,6 +148,11 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| relative to the reference ``b``."""
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
 def needs_cuda(device, why: str) -> Optional[dict]:
     """The skip record of a CUDA-only check on CPU (``why``: what it needs CUDA for), else None."""
     return None if device.type == "cuda" else {"status": "skip", "reason": f"{NEEDS_CUDA} ({why})"}

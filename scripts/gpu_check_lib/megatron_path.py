@@ -7,7 +7,8 @@ import contextlib
 from types import SimpleNamespace
 from typing import Dict, Optional, Sequence
 
-from .common import TOLERANCE, forward_step, make_batches, make_config, raise_allocator_peak, set_weights
+from .common import (TOLERANCE, forward_step, make_batches, make_config, raise_allocator_peak, rel_diff,
+                     set_weights)
 from .executor import delayed_offload_copies
 
 from megatron_pipemesh.schedule.levers import HOST  # noqa: E402 (pure)
@@ -226,18 +227,15 @@ def run_megatron_path(device, backend: str, host: bool, sharding: Sequence[str] 
     return record
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def check_megatron_path(device, backend: str, delay_cycles: int = 0, timeout_s: float = 60.0) -> dict:
     """The PipeMesh runtime on Megatron's default GPU path (:func:`run_megatron_path`) with the levers the GPU path
     got wrong, against the same run without them: host placement (saved Parameters must reach the fused-wgrad
     backward as themselves, or DDP's overlap hook asserts; :func:`host_placement` places chunk-micro-batches of the
-    last stage's last chunk, whose output layer is Megatron's own fused-wgrad linear, too), then also ZeRO-3 on chunk 0 with the optimizer step's own
-    gather of chunk 0 in flight (Megatron asserts on a second gather) and ZeRO-2 on chunk 1. Every run must finish;
-    the first iteration's losses must agree exactly, later ones and the grad norms within bf16's margin; a ZeRO-3
-    chunk's host placement must move the same bytes as an unsharded one's (never its parameter buffer)."""
+    last stage's last chunk, whose output layer is Megatron's own fused-wgrad linear, too), then also ZeRO-3 on
+    chunk 0 with the optimizer step's own gather of chunk 0 in flight (Megatron asserts on a second gather) and
+    ZeRO-2 on chunk 1. Every run must finish; the first iteration's losses must agree exactly, later ones and the
+    grad norms within bf16's margin; a ZeRO-3 chunk's host placement must move the same bytes as an unsharded one's
+    (never its parameter buffer)."""
     te = transformer_engine_version() if device.type == "cuda" else None
     wgrad = wgrad_kernels(te)
     runs: Dict[str, dict] = {}
@@ -258,10 +256,10 @@ def check_megatron_path(device, backend: str, delay_cycles: int = 0, timeout_s: 
     if len(runs) < 3 or any(run.get("errors") for run in runs.values()):
         return {**record, "status": "fail"}
     plain = runs["plain"]
-    first = max(_rel(a, b) for name in ("host", "host_zero") for a, b in zip(runs[name]["losses"][0], plain["losses"][0]))
-    later = max(_rel(a, b) for name in ("host", "host_zero")
+    first = max(rel_diff(a, b) for name in ("host", "host_zero") for a, b in zip(runs[name]["losses"][0], plain["losses"][0]))
+    later = max(rel_diff(a, b) for name in ("host", "host_zero")
                 for x, y in zip(runs[name]["losses"], plain["losses"]) for a, b in zip(x, y))
-    norms = max((_rel(a, b) for name in ("host", "host_zero") for a, b in zip(runs[name]["grad_norms"],
+    norms = max((rel_diff(a, b) for name in ("host", "host_zero") for a, b in zip(runs[name]["grad_norms"],
                                                                                plain["grad_norms"])
                  if a is not None and b), default=0.0)
     finite = all(x == x and abs(x) != float("inf") for run in runs.values() for it in run["losses"] for x in it)

@@ -62,9 +62,10 @@ def check_meter_offload(device, pp: int = 2, vpp: int = 2, microbatches: int = 8
                         seq: int = 64, mbs: int = 2, vocab: int = 512) -> dict:
     """Every placement kind on every rank and chunk (:func:`~.executor.mixed_placement`), the runtime's meter on
     (saved-tensor hooks on CPU, the allocator's counters on CUDA with the ranks taking turns so that each rank's
-    readings are its own; the call measured is the second, after one that allocated the one-off workspaces), losses and gradients against the whole model as ``executor_host``; then each rank's
-    measured device peak and host peak against the simulator's within :data:`OFFLOAD_METER_TOLERANCE`, and the host
-    blocks' peak (the pinned bytes) against the plan's."""
+    readings are its own; the call measured is the second, after one that allocated the one-off workspaces), losses
+    and gradients against the whole model as ``executor_host``; then each rank's measured device peak and host peak
+    against the simulator's within :data:`OFFLOAD_METER_TOLERANCE`, and the host blocks' peak (the pinned bytes)
+    against the plan's."""
     placement = mixed_placement(pp, vpp, microbatches)
     run = run_pipeline(device, "nccl", pp=pp, vpp=vpp, layers_per_stage=layers_per_stage, microbatches=microbatches,
                        forward_groups=forward_groups, backward_groups=backward_groups, mbs=mbs, seq=seq, vocab=vocab,

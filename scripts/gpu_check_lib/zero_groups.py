@@ -10,8 +10,8 @@ import contextlib
 import threading
 from typing import Dict, Iterator, List, Optional, Sequence
 
-from .common import TOLERANCE
-from .megatron_path import MEGATRON_TOLERANCE, _rel, run_megatron_path, transformer_engine_version
+from .common import TOLERANCE, rel_diff
+from .megatron_path import MEGATRON_TOLERANCE, run_megatron_path, transformer_engine_version
 
 ZERO2 = "optim_grads"
 
@@ -91,10 +91,14 @@ def check_zero2_backward_groups(device, backend: str, pp: int = 2, vpp: int = 2,
                       "buckets_reduced": seen["buckets_reduced"], "reduce_waits": seen["waits"]})
     reduces_ran = all(r["planned_reduce_ops"] > 0 and r["reduce_ops"] == r["planned_reduce_ops"] for r in ranks)
     waited = all(0 < r["reduce_waits"] <= r["reduce_ops"] for r in ranks)
-    first_loss = max(_rel(a, b) for a, b in zip(zero2["losses"][0], plain["losses"][0]))
-    first_norm = _rel(zero2["grad_norms"][0], plain["grad_norms"][0])
-    later = max(_rel(a, b) for x, y in zip(zero2["losses"], plain["losses"]) for a, b in zip(x, y))
-    norms = max(_rel(a, b) for a, b in zip(zero2["grad_norms"], plain["grad_norms"]))
+    first_loss = max(rel_diff(a, b) for a, b in zip(zero2["losses"][0], plain["losses"][0]))
+    later = max(rel_diff(a, b) for x, y in zip(zero2["losses"], plain["losses"]) for a, b in zip(x, y))
+    # The grad norms carry the gradients' comparison: a run without them (no clipping) cannot pass.
+    pairs = list(zip(zero2["grad_norms"], plain["grad_norms"]))
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return {**record, "status": "fail", "ranks": ranks, "reason": "the optimizer reported no grad norm"}
+    first_norm = rel_diff(*pairs[0])
+    norms = max(rel_diff(a, b) for a, b in pairs)
     ok = (reduces_ran and waited and first_loss <= TOLERANCE and first_norm <= TOLERANCE
           and later <= MEGATRON_TOLERANCE and norms <= MEGATRON_TOLERANCE)
     return {**record, "status": "pass" if ok else "fail", "ranks": ranks, "reduces_as_planned": reduces_ran,
