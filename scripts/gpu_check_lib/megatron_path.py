@@ -272,8 +272,9 @@ def check_megatron_path(device, backend: str, delay_cycles: int = 0, timeout_s: 
     ok = finite and same_bytes and last_stage and first <= TOLERANCE and later <= MEGATRON_TOLERANCE and norms <= MEGATRON_TOLERANCE
     if device.type == "cuda":
         # The allocator meter ran on every rank beside DDP, the fusion and host placement (it installs no saved-tensor
-        # hooks). Its numbers are not compared here: the thread-ranks share one allocator, so each rank's deltas
-        # include the other's allocations; the meter check measures one forward alone.
+        # hooks). Its numbers are not compared here: the thread-ranks run at once and share one allocator, so each
+        # rank's deltas include the other's allocations. meter_offload compares the meter under host placement
+        # with the plan, its ranks taking turns; the meter check measures one forward alone.
         metered = all(len(run["peak_activation_bytes"][r]) == run["iterations"] for run in runs.values()
                       for r in range(run["pp"]))
         untouched = all(run["max_memory_allocated_never_lowered"] for run in runs.values())
