@@ -41,3 +41,40 @@ def test_executor_check_fails_when_a_transfer_corrupts_data():
         print("status", executor.run_pipeline(device, "nccl")["status"])
     """, timeout=300)
     assert "status fail" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_ranks_taking_turns_never_compute_at_once_and_keep_the_results():
+    """With ``one_at_a_time`` no two thread-ranks are ever inside a forward or backward step together (what lets the
+    CUDA meter read the device's allocator counters as one rank's), and losses and gradients stay the whole model's."""
+    proc = run_child("""
+        import threading, time
+        from gpu_check_lib import common, executor
+        from megatron_pipemesh.runtime import executor as runtime
+        device = common.setup(cpu_only=True)
+        inside, overlaps, steps = set(), [], [0]
+        lock = threading.Lock()
+        def watched(method):
+            def call(*args, **kwargs):
+                name = threading.current_thread().name
+                if not name.startswith("pipemesh-rank"):  # the whole-model reference run
+                    return method(*args, **kwargs)
+                with lock:
+                    if inside:
+                        overlaps.append((name, sorted(inside)))
+                    inside.add(name)
+                    steps[0] += 1
+                try:
+                    time.sleep(0.002)  # a chance for another rank to run, were it allowed to
+                    return method(*args, **kwargs)
+                finally:
+                    with lock:
+                        inside.discard(name)
+            return call
+        from megatron.core.pipeline_parallel import schedules
+        runtime._Run._forward = watched(runtime._Run._forward)
+        schedules.backward_step = watched(schedules.backward_step)
+        result = executor.run_pipeline(device, "nccl", pp=2, microbatches=4, backward_groups=(2, 2),
+                                       forward_groups=(4,), one_at_a_time=True)
+        print("status", result["status"], "steps", steps[0], "overlaps", len(overlaps))
+    """, timeout=300)
+    assert "status pass steps 32 overlaps 0" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
