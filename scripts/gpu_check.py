@@ -99,6 +99,11 @@ from gpu_check_lib.timing import check_timing  # noqa: E402
 from gpu_check_lib.zero_groups import check_zero2_backward_groups  # noqa: E402
 
 
+CHECKS = ("executor_nccl", "executor_gloo", "executor_host", "executor_delayed_copies", "executor_no_caching",
+          "megatron_path", "zero2_backward_groups", "host_link", "meter", "meter_offload", "recompute", "timing", "bench")
+"""Every check's name, in the order they run (``executor_gloo`` runs on CPU only: on CUDA the executor runs NCCL's)."""
+
+
 def _timed(name: str, checks: Dict[str, dict], function: Callable[[], dict]) -> None:
     start = time.monotonic()
     try:
@@ -124,6 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--delay-cycles", type=int, default=DELAY_CYCLES,
                         help=f"GPU cycles each side-stream copy waits in executor_delayed_copies (default {DELAY_CYCLES})")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only.split(",")) - set(CHECKS)) if args.only else []
+    if unknown:
+        parser.error(f"--only {args.only}: no check named {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
     # Only the JSON summary goes to stdout; Megatron's logging and prints go to stderr.
     sys.stdout.flush()
     summary_stream = os.fdopen(os.dup(1), "w")

@@ -16,6 +16,16 @@ def _env():
     return env
 
 
+def _check_names():
+    """``CHECKS`` of scripts/gpu_check.py, read from its source (importing it would set up its checks' package)."""
+    import ast
+
+    tree = ast.parse((REPO / "scripts" / "gpu_check.py").read_text())
+    assigned = next(node for node in tree.body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", None) == "CHECKS")
+    return ast.literal_eval(assigned.value)
+
+
 def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     """Every CPU check passes (executor for every rank role under both wait policies, with host placement too,
     Megatron's default path on gloo, ZeRO-2 with several backward groups, meter vs model within 10%, also under host
@@ -28,6 +38,7 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     summary = json.loads(out.read_text())
     assert json.loads(proc.stdout) == summary and summary["passed"] and summary["mode"] == "cpu-only"
     checks = summary["checks"]
+    assert set(checks) == set(_check_names())  # on CPU every check reports, run or skipped
     for name in ("executor_nccl", "executor_gloo", "executor_host", "meter", "recompute"):
         assert checks[name]["status"] == "pass", (name, checks[name])
     host = checks["executor_host"]
@@ -67,3 +78,13 @@ def test_bench_is_skipped_unless_asked(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = json.loads(proc.stdout)["checks"]
     assert set(checks) == {"bench", "recompute"} and checks["bench"]["reason"] == "--bench skip"
+
+
+def test_only_names_the_checks_when_given_an_unknown_one(tmp_path):
+    """A misspelt --only name is refused (exit 2) with the list of checks, not a run that checks nothing."""
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--only", "meter,meter_ofload", "--out",
+                           str(tmp_path / "summary.json")], cwd=str(REPO), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no check named meter_ofload" in proc.stderr and "meter_offload" in proc.stderr.split("the checks are")[1]
+    assert not (tmp_path / "summary.json").exists()
