@@ -3,9 +3,10 @@
 # the executor's CUDA path for every pipeline rank role in one process (thread-ranks on their own streams,
 # loopback copies on communication streams, also with delayed side-stream copies and without the caching
 # allocator), PipeMesh on Megatron's default GPU path (NCCL, bf16, TE spec when TE imports, DDP with
-# overlapped reduction and gathers, distributed optimizer, fused wgrad, host placement, ZeRO-2/3), the CUDA
-# allocator meter vs the activation model, Megatron's recomputation switches, the pinned host link,
-# CUDA-event op timing vs wall time. Writes a JSON summary ($OUT/gpu_check.json when $OUT is set, else
+# overlapped reduction and gathers, distributed optimizer, fused wgrad, host placement of chunk 0 and of the
+# last stage's last chunk, ZeRO-2/3; ZeRO-2 with several backward groups), the CUDA allocator meter vs the
+# activation model and, under host placement, vs the plan's peaks, Megatron's recomputation switches, the
+# pinned host link, CUDA-event op timing vs wall time. One module per check in scripts/gpu_check_lib/. Writes a JSON summary ($OUT/gpu_check.json when $OUT is set, else
 # ./gpu_check.json, or --out PATH) and prints it; exit status 0 when every check passed or was skipped.
 # --cpu-only runs every check on the CPU (CUDA-only ones say "skipped: needs CUDA"); --bench
 # {skip,run,auto} (default skip) adds the 8-rank CPU benchmark; --only NAME[,NAME] runs those checks.

@@ -1,11 +1,11 @@
-"""scripts/gpu_check.sh --cpu-only: its checks pass here, print a JSON summary, and can fail."""
+"""scripts/gpu_check.sh --cpu-only: its checks pass here and print a JSON summary naming them (each check's own
+failure modes: tests/scripts/gpu_check_lib/)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 from .helpers import REPO
 
@@ -16,10 +16,21 @@ def _env():
     return env
 
 
+def _check_names():
+    """``CHECKS`` of scripts/gpu_check.py, read from its source (importing it would set up its checks' package)."""
+    import ast
+
+    tree = ast.parse((REPO / "scripts" / "gpu_check.py").read_text())
+    assigned = next(node for node in tree.body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", None) == "CHECKS")
+    return ast.literal_eval(assigned.value)
+
+
 def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     """Every CPU check passes (executor for every rank role under both wait policies, with host placement too,
-    Megatron's default path on gloo, meter vs model within 10%, recompute switches), the GPU-only checks are
-    skipped with "skipped: needs CUDA", and the printed JSON is the file."""
+    Megatron's default path on gloo, ZeRO-2 with several backward groups, meter vs model within 10%, also under host
+    placement against the plan, recompute switches), the GPU-only checks are skipped with "skipped: needs CUDA", and
+    the printed JSON is the file."""
     out = tmp_path / "summary.json"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--bench", "skip", "--out", str(out)],
                           cwd=str(REPO), env=_env(), capture_output=True, text=True, timeout=480)
@@ -27,6 +38,7 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     summary = json.loads(out.read_text())
     assert json.loads(proc.stdout) == summary and summary["passed"] and summary["mode"] == "cpu-only"
     checks = summary["checks"]
+    assert set(checks) == set(_check_names())  # on CPU every check reports, run or skipped
     for name in ("executor_nccl", "executor_gloo", "executor_host", "meter", "recompute"):
         assert checks[name]["status"] == "pass", (name, checks[name])
     host = checks["executor_host"]
@@ -47,6 +59,14 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     assert runs["host_zero"]["overlap_param_gather_with_optimizer_step"] and runs["host"]["host_placed"] > 0
     assert megatron["zero3_host_moves_activations_only"] and megatron["first_iteration_max_rel_loss_diff"] == 0.0
     assert checks["meter"]["temporaries_excluded"].startswith("skipped: needs CUDA")
+    # The checks the second reading of the GPU path asked for: the last stage's last chunk host-placed (Megatron's
+    # own output layer), the meter under host placement held to the plan, ZeRO-2 with several backward groups.
+    assert runs["host"]["host_placed_last_stage"] > 0 and megatron["last_stage_host_placed"]
+    offload = checks["meter_offload"]
+    assert offload["status"] == "pass" and offload["peaks_within_tolerance"] and len(offload["ranks"]) == 2
+    zero2 = checks["zero2_backward_groups"]
+    assert zero2["status"] == "pass" and zero2["sharding"] == ["optim_grads", "optim_grads"]
+    assert len(zero2["backward_groups"]) > 2 and zero2["reduces_as_planned"] and zero2["reduce_scatters_waited"]
     assert summary["seconds"] < 480
 
 
@@ -60,68 +80,11 @@ def test_bench_is_skipped_unless_asked(tmp_path):
     assert set(checks) == {"bench", "recompute"} and checks["bench"]["reason"] == "--bench skip"
 
 
-def test_megatron_path_check_fails_when_saved_parameters_reach_the_backward_as_copies():
-    """The defect the GPU path had with host placement: default saved-tensor hooks around a forward hand
-    Megatron's fused-wgrad backward a copy of each saved weight, and DDP's overlap hook asserts on the missing
-    param.grad. Injected here around every forward, the megatron_path check must fail and say so."""
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO / 'scripts')!r})
-        import gpu_check, torch
-        from megatron_pipemesh.runtime import executor
-        device = gpu_check.setup(cpu_only=True)
-        forward_step = executor._Run._forward_step
-        def copying(self, *args, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
-                return forward_step(self, *args, **kwargs)
-        executor._Run._forward_step = copying
-        result = gpu_check.check_megatron_path(device, "gloo", timeout_s=10.0)
-        print("status", result["status"])
-        print("errors", [run["errors"] for run in result["runs"].values()])
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=_env(), capture_output=True, text=True,
-                          timeout=400)
-    assert "status fail" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "param.grad being None is not safe when overlap_grad_reduce is True" in proc.stdout, proc.stdout[-2000:]
-
-
-def test_no_caching_check_runs_the_host_check_in_a_child(tmp_path):
-    """The child process of executor_no_caching (here on CPU, where the variable changes nothing) runs
-    executor_host alone and its record comes back with the environment it ran under."""
-    code = textwrap.dedent(f"""
-        import sys, time, json
-        from pathlib import Path
-        sys.path.insert(0, {str(REPO / 'scripts')!r})
-        import gpu_check
-        result = gpu_check.check_no_caching(Path({str(tmp_path)!r}), time.monotonic() + 300)
-        print("result", json.dumps({{"status": result["status"], "env": result.get("env"),
-                                     "host_placed": result.get("host_placed")}}))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=_env(), capture_output=True, text=True,
-                          timeout=400)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(line[len("result "):])
-    assert result["status"] == "pass" and result["env"] == "PYTORCH_NO_CUDA_MEMORY_CACHING=1"
-    assert all(n > 0 for n in result["host_placed"])
-
-
-def test_executor_check_fails_when_a_transfer_corrupts_data():
-    """The executor check compares against the whole model: a loopback that alters received activations fails it."""
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO / 'scripts')!r})
-        import gpu_check, torch
-        from megatron_pipemesh.runtime.loopback import LoopbackWorld
-        device = gpu_check.setup(cpu_only=True)
-        post = LoopbackWorld._post
-        def corrupting(self, kind, tensor, key):
-            if kind == "send" and key[0][0] == "F":  # activations arrive 0.1% off
-                tensor = tensor * 1.001
-            return post(self, kind, tensor, key)
-        LoopbackWorld._post = corrupting
-        print("status", gpu_check.run_pipeline(device, "nccl")["status"])
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert "status fail" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+def test_only_names_the_checks_when_given_an_unknown_one(tmp_path):
+    """A misspelt --only name is refused (exit 2) with the list of checks, not a run that checks nothing."""
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-only", "--only", "meter,meter_ofload", "--out",
+                           str(tmp_path / "summary.json")], cwd=str(REPO), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no check named meter_ofload" in proc.stderr and "meter_offload" in proc.stderr.split("the checks are")[1]
+    assert not (tmp_path / "summary.json").exists()

@@ -1,0 +1,59 @@
+"""gpu_check_lib/zero_groups.py: ZeRO-2 with several backward groups runs the plan's REDUCE ops, waits for their
+reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+from .child import run_child
+
+_RUN = """
+    import json
+    from gpu_check_lib import common, zero_groups
+    device = common.setup(cpu_only=True)
+    result = zero_groups.check_zero2_backward_groups(device, "gloo", timeout_s=20.0)
+    print("result", json.dumps({k: v for k, v in result.items() if k != "runs"}, default=str))
+"""
+
+
+def _result(proc):
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(line[len("result "):])
+
+
+def test_planned_reduces_counts_every_group_but_the_last_per_chunk():
+    """Four backward groups on two chunks: three REDUCE ops per chunk on every rank (the last group's reduction is
+    Megatron's own grad sync); without sharding none."""
+    proc = run_child("""
+        from gpu_check_lib import zero_groups
+        print("zero2", zero_groups.planned_reduces(2, 2, 8, (4, 4), (2, 2, 2, 2), ("optim_grads",) * 2))
+        print("plain", zero_groups.planned_reduces(2, 2, 8, (4, 4), (2, 2, 2, 2), ()))
+    """, timeout=120)
+    assert "zero2 [6, 6]" in proc.stdout and "plain [0, 0]" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_zero2_with_several_backward_groups_keeps_the_gradients():
+    """Every planned REDUCE runs and is waited for; losses and grad norms equal the unsharded run's."""
+    result = _result(run_child(_RUN, timeout=300))
+    assert result["status"] == "pass", result
+    assert result["first_iteration_rel_grad_norm_diff"] <= 1e-5 and result["first_iteration_max_rel_loss_diff"] == 0.0
+    for rank in result["ranks"]:
+        assert rank["reduce_ops"] == rank["planned_reduce_ops"] == 18 and 0 < rank["reduce_waits"] <= rank["reduce_ops"]
+
+
+def test_zero2_check_fails_when_a_group_reduction_loses_its_gradients():
+    """A REDUCE that reduce-scatters a zeroed buffer (the group's gradients dropped, as a reduction racing the
+    buffer's reuse would) changes the first iteration's grad norm: the check must fail."""
+    proc = run_child(textwrap.dedent("""
+        from megatron_pipemesh.runtime.sharding import ChunkSharding
+        reduce = ChunkSharding.reduce
+        def losing(self):
+            self.restore_grads()
+            for bucket in self.buckets:
+                bucket.grad_data.zero_()
+            return reduce(self)
+        ChunkSharding.reduce = losing
+    """) + textwrap.dedent(_RUN), timeout=300)
+    result = _result(proc)
+    assert result["status"] == "fail" and result["first_iteration_rel_grad_norm_diff"] > 1e-3, result
