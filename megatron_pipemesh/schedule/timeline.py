@@ -9,16 +9,13 @@ was sent, its receive was posted and the previous transfer on the link has left 
 one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order, and
 two host-link channels (device-to-host for OFFLOAD, host-to-device for RELOAD: the link is
 full-duplex) that serve its copies in issue order; a RELOAD starts no earlier than its OFFLOAD
-ended, and a backward whose activations were offloaded starts when its RELOAD has finished. Where
-``costs.host_copies_on_compute`` is true (CPU ranks, whose copies are memcpys on the rank's own thread)
-there are no host-link channels: an OFFLOAD or RELOAD runs on the compute stream, in program order,
-and holds it for its duration.
+ended, and a backward whose activations were offloaded starts when its RELOAD has finished. With
+``costs.host_copies_on_compute`` (CPU ranks copy on their own thread) an OFFLOAD or RELOAD runs on the
+compute stream instead, in program order, and holds it for its duration.
 Mixed sharding: GATHER and REDUCE run on the data-parallel channel like the syncs; a compute op of
-a ZeRO-3 chunk starts when the GATHER of its span has finished; a backward of a ZeRO-2/3 chunk starts
-when the chunk's last REDUCE issued before it has finished (the runtime's reduce-scatter reads the
-chunk's one gradient buffer, which the next backward group accumulates into: before each backward it
-waits for that reduction, keeps the reduced shard and brings the buffer back zeroed); RELEASE is
-instantaneous (recorded as a zero-length 'release' event, for the memory timeline).
+a ZeRO-3 chunk starts when the GATHER of its span has finished, a backward of a ZeRO-2/3 chunk when the
+chunk's last REDUCE issued before it has (the runtime waits for it before the next group accumulates
+into the chunk's one gradient buffer); RELEASE is instantaneous (a zero-length 'release' event).
 If no rank can make progress before every program ends, the schedule deadlocks.
 
 How long a transfer takes: without shared links each takes its own duration (``Costs.transfer``,
@@ -31,11 +28,10 @@ programs (:class:`FinalCollective`: the tied embedding's all-reduce); a rank end
 data-parallel collective or final collective.
 
 Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
-compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized
-per (config, lowering options) while its programs hold the same op objects (:func:`.lower.lower`
-memoizes its programs too), and run in time order (a heap of compute ends and fixed-length transfers,
-and the network's own ends) by one function with local state. Without shared links the results are
-those of the plain reading of the rules above, event for event (``tests/schedule/test_timeline.py``).
+compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized per
+(config, lowering options) while its programs hold the same op objects, and run in time order (a heap of
+compute ends, fixed-length transfers and the network's own ends) by one function with local state. Without
+shared links the results are those of the plain reading of the rules above (``tests/schedule/test_timeline.py``).
 """
 from __future__ import annotations
 
