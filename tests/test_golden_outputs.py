@@ -11,9 +11,7 @@ number by number at a relative tolerance of 1e-9 (a refactor may reorder a sum; 
 Plan digests hash what the runtime runs: the lowered program (its options included) and every chunk-micro-batch's
 placement level (:func:`run_plan_digest`).
 """
-import contextlib
 import hashlib
-import io
 import json
 import math
 import os
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pipemesh.cli import main
+from tests.cli.test_commands import run
 from megatron_pipemesh.schedule import ScheduleConfig, lower
 from megatron_pipemesh.schedule.plan import RunPlan
 
@@ -95,15 +93,10 @@ BENCH_CORES = 2
 
 
 def run_cli(argv):
-    """``pipemesh`` in-process: (exit code, stdout)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit_:
-            code = exit_.code
-    assert code == 0, f"pipemesh {shlex.join(argv)} exited {code}: {err.getvalue()}"
-    return out.getvalue()
+    """``pipemesh`` in-process: its stdout, after checking it exited 0."""
+    code, out, err = run(argv)
+    assert code == 0, f"pipemesh {shlex.join(argv)} exited {code}: {err}"
+    return out
 
 
 def run_plan_digest(plan: RunPlan) -> str:

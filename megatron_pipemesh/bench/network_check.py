@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 from ..planning.network import (Flow, collective_with_flows_finish_times, fair_share_finish_times,
                                 ring_allreduce_flows)
+from ..cli.common import emit_json
 from .flow_probe import parse_runs
 from .flow_scenarios import ALL_REDUCE, MIB, SENDS, Scenario, check_scenarios
 
@@ -182,11 +183,6 @@ def cmd_network_check(args, shaping) -> int:
         raise UsageError(str(error)) from error
     with open(os.path.join(out_dir, "network-check.json"), "w", encoding="utf-8") as handle:
         json.dump(document, handle, indent=1)
-    if args.json and args.json != "-":
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1)
-    if args.json == "-":
-        print(json.dumps(document, indent=1))
-    else:
+    if not emit_json(document, args.json):
         print(format_check(document))
     return 0 if document["all_within_tolerance"] else 1

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import List
 
-from ..cli.common import UsageError
+from ..cli.common import UsageError, emit_json
 
 
 def log(text: str) -> None:
@@ -118,12 +118,7 @@ def print_results(args, setup: dict, document: dict, summary: list, machine: dic
     shaping_desc = shaping.describe() if shaping else "none (--unshaped)"
     if args.plot:
         plot_summary(summary, args.plot, shaping_desc)
-    if args.json and args.json != "-":
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-    if args.json == "-":
-        print(json.dumps(document, indent=1))
-    else:
+    if not emit_json(document, args.json):
         print(f"machine: {machine['cores']} cores, {machine['memory_gb']} GiB, {machine['backend']}, torch {machine['torch']}; "
               f"model: hidden {model.chunk.hidden_size}, seq {model.chunk.seq_length}, micro-batch "
               f"{model.chunk.micro_batch_size}, m {model.microbatches}, V {model.vpp}, {model.chunk.num_layers} layer(s) "

@@ -3,6 +3,7 @@ the error-to-exit-code rule.  A leaf module, so the subcommands and ``bench.cli`
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from typing import Optional
@@ -89,3 +90,14 @@ def run_command(args: argparse.Namespace) -> int:
     except (ScheduleConfigError, UsageError, ScheduleError) as error:
         print(f"pipemesh {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def emit_json(document, target: Optional[str]) -> bool:
+    """``--json [FILE]``: write ``document`` to FILE, or print it for ``-``; True when printed (then the table is not)."""
+    if target and target != "-":
+        with open(target, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=1)
+    if target == "-":
+        print(json.dumps(document, indent=1))
+        return True
+    return False

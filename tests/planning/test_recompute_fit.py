@@ -3,14 +3,7 @@ cheapest, and a round covers every estimated peak of a rank."""
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from megatron_pipemesh.planning.planner import fit_with_recompute
 from megatron_pipemesh.schedule.config import ScheduleConfig
-
-
-def _direct_costs(pp, act_mb=100.0, dp_ms=20.0):
-    mb = 1024 ** 2
-    return OpCosts(forward_s=1e-3, backward_s=2e-3, p2p_s=1e-4, dp_reduce_s=dp_ms * 1e-3, dp_gather_s=dp_ms * 1e-3,
-                   activation_bytes={"none": act_mb * mb, "selective": 0.4 * act_mb * mb, "full": 0.05 * act_mb * mb},
-                   recompute_s={"none": 0.0, "selective": 0.2e-3, "full": 1e-3},
-                   static_bytes=tuple(1.0 * GB for _ in range(pp)))
+from tests.planning.test_planner import _direct_costs
 
 
 def test_recompute_goes_to_early_ranks_and_long_waits():
