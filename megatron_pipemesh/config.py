@@ -57,13 +57,16 @@ ACTIVATION_PLACEMENTS = PLACEMENT_MODES
 
 
 def _setting(flag: str, help: str, default: Any = None, *, env: Optional[str] = None, cli: Optional[str] = None,
-             cli_default: Any = MISSING, **argparse_kwargs) -> Any:
+             cli_default: Any = MISSING, recommended: bool = False, **argparse_kwargs) -> Any:
     """A dataclass field carrying how the setting appears on each surface.
 
     ``flag``: the Megatron flag; ``env``: the launch-config key (None: not a config key); ``cli``: the
-    ``pipemesh`` command's flag (None: not there); ``cli_default``: its default there, if different.
+    ``pipemesh`` command's flag (None: not there); ``cli_default``: its default there, if different;
+    ``recommended``: a recommendation of ``pipemesh plan --megatron-args`` decides it (the user's value is
+    dropped from the recommended command and the row's own written).
     """
-    meta = {"flag": flag, "help": help, "env": env, "cli": cli, "argparse": argparse_kwargs}
+    meta = {"flag": flag, "help": help, "env": env, "cli": cli, "argparse": argparse_kwargs,
+            "recommended": recommended}
     if cli_default is not MISSING:
         meta["cli_default"] = cli_default
     return field(default=default, metadata=meta)
@@ -76,16 +79,16 @@ class ScheduleSettings:
     pipeline_schedule: str = _setting(
         "--pipeline-schedule", "'default' keeps Megatron's schedules untouched; 'pipemesh' runs the elastic schedule "
         "given by --forward-groups/--backward-groups (needs pipeline and virtual pipeline parallelism)",
-        "default", env="SCHEDULE", choices=("default", "pipemesh"))
+        "default", env="SCHEDULE", recommended=True, choices=("default", "pipemesh"))
     """'default' (stock Megatron) or 'pipemesh'."""
     forward_groups: Groups = _setting(
         "--forward-groups", "forward (enqueue) group sizes, summing to the micro-batches per iteration, or 'auto'; "
         "default: groups of --microbatch-group-size-per-virtual-pipeline-stage (depth-first)",
-        env="FORWARD_GROUPS", cli="--forward-groups", type=_group_value, nargs="+", metavar="G")
+        env="FORWARD_GROUPS", recommended=True, cli="--forward-groups", type=_group_value, nargs="+", metavar="G")
     """Forward group sizes f_1..f_k (sum m), 'auto' (the planner chooses), or None (Megatron's group size)."""
     backward_groups: Groups = _setting(
         "--backward-groups", "backward (dequeue) group sizes, summing to the micro-batches per iteration, or 'auto'; "
-        "default: the forward groups", env="BACKWARD_GROUPS", cli="--backward-groups", type=_group_value,
+        "default: the forward groups", env="BACKWARD_GROUPS", recommended=True, cli="--backward-groups", type=_group_value,
         nargs="+", metavar="G")
     """Backward group sizes b_1..b_l (sum m), 'auto', or None (the forward groups)."""
     recv_lookahead: int = _setting(
@@ -94,7 +97,7 @@ class ScheduleSettings:
     """Compute ops between posting a pipeline receive and its consumer."""
     plan: Optional[str] = _setting(
         "--pipemesh-plan", "groups and recomputation from `pipemesh plan --output PLAN.json` (instead of the group "
-        "flags)", env="PLAN", metavar="PLAN.json")
+        "flags)", env="PLAN", recommended=True, metavar="PLAN.json")
     """Path of a plan saved by ``pipemesh plan --output``."""
 
 
@@ -105,13 +108,13 @@ class CostSettings:
     memory_budget_gb: Optional[float] = _setting(
         "--pipemesh-memory-budget-gb", f"memory per device a plan may use (GiB); default in training on GPU: free "
         f"memory minus {_MARGIN}%%, required without CUDA; default in `pipemesh plan`: --device-memory-gb minus "
-        f"{_MARGIN}%%", env="MEMORY_BUDGET_GB", cli="--memory-budget-gb", type=float, metavar="GB")
+        f"{_MARGIN}%%", env="MEMORY_BUDGET_GB", recommended=True, cli="--memory-budget-gb", type=float, metavar="GB")
     """Per-device memory the plan may use (GiB); None: free device memory minus the margin
     (:data:`~megatron_pipemesh.planning.memory.MEMORY_MARGIN`)."""
     device_tflops: Optional[float] = _setting(
         "--pipemesh-device-tflops", "peak 16-bit TFLOP/s of one device for the analytic costs (default in training: "
         "known GPU models, and without CUDA the CPU's measured matmul rate; in the `pipemesh` command: "
-        f"{_PLANNING.device_tflops:g})", env="DEVICE_TFLOPS", cli="--device-tflops",
+        f"{_PLANNING.device_tflops:g})", env="DEVICE_TFLOPS", recommended=True, cli="--device-tflops",
         cli_default=_PLANNING.device_tflops, type=float, metavar="TFLOPS")
     """Peak dense TFLOP/s of one device; None: looked up from the GPU's name, or measured on a CPU."""
     mfu: float = _setting(
@@ -139,7 +142,7 @@ class PlacementSettings:
         "'recompute-only' (default: on the device, recomputed where memory binds), 'auto' (per chunk-micro-batch "
         "the cheapest of device, host memory (offloaded after the forward, reloaded before the backward), "
         "selective or full recomputation), 'device' (all on the device, no offload, no recomputation: a plan "
-        "that does not fit the memory budget is an error)", RECOMPUTE_ONLY, env="ACTIVATION_PLACEMENT",
+        "that does not fit the memory budget is an error)", RECOMPUTE_ONLY, env="ACTIVATION_PLACEMENT", recommended=True,
         cli="--activation-placement", choices=ACTIVATION_PLACEMENTS)
     """Memory levers the planner may use: 'recompute-only' (recomputation, today's behaviour), 'auto'
     (host offload and recomputation, chosen per chunk-micro-batch by bytes freed per ms of added time) or
@@ -155,7 +158,7 @@ class PlacementSettings:
         "--pipemesh-host-memory-gb", "host memory per rank the plan may fill with offloaded activations (GiB, "
         "counted in the pinned blocks they take: each chunk-micro-batch's bytes rounded up to a power of two); "
         "default in planning: unlimited; in training the runtime caps it by the machine's memory",
-        env="HOST_MEMORY_GB", cli="--host-memory-gb", type=nonnegative_number, metavar="GB")
+        env="HOST_MEMORY_GB", recommended=True, cli="--host-memory-gb", type=nonnegative_number, metavar="GB")
     """Host memory budget per rank for offloaded activations (GiB); None: unlimited in planning."""
 
 
@@ -298,6 +301,11 @@ def normalize_groups(flag: str, values: Optional[Sequence[Union[int, str]]]) -> 
 def megatron_flag_names() -> Tuple[str, ...]:
     """Every Megatron flag PipeMesh adds, in declaration order."""
     return tuple(f.metadata["flag"] for _, f in setting_fields())
+
+
+def recommended_flag_names() -> Tuple[str, ...]:
+    """PipeMesh's Megatron flags a recommendation decides (``recommended`` settings), in declaration order."""
+    return tuple(f.metadata["flag"] for _, f in setting_fields() if f.metadata["recommended"])
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from ..config import recommended_flag_names
 from ..planning.layout import SPLIT_FLAGS, VPP_FLAGS, LayerSplit
 from ..planning.stock_options import BF16_REDUCE_FLAG, GROUP_FLAG, PP_FLAG, TP_FLAG, stock_flags, vpp_flags
 from ..schedule.config import ScheduleConfig
@@ -26,9 +27,7 @@ __all__ = ["REPLACED", "flag_name", "without", "replace_flags", "expand_aliases"
 RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-modules", "--recompute-method", "--recompute-num-layers",
                    "--recompute-activations")
 OFFLOAD_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules", "--activation-offload-fraction")
-PIPEMESH_FLAGS = ("--pipeline-schedule", "--forward-groups", "--backward-groups", "--pipemesh-plan",
-                  "--pipemesh-activation-placement", "--pipemesh-memory-budget-gb", "--pipemesh-host-memory-gb",
-                  "--pipemesh-device-tflops")
+PIPEMESH_FLAGS = recommended_flag_names()
 REPLACED = (TP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
             BF16_REDUCE_FLAG, *PIPEMESH_FLAGS)
 """Every flag a recommendation may set: the user's are dropped and the row's own written instead."""

@@ -41,3 +41,14 @@ def test_pipemesh_row_flags_with_and_without_placement():
     assert placed[placed.index("--pipemesh-memory-budget-gb") + 1] == "21.600"
     assert placed[placed.index("--pipemesh-host-memory-gb") + 1] == "0"  # no host memory given: recompute only
     assert "--grad-reduce-in-bf16" in placed and "--decoder-first-pipeline-num-layers" in placed
+
+
+def test_every_flag_a_row_writes_replaces_the_users():
+    """A row's own flags are all in REPLACED, so a user's value never stays beside the row's (two --forward-groups,
+    two budgets); PipeMesh's come from config.py's ``recommended`` settings, where the flags are declared."""
+    config = ScheduleConfig(2, 2, 8, (4, 4), (2, 6))
+    stock = StockSetting(4, 2, 16, 8, StockRecompute("selective"), offload=StockOffload(0.5))
+    rows = [pipemesh_flags(config, 1, LayerSplit(first=2, last=2), True, budget_gb=21.6, device_tflops=10.0),
+            stock_flags(stock, 1, LayerSplit.of_layout("Et|tt|tt|tL"))]
+    for flags in rows:
+        assert {word for word in flags if word.startswith("--")} <= set(REPLACED)
