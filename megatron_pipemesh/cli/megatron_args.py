@@ -11,6 +11,7 @@ search is :func:`..planning.advice.advise`; each row's flags are the user's with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -19,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..planning.costs import GB
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU
-from ..planning.devices import DeviceRate
+from ..planning.devices import DeviceRate, rate_for
 from .common import UsageError, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
@@ -106,17 +107,13 @@ def _device(args) -> Tuple[float, DeviceRate]:
                          "Example: --device-memory-gb 24, or --gpu A10G")
     if args.mfu is not None and args.mfu > 1:
         raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu {MFU:g}")
-    if args.device_tflops or device:
-        tflops = args.device_tflops or device.peak_tflops
-        where = "--device-tflops" if args.device_tflops else f"--gpu {device.name}"
-        mfu = args.mfu if args.mfu is not None else MFU
-        return memory, DeviceRate(tflops, mfu, f"{tflops:g} TFLOP/s peak ({where}) at MFU {mfu:g}", given=True)
     from ..runtime.cpu_rate import measured_cpu_tflops
 
-    rate = measured_cpu_tflops()
-    mfu = args.mfu if args.mfu is not None else 1.0  # a measured rate is an achieved one
-    return memory, DeviceRate(rate, mfu, f"this machine's measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s (no "
-                                         "--device-tflops or --gpu given)", given=False)
+    rate = rate_for(args.device_tflops, "--device-tflops", device, MFU if args.mfu is None else args.mfu,
+                    measured_cpu_tflops, 1.0 if args.mfu is None else args.mfu, device_flag="--gpu")
+    if not rate.given:
+        rate = dataclasses.replace(rate, source=f"{rate.source} on this machine (no --device-tflops or --gpu given)")
+    return memory, rate
 
 
 def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:

@@ -25,7 +25,7 @@ from ..config import PipeMeshConfig
 from ..planning.clusters import flat_cluster
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN, MFU
 from ..planning.costs import GB, ClusterSpec, ModelSpec
-from ..planning.devices import DeviceRate, find_device
+from ..planning.devices import Device, DeviceRate, find_device, rate_for
 from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions
 from ..planning.planner_options import RECOMPUTE_ONLY
@@ -39,8 +39,8 @@ from .host_memory import check_plan_fits_host, host_share
 from .measured import Replanning
 
 
-def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
-    """(peak TFLOP/s, memory budget GiB) of the local accelerator, or (None, None) without CUDA."""
+def _device_defaults(args) -> Tuple[Optional[Device], Optional[float]]:
+    """(the local accelerator's entry in the known table, memory budget GiB), or (None, None) without CUDA."""
     try:
         import torch
     except ImportError:  # pragma: no cover
@@ -48,10 +48,8 @@ def _device_defaults(args) -> Tuple[Optional[float], Optional[float]]:
     if not torch.cuda.is_available():
         return None, None
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    device = find_device(torch.cuda.get_device_name(index))
-    tflops = device.peak_tflops if device is not None else None
     free, _ = torch.cuda.mem_get_info(index)
-    return tflops, free / GB * (1 - MEMORY_MARGIN)
+    return find_device(torch.cuda.get_device_name(index)), free / GB * (1 - MEMORY_MARGIN)
 
 
 def layer_spec_fields(args) -> dict:
@@ -190,15 +188,10 @@ def device_rate(args, what: str, settings: Optional[PipeMeshConfig] = None) -> D
     rate; a GPU of unknown peak is a ValueError naming the flag."""
     settings = _flags(args, settings)
     given = settings.costs.device_tflops
-    mfu = settings.costs.mfu or MFU
-    if given:
-        return DeviceRate(given, mfu)
-    peak = _device_defaults(args)[0]
-    if peak is not None:
-        return DeviceRate(peak, mfu)
-    if not _on_cuda():
-        rate = measured_cpu_tflops()
-        return DeviceRate(rate, 1.0, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", given=False, rank_local=True)
+    rate = rate_for(given, "--pipemesh-device-tflops", None if given else _device_defaults(args)[0],
+                    settings.costs.mfu or MFU, None if _on_cuda() else measured_cpu_tflops)
+    if rate is not None:
+        return rate if rate.given else dataclasses.replace(rate, rank_local=True)  # each rank measured its own
     raise ValueError(f"{what} needs --pipemesh-device-tflops: the peak 16-bit TFLOP/s of this GPU is not known here. "
                      "Example: --pipemesh-device-tflops 312")
 

@@ -9,7 +9,7 @@ Pure: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,19 @@ class DeviceRate:
     """Given by the user or known for the device (not measured here)."""
     rank_local: bool = False
     """Measured by this rank: the ranks agree on the slowest at the first call."""
+
+
+def rate_for(tflops: Optional[float], flag: str, device: Optional[Device], mfu: float,
+             measure: Optional[Callable[[], float]], measured_mfu: float = 1.0,
+             device_flag: str = "") -> Optional[DeviceRate]:
+    """The one rule every surface prices compute by: a given peak (``tflops``, from ``flag``), else the known
+    ``device``'s peak (named by ``device_flag`` when the user chose it), both at ``mfu``; else the rate ``measure``
+    returns (TFLOP/s this machine reaches, an achieved rate: ``measured_mfu``, 1 unless the user gave one); None
+    where there is nothing to measure with."""
+    if tflops or device is not None:
+        peak, where = (tflops, flag) if tflops else (device.peak_tflops, f"{device_flag} {device.name}".strip())
+        return DeviceRate(peak, mfu, f"{peak:g} TFLOP/s peak ({where}) at MFU {mfu:g}")
+    if measure is None:
+        return None
+    rate = measure()
+    return DeviceRate(rate, measured_mfu, f"a measured CPU matmul rate of {rate * 1e3:.1f} GFLOP/s", given=False)

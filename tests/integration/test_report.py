@@ -32,7 +32,8 @@ def test_plan_line_names_groups_digest_recompute_and_predictions():
     assert line.startswith("PipeMesh plan: p=2 V=2 m=8 | --forward-groups 6 2 --backward-groups 4 4 | digest " + digest)
     assert "recompute full 1, selective 1 of 32 chunk-micro-batches" in line
     assert "predicted peak activation MiB per rank " in line and "predicted iteration " in line
-    assert "(depth-first " in line and "breadth-first " in line and "[analytic costs]" in line
+    assert "(depth-first " in line and "breadth-first " in line
+    assert "[analytic costs at 1 TFLOP/s peak (--pipemesh-device-tflops) at MFU 0.5]" in line  # where the rate came from
 
 
 def test_training_lowering_follows_megatrons_sync_switches():
