@@ -42,9 +42,9 @@ Progress = Callable[[str], None]
 class ProfileSettings:
     """How much to measure."""
 
-    warmup: int = 1
+    warmup: int = 2
     """Calls before the timed ones (first-call allocations, lazy initialisation)."""
-    repeats: int = 3
+    repeats: int = 5
     """Timed calls; the median is kept."""
     max_micro_batch: Optional[int] = None
     """The largest micro-batch size measured (None: the command's)."""
@@ -112,27 +112,33 @@ class _Timer:
         return out, time.perf_counter() - began
 
 
-def _forward_backward(forward: Callable[[], object], grad_of: Callable[[object], object], timer: _Timer,
-                      settings: ProfileSettings, meter_exclude) -> Tuple[float, float, int]:
-    """(median forward s, median backward s, bytes saved for the backward) of ``forward`` then ``backward(grad)``."""
+def _forward_backward(forwards: Dict[str, Callable[[], object]], grad_of: Callable[[object], object], timer: _Timer,
+                      settings: ProfileSettings, meter_exclude) -> Dict[str, Tuple[float, float, int]]:
+    """Per name: (median forward s, median backward s, bytes saved for the backward) of ``forward`` then
+    ``backward(grad)``. The forwards take turns in every round, so that a drift of the machine's speed (other
+    processes, clocks) reaches them alike and their differences (a recomputation's extra) stay fair."""
     import torch
 
     from ..runtime.memory import SavedTensorMeter
 
-    forwards, backwards = [], []
+    samples: Dict[str, Tuple[List[float], List[float]]] = {name: ([], []) for name in forwards}
     for call in range(settings.warmup + settings.repeats):
-        out, forward_s = timer(forward)
-        gradient = grad_of(out)
-        _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
-        if call >= settings.warmup:
-            forwards.append(forward_s)
-            backwards.append(backward_s)
-    meter = SavedTensorMeter(meter_exclude)
-    with meter.record("profile"):
-        out = forward()
-    saved = meter.saved_bytes.get("profile", 0)
-    torch.autograd.backward(out, grad_of(out))
-    return statistics.median(forwards), statistics.median(backwards), int(saved)
+        for name, forward in forwards.items():
+            out, forward_s = timer(forward)
+            gradient = grad_of(out)
+            _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
+            if call >= settings.warmup:
+                samples[name][0].append(forward_s)
+                samples[name][1].append(backward_s)
+    found = {}
+    for name, forward in forwards.items():
+        meter = SavedTensorMeter(meter_exclude)
+        with meter.record(name):
+            out = forward()
+        torch.autograd.backward(out, grad_of(out))
+        found[name] = (statistics.median(samples[name][0]), statistics.median(samples[name][1]),
+                       int(meter.saved_bytes.get(name, 0)))
+    return found
 
 
 def _with_main_grads(model) -> List:
@@ -315,27 +321,27 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
     def like(out):
         return torch.ones_like(out) * 1e-3
 
-    times: Dict[str, Tuple[float, float, int]] = {}
-    for level, (model, _) in layer_models.items():
-        def layer_forward(model=model):
-            x = hidden.clone().requires_grad_(True)
-            model.set_input_tensor(x)
+    def layer_forward(model):
+        def forward():
+            model.set_input_tensor(hidden.clone().requires_grad_(True))
             return model(input_ids=None, position_ids=None, attention_mask=mask)
-        times[level] = _forward_backward(layer_forward, like, timer, settings, excluded)
+        return forward
+    times = _forward_backward({level: layer_forward(model) for level, (model, _) in layer_models.items()}, like,
+                              timer, settings, excluded)
     none = times["none"]
     tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
 
     def embedding_forward():
         return ends.embedding(input_ids=tokens, position_ids=positions)
-    embedding = _forward_backward(embedding_forward, like, timer, settings, excluded)
+    embedding = _forward_backward({"embedding": embedding_forward}, like, timer, settings, excluded)["embedding"]
 
     def output_forward():
         x = hidden.clone().requires_grad_(True)
         weight = ends.shared_embedding_or_output_weight() if ends.share_embeddings_and_output_weights else None
         logits, _ = ends.output_layer(ends.decoder.final_layernorm(x), weight=weight)
         return ends.compute_language_model_loss(tokens, logits).float().mean()
-    output = _forward_backward(output_forward, lambda out: None, timer, settings, excluded)
+    output = _forward_backward({"output": output_forward}, lambda out: None, timer, settings, excluded)["output"]
     point = ComputePoint(
         tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
         recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()

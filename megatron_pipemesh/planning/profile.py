@@ -200,13 +200,14 @@ def load(path: str) -> Profile:
     return from_dict(data, path)
 
 
-def mismatch(profile: Profile, model: ModelSpec, dtype: str, device_kind: str, name: str = "the profile") -> Optional[str]:
+def mismatch(profile: Profile, model: ModelSpec, dtype: str, device_kind: Optional[str],
+             name: str = "the profile") -> Optional[str]:
     """One line naming the first way ``profile`` (the file ``name``) does not match ``model`` in ``dtype`` on
-    ``device_kind`` ('cpu' or 'cuda'), or None when it matches."""
+    ``device_kind`` ('cpu' or 'cuda'; None: either), or None when it matches."""
     fix = "re-run pipemesh profile with this command"
     if profile.shape is None or not profile.compute:
         return f"{name} holds no per-layer measurements (a training run's times only): {fix}"
-    if profile.device_kind != device_kind:
+    if device_kind is not None and profile.device_kind != device_kind:
         return f"{name} was measured on {profile.device_kind}, this plan is for {device_kind}: {fix} on that device"
     wanted = shape_of(model, dtype)
     for key in ("dtype",) + ModelShape.MATCHED:
