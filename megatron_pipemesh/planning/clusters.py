@@ -18,13 +18,12 @@ from typing import Dict, Optional, Sequence
 from ..schedule.config import ScheduleConfig
 from .costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
-from .profile import Profile, apply_profile
+from .profile import RUN_TIME_FIELDS, Profile, apply_profile
 
 PLANNING_CLUSTER = ClusterSpec()
 """The planning defaults of every field (the ``pipemesh`` command's defaults and examples)."""
 
-MEASURED_TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s",
-                        "dp_gather_s")
+MEASURED_TIME_FIELDS = RUN_TIME_FIELDS
 """The per-op times a measured profile (``--pipemesh-profile``) holds."""
 
 
@@ -76,7 +75,9 @@ def with_measured_times(costs: OpCosts, measured: Dict[str, float]) -> OpCosts:
     # An uneven split's stages scale the measured chunk (the slowest middle one, as the analytic chunk is the largest).
     stages = tuple(dataclasses.replace(stage, recompute_s={level: value * scale for level, value in stage.recompute_s.items()})
                    for stage in costs.stages)
+    # A run's stage extras are forward times whose backward is twice them (the runtime measures forwards only).
     return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0, stages=stages,
+                               first_stage_backward_extra_s=None, last_stage_backward_extra_s=None,
                                **{key: float(measured[key]) for key in MEASURED_TIME_FIELDS})
 
 
