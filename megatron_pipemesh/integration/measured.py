@@ -233,7 +233,7 @@ class MeasuredReplanner:
             print("PipeMesh measured costs (s per chunk-micro-batch): "
                   + ", ".join(f"{k} {v:.6f}" for k, v in measured.items()), flush=True)
             if self.inputs.profile_path:
-                dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(config.params_dtype), "fp32")
+                dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(getattr(config, "params_dtype", None)), "fp32")
                 save_run_times(self.inputs.profile_path, measured, self.request.model, dtype, device.type)
         try:
             best = self._plan(measured=measured)  # on the budget agreed on, if any
