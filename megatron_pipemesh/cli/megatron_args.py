@@ -262,8 +262,7 @@ def text(out: Dict) -> str:
 def matched_profile(args, user, rate):
     """The profile of ``--profile``, refused (one line, exit 2) unless it was measured for this command's model, dtype
     and device kind."""
-    from ..integration.profile import dtype_name
-    from ..planning.profile import ProfileError, load, mismatch
+    from ..planning.profile import ProfileError, dtype_name, load, mismatch
 
     try:
         profile = load(args.profile)

@@ -256,8 +256,7 @@ def megatron_request(args, settings: PipeMeshConfig, source: str, pp: int, vpp: 
         loaded = load_profile(profile)
         measured = loaded.run_times
         if loaded.compute:  # per-layer measurements (pipemesh profile): only for the model they were measured for
-            from ..planning.profile import mismatch
-            from .profile import dtype_name
+            from ..planning.profile import dtype_name, mismatch
             import torch
             problem = mismatch(loaded, model, dtype_name(args), "cuda" if torch.cuda.is_available() else "cpu",
                                name=f"--pipemesh-profile {profile}")

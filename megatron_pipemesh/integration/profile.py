@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..planning.profile import ComputePoint, Profile, shape_of
+from ..planning.profile import ComputePoint, Profile, dtype_name, shape_of
 
 Progress = Callable[[str], None]
 
@@ -59,11 +59,6 @@ def micro_batch_sizes(largest: int) -> List[int]:
         sizes.append(size)
         size *= 2
     return sizes + [largest]
-
-
-def dtype_name(args) -> str:
-    """'bf16', 'fp16' or 'fp32': the command's compute dtype."""
-    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
 
 
 def _parallel_sizes(words: Sequence[str]) -> Tuple[int, int, int]:
@@ -183,6 +178,40 @@ def _single_rank_args(args):
     return out
 
 
+def _te_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _as_run_here(words: List[str], cuda: bool) -> List[str]:
+    """The flags a run of ``words`` gets on this machine (the training entry point adds the same): on CPU the local
+    layer spec, CPU initialisation, no fused kernels; on CUDA without Transformer Engine the local layer spec."""
+    from .cpu_compat import _given, missing_cpu_args
+
+    if not cuda:
+        return words + missing_cpu_args(words)
+    if not _te_importable() and not _given(words, "--transformer-impl"):
+        return words + ["--transformer-impl", "local"]
+    return words
+
+
+def _layer_spec(args, use_te: bool):
+    """Megatron's dense GPT layer spec of ``args`` (Transformer Engine's or the local one)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
+                                                          qk_l2_norm=qk_l2_norm)
+    return get_gpt_layer_local_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
+                                    normalization=args.normalization, qk_l2_norm=qk_l2_norm)
+
+
 def _start_process_group(cuda: bool) -> Callable[[], None]:
     """A one-rank process group and Megatron's parallel state (TP = PP = 1); returns the teardown."""
     import torch
@@ -216,17 +245,17 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     import torch
 
     from .cpu_compat import apply_cpu_compat
-    from .megatron_command import read_command
+    from .megatron_command import CommandError, read_command
 
     cuda = torch.cuda.is_available()
     if not cuda:
         apply_cpu_compat()
         torch.set_num_threads(1)  # one thread per rank, as the ranks will run
-    from ..training.pretrain_gpt import prepare_argv
-
     tp, pp, cp = _parallel_sizes(words)
     planned = read_command(list(words), world_size=tp * pp * cp)  # the command as the planner reads it
-    run = read_command(prepare_argv(list(words)), world_size=tp * pp * cp)  # as it runs on this machine
+    run = read_command(_as_run_here(list(words), cuda), world_size=tp * pp * cp)  # as it runs on this machine
+    if getattr(run.args, "num_experts", None) or getattr(run.args, "spec", None):
+        raise CommandError("pipemesh profile measures dense GPT layers: --num-experts and --spec are not supported")
     args = _single_rank_args(run.args)
     args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
     model_spec = planned.model
@@ -265,7 +294,6 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
 
     from ..planning.costs import planning_levels
     from ..schedule.levers import DEVICE
-    from ..training.pretrain_gpt import _layer_spec
 
     device = torch.device("cuda" if cuda else "cpu")
     timer = _Timer(cuda)
@@ -274,7 +302,7 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
         torch.manual_seed(settings.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
         config = core_transformer_config_from_args(level_args)
-        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(level_args, config, run_spec == "te", None),
+        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(level_args, run_spec == "te" and _te_importable()),
                          vocab_size=level_args.padded_vocab_size,
                          max_sequence_length=level_args.max_position_embeddings, pre_process=pre, post_process=post,
                          parallel_output=True,

@@ -70,6 +70,11 @@ WORDS = {"hidden_size": "hidden", "num_attention_heads": "heads", "ffn_hidden_si
          "dtype": "dtype"}
 
 
+def dtype_name(args) -> str:
+    """'bf16', 'fp16' or 'fp32': the compute dtype of Megatron's ``args``."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
 def shape_of(model: ModelSpec, dtype: str) -> ModelShape:
     """The shape of ``model`` computed in ``dtype`` ('bf16', 'fp16', 'fp32')."""
     return ModelShape(hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
