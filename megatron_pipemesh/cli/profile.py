@@ -59,14 +59,15 @@ def table(profile: Profile, name: str = "") -> str:
     if profile.compute:
         levels = sorted({level for point in profile.compute for level in point.recompute_extra_s})
         header = (f"{'TP':>3} {'mbs':>4} {'layer F ms':>10} {'layer B ms':>10} {'keeps MiB':>9} "
-                  + "".join(f" {('+' + level)[:14]:>14}" for level in levels)
+                  + "".join(f" {'+' + level:>{max(10, len(level) + 1)}}" for level in levels)
                   + f" {'emb F+B ms':>11} {'out F+B ms':>11}")
         lines += ["", header, "-" * len(header)]
         for point in profile.compute:
             lines.append(
                 f"{point.tp:>3} {point.micro_batch_size:>4} {point.layer_forward_s * 1e3:>10.3f} "
                 f"{point.layer_backward_s * 1e3:>10.3f} {point.layer_activation_bytes.get('none', 0.0) / 2**20:>9.3f}"
-                + "".join(f" {point.recompute_extra_s.get(level, float('nan')) * 1e3:>14.3f}" for level in levels)
+                + "".join(f" {point.recompute_extra_s.get(level, float('nan')) * 1e3:>{max(10, len(level) + 1)}.3f}"
+                          for level in levels)
                 + f" {(point.embedding_forward_s + point.embedding_backward_s) * 1e3:>11.3f}"
                 + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}")
         lines.append("(+level: the extra backward ms of that recomputation per layer; keeps: bytes one layer keeps "
