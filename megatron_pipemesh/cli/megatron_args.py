@@ -231,7 +231,9 @@ def text(out: Dict) -> str:
 
     present = [(name, out["rows"][name]) for name in ROWS if out["rows"][name] is not None]
     ranked = sorted(present, key=lambda item: (not item[1]["fits"], item[1]["predicted_iteration_s"]))
-    lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}",
+    measured = " where the profile has no measurement" if out.get("profile") else ""
+    lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}"
+             f"{measured}",
              f"{out['candidates']} layouts x V x splits bounded, simulated {out['simulated']['pipemesh']} (PipeMesh) "
              f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
     header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"

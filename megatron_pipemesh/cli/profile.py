@@ -38,7 +38,7 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=ProfileSettings.warmup,
                         help=f"untimed calls before them (default {ProfileSettings.warmup})")
     parser.add_argument("--max-micro-batch-size", type=positive_int, default=None,
-                        help="the largest micro-batch size measured (default: your command's)")
+                        help="the largest micro-batch size measured, at most your command's (default: yours)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 

@@ -64,8 +64,8 @@ def micro_batch_sizes(largest: int) -> List[int]:
 def _parallel_sizes(words: Sequence[str]) -> Tuple[int, int, int]:
     """(TP, PP, CP) the command asks for: the world size its validation needs with one data-parallel replica."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", "--pp", type=int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--context-parallel-size", type=int, default=1)
     known, _ = parser.parse_known_args(list(words))
     return known.tensor_model_parallel_size, known.pipeline_model_parallel_size, known.context_parallel_size
