@@ -64,6 +64,9 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                              "own layout are always priced)")
     search.add_argument("--quiet", action="store_true",
                         help="no progress lines on stderr (each row found, and every 10 s where the search is)")
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="a profile of this command measured by pipemesh profile: its layer, embedding, output, "
+                             "optimizer and activation costs replace the assumed ones (the output says which)")
     parser.add_argument("--json", action="store_true", help="one JSON object: the rows, the notes, the search")
 
 
@@ -224,7 +227,9 @@ def text(out: Dict) -> str:
 
     present = [(name, out["rows"][name]) for name in ROWS if out["rows"][name] is not None]
     ranked = sorted(present, key=lambda item: (not item[1]["fits"], item[1]["predicted_iteration_s"]))
-    lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}",
+    measured = " where the profile has no measurement" if out.get("profile") else ""
+    lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}"
+             f"{measured}",
              f"{out['candidates']} layouts x V x splits bounded, simulated {out['simulated']['pipemesh']} (PipeMesh) "
              f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
     header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
@@ -238,6 +243,11 @@ def text(out: Dict) -> str:
         fitting = ", ".join(name for name, row in ranked if row["fits"]) or "none"
         lines.append(f"\nyour command does not fit: peak {max(user['peak_memory_gb']):.2f} GiB per GPU > budget "
                      f"{out['budget_gb_per_gpu']:.2f} GiB; rows that fit: {fitting}")
+    profile = out.get("profile")
+    if profile is not None:
+        for tp in profile["measured"]:
+            lines.append(f"profile {profile['file']} ({profile['device']}), rows at TP {tp}: measured "
+                         f"{', '.join(profile['measured'][tp]) or 'nothing'}; assumed {', '.join(profile['assumed'][tp])}")
     for note in out["notes"]:
         lines.append(f"note: {note}")
     if out["run"] is None:
@@ -245,6 +255,34 @@ def text(out: Dict) -> str:
     else:
         lines.append(f"\nrun ({out['run']}):\n{out['rows'][out['run']]['command']}")
     return "\n".join(lines)
+
+
+def matched_profile(args, user, rate):
+    """The profile of ``--profile``, refused (one line, exit 2) unless it was measured for this command's model, dtype
+    and device kind."""
+    from ..planning.profile import ProfileError, dtype_name, load, mismatch
+
+    try:
+        profile = load(args.profile)
+    except ProfileError as error:
+        raise UsageError(f"--profile: {error}") from error
+    # A named GPU plans for CUDA; no rate given plans for this CPU; a rate given (--device-tflops) may be either.
+    device = "cuda" if args.gpu else None if rate.given else "cpu"
+    problem = mismatch(profile, user.model, dtype_name(user.args), device, name=args.profile)
+    if problem:
+        raise UsageError(problem)
+    return profile
+
+
+def profile_report(path: str, problem, out: Dict) -> Dict:
+    """Which costs the rows took from the profile and which they assumed (per TP the rows use)."""
+    from ..planning.profile import coverage
+
+    tps = sorted({row["tp"] for row in out["rows"].values() if row is not None})
+    by_tp = {tp: coverage(problem.profile, tp, problem.model.micro_batch_size) for tp in tps}
+    return {"file": path, "device": f"{problem.profile.device_kind} ({problem.profile.device_name})",
+            "measured": {str(tp): found[0] for tp, found in by_tp.items()},
+            "assumed": {str(tp): found[1] for tp, found in by_tp.items()}}
 
 
 def _progress_to_stderr() -> Callable[[str], None]:
@@ -269,6 +307,8 @@ def cmd_advice(argv: Sequence[str]) -> int:
     if progress is not None:
         progress("reading the command with Megatron's argument parser")
     user, problem, cluster, rate = problem_and_cluster(args, words)
+    if args.profile is not None:
+        problem = dataclasses.replace(problem, profile=matched_profile(args, user, rate))
     try:
         advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress)
     except NoFeasiblePlan as error:
@@ -278,5 +318,7 @@ def cmd_advice(argv: Sequence[str]) -> int:
                             "TP > 1 without CUDA (its validate_args reads the GPU's architecture); give --gpu or "
                             "--device-tflops to plan for GPUs")
     out = report(user, problem, cluster, rate, advice)
+    if problem.profile is not None:
+        out["profile"] = profile_report(args.profile, problem, out)
     print(json.dumps(out, indent=1) if args.json else text(out))
     return 0

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "command's flags and your cluster; prints the best stock flags, PipeMesh and the best layout for "
                       "it (its own flags: pipemesh plan --megatron-args '' --help)")
     plan.set_defaults(func=cmd_plan)
+    # Parsed by its own parser (cli/profile.py), as plan --megatron-args is: listed here for `pipemesh --help`.
+    sub.add_parser("profile", add_help=False, help="measure a layer, the embedding, the output layer, the optimizer "
+                   "and activation bytes of your command on this machine (pipemesh profile --help)")
     from ..bench.cli import add_bench_parser
     add_bench_parser(sub)
     from ..study.study import add_study_parser
@@ -63,6 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .megatron_args import cmd_advice, wants_advice
         if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
             return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
+    if argv[:1] == ["profile"]:
+        from .profile import cmd_profile
+        return run_command(argparse.Namespace(command="profile", func=lambda _: cmd_profile(argv[1:])))
     parser = build_parser()
     args = parser.parse_args(argv)
     return run_command(args)

@@ -243,12 +243,22 @@ def megatron_request(args, settings: PipeMeshConfig, source: str, pp: int, vpp: 
     options, link, host_local = megatron_planner_options(args, settings)
     model, cluster = model_and_cluster(args, rate, link, settings, ranks_per_node)
     profile = settings.measurement.profile
-    measured = None
+    measured, loaded = None, None
     if source == AUTO and profile and os.path.exists(profile):
         from .measured import load_profile
-        measured = load_profile(profile)
+        loaded = load_profile(profile)
+        measured = loaded.run_times
+        if loaded.compute:  # per-layer measurements (pipemesh profile): only for the model they were measured for
+            from ..planning.profile import dtype_name, mismatch
+            import torch
+            problem = mismatch(loaded, model, dtype_name(args), "cuda" if torch.cuda.is_available() else "cpu",
+                               name=f"--pipemesh-profile {profile}")
+            if problem:
+                raise ValueError(problem)
+        else:
+            loaded = None
     request = PlanRequest(**given, model=model, cluster=cluster, budget_bytes=budget * GB, planner=options,
-                          measured=measured)
+                          measured=measured, profile=loaded)
     return request, FoundInputs(what, rate, budget, bool(settings.costs.memory_budget_gb), link, host_local, profile)
 
 

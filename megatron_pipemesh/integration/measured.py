@@ -14,13 +14,13 @@ measured at start-up, the machine's host memory share): all ranks re-plan with t
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..planning.clusters import MEASURED_TIME_FIELDS
 from ..planning.costs import ClusterSpec, ModelSpec
 from ..planning.planner import NoFeasiblePlan
+from ..planning.profile import Profile, ProfileError, load, shape_of
 from ..planning.request import PlanRequest
 from ..planning.resolve import Resolution, resolve
 from ..schedule.plan import RunPlan
@@ -29,13 +29,30 @@ TIME_FIELDS = MEASURED_TIME_FIELDS
 """The per-op times a profile file holds."""
 
 
-def load_profile(path: str) -> Dict[str, float]:
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-    missing = [key for key in TIME_FIELDS if key not in data]
-    if missing:
-        raise ValueError(f"--pipemesh-profile {path} lacks {missing}; delete it to measure again")
-    return {key: float(data[key]) for key in TIME_FIELDS}
+def load_profile(path: str) -> Profile:
+    """The profile at ``path``: written by ``pipemesh profile`` (per-layer measurements), by a run's
+    ``--pipemesh-measure-iters`` (:attr:`~..planning.profile.Profile.run_times`), or an older run's flat per-op times;
+    :class:`~..planning.profile.ProfileError` (a ValueError) naming what is wrong."""
+    try:
+        return load(path)
+    except ProfileError as error:
+        raise ProfileError(f"--pipemesh-profile: {error}") from error
+
+
+def save_run_times(path: str, measured: Dict[str, float], model: ModelSpec, dtype: str, device_kind: str) -> None:
+    """Write a run's measured per-op times to ``path`` in the profile format, keeping the per-layer measurements of a
+    profile already there (``pipemesh profile`` of the same command)."""
+    import os
+
+    profile = Profile(device_kind=device_kind, shape=shape_of(model, dtype),
+                      notes=("per-op times of a training run (--pipemesh-measure-iters)",))
+    if os.path.exists(path):
+        try:
+            profile = load(path)
+        except ProfileError:
+            pass  # unreadable: replaced by this run's times
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(dataclasses.replace(profile, run_times=dict(measured)).to_json())
 
 
 @dataclass(frozen=True)
@@ -216,8 +233,8 @@ class MeasuredReplanner:
             print("PipeMesh measured costs (s per chunk-micro-batch): "
                   + ", ".join(f"{k} {v:.6f}" for k, v in measured.items()), flush=True)
             if self.inputs.profile_path:
-                with open(self.inputs.profile_path, "w", encoding="utf-8") as handle:
-                    json.dump(measured, handle, indent=1)
+                dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(getattr(config, "params_dtype", None)), "fp32")
+                save_run_times(self.inputs.profile_path, measured, self.request.model, dtype, device.type)
         try:
             best = self._plan(measured=measured)  # on the budget agreed on, if any
         except NoFeasiblePlan as error:

@@ -36,11 +36,12 @@ from ..schedule.levers import DEVICE, RECOMPUTE_ONLY
 from .bounds import bound_for, virtual_sizes
 from .clusters import costs_for, nic_cluster
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
-from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
+from .costs import GB, ClusterSpec, ModelSpec, ScheduleCosts
 from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
 from .planner_options import structured_options
+from .profile import Profile
 from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
 
@@ -142,6 +143,9 @@ class AdviceProblem:
     max_tp: Optional[int] = None
     """The largest TP a row may use (None: the node's GPUs); 1 where the runtime cannot run tensor parallelism (on CPU,
     megatron-core's validate_args reads the CUDA device's architecture when TP > 1)."""
+    profile: Optional[Profile] = None
+    """A measured profile of the command's model (``pipemesh plan --profile``, already matched to it): every row's
+    costs take its measurements wherever it has them (:func:`.clusters.costs_for`)."""
 
     def model_for(self, tp: int, split: LayerSplit) -> ModelSpec:
         """The model at tensor-parallel size ``tp`` (Megatron pads the vocabulary per TP) with ``split``."""
@@ -276,6 +280,8 @@ class _Candidate:
     """Micro-batches per iteration per data-parallel replica."""
     bound_s: float
     """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
+    profile: Optional[Profile] = None
+    """The problem's measured profile (:attr:`AdviceProblem.profile`)."""
 
     def describe(self) -> str:
         return _layout_words(self.layout, self.vpp, self.split, self.model.stage_layers(self.layout.pp, self.vpp))
@@ -331,11 +337,11 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidat
             for split in _splits(problem, layout, vpp):
                 model = problem.model_for(layout.tp, split)
                 config = ScheduleConfig.depth_first(layout.pp, vpp, m)
-                costs = analytic_costs(model, spec, config, levels=(DEVICE,))
+                costs = costs_for(model, spec, config, profile=problem.profile, levels=(DEVICE,))
                 if max(costs.static_bytes) > cluster.budget_bytes:
                     continue
                 bound = bound_for(config, ScheduleCosts(config, costs)).seconds
-                out.append(_Candidate(layout, vpp, split, model, spec, m, bound))
+                out.append(_Candidate(layout, vpp, split, model, spec, m, bound, problem.profile))
     return sorted(out, key=lambda c: c.bound_s)
 
 
@@ -365,7 +371,7 @@ def _plan(candidate: _Candidate, cluster: AdviceCluster, incumbent_s: float = fl
     model, spec = candidate.model, candidate.cluster
     try:
         plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
-                                lambda config: costs_for(model, spec, config),
+                                lambda config: costs_for(model, spec, config, profile=candidate.profile),
                                 cluster.budget_bytes,
                                 search_options(candidate.layout.pp, candidate.microbatches, _host_bytes(cluster)),
                                 incumbent_s=incumbent_s, time_up=time_up)
@@ -383,14 +389,15 @@ def _stock(candidate: _Candidate, problem: AdviceProblem, cluster: AdviceCluster
     host = _host_bytes(cluster) if candidate.model.layer_spec == "te" else None
     return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
                       problem.grad_reduce_in_bf16, host_limit=host, vpps=vpps or (candidate.vpp,),
-                      incumbent_s=incumbent_s, time_up=time_up)
+                      incumbent_s=incumbent_s, time_up=time_up, profile=candidate.profile)
 
 
 def _stock_row(name: str, candidate: _Candidate, result: StockResult, cluster: AdviceCluster) -> AdviceRow:
     setting = result.setting
     config = setting.config()
     peaks = tuple(a + s for a, s in zip(result.peak_activation_bytes, result.static_bytes))
-    costs = analytic_costs(candidate.model, candidate.cluster, config, levels=(setting.recompute.level,))
+    costs = costs_for(candidate.model, candidate.cluster, config, profile=candidate.profile,
+                      levels=(setting.recompute.level,))
     compute = tuple(r.busy_s for r in simulate(config, costs, uniform_plan(config, setting.recompute.level)).ranks)
     layers = candidate.model.stage_layers(setting.pp, setting.vpp)
     return AdviceRow(name, candidate.layout, setting.vpp, candidate.split, layers, setting.microbatches,
@@ -408,7 +415,8 @@ def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:
 def _user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> _Candidate:
     layout = problem.layout
     spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
-    return _Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0)
+    return _Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0,
+                      problem.profile)
 
 
 def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
@@ -417,14 +425,15 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
     user = _user_candidate(problem, cluster, problem.vpp)
     if problem.stock is not None:
         budget = activation_budget(user.model, user.cluster, user.layout.pp, cluster.budget_bytes, problem.vpp)
-        return _stock_row("user", user, evaluate(problem.stock, user.model, user.cluster, budget), cluster)
+        return _stock_row("user", user, evaluate(problem.stock, user.model, user.cluster, budget, problem.profile),
+                          cluster)
     if problem.pipemesh is None:  # --forward-groups auto: what its planner finds (the same search as ours)
         plan = _plan(user, cluster)
         if plan is None:
             raise NoFeasiblePlan(f"the command's --forward-groups auto finds no plan that fits "
                                  f"{cluster.device_memory_gb:g} GiB per GPU")
         return _plan_row("user", user, plan)
-    costs = costs_for(user.model, user.cluster, problem.pipemesh)
+    costs = costs_for(user.model, user.cluster, problem.pipemesh, profile=problem.profile)
     plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
                               search_options(user.layout.pp, user.microbatches, _host_bytes(cluster)))
     return _plan_row("user", user, plan)

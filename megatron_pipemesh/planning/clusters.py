@@ -13,17 +13,17 @@ Pure: no torch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from ..schedule.config import ScheduleConfig
 from .costs import ClusterSpec, ModelSpec, OpCosts, analytic_costs, planning_levels
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
+from .profile import RUN_TIME_FIELDS, Profile, apply_profile
 
 PLANNING_CLUSTER = ClusterSpec()
 """The planning defaults of every field (the ``pipemesh`` command's defaults and examples)."""
 
-MEASURED_TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s",
-                        "dp_gather_s")
+MEASURED_TIME_FIELDS = RUN_TIME_FIELDS
 """The per-op times a measured profile (``--pipemesh-profile``) holds."""
 
 
@@ -75,13 +75,20 @@ def with_measured_times(costs: OpCosts, measured: Dict[str, float]) -> OpCosts:
     # An uneven split's stages scale the measured chunk (the slowest middle one, as the analytic chunk is the largest).
     stages = tuple(dataclasses.replace(stage, recompute_s={level: value * scale for level, value in stage.recompute_s.items()})
                    for stage in costs.stages)
+    # A run's stage extras are forward times whose backward is twice them (the runtime measures forwards only).
     return dataclasses.replace(costs, recompute_s=recompute, latency_s=0.0, stages=stages,
+                               first_stage_backward_extra_s=None, last_stage_backward_extra_s=None,
                                **{key: float(measured[key]) for key in MEASURED_TIME_FIELDS})
 
 
 def costs_for(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
-              measured: Optional[Dict[str, float]] = None) -> OpCosts:
-    """The planner's costs of ``model`` on ``cluster`` for ``config``: analytic at the levels the planner chooses
-    from, with ``measured`` times (a profile) in place of the analytic ones when given."""
-    analytic = analytic_costs(model, cluster, config, planning_levels(model))
-    return with_measured_times(analytic, measured) if measured else analytic
+              measured: Optional[Dict[str, float]] = None, profile: Optional[Profile] = None,
+              levels: Optional[Sequence[str]] = None) -> OpCosts:
+    """The planner's costs of ``model`` on ``cluster`` for ``config``: analytic at ``levels`` (None: the levels the
+    planner chooses from), with a ``profile``'s measured layer, embedding, output, optimizer and activation costs
+    (:func:`.profile.apply_profile`) and then a run's ``measured`` per-op times in place of the analytic ones when
+    given."""
+    costs = analytic_costs(model, cluster, config, planning_levels(model) if levels is None else levels)
+    if profile is not None:
+        costs = apply_profile(costs, profile, model, cluster, model.stage_layers(config.pp, config.vpp))
+    return with_measured_times(costs, measured) if measured else costs

@@ -271,6 +271,10 @@ class OpCosts:
     """Extra forward time on stage 0 (embedding); backward gets twice this."""
     last_stage_extra_s: float = 0.0
     """Extra forward time on the last stage (output layer and loss); backward gets twice this."""
+    first_stage_backward_extra_s: Optional[float] = None
+    """Extra backward time on stage 0 when measured (a profile); None: twice ``first_stage_extra_s``."""
+    last_stage_backward_extra_s: Optional[float] = None
+    """Extra backward time on the last stage when measured (a profile); None: twice ``last_stage_extra_s``."""
     activation_bytes: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(BASIC_LEVERS, 0.0))
     """Activation bytes one chunk-micro-batch keeps alive until its backward, per recompute level."""
     first_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
@@ -521,7 +525,9 @@ class ScheduleCosts:
         scale = self._stages[rank][op.chunk].scale
         if op.kind is OpKind.FORWARD:
             return c.forward_s * scale + extra + tp
-        return c.backward_s * scale + 2 * extra + tp
+        first_back = 2 * c.first_stage_extra_s if c.first_stage_backward_extra_s is None else c.first_stage_backward_extra_s
+        last_back = 2 * c.last_stage_extra_s if c.last_stage_backward_extra_s is None else c.last_stage_backward_extra_s
+        return c.backward_s * scale + (first_back if first else 0.0) + (last_back if last else 0.0) + tp
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
         c = self.costs

@@ -20,6 +20,7 @@ from ..schedule.spans import SHARD_LEVELS
 from .clusters import costs_for
 from .costs import ClusterSpec, ModelSpec, OpCosts
 from .planner import PlannerOptions
+from .profile import Profile
 
 PLAN_FILE, AUTO, GROUPS, PLACED_GROUPS = "plan file", "auto", "groups", "placed groups"
 PLAN_SOURCES = (PLAN_FILE, AUTO, GROUPS, PLACED_GROUPS)
@@ -93,6 +94,9 @@ class PlanRequest:
     """The planner's search space and memory levers."""
     measured: Optional[Mapping[str, float]] = None
     """Measured per-op times (a profile, :data:`.clusters.MEASURED_TIME_FIELDS`) in place of the analytic ones."""
+    profile: Optional[Profile] = None
+    """A measured profile (``pipemesh profile``): its layer, embedding, output, optimizer and activation costs in
+    place of the analytic ones wherever it has them (checked against the model by whoever loaded it)."""
     lowering: LoweringSettings = LoweringSettings()
     """Lookahead and sharding settings the plan carries."""
     price_sharding: bool = False
@@ -123,7 +127,7 @@ class PlanRequest:
                 raise ValueError(f"memory budget {self.budget_bytes / 2 ** 30:.2f} GiB is invalid: it must be > 0")
         if self.lowering.sharding == SHARDING_AUTO and self.source != AUTO:
             raise ValueError("sharding auto is chosen by the planner with the groups: it needs --forward-groups auto")
-        if self.direct_costs is not None and (self.measured or self.prices_sharding):
+        if self.direct_costs is not None and (self.measured or self.profile or self.prices_sharding):
             raise ValueError("costs given directly have no model to price measured times or sharding levels with")
 
     @property
@@ -141,4 +145,5 @@ class PlanRequest:
         direct costs, a fresh copy per schedule)."""
         if self.direct_costs is not None:
             return copy.deepcopy(self.direct_costs)
-        return costs_for(self.model, self.cluster, config, dict(self.measured) if self.measured else None)
+        return costs_for(self.model, self.cluster, config, dict(self.measured) if self.measured else None,
+                         self.profile)

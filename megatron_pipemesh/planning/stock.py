@@ -18,7 +18,9 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
 from .bounds import virtual_sizes
+from .clusters import costs_for
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
+from .profile import Profile
 from .simulator import DeadlineExceeded, TimeUp, check_time, lowering_for, simulate
 from .stock_memory import (FSDP_MODELS, Budget, ChunkKinds, MegatronFsdpSharding, OffloadModel, live_states,
                            model_for, order_peaks, per_rank, sharding_model, uniform_plan)
@@ -59,8 +61,10 @@ class StockResult:
                 "host_peak_bytes": list(self.host_peak_bytes)}
 
 
-def _costs(model: ModelSpec, cluster: ClusterSpec, setting: StockSetting, levels: Iterable[str]) -> OpCosts:
-    return analytic_costs(model_for(model, setting), cluster, setting.config(), levels=tuple(levels))
+def _costs(model: ModelSpec, cluster: ClusterSpec, setting: StockSetting, levels: Iterable[str],
+           profile: Optional[Profile] = None) -> OpCosts:
+    """The planner's costs of ``setting`` (:func:`.clusters.costs_for`: with a measured ``profile``'s where given)."""
+    return costs_for(model_for(model, setting), cluster, setting.config(), profile=profile, levels=tuple(levels))
 
 
 def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, sharding: Optional[MegatronFsdpSharding],
@@ -102,12 +106,13 @@ def _microbatch_bound(setting: StockSetting, config: ScheduleConfig, costs: OpCo
                        resident, FSDP_MODELS[1])
 
 
-def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budget: Budget = float("inf")) -> StockResult:
+def evaluate(setting: StockSetting, model: ModelSpec, cluster: ClusterSpec, budget: Budget = float("inf"),
+             profile: Optional[Profile] = None) -> StockResult:
     """Simulate one stock setting: iteration time and per-rank peaks. ZeRO-2/3: the faster of the two
     predictions of :class:`MegatronFsdpSharding` that fits ``budget`` (the span model if neither does)."""
     config = setting.config()
     level = setting.recompute.level
-    costs = _costs(model, cluster, setting, (level,))
+    costs = _costs(model, cluster, setting, (level,), profile)
     sharding = sharding_model(setting, model, cluster)
     offload = OffloadModel.of(model_for(model, setting), cluster, config) if setting.offload else None
     span = _result(setting, config, costs, sharding, offload=offload)
@@ -158,7 +163,8 @@ class _StockOption(NamedTuple):
 
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
-             host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None) -> List[_Choice]:
+             host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
+             profile: Optional[Profile] = None) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
@@ -179,7 +185,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             continue
         options = recompute_options(max(model.stage_layers(pp, vpp)), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
-        costs = _costs(model, cluster, probe, [o.level for o in options])
+        costs = _costs(model, cluster, probe, [o.level for o in options], profile)
         config = probe.config()
         schedule = lower(config, lowering_for(costs))
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
@@ -287,7 +293,8 @@ BOUND_SLACK = 1e-9
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
                host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
-               incumbent_s: float = float("inf"), time_up: TimeUp = None) -> Optional[StockResult]:
+               incumbent_s: float = float("inf"), time_up: TimeUp = None,
+               profile: Optional[Profile] = None) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
     ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
@@ -301,7 +308,8 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
     simulated, nor run past it (None if none can beat it). ``time_up``: asked before each simulation; True stops
     the search with :class:`.simulator.SearchTimeUp`."""
-    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps)
+    choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps,
+                       profile)
     best: Optional[Tuple[float, int, StockResult]] = None
     for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
         if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):

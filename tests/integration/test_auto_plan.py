@@ -28,3 +28,35 @@ def test_plan_file_levels_and_keys_checked(tmp_path):
         load_plan(_write(tmp_path, {(0, 0, 0): "disk"}), 2, 2, 4)
     with pytest.raises(ValueError, match=r"entries \[\(2, 0, 0\)\].*outside"):
         load_plan(_write(tmp_path, {(2, 0, 0): "host"}), 2, 2, 4)
+
+
+def test_a_per_layer_profile_prices_the_start_up_plan_and_one_of_another_model_is_refused(tmp_path):
+    """--pipemesh-profile with a pipemesh profile file: the run's request carries it and its costs are the measured
+    ones; a profile measured for another hidden size stops the start-up with one line naming it."""
+    import dataclasses
+
+    import torch
+
+    from megatron_pipemesh.integration import auto_plan as auto
+    from megatron_pipemesh.planning.profile import ComputePoint, Profile, shape_of
+    from megatron_pipemesh.planning.request import AUTO
+    from megatron_pipemesh.schedule.config import ScheduleConfig
+    from tests.integration.test_auto_budget import _args
+
+    args = _args(pipemesh_memory_budget_gb=4.0)
+    model = auto.megatron_request(args, auto._flags(args, None), AUTO, 4, 2, 12)[0].model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    point = ComputePoint(1, model.micro_batch_size, 0.05, 0.1, {}, {}, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    path = tmp_path / "profile.json"
+    path.write_text(Profile(device_kind=device, shape=shape_of(model, "fp32"), compute=(point,)).to_json())
+    args = _args(pipemesh_memory_budget_gb=4.0, pipemesh_profile=str(path))
+    request = auto.megatron_request(args, auto._flags(args, None), AUTO, 4, 2, 12)[0]
+    assert request.profile is not None and request.measured is None
+    assert request.costs_for(ScheduleConfig.depth_first(4, 2, 12)).forward_s == pytest.approx(1 * 0.05)  # 1 layer/stage
+    other = Profile(device_kind=device, shape=shape_of(dataclasses.replace(model, hidden_size=512), "fp32"),
+                    compute=(point,))
+    path.write_text(other.to_json())
+    with pytest.raises(ValueError) as refused:
+        auto.megatron_request(args, auto._flags(args, None), AUTO, 4, 2, 12)
+    assert str(refused.value) == (f"--pipemesh-profile {path} was measured for hidden 512, this command has hidden 256: "
+                                  "re-run pipemesh profile with this command")

@@ -70,3 +70,28 @@ def test_replan_times_the_groups_megatrons_bucket_groups_reduce_on(monkeypatch, 
     assert timed == [("instance", 64), ("expert", 8)]
     printed = capsys.readouterr().out
     assert "dp_reduce_s 0.001000" in printed  # (two all-reduces) / 2: a reduce-scatter moves half
+
+
+def test_the_profile_file_reads_old_and_new_formats_and_keeps_per_layer_measurements(tmp_path):
+    """--pipemesh-profile reads a run's flat per-op times (the format before the schema version) and the profile
+    format; a run's times saved next to pipemesh profile's per-layer measurements keep those."""
+    import json
+
+    from megatron_pipemesh.integration.measured import load_profile, save_run_times
+    from megatron_pipemesh.planning.costs import ModelSpec
+    from megatron_pipemesh.planning.profile import RUN_TIME_FIELDS, ComputePoint, Profile, shape_of
+
+    times = {key: 0.5 for key in RUN_TIME_FIELDS}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(times))
+    assert load_profile(str(old)).run_times == times and not load_profile(str(old)).compute
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
+    point = ComputePoint(1, 1, 1e-3, 2e-3, {"full": 1e-3}, {"none": 1e5, "full": 1e4}, 1e-4, 1e-4, 1e3, 3e-4, 4e-4, 1e4)
+    new = tmp_path / "profile.json"
+    new.write_text(Profile(device_kind="cpu", shape=shape_of(model, "fp32"), compute=(point,)).to_json())
+    save_run_times(str(new), times, model, "fp32", "cpu")
+    loaded = load_profile(str(new))
+    assert loaded.compute == (point,) and loaded.run_times == times
+    fresh = tmp_path / "fresh.json"
+    save_run_times(str(fresh), times, model, "bf16", "cpu")
+    assert load_profile(str(fresh)).run_times == times and load_profile(str(fresh)).shape.dtype == "bf16"

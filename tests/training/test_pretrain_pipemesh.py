@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pipemesh.integration.measured import load_profile
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megatron_harness as h  # noqa: E402
 
@@ -149,7 +151,7 @@ def test_auto_plan_measures_replans_and_keeps_the_losses(base_args, uninterrupte
     assert "PipeMesh plan (auto, analytic costs" in out and "activation placement auto, host link 200 Gbit/s" in out
     assert "PipeMesh measured costs" in out and "PipeMesh plan (measured)" in out
     assert _log(out) == uninterrupted
-    measured = json.loads(profile.read_text())
+    measured = load_profile(str(profile)).run_times  # the profile format, the run's times under run_times
     assert measured["forward_s"] > 0 and measured["backward_s"] > 0 and measured["p2p_s"] > 0
     again = _train(args + auto)
     assert f"measured costs from {profile}" in again

@@ -1,0 +1,130 @@
+"""``pipemesh profile``: measure what the planner otherwise assumes, on this machine, for your command.
+
+    pipemesh profile --megatron-args "<your pretrain_gpt.py flags>" [--output profile.json] [--repeats 3]
+    pipemesh profile --output profile.json -- --num-layers 24 ...
+    pipemesh profile --show profile.json
+
+The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.profile`; ``pipemesh plan
+--megatron-args ... --profile profile.json`` prices the layouts with it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Sequence
+
+from ..integration.profile import ProfileSettings
+from ..planning.profile import Profile, ProfileError, load
+from .common import UsageError, positive_int
+from .megatron_args import MEGATRON_ARGS, _megatron_words, split_argv
+
+DEFAULT_OUTPUT = "profile.json"
+
+
+def build_profile_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipemesh profile", description=(
+        "Measure, on this machine with Megatron's own modules of your command, one transformer layer's forward and "
+        "backward and each recomputation's extra, the embedding, the output layer with the loss (at micro-batch sizes "
+        "1, 2, 4, ... up to yours), the optimizer step and the activation bytes; then plan with "
+        "pipemesh plan --megatron-args ... --profile FILE."))
+    parser.add_argument(MEGATRON_ARGS, metavar='"FLAGS"', default=None,
+                        help="the flags of your pretrain_gpt.py command in one quoted string (or give them after --)")
+    parser.add_argument("--output", metavar="FILE", default=DEFAULT_OUTPUT,
+                        help=f"where to write the profile (default {DEFAULT_OUTPUT})")
+    parser.add_argument("--show", metavar="FILE", default=None, help="print a profile as a table and exit")
+    parser.add_argument("--repeats", type=positive_int, default=ProfileSettings.repeats,
+                        help=f"timed calls per measurement (median; default {ProfileSettings.repeats})")
+    parser.add_argument("--warmup", type=int, default=ProfileSettings.warmup,
+                        help=f"untimed calls before them (default {ProfileSettings.warmup})")
+    parser.add_argument("--max-micro-batch-size", type=positive_int, default=None,
+                        help="the largest micro-batch size measured, at most your command's (default: yours)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def table(profile: Profile, name: str = "") -> str:
+    """The profile as text: where it was measured, the model, one row per (TP, micro-batch size), the rest."""
+    shape = profile.shape
+    lines = [f"profile {name}".rstrip() + f" (schema {profile.schema_version})"]
+    if profile.device_kind:
+        lines.append(f"device: {profile.device_kind} ({profile.device_name}); torch {profile.torch_version}, "
+                     f"megatron-core {profile.megatron_core_version}")
+    if shape is not None:
+        lines.append(f"model: {shape.num_layers} layers, hidden {shape.hidden_size}, heads {shape.num_attention_heads}, "
+                     f"ffn {shape.ffn_hidden_size}, seq {shape.seq_length}, vocab {shape.vocab_size}, {shape.dtype}, "
+                     f"{shape.layer_spec} layer spec")
+    if profile.method:
+        lines.append("method: " + ", ".join(f"{key} {value}" for key, value in profile.method.items()))
+    if profile.compute:
+        levels = sorted({level for point in profile.compute for level in point.recompute_extra_s})
+        header = (f"{'TP':>3} {'mbs':>4} {'layer F ms':>10} {'layer B ms':>10} {'keeps MiB':>9} "
+                  + "".join(f" {'+' + level:>{max(10, len(level) + 1)}}" for level in levels)
+                  + f" {'emb F+B ms':>11} {'out F+B ms':>11}")
+        lines += ["", header, "-" * len(header)]
+        for point in profile.compute:
+            lines.append(
+                f"{point.tp:>3} {point.micro_batch_size:>4} {point.layer_forward_s * 1e3:>10.3f} "
+                f"{point.layer_backward_s * 1e3:>10.3f} {point.layer_activation_bytes.get('none', 0.0) / 2**20:>9.3f}"
+                + "".join(f" {point.recompute_extra_s.get(level, float('nan')) * 1e3:>{max(10, len(level) + 1)}.3f}"
+                          for level in levels)
+                + f" {(point.embedding_forward_s + point.embedding_backward_s) * 1e3:>11.3f}"
+                + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}")
+        lines.append("(+level: the extra backward ms of that recomputation per layer; keeps: bytes one layer keeps "
+                     "for its backward)")
+        lines.append("activation bytes per layer: " + "; ".join(
+            f"mbs {point.micro_batch_size}: " + ", ".join(f"{level} {value / 2**20:.3f} MiB"
+                                                          for level, value in point.layer_activation_bytes.items())
+            for point in profile.compute))
+    if profile.optimizer_s_per_param is not None:
+        lines.append(f"optimizer step: {profile.optimizer_s_per_param * 1e9:.3f} ns per parameter")
+    lines.append("host link: " + (f"{profile.host_link_gbps:.1f} Gbit/s" if profile.host_link_gbps is not None
+                                  else "not measured (CUDA only)"))
+    if profile.run_times is not None:
+        lines.append("a training run's per-op times (s): "
+                     + ", ".join(f"{key} {value:.6f}" for key, value in profile.run_times.items()))
+    lines += [f"note: {note}" for note in profile.notes]
+    return "\n".join(lines)
+
+
+def _progress(quiet: bool):
+    started = time.perf_counter()
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(f"pipemesh profile [{time.perf_counter() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def cmd_profile(argv: Sequence[str]) -> int:
+    """``pipemesh profile ...`` from its words (after ``profile``)."""
+    own, tail = split_argv(argv)
+    args = build_profile_parser().parse_args(own)
+    if args.show is not None:
+        if args.megatron_args is not None or tail is not None:
+            raise UsageError("--show prints a profile: give it alone (pipemesh profile --show profile.json)")
+        try:
+            print(table(load(args.show), args.show))
+        except ProfileError as error:
+            raise UsageError(str(error)) from error
+        return 0
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup} is invalid: it must be 0 or more. Example: --warmup 1")
+    words: List[str] = _megatron_words(args, tail)
+    say = _progress(args.quiet)
+    say("reading the command with Megatron's argument parser and building one layer of it")
+    from ..integration.megatron_command import CommandError
+    from ..integration.profile import measure_profile
+
+    try:
+        profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
+                                                         max_micro_batch=args.max_micro_batch_size), progress=say)
+    except CommandError as error:
+        raise UsageError(str(error)) from error
+    with open(args.output, "w", encoding="utf-8") as handle:
+        handle.write(profile.to_json() + "\n")
+    say(f"wrote {args.output}")
+    print(table(profile, args.output))
+    print(f"\nplan with it: pipemesh plan --megatron-args \"...\" --profile {args.output} (your cluster's flags)")
+    return 0

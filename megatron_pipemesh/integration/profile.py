@@ -1,0 +1,424 @@
+"""``pipemesh profile``: measure, on this machine and with Megatron's own modules of the user's command, what the
+planner otherwise assumes (the file format is :mod:`..planning.profile`).
+
+The command is read as ``pipemesh plan --megatron-args`` reads it (:func:`.megatron_command.read_command`, with the
+flags a CPU run adds, as the training entry point adds them) and Megatron's ``TransformerConfig`` is built from its
+args (``core_transformer_config_from_args``), with one transformer layer, TP = 1 and no pipeline: the layer spec,
+dtype, dropout, fusions and recomputation settings are the command's. On one process it measures, at every
+micro-batch size 1, 2, 4, ... up to the command's:
+
+* one layer's forward and backward (a middle stage's ``GPTModel``: input from the previous stage, no embedding, no
+  output layer), and again with each recompute level the planner chooses from (Megatron's own selective and full
+  recomputation, configured by ``--recompute-granularity`` / ``--recompute-modules``): the extra over none;
+* the embedding (``GPTModel.embedding``) and the final norm, output layer and loss
+  (``compute_language_model_loss``), forward and backward;
+* the bytes each keeps for its backward: the runtime's saved-tensor meter
+  (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded);
+* the optimizer step (torch's Adam over fp32 parameters, as Megatron without Apex runs it) per parameter;
+* on CUDA, the pinned host link (device-to-host and back, the slower); the NIC is not measured here.
+
+Timing: on CPU the wall clock with one thread (a rank's share), on CUDA CUDA events; warm-up calls, then the median
+of the repeats. Weights get Megatron's ``main_grad`` buffers, as DDP gives them, so the backward accumulates as in
+training. TP > 1 is not measured (it needs CUDA and a process group per rank).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..planning.profile import ComputePoint, Profile, dtype_name, shape_of
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How much to measure."""
+
+    warmup: int = 2
+    """Calls before the timed ones (first-call allocations, lazy initialisation)."""
+    repeats: int = 5
+    """Timed calls; the median is kept."""
+    max_micro_batch: Optional[int] = None
+    """The largest micro-batch size measured (None: the command's)."""
+    seed: int = 1234
+    """Seed of the weights and inputs."""
+
+
+def micro_batch_sizes(largest: int) -> List[int]:
+    """1, 2, 4, ... below ``largest``, and ``largest``."""
+    sizes, size = [], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+def _parallel_sizes(words: Sequence[str]) -> Tuple[int, int, int]:
+    """(TP, PP, CP) the command asks for: the world size its validation needs with one data-parallel replica."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    known, _ = parser.parse_known_args(list(words))
+    return known.tensor_model_parallel_size, known.pipeline_model_parallel_size, known.context_parallel_size
+
+
+def _device_name(cuda: bool) -> str:
+    import torch
+
+    if cuda:
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Timer:
+    """Seconds of a block: CUDA events on CUDA, the wall clock on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn: Callable[[], object]) -> Tuple[object, float]:
+        import torch
+
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return out, start.elapsed_time(end) / 1e3
+        began = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - began
+
+
+def _forward_backward(forwards: Dict[str, Callable[[], object]], grad_of: Callable[[object], object], timer: _Timer,
+                      settings: ProfileSettings, meter_exclude) -> Dict[str, Tuple[float, float, int]]:
+    """Per name: (median forward s, median backward s, bytes saved for the backward) of ``forward`` then
+    ``backward(grad)``. The forwards take turns in every round, so that a drift of the machine's speed (other
+    processes, clocks) reaches them alike and their differences (a recomputation's extra) stay fair."""
+    import torch
+
+    from ..runtime.memory import SavedTensorMeter
+
+    samples: Dict[str, Tuple[List[float], List[float]]] = {name: ([], []) for name in forwards}
+    for call in range(settings.warmup + settings.repeats):
+        for name, forward in forwards.items():
+            out, forward_s = timer(forward)
+            gradient = grad_of(out)
+            _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
+            if call >= settings.warmup:
+                samples[name][0].append(forward_s)
+                samples[name][1].append(backward_s)
+    found = {}
+    for name, forward in forwards.items():
+        meter = SavedTensorMeter(meter_exclude)
+        with meter.record(name):
+            out = forward()
+        torch.autograd.backward(out, grad_of(out))
+        found[name] = (statistics.median(samples[name][0]), statistics.median(samples[name][1]),
+                       int(meter.saved_bytes.get(name, 0)))
+    return found
+
+
+def _with_main_grads(model) -> List:
+    """Give every parameter an fp32 ``main_grad`` (what Megatron's DDP buffers are) and return the tensors."""
+    import torch
+
+    tensors = []
+    for param in model.parameters():
+        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        tensors += [param, param.main_grad]
+    return tensors
+
+
+def _level_args(args, level: str):
+    """``args`` with the recomputation of ``level`` (a :class:`..schedule.levers.Lever` name) and one layer."""
+    from ..schedule.levers import FULL, Lever
+
+    lever = Lever.parse(level)
+    out = copy.copy(args)
+    out.num_layers = 1
+    out.recompute_granularity, out.recompute_method, out.recompute_num_layers = None, None, None
+    if lever.is_selective:
+        out.recompute_granularity, out.recompute_modules = "selective", sorted(lever.modules)
+    elif lever == FULL:
+        out.recompute_granularity, out.recompute_method, out.recompute_num_layers = "full", "uniform", 1
+    return out
+
+
+def _single_rank_args(args):
+    """``args`` for one process: TP = PP = CP = 1, no layer split, no sequence parallelism."""
+    out = copy.copy(args)
+    out.tensor_model_parallel_size = out.pipeline_model_parallel_size = out.context_parallel_size = 1
+    out.virtual_pipeline_model_parallel_size = None
+    out.sequence_parallel = False
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout"):
+        if hasattr(out, name):
+            setattr(out, name, None)
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if hasattr(out, name):
+            setattr(out, name, False)
+    return out
+
+
+def _te_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _as_run_here(words: List[str], cuda: bool) -> List[str]:
+    """The flags a run of ``words`` gets on this machine (the training entry point adds the same): on CPU the local
+    layer spec, CPU initialisation, no fused kernels; on CUDA without Transformer Engine the local layer spec."""
+    from .cpu_compat import _given, missing_cpu_args
+
+    if not cuda:
+        return words + missing_cpu_args(words)
+    if not _te_importable() and not _given(words, "--transformer-impl"):
+        return words + ["--transformer-impl", "local"]
+    return words
+
+
+def _layer_spec(args, use_te: bool):
+    """Megatron's dense GPT layer spec of ``args`` (Transformer Engine's or the local one)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
+                                                          qk_l2_norm=qk_l2_norm)
+    return get_gpt_layer_local_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
+                                    normalization=args.normalization, qk_l2_norm=qk_l2_norm)
+
+
+def _start_process_group(cuda: bool) -> Callable[[], None]:
+    """A one-rank process group and Megatron's parallel state (TP = PP = 1); returns the teardown."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    store_path = tempfile.mktemp(prefix="pipemesh-profile-")
+    owned = not dist.is_initialized()
+    if owned:
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+
+    def stop() -> None:
+        parallel_state.destroy_model_parallel()
+        if owned:
+            dist.destroy_process_group()
+        if os.path.exists(store_path):
+            os.remove(store_path)
+
+    return stop
+
+
+def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSettings(),
+                    progress: Progress = lambda line: None) -> Profile:
+    """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them)."""
+    from .bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    import torch
+
+    from .cpu_compat import apply_cpu_compat
+    from .megatron_command import CommandError, read_command
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        apply_cpu_compat()
+        torch.set_num_threads(1)  # one thread per rank, as the ranks will run
+    tp, pp, cp = _parallel_sizes(words)
+    planned = read_command(list(words), world_size=tp * pp * cp)  # the command as the planner reads it
+    run = read_command(_as_run_here(list(words), cuda), world_size=tp * pp * cp)  # as it runs on this machine
+    if getattr(run.args, "num_experts", None) or getattr(run.args, "spec", None):
+        raise CommandError("pipemesh profile measures dense GPT layers: --num-experts and --spec are not supported")
+    args = _single_rank_args(run.args)
+    args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
+    model_spec = planned.model
+    notes = ["TP > 1 is not measured: it needs CUDA and one process per rank (TP = 1 only)"] if not cuda else [
+        "TP > 1 is not measured by this single-process profile (TP = 1 only)"]
+    notes.append("the network (pipeline and data-parallel links) is not measured: plans keep --nic-gbps")
+    if run.model.layer_spec != model_spec.layer_spec:
+        notes.append(f"measured with the {run.model.layer_spec} layer spec (the command's {model_spec.layer_spec} "
+                     "needs Transformer Engine, which this machine does not have); a run here uses the same")
+    stop = _start_process_group(cuda)
+    try:
+        compute, optimizer_s, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, progress,
+                                                   notes)
+    finally:
+        stop()
+    import megatron.core
+
+    return Profile(
+        device_kind="cuda" if cuda else "cpu", device_name=_device_name(cuda), torch_version=torch.__version__,
+        megatron_core_version=getattr(megatron.core, "__version__", "unknown"),
+        shape=shape_of(model_spec, dtype_name(planned.args)), compute=tuple(compute),
+        optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps,
+        method={"timer": "CUDA events" if cuda else "wall clock", "threads": None if cuda else 1,
+                "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
+                "activation_meter": "saved-tensor meter (parameters excluded)",
+                "measured_layer_spec": run.model.layer_spec},
+        notes=tuple(notes))
+
+
+def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: bool, progress: Progress,
+             notes: List[str]):
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from ..planning.costs import planning_levels
+    from ..schedule.levers import DEVICE
+
+    device = torch.device("cuda" if cuda else "cpu")
+    timer = _Timer(cuda)
+
+    def build(level_args, pre: bool, post: bool):
+        torch.manual_seed(settings.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+        config = core_transformer_config_from_args(level_args)
+        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(level_args, run_spec == "te" and _te_importable()),
+                         vocab_size=level_args.padded_vocab_size,
+                         max_sequence_length=level_args.max_position_embeddings, pre_process=pre, post_process=post,
+                         parallel_output=True,
+                         share_embeddings_and_output_weights=not level_args.untie_embeddings_and_output_weights,
+                         position_embedding_type=level_args.position_embedding_type,
+                         rotary_percent=level_args.rotary_percent, rotary_base=level_args.rotary_base)
+        return model.to(device), config
+
+    layer_models = {}
+    for level in planning_levels(model_spec):
+        try:
+            layer_models[str(level)] = build(_level_args(args, level), pre=False, post=False)
+        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as error:
+            notes.append(f"recompute level {level} not measured: Megatron refuses it here ({error})")
+    ends, config = build(_level_args(args, str(DEVICE)), pre=True, post=True)
+    excluded = [t for model, _ in layer_models.values() for t in _with_main_grads(model)] + _with_main_grads(ends)
+    dtype = config.params_dtype
+    s, h, vocab = args.seq_length, args.hidden_size, args.padded_vocab_size
+    largest = min(settings.max_micro_batch or args.micro_batch_size, args.micro_batch_size)
+    points = []
+    for b in micro_batch_sizes(largest):
+        try:
+            points.append(_point(b, s, h, vocab, layer_models, ends, dtype, device, timer, settings, excluded,
+                                 progress))
+        except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
+            notes.append(f"micro-batch size {b} and above not measured: out of device memory")
+            break
+    optimizer_s = _optimizer_s_per_param(ends, timer, settings)
+    progress(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
+    host_gbps = _host_link_gbps(settings) if cuda else None
+    if host_gbps is not None:
+        progress(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction)")
+    return points, optimizer_s, host_gbps
+
+
+def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: _Timer,
+           settings: ProfileSettings, excluded, progress: Progress) -> ComputePoint:
+    import torch
+
+    mask = (torch.tril(torch.ones(s, s, device=device)) < 0.5).view(1, 1, s, s)
+    generator = torch.Generator().manual_seed(settings.seed + b)
+    hidden = torch.randn(s, b, h, generator=generator).to(device=device, dtype=dtype)
+
+    def like(out):
+        return torch.ones_like(out) * 1e-3
+
+    def layer_forward(model):
+        def forward():
+            model.set_input_tensor(hidden.clone().requires_grad_(True))
+            return model(input_ids=None, position_ids=None, attention_mask=mask)
+        return forward
+    times = _forward_backward({level: layer_forward(model) for level, (model, _) in layer_models.items()}, like,
+                              timer, settings, excluded)
+    none = times["none"]
+    tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+
+    def embedding_forward():
+        return ends.embedding(input_ids=tokens, position_ids=positions)
+    embedding = _forward_backward({"embedding": embedding_forward}, like, timer, settings, excluded)["embedding"]
+
+    def output_forward():
+        x = hidden.clone().requires_grad_(True)
+        weight = ends.shared_embedding_or_output_weight() if ends.share_embeddings_and_output_weights else None
+        logits, _ = ends.output_layer(ends.decoder.final_layernorm(x), weight=weight)
+        return ends.compute_language_model_loss(tokens, logits).float().mean()
+    output = _forward_backward({"output": output_forward}, lambda out: None, timer, settings, excluded)["output"]
+    point = ComputePoint(
+        tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
+        recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()
+                           if level != "none"},
+        layer_activation_bytes={level: float(t[2]) for level, t in times.items()},
+        embedding_forward_s=embedding[0], embedding_backward_s=embedding[1],
+        embedding_activation_bytes=float(embedding[2]), output_forward_s=output[0], output_backward_s=output[1],
+        output_activation_bytes=float(output[2]))
+    progress(f"micro-batch {b}: layer forward {point.layer_forward_s * 1e3:.2f} ms, backward "
+             f"{point.layer_backward_s * 1e3:.2f} ms, keeps {point.layer_activation_bytes['none'] / 2**20:.2f} MiB; "
+             f"embedding {embedding[0] * 1e3:.2f} + {embedding[1] * 1e3:.2f} ms; output + loss "
+             f"{output[0] * 1e3:.2f} + {output[1] * 1e3:.2f} ms; recompute extra "
+             + ", ".join(f"{level} {extra * 1e3:.2f} ms" for level, extra in point.recompute_extra_s.items()))
+    return point
+
+
+def _optimizer_s_per_param(model, timer: _Timer, settings: ProfileSettings) -> float:
+    """Seconds of one Adam step per parameter over fp32 copies of ``model``'s parameters (at least 2**20)."""
+    import torch
+
+    params = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    count = sum(p.numel() for p in params)
+    if count < 2 ** 20:  # a step over few parameters is its per-tensor overhead: time a flat tensor as well
+        params.append(torch.zeros(2 ** 20 - count, device=params[0].device, requires_grad=True))
+        count = 2 ** 20
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    steps = []
+    for call in range(settings.warmup + settings.repeats):
+        _, seconds = timer(optimizer.step)
+        if call >= settings.warmup:
+            steps.append(seconds)
+    return statistics.median(steps) / count
+
+
+def _host_link_gbps(settings: ProfileSettings, size: int = 64 * 2 ** 20) -> float:
+    """The slower direction of pinned device-host copies of ``size`` bytes, Gbit/s."""
+    import torch
+
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    timer = _Timer(True)
+    rates = []
+    for copy_to in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, non_blocking=True)):
+        seconds = []
+        for call in range(settings.warmup + settings.repeats):
+            _, t = timer(copy_to)
+            if call >= settings.warmup:
+                seconds.append(t)
+        rates.append(size * 8 / statistics.median(seconds) / 1e9)
+    return min(rates)

@@ -1,0 +1,290 @@
+"""A measured profile (``pipemesh profile``, ``--pipemesh-profile``): its file format, whether it matches a command,
+and the planner's costs with its measured times and bytes in place of the analytic ones.
+
+One JSON object (:data:`SCHEMA_VERSION`): the device and versions it was measured with, the model shape, one
+:class:`ComputePoint` per (TP, micro-batch size) measured (one transformer layer's forward and backward, the extra
+backward of each recompute level, the embedding, the output layer with the loss, and the bytes each keeps for the
+backward), the optimizer step per parameter, the host link where measured, and the per-op times a training run
+measured (``--pipemesh-measure-iters``: :attr:`Profile.run_times`). Files written before the format had a version
+(the flat per-op times of a run) still read: they are a profile with :attr:`Profile.run_times` only.
+
+:func:`apply_profile` is called by :func:`.clusters.costs_for` only: the costs are built in one place.
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .costs import ClusterSpec, ModelSpec, OpCosts
+
+SCHEMA_VERSION = 2
+"""Version of the file format (a flat file of per-op times, the format before this one, has none)."""
+
+RUN_TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s",
+                   "dp_gather_s")
+"""The per-op times a training run measures (``--pipemesh-measure-iters``)."""
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read, or one that does not match the command it is used with."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a profile's measurements depend on of the model (Megatron argument names in brackets)."""
+
+    hidden_size: int
+    """[--hidden-size]"""
+    num_attention_heads: int
+    """[--num-attention-heads]"""
+    ffn_hidden_size: int
+    """[--ffn-hidden-size] (4h by default)."""
+    seq_length: int
+    """[--seq-length]"""
+    vocab_size: int
+    """The padded vocabulary (embedding and output layer)."""
+    num_layers: int
+    """[--num-layers] of the command profiled (informative: the profile is per layer)."""
+    dtype: str
+    """'bf16', 'fp16' or 'fp32' [--bf16 / --fp16]."""
+    layer_spec: str
+    """'local' or 'te' [--transformer-impl]."""
+    num_query_groups: Optional[int] = None
+    """[--num-query-groups] with --group-query-attention; None: one per head."""
+    swiglu: bool = False
+    """[--swiglu]"""
+    position_embedding: str = "learned_absolute"
+    """[--position-embedding-type]"""
+
+    MATCHED = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size", "layer_spec",
+               "num_query_groups", "swiglu", "position_embedding")
+    """The fields a command must share with the profile (the layer count and micro-batch size may differ)."""
+
+
+WORDS = {"hidden_size": "hidden", "num_attention_heads": "heads", "ffn_hidden_size": "ffn hidden",
+         "seq_length": "sequence length", "vocab_size": "padded vocabulary", "layer_spec": "layer spec",
+         "num_query_groups": "query groups", "swiglu": "swiglu", "position_embedding": "position embedding",
+         "dtype": "dtype"}
+
+
+def dtype_name(args) -> str:
+    """'bf16', 'fp16' or 'fp32': the compute dtype of Megatron's ``args``."""
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
+def shape_of(model: ModelSpec, dtype: str) -> ModelShape:
+    """The shape of ``model`` computed in ``dtype`` ('bf16', 'fp16', 'fp32')."""
+    return ModelShape(hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+                      ffn_hidden_size=model.ffn, seq_length=model.seq_length, vocab_size=model.vocab_size,
+                      num_layers=model.num_layers, dtype=dtype, layer_spec=model.layer_spec,
+                      num_query_groups=model.num_query_groups, swiglu=model.swiglu,
+                      position_embedding=model.position_embedding)
+
+
+@dataclass(frozen=True)
+class ComputePoint:
+    """What one transformer layer, the embedding and the output layer cost at one (TP, micro-batch size)."""
+
+    tp: int
+    """Tensor-parallel size measured at."""
+    micro_batch_size: int
+    """Micro-batch size measured at."""
+    layer_forward_s: float
+    """One transformer layer's forward, seconds."""
+    layer_backward_s: float
+    """Its backward (no recomputation), seconds."""
+    recompute_extra_s: Dict[str, float]
+    """Extra backward seconds of each recompute level (:class:`..schedule.levers.Lever` names) over none."""
+    layer_activation_bytes: Dict[str, float]
+    """Bytes one layer keeps for its backward, per recompute level."""
+    embedding_forward_s: float
+    """The embedding's forward (word and position tables), seconds."""
+    embedding_backward_s: float
+    """Its backward, seconds."""
+    embedding_activation_bytes: float
+    """Bytes it keeps for the backward."""
+    output_forward_s: float
+    """Final norm, output layer and loss, forward, seconds."""
+    output_backward_s: float
+    """Their backward, seconds."""
+    output_activation_bytes: float
+    """Bytes they keep for the backward."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured profile (the file :func:`load` reads and :meth:`to_json` writes)."""
+
+    device_kind: str = ""
+    """'cpu' or 'cuda' ('' in a file of run times only)."""
+    device_name: str = ""
+    """The device's name (CPU model, GPU name)."""
+    torch_version: str = ""
+    megatron_core_version: str = ""
+    shape: Optional[ModelShape] = None
+    """The model measured (None in an older file)."""
+    compute: Tuple[ComputePoint, ...] = ()
+    """One point per (TP, micro-batch size) measured."""
+    optimizer_s_per_param: Optional[float] = None
+    """The optimizer step's seconds per local parameter."""
+    host_link_gbps: Optional[float] = None
+    """Pinned device-host copy rate, Gbit/s per direction (CUDA only; None: not measured)."""
+    method: Dict[str, object] = field(default_factory=dict)
+    """How it was measured (timer, threads, warm-up, repeats)."""
+    notes: Tuple[str, ...] = ()
+    """What was not measured and why (TP > 1 needs CUDA; the NIC stays --nic-gbps)."""
+    run_times: Optional[Dict[str, float]] = None
+    """Per-op times a training run measured (:data:`RUN_TIME_FIELDS`), or None."""
+    schema_version: int = SCHEMA_VERSION
+
+    def point(self, tp: int, micro_batch_size: int) -> Optional[ComputePoint]:
+        """The measurements at ``tp`` and ``micro_batch_size``, or None."""
+        for point in self.compute:
+            if point.tp == tp and point.micro_batch_size == micro_batch_size:
+                return point
+        return None
+
+    def to_dict(self) -> dict:
+        out = {"schema_version": self.schema_version, "kind": "pipemesh-profile",
+               "device": {"kind": self.device_kind, "name": self.device_name},
+               "versions": {"torch": self.torch_version, "megatron_core": self.megatron_core_version},
+               "model": dataclasses.asdict(self.shape) if self.shape else None,
+               "compute": [dataclasses.asdict(point) for point in self.compute],
+               "optimizer_s_per_param": self.optimizer_s_per_param,
+               "links": {"host_link_gbps": self.host_link_gbps}, "method": dict(self.method),
+               "notes": list(self.notes)}
+        if self.run_times is not None:
+            out["run_times"] = dict(self.run_times)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def from_dict(data: Mapping, where: str = "the profile") -> Profile:
+    """The profile ``data`` holds: this format, or an older file's flat per-op times (``where`` names it in errors)."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{where} is not a JSON object; write it with pipemesh profile")
+    if "schema_version" not in data:  # the flat per-op times a run wrote before the format had a version
+        missing = [key for key in RUN_TIME_FIELDS if key not in data]
+        if missing:
+            raise ProfileError(f"{where} lacks {missing}; delete it to measure again")
+        return Profile(run_times={key: float(data[key]) for key in RUN_TIME_FIELDS})
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise ProfileError(f"{where} has schema version {version}; this pipemesh reads version {SCHEMA_VERSION}: "
+                           "re-run pipemesh profile")
+    try:
+        model = data.get("model")
+        device, versions, links = data.get("device") or {}, data.get("versions") or {}, data.get("links") or {}
+        run_times = data.get("run_times")
+        return Profile(
+            device_kind=str(device.get("kind", "")), device_name=str(device.get("name", "")),
+            torch_version=str(versions.get("torch", "")), megatron_core_version=str(versions.get("megatron_core", "")),
+            shape=ModelShape(**model) if model else None,
+            compute=tuple(ComputePoint(**point) for point in data.get("compute") or ()),
+            optimizer_s_per_param=data.get("optimizer_s_per_param"), host_link_gbps=links.get("host_link_gbps"),
+            method=dict(data.get("method") or {}), notes=tuple(data.get("notes") or ()),
+            run_times=None if run_times is None else {key: float(run_times[key]) for key in RUN_TIME_FIELDS})
+    except (TypeError, KeyError) as error:
+        raise ProfileError(f"{where} is not a pipemesh profile ({error}); re-run pipemesh profile") from error
+
+
+def load(path: str) -> Profile:
+    """The profile in the file at ``path`` (this format or an older one)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as error:
+        raise ProfileError(f"cannot read the profile {path}: {error.strerror}") from error
+    except ValueError as error:
+        raise ProfileError(f"{path} is not JSON ({error}); write it with pipemesh profile") from error
+    return from_dict(data, path)
+
+
+def mismatch(profile: Profile, model: ModelSpec, dtype: str, device_kind: Optional[str],
+             name: str = "the profile") -> Optional[str]:
+    """One line naming the first way ``profile`` (the file ``name``) does not match ``model`` in ``dtype`` on
+    ``device_kind`` ('cpu' or 'cuda'; None: either), or None when it matches."""
+    fix = "re-run pipemesh profile with this command"
+    if profile.shape is None or not profile.compute:
+        return f"{name} holds no per-layer measurements (a training run's times only): {fix}"
+    if device_kind is not None and profile.device_kind != device_kind:
+        return f"{name} was measured on {profile.device_kind}, this plan is for {device_kind}: {fix} on that device"
+    wanted = shape_of(model, dtype)
+    for key in ("dtype",) + ModelShape.MATCHED:
+        have, want = getattr(profile.shape, key), getattr(wanted, key)
+        if have != want:
+            return f"{name} was measured for {WORDS[key]} {have}, this command has {WORDS[key]} {want}: {fix}"
+    return None
+
+
+COST_NAMES = ("layer forward/backward", "recompute extras", "embedding", "output layer + loss", "activation bytes",
+              "optimizer step")
+"""The costs a profile can give, in the order :func:`coverage` names them."""
+
+
+def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int) -> Tuple[List[str], List[str]]:
+    """(costs measured, costs assumed) when ``profile`` prices a layout at ``tp`` and ``micro_batch_size``."""
+    if profile is None:
+        return [], list(COST_NAMES) + ["pipeline and data-parallel links"]
+    point = profile.point(tp, micro_batch_size)
+    measured = list(COST_NAMES[:5]) if point is not None else []
+    if profile.optimizer_s_per_param is not None:
+        measured.append("optimizer step")
+    assumed = [name for name in COST_NAMES if name not in measured]
+    if point is None:
+        assumed = [f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})" if name in COST_NAMES[:5]
+                   else name for name in assumed]
+    return measured, assumed + ["pipeline and data-parallel links (--nic-gbps)"]
+
+
+def _levels(measured: Mapping[str, float], analytic: Mapping[str, float], count: float,
+            scale: float = 1.0) -> Dict[str, float]:
+    """``analytic`` with the levels ``measured`` per layer (times ``count`` layers) in place; the others times
+    ``scale``."""
+    return {level: count * measured[level] if level in measured else value * scale
+            for level, value in analytic.items()}
+
+
+def _bytes_per_param(cluster: ClusterSpec) -> float:
+    """Weights + gradients + optimizer bytes per parameter (as :func:`.costs._rank_state` counts them)."""
+    return 6 + 12 / cluster.dp if cluster.distributed_optimizer else 18
+
+
+def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: ClusterSpec,
+                  stage_layers: Sequence[int]) -> OpCosts:
+    """``costs`` (analytic, for a schedule whose stages hold ``stage_layers``) with ``profile``'s measured times
+    and bytes in place wherever it has them at the cluster's TP and the model's micro-batch size; the tensor-parallel
+    collectives, the links and the transient bytes stay analytic."""
+    point = profile.point(cluster.tp, model.micro_batch_size)
+    changes: Dict[str, object] = {}
+    if point is not None:
+        layers = max(stage_layers)
+        # A level not measured (stock's uniform:k / block:k) keeps its analytic extra, scaled as the forward is.
+        analytic_layer = (costs.forward_s - costs.tp_forward_s) / layers
+        scale = point.layer_forward_s / analytic_layer if analytic_layer > 0 else 1.0
+        stages = tuple(dataclasses.replace(
+            stage, recompute_s=_levels(point.recompute_extra_s, stage.recompute_s, stage.layers, scale),
+            activation_bytes=_levels(point.layer_activation_bytes, stage.activation_bytes, stage.layers))
+            for stage in costs.stages)
+        changes.update(
+            forward_s=layers * point.layer_forward_s + costs.tp_forward_s,
+            backward_s=layers * point.layer_backward_s + costs.tp_backward_s,
+            recompute_s=_levels(point.recompute_extra_s, costs.recompute_s, layers, scale),
+            activation_bytes=_levels(point.layer_activation_bytes, costs.activation_bytes, layers),
+            # The embedding and the output layer are never recomputed: the same bytes at every level.
+            first_stage_activation_bytes=dict.fromkeys(costs.activation_bytes, float(point.embedding_activation_bytes)),
+            last_stage_activation_bytes=dict.fromkeys(costs.activation_bytes, float(point.output_activation_bytes)),
+            first_stage_extra_s=point.embedding_forward_s, first_stage_backward_extra_s=point.embedding_backward_s,
+            last_stage_extra_s=point.output_forward_s, last_stage_backward_extra_s=point.output_backward_s,
+            stages=stages)
+    if profile.optimizer_s_per_param is not None and cluster.optimizer_step:
+        # A rank's optimizer shard, from the parameters its static bytes count.
+        shard = [static / _bytes_per_param(cluster) / (cluster.dp if cluster.distributed_optimizer else 1)
+                 for static in costs.static_bytes]
+        changes["optimizer_s"] = tuple(params * profile.optimizer_s_per_param for params in shard)
+    return dataclasses.replace(costs, **changes) if changes else costs

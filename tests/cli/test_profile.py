@@ -1,0 +1,68 @@
+"""``pipemesh profile`` on the smallest command and ``--show``; ``pipemesh plan --megatron-args ... --profile`` with it
+(cli/profile.py, cli/megatron_args.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_pipemesh.planning.profile import load
+from tests.cli.test_commands import run
+
+SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
+         "--tokenizer-type NullTokenizer --vocab-size 257 --pipeline-model-parallel-size 2")
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "0.1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """pipemesh profile of SMALL in its own process (it starts a process group and Megatron's parallel state)."""
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
+                           "--output", str(path), "--repeats", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path, done
+
+
+def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
+    """The file holds the model shape, a point per micro-batch size 1 and 2 with positive times and bytes (full
+    recomputation keeps less than none), the optimizer rate and the notes; progress lines went to stderr;
+    --show prints the same table."""
+    path, done = measured
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 2 and data["device"]["kind"] == "cpu" and data["versions"]["megatron_core"]
+    assert data["model"]["hidden_size"] == 64 and data["model"]["seq_length"] == 32 and data["model"]["dtype"] == "fp32"
+    profile = load(str(path))
+    assert [p.micro_batch_size for p in profile.compute] == [1, 2]
+    for point in profile.compute:
+        assert point.layer_forward_s > 0 and point.layer_backward_s > 0 and point.output_forward_s > 0
+        assert point.layer_activation_bytes["full"] < point.layer_activation_bytes["none"]
+        assert set(point.recompute_extra_s) >= {"full"}
+    # Twice the micro-batch keeps twice the bytes in a layer (every saved tensor scales with it).
+    assert profile.compute[1].layer_activation_bytes["none"] == pytest.approx(
+        2 * profile.compute[0].layer_activation_bytes["none"], rel=0.05)
+    assert profile.optimizer_s_per_param > 0 and any("TP > 1" in note for note in profile.notes)
+    assert "pipemesh profile [" in done.stderr and "micro-batch 2: layer forward" in done.stderr
+    code, out, err = run(["profile", "--show", str(path)])
+    assert code == 0, err
+    assert "hidden 64" in out and "optimizer step" in out and out in done.stdout
+
+
+def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(measured):
+    """The plan prices with the profile and names the measured and assumed costs; a command of another hidden size
+    is refused in one line naming it, exit 2."""
+    path, _ = measured
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(path), "--json"])
+    assert code == 0, err
+    report = json.loads(out)["profile"]
+    assert "layer forward/backward" in report["measured"]["1"] and "optimizer step" in report["measured"]["1"]
+    assert any("links" in cost for cost in report["assumed"]["1"])
+    other = SMALL.replace("--hidden-size 64", "--hidden-size 128")
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", other, "--profile", str(path)])
+    assert code == 2 and out == ""
+    assert err.strip() == (f"pipemesh plan: error: {path} was measured for hidden 64, this command has hidden 128: "
+                           "re-run pipemesh profile with this command")
