@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..cli.common import UsageError
 from .advice_parts import RankParts, predicted_parts
@@ -119,7 +119,3 @@ def stock_simulation(row, problem, cluster):
     return simulate(config, costs, uniform_plan(config, setting.recompute.level),
                     sharding=sharding_model(setting, model, spec))
 
-
-def row_layout(row: Dict) -> Dict[str, int]:
-    """(pp, dp) of a row of the advisor's report."""
-    return {"pp": int(row["pp"]), "dp": int(row["dp"]), "tp": int(row["tp"])}

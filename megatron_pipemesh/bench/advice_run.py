@@ -15,7 +15,7 @@ import shlex
 import statistics
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..cli.common import UsageError, emit_json
 from .advice_parts import PARTS, attribute, cause_text, measured_parts
@@ -75,11 +75,12 @@ class AdviceSetup:
     memory_gb: float
 
 
-def resolve_advice(args) -> AdviceSetup:
-    """Check ``--advice``'s flags before anything runs (UsageError naming the flag)."""
+def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> AdviceSetup:
+    """Check ``--advice``'s flags before anything runs (UsageError naming the flag). ``machine``: the bench's
+    description of this machine; ``shaping_at``: the bench's shaping of its network flags at a rate (Mbit/s);
+    ``default_rate``: the bench's ``--rate`` when none is given."""
     from ..cli.common import check_number
     from ..cli.megatron_args import MEGATRON_ARGS
-    from .cli import DEFAULT_RATE, machine_description, network_shaping
     from .netns import MAX_RANKS, parse_rate_mbit
 
     given = [flag for name, flag in ADVICE_CONFLICTS if getattr(args, name, None)]
@@ -121,15 +122,14 @@ def resolve_advice(args) -> AdviceSetup:
                              "them. Example: --rate 100mbit")
         shaping, gbps = None, UNSHAPED_NIC_GBPS
     else:
-        rate_text = args.rate or DEFAULT_RATE
+        rate_text = args.rate or default_rate
         try:
             rate = parse_rate_mbit(rate_text)
         except ValueError as error:
             raise UsageError(f"--rate {rate_text}: {error}") from error
-        shaping = network_shaping(args, rate)
+        shaping = shaping_at(rate)
         gbps = shaping.payload_bytes_per_s * 8 / 1e9
     check_profile(args.profile)
-    machine = machine_description()
     cores = machine["cores"]
     memory_gb = machine["memory_gb"] or 8.0
     settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps,
@@ -138,9 +138,10 @@ def resolve_advice(args) -> AdviceSetup:
     return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb)
 
 
-def cmd_advice(args) -> int:
-    """``pipemesh bench --advice``: plan, check the namespace can be made, run every distinct row, report."""
-    setup = resolve_advice(args)
+def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> int:
+    """``pipemesh bench --advice``: check the flags, plan, check the namespace can be made, run every distinct row,
+    report (the arguments after ``args``: :func:`resolve_advice`'s)."""
+    setup = resolve_advice(args, machine, shaping_at, default_rate)
     log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
         f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, {setup.settings.device_tflops:g} TFLOP/s x MFU "
         f"{setup.settings.mfu:g} per rank")
@@ -227,8 +228,6 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                     runs: Dict[str, dict], out_dir: str) -> dict:
     """Everything ``--advice`` found, as ``--json`` writes it: per row the prediction and its parts, the
     measurement and its parts, their ratio and, for a miss, the cost that differs."""
-    from ..cli.megatron_args import MEGATRON_ARGS  # noqa: F401 (the flag named in the document's command)
-
     rows = []
     for name in _present(advice):
         row, run = advice["rows"][name], runs[name]

@@ -469,7 +469,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .advice_run import cmd_advice
 
         _terminate_as_interrupt()
-        return cmd_advice(args)
+        return cmd_advice(args, machine_description(), lambda rate: network_shaping(args, rate), DEFAULT_RATE)
     given = [flag for flag, value in (("--megatron-args", args.megatron_args), ("--nproc", args.nproc),
                                       ("--profile", args.profile)) if value is not None]
     if given:
