@@ -309,12 +309,13 @@ def format_advice(document: dict) -> str:
         lines.append(f"advised row ({advised}): measured {_fmt(document['advised_measured_ratio_to_user'], '.2f')}x the "
                      f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)")
     for r in document["rows"]:
-        if r["cause_text"]:
+        if r["cause_text"] and r["same_run_as"] is None:
             lines.append(f"{r['name']}: {r['cause_text']}")
+            lines += [f"   pipeline rank {rank}, predicted/measured ms: " + ", ".join(
+                f"{part} {1e3 * p[part]:.0f}/{1e3 * m[part]:.0f}" for part in PARTS)
+                for rank, (p, m) in enumerate(zip(r["predicted_parts_s"], r["measured_parts_s"] or []))]
         if r["error"]:
             lines.append(f"{r['name']}: {r['error']}")
-    lines.append("parts per pipeline rank (predicted / measured, ms): " + ", ".join(PARTS) + " in the JSON "
-                 "(predicted_parts_s, measured_parts_s)")
     for note in document["notes"]:
         lines.append(f"note: {note}")
     lines.append(f"logs and advice.json: {document['out_dir']}")
