@@ -292,8 +292,10 @@ def format_advice(document: dict) -> str:
              + f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank; "
              f"{document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations (median)"]
     if document["ranks_share_cores"]:
-        lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: a rank waiting in a bubble "
-                     "lends its core to another, which no cost models")
+        pinned = any(cores is not None for cores in document["pinned"])
+        lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "
+                     + ("each pipeline stage's ranks pinned to one core (--pin-cores)" if pinned else
+                        "unpinned, a rank waiting in a bubble lends its core to another, which no cost models"))
     else:
         lines.append(f"one core per rank ({document['cores']} cores)")
     header = (f"{'row':<18} {'pred s':>8} {'meas s':>8} {'meas/pred':>9} {'pred x user':>11} {'meas x user':>11}  what")

@@ -114,7 +114,7 @@ def _timers(world, fb, fwd, bwd):
     return {name: {rank: ms for rank in range(world)} for name, ms in names.items()}
 
 
-def _runs(advice, slow=None):
+def _runs(advice, slow=None, cores=(0, 1)):
     """Synthetic runs of every row: the prediction's compute met, except ``slow`` whose compute is 30% above."""
     runs = {}
     for name, row in advice["rows"].items():
@@ -127,7 +127,7 @@ def _runs(advice, slow=None):
         its = [IterationRecord(i, compute + 0.2 * ms, timers=_timers(world, compute + 0.2 * ms - 5, compute / 3,
                                                                       2 * compute / 3)) for i in (2, 3)]
         runs[name] = {"returncode": 0, "log": f"/x/{name}.log", "wall_s": 1.0, "iterations": its, "error": "",
-                      "same_run_as": None, "cores": [0, 1]}
+                      "same_run_as": None, "cores": list(cores) if cores else None}
     return runs
 
 
@@ -161,8 +161,8 @@ def test_report_and_json(planned, tmp_path):
 def test_shared_cores_are_said(planned, tmp_path):
     advice, parts, argv = planned
     setup = advice_run.AdviceSetup(shlex.split(TINY), SETTINGS, None, 1, 2, 1, 8.0)  # 2 ranks, 1 core
-    document = advice_run.advice_document(setup, advice, parts, argv, _runs(advice), str(tmp_path))
-    assert document["ranks_share_cores"] and "2 ranks share 1 cores" in advice_run.format_advice(document)
+    document = advice_run.advice_document(setup, advice, parts, argv, _runs(advice, cores=None), str(tmp_path))
+    assert document["ranks_share_cores"] and "2 ranks share 1 cores: unpinned" in advice_run.format_advice(document)
 
 
 def test_end_to_end_on_the_smallest_command(tmp_path, capsys):
