@@ -154,10 +154,13 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
             raise UsageError(f"--advice cannot emulate the network: {problem}. Run as root, or pass --unshaped")
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
     os.makedirs(out_dir, exist_ok=True)
+    load_before = os.getloadavg()
     runs = run_rows(args, setup, advice, out_dir)
     if runs is None:
         return 130
     document = advice_document(setup, advice, parts, advisor_flags, runs, out_dir)
+    # Other work on the machine slows the runs and not the predictions: the load is part of the measurement.
+    document["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     with open(os.path.join(out_dir, "advice.json"), "w", encoding="utf-8") as handle:
         import json
 
@@ -320,5 +323,9 @@ def format_advice(document: dict) -> str:
             lines.append(f"{r['name']}: {r['error']}")
     for note in document["notes"]:
         lines.append(f"note: {note}")
+    load = document.get("load_average")
+    if load:
+        lines.append(f"load average (1, 5, 15 min) before the runs {', '.join(f'{x:.2f}' for x in load['before'])}; "
+                     f"after {', '.join(f'{x:.2f}' for x in load['after'])} (other work on the machine slows the runs)")
     lines.append(f"logs and advice.json: {document['out_dir']}")
     return "\n".join(lines)

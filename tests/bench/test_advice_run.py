@@ -178,3 +178,4 @@ def test_end_to_end_on_the_smallest_command(tmp_path, capsys):
                                     for r in document["rows"])
     assert all(r["measured_parts_s"] is not None for r in document["rows"])
     assert "pipemesh bench --advice: 2 ranks" in text and "advised row (" in text and "meas x user" in text
+    assert len(document["load_average"]["before"]) == 3 and "load average" in text
