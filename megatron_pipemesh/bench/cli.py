@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli.common import UsageError, check_number, parse_number, require_matplotlib, run_command
+from ..cli.common import UsageError, check_number, parse_number, positive_int, require_matplotlib, run_command
 from ..planning.defaults import MFU
 from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
@@ -79,6 +79,20 @@ def _add_mode_args(p) -> None:
                         "100 and 400 Mbit/s, 8 and 32 MiB) against the simulator's fair-share network model, and print "
                         "both (about 2 minutes; exit 1 when a prediction is more than 10%% off). Takes --nic-queue, "
                         "--burst, --queue-ms, --json, --out-dir")
+    p.add_argument("--advice", action="store_true",
+                   help="instead of the schedule comparison, check the advice of 'pipemesh plan --megatron-args' for "
+                        "--nproc single-GPU nodes at --rate on this machine: run your command and every advice row on "
+                        "the per-rank network, and print predicted against measured iteration time per row, the "
+                        "advised row's measured speed-up, and the cost that differs where a prediction misses by "
+                        "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile, --warmup "
+                        "(default 1), --iters (default 3), --device-tflops, --mfu, --pin-cores, --json, --out-dir")
+    advice = p.add_argument_group("--advice")
+    advice.add_argument("--megatron-args", metavar='"FLAGS"', default=None,
+                        help="with --advice: the flags of your pretrain_gpt.py command, in one quoted string")
+    advice.add_argument("--nproc", type=positive_int, default=None,
+                        help="with --advice: ranks, one single-GPU node each (the command's world size)")
+    advice.add_argument("--profile", metavar="FILE", default=None,
+                        help="with --advice: a 'pipemesh profile' file the advisor prices with")
 
 
 def _add_run_args(run) -> None:
@@ -451,6 +465,16 @@ def machine_description() -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.advice:
+        from .advice_run import cmd_advice
+
+        _terminate_as_interrupt()
+        return cmd_advice(args, machine_description(), lambda rate: network_shaping(args, rate), DEFAULT_RATE)
+    given = [flag for flag, value in (("--megatron-args", args.megatron_args), ("--nproc", args.nproc),
+                                      ("--profile", args.profile)) if value is not None]
+    if given:
+        raise UsageError(f"{' '.join(given)} needs --advice: they say which command and cluster --advice checks. "
+                         f"Example: pipemesh bench --advice {' '.join(given)} ...")
     if args.network_check:
         return _network_check(args)
     setup = resolve(args)

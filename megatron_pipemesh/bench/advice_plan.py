@@ -1,0 +1,121 @@
+"""The advice ``pipemesh bench --advice`` checks: ``pipemesh plan --megatron-args`` for N single-GPU nodes on this
+machine's emulated network, and each row's prediction split into its parts (:mod:`.advice_parts`).
+
+The advisor is called as ``pipemesh plan`` calls it (its own parser, :func:`~..cli.megatron_args.problem_and_cluster`,
+:func:`~..planning.advice.advise`, :func:`~..cli.megatron_args.report`), with the cluster the bench emulates:
+
+* ``--nodes N --gpus-per-node 1``: every rank its own node behind its own NIC (the per-rank network);
+* ``--nic-gbps``: the shaped rate's payload (frame headers off, :attr:`.netns.Shaping.payload_bytes_per_s`), what
+  the bench's own predictions see; unshaped, the loopback the bench's predictions take as free
+  (:data:`UNSHAPED_NIC_GBPS`);
+* ``--device-tflops`` / ``--mfu``: the bench's CPU-core rate, times cores / N when N ranks share fewer cores (as the
+  bench predicts its rows); ``--device-memory-gb``: this machine's memory / N;
+* ``--gpudirect-rdma``: CPU ranks send from their own memory, nothing is staged; and the ranks' host copies hold up
+  their compute (:attr:`~..planning.advice.AdviceCluster.host_copies_on_compute`, set as the advisor sets it for
+  costs measured on this CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from ..cli.common import UsageError
+from .advice_parts import RankParts, predicted_parts
+
+UNSHAPED_NIC_GBPS = 25.0
+"""The NIC the advice is planned for with ``--unshaped`` (the bench's unshaped predictions use the same rate)."""
+
+
+@dataclass(frozen=True)
+class AdviceBenchSettings:
+    """The cluster ``pipemesh bench --advice`` plans for (its flags in brackets)."""
+
+    nproc: int
+    """Ranks, one single-GPU node each [--nproc]."""
+    nic_gbps: float
+    """Payload rate of one rank's NIC each way, Gbit/s [--rate, or :data:`UNSHAPED_NIC_GBPS` with --unshaped]."""
+    device_tflops: float
+    """Peak TFLOP/s of one rank, already scaled by cores / N when ranks share cores [--device-tflops]."""
+    mfu: float
+    """Fraction of the peak [--mfu]."""
+    device_memory_gb: float
+    """Memory of one rank: this machine's memory / N."""
+    profile: Optional[str] = None
+    """A ``pipemesh profile`` file the advisor prices with [--profile]; None: analytic costs."""
+
+
+def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
+    """The ``pipemesh plan --megatron-args`` flags of the emulated cluster (the command itself goes separately)."""
+    argv = ["--nodes", str(settings.nproc), "--gpus-per-node", "1", "--nic-gbps", f"{settings.nic_gbps:.6g}",
+            "--device-tflops", f"{settings.device_tflops:.6g}", "--mfu", f"{settings.mfu:.6g}",
+            "--device-memory-gb", f"{settings.device_memory_gb:.6g}", "--gpudirect-rdma", "--quiet"]
+    if settings.profile is not None:
+        argv += ["--profile", settings.profile]
+    return argv
+
+
+def advisor_takes_profile() -> bool:
+    """Whether ``pipemesh plan --megatron-args`` accepts ``--profile`` (measured costs) in this version."""
+    from ..cli.megatron_args import build_advice_parser
+
+    return any("--profile" in action.option_strings for action in build_advice_parser()._actions)
+
+
+def check_profile(profile: Optional[str]) -> None:
+    """UsageError when ``--profile`` is given but the advisor cannot price with a profile yet."""
+    if profile is not None and not advisor_takes_profile():
+        raise UsageError(f"--profile {profile} is not available yet: this version's advisor (pipemesh plan "
+                         "--megatron-args) prices with analytic costs only and takes no profile. Run without "
+                         "--profile; the predictions are then the analytic ones")
+
+
+def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
+    """(the advisor's report as ``pipemesh plan --megatron-args --json`` prints it, the predicted parts per row name
+    (per pipeline rank), the advisor's flags). UsageError naming the flag when the command does not fit N ranks."""
+    from ..cli.megatron_args import build_advice_parser, problem_and_cluster, report
+    from ..planning.advice import advise
+    from ..planning.planner import NoFeasiblePlan
+
+    check_profile(settings.profile)
+    argv = advisor_argv(settings)
+    args = build_advice_parser().parse_args(argv)
+    try:
+        user, problem, cluster, rate = problem_and_cluster(args, list(words))
+    except UsageError as error:
+        raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
+    cluster = dataclasses.replace(cluster, host_copies_on_compute=True)
+    problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
+    try:
+        advice = advise(problem, cluster)
+    except NoFeasiblePlan as error:
+        raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
+    out = report(user, problem, cluster, rate, advice)
+    parts = {name: row_parts(row, problem, cluster) for name, row in advice.rows.items() if row is not None}
+    return out, parts, argv
+
+
+def row_parts(row, problem, cluster) -> List[RankParts]:
+    """The row's prediction per pipeline rank: a PipeMesh row's own simulation; a stock row simulated again as the
+    advisor simulates it for its per-rank compute (its setting, uniform recomputation, its sharding model)."""
+    if row.plan is not None:
+        result = row.plan.result
+    else:
+        result = stock_simulation(row, problem, cluster)
+    return predicted_parts(result.iteration_s, result.ranks)
+
+
+def stock_simulation(row, problem, cluster):
+    """The :class:`~..planning.simulator.SimulationResult` of a stock row on its layout's cluster."""
+    from ..planning.costs import analytic_costs
+    from ..planning.simulator import simulate
+    from ..planning.stock import model_for, sharding_model, uniform_plan
+
+    setting = row.stock
+    config = setting.config()
+    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+    model = problem.model_for(row.layout.tp, row.split)
+    costs = analytic_costs(model_for(model, setting), spec, config, levels=(setting.recompute.level,))
+    return simulate(config, costs, uniform_plan(config, setting.recompute.level),
+                    sharding=sharding_model(setting, model, spec))
+

@@ -1,0 +1,331 @@
+"""``pipemesh bench --advice``: the advice of ``pipemesh plan --megatron-args`` for N ranks of this machine, every row
+run on the emulated per-rank network, predicted against measured iteration time, and the cost that differs where a
+prediction misses.
+
+Each row runs with its own flags (as ``pipemesh plan`` prints them) through the bench's rank entry
+(:mod:`.rank`, the same training entry point as ``scripts/pretrain_gpt.py``), with only what the measurement needs
+replaced (:data:`RUN_FLAGS`: the iteration count and Megatron's per-rank timers). Rows whose flags are identical run
+once. Ranks get a core each while the cores allow; with more ranks than cores the output says they share cores
+(and ``--pin-cores`` pins each pipeline stage's ranks to one core, :mod:`.affinity`).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..cli.common import UsageError, emit_json
+from .advice_parts import PARTS, attribute, cause_text, measured_parts
+from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, check_profile, plan_advice
+from .session import log
+
+RUN_FLAGS = ("--train-iters", "--train-samples", "--log-interval", "--timing-log-level", "--timing-log-option",
+             "--eval-iters", "--eval-interval", "--exit-interval", "--save", "--save-interval", "--load")
+"""Flags of a row that the measurement replaces: the iterations, Megatron's per-rank timers every iteration, no
+evaluation and no checkpoints."""
+
+ADVICE_WARMUP, ADVICE_ITERS = 1, 3
+"""Default iterations of each row's run with ``--advice``: warm-up (not counted), then measured."""
+
+ADVICE_CONFLICTS = (("quick", "--quick"), ("network_check", "--network-check"), ("configs", "--configs"),
+                    ("sharding", "--sharding"), ("plot", "--plot"), ("activation_budget_mb", "--activation-budget-mb"),
+                    ("memory_budget_mb", "--memory-budget-mb"), ("forward_groups", "--forward-groups"),
+                    ("backward_groups", "--backward-groups"), ("group_sizes", "--group-sizes"),
+                    ("stock_vpp", "--stock-vpp"))
+"""Bench flags ``--advice`` refuses: the rows, their layouts and memory come from the advice."""
+
+
+def run_flags(flags: Sequence[str], warmup: int, iters: int) -> List[str]:
+    """``flags`` with :data:`RUN_FLAGS` replaced: ``warmup + iters`` iterations, timers of every rank each iteration."""
+    from ..integration.command_flags import expand_aliases, replace_flags
+    from ..integration.megatron_command import option_aliases
+
+    names = expand_aliases(RUN_FLAGS, option_aliases(RUN_FLAGS))
+    return replace_flags(flags, names, ["--train-iters", str(warmup + iters), "--log-interval", "1",
+                                        "--timing-log-level", "2", "--timing-log-option", "all", "--eval-iters", "0",
+                                        "--eval-interval", "1000000"])
+
+
+def rank_cores(pp: int, dp: int, cores: int, pin_shared: bool) -> Optional[List[int]]:
+    """Core of each global rank: one each while the cores allow; with more ranks than cores, each pipeline stage's
+    ranks on one core with ``--pin-cores`` (:func:`.affinity.stage_cores`), else unpinned (None)."""
+    from .affinity import stage_cores
+
+    world = pp * dp
+    if world <= cores:
+        return list(range(world))
+    return stage_cores(pp, dp, cores) if pin_shared else None
+
+
+@dataclass
+class AdviceSetup:
+    """``--advice``'s flags, checked."""
+
+    words: List[str]
+    """The user's command (Megatron flags; a launcher before them is allowed)."""
+    settings: AdviceBenchSettings
+    shaping: object
+    """The :class:`~.netns.Shaping` of the per-rank network, or None with ``--unshaped``."""
+    warmup: int
+    iters: int
+    cores: int
+    memory_gb: float
+
+
+def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> AdviceSetup:
+    """Check ``--advice``'s flags before anything runs (UsageError naming the flag). ``machine``: the bench's
+    description of this machine; ``shaping_at``: the bench's shaping of its network flags at a rate (Mbit/s);
+    ``default_rate``: the bench's ``--rate`` when none is given."""
+    from ..cli.common import check_number
+    from ..cli.megatron_args import MEGATRON_ARGS
+    from .netns import MAX_RANKS, parse_rate_mbit
+
+    given = [flag for name, flag in ADVICE_CONFLICTS if getattr(args, name, None)]
+    if given:
+        raise UsageError(f"--advice with {' '.join(given)} is invalid: the rows, their layouts and their memory come "
+                         "from the advice of your command. Drop them. Example: pipemesh bench --advice --megatron-args "
+                         '"<your flags>" --nproc 2 --rate 100mbit')
+    if not args.megatron_args or not args.megatron_args.strip():
+        raise UsageError(f'--advice needs {MEGATRON_ARGS}: the flags of your pretrain_gpt.py command in one quoted '
+                         f'string. Example: --advice {MEGATRON_ARGS} "--num-layers 4 --hidden-size 256 ... '
+                         '--pipeline-model-parallel-size 2" --nproc 2 --rate 100mbit')
+    if args.nproc is None:
+        raise UsageError("--advice needs --nproc N: the ranks (one single-GPU node each) the advice is for and the "
+                         "rows run on. Example: --nproc 2")
+    if args.network == "shared":
+        raise UsageError("--advice with --network shared is invalid: the advice is for N nodes with a NIC each, the "
+                         "per-rank network. Drop --network shared")
+    try:
+        words = shlex.split(args.megatron_args)
+    except ValueError as error:
+        raise UsageError(f"{MEGATRON_ARGS}: the quoted flags do not split as a shell would ({error})") from error
+    warmup = args.warmup if args.warmup is not None else ADVICE_WARMUP
+    iters = args.iters if args.iters is not None else ADVICE_ITERS
+    for flag, value, example, positive in (("--warmup", warmup, "1", False), ("--iters", iters, "3", True),
+                                           ("--device-tflops", args.device_tflops, "0.05", True),
+                                           ("--mfu", args.mfu, "0.45", True), ("--timeout", args.timeout, "600", True)):
+        check_number(flag, value, example, positive=positive, required=True)
+    for flag, value in (("--warmup", warmup), ("--iters", iters)):
+        if int(value) != value:
+            raise UsageError(f"{flag} {value} is invalid: it must be a whole number. Example: {flag} 2")
+    if args.mfu > 1:
+        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu 0.45")
+    if args.nproc > MAX_RANKS:
+        raise UsageError(f"--nproc {args.nproc} is invalid: the per-rank network holds at most {MAX_RANKS} ranks")
+    if args.unshaped:
+        if args.rate or args.delay_ms or args.nic_queue:
+            raise UsageError("--advice --unshaped with --rate/--delay-ms/--nic-queue is contradictory: --unshaped runs "
+                             f"over the plain loopback and plans for a {UNSHAPED_NIC_GBPS:g} Gbit/s NIC. Drop one of "
+                             "them. Example: --rate 100mbit")
+        shaping, gbps = None, UNSHAPED_NIC_GBPS
+    else:
+        rate_text = args.rate or default_rate
+        try:
+            rate = parse_rate_mbit(rate_text)
+        except ValueError as error:
+            raise UsageError(f"--rate {rate_text}: {error}") from error
+        shaping = shaping_at(rate)
+        gbps = shaping.payload_bytes_per_s * 8 / 1e9
+    check_profile(args.profile)
+    cores = machine["cores"]
+    memory_gb = machine["memory_gb"] or 8.0
+    settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps,
+                                   device_tflops=args.device_tflops * min(1.0, cores / args.nproc), mfu=args.mfu,
+                                   device_memory_gb=memory_gb / args.nproc, profile=args.profile)
+    return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb)
+
+
+def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> int:
+    """``pipemesh bench --advice``: check the flags, plan, check the namespace can be made, run every distinct row,
+    report (the arguments after ``args``: :func:`resolve_advice`'s)."""
+    setup = resolve_advice(args, machine, shaping_at, default_rate)
+    log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
+        f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, {setup.settings.device_tflops:g} TFLOP/s x MFU "
+        f"{setup.settings.mfu:g} per rank")
+    advice, parts, advisor_flags = plan_advice(setup.words, setup.settings)
+    if setup.shaping is not None:
+        from .netns import permission_problem
+
+        problem = permission_problem()
+        if problem:
+            raise UsageError(f"--advice cannot emulate the network: {problem}. Run as root, or pass --unshaped")
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
+    os.makedirs(out_dir, exist_ok=True)
+    load_before = os.getloadavg()
+    runs = run_rows(args, setup, advice, out_dir)
+    if runs is None:
+        return 130
+    document = advice_document(setup, advice, parts, advisor_flags, runs, out_dir)
+    # Other work on the machine slows the runs and not the predictions: the load is part of the measurement.
+    document["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    with open(os.path.join(out_dir, "advice.json"), "w", encoding="utf-8") as handle:
+        import json
+
+        json.dump(document, handle, indent=1)
+    if not emit_json(document, args.json):
+        print(format_advice(document))
+    return 0 if all(r["returncode"] == 0 for r in document["rows"]) else 1
+
+
+def _present(advice: dict) -> List[str]:
+    return [name for name, row in advice["rows"].items() if row is not None]
+
+
+def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[Dict[str, dict]]:
+    """Every distinct row's run (rows with the same flags share one), in the shaped namespace when there is one:
+    name -> {returncode, log, iterations (parsed, past the warm-up), wall_s, error, same_run_as}."""
+    from .logparse import parse_log
+    from .netns import NamespaceError, ShapedNamespace
+    from .runner import TRAIN_MODULE, error_excerpt, launch_command, run_env, run_once, threads_per_rank
+
+    names = _present(advice)
+    namespace = ShapedNamespace(setup.shaping, ranks=setup.settings.nproc) if setup.shaping else None
+    runs: Dict[str, dict] = {}
+    first_of: Dict[tuple, str] = {}
+    try:
+        if namespace:
+            try:
+                namespace.__enter__()
+            except NamespaceError as error:
+                raise UsageError(str(error)) from error
+        for index, name in enumerate(names, 1):
+            row = advice["rows"][name]
+            flags = run_flags(row["flags"], setup.warmup, setup.iters)
+            key = tuple(flags)
+            if key in first_of:
+                runs[name] = {**runs[first_of[key]], "same_run_as": first_of[key]}
+                log(f"[{index}/{len(names)}] {name}: the same flags as {first_of[key]}, measured once")
+                continue
+            first_of[key] = name
+            world = setup.settings.nproc
+            threads, _ = threads_per_rank(world, setup.cores)
+            cores = rank_cores(row["pp"], row["dp"] * row["tp"], setup.cores, bool(args.pin_cores))
+            env = run_env(threads, cores=cores)
+            env.pop("PIPEMESH_BENCH_ACTIVATION_METER", None)  # times only: no saved-tensor hooks in the runs
+            cmd = launch_command(world, flags, namespace.prefix() if namespace else [],
+                                 rank_namespaces=namespace.rank_namespaces if namespace else None,
+                                 master_port=29500 + (index + os.getpid()) % 1000, target=TRAIN_MODULE)
+            log_path = os.path.join(out_dir, "logs", f"{name}.log")
+            code, wall, _, text = run_once(cmd, env, log_path, args.timeout, sample_memory=False)
+            parsed = parse_log(text)
+            iterations = parsed.measured(setup.warmup)
+            runs[name] = {"returncode": code, "log": log_path, "wall_s": wall, "iterations": iterations,
+                          "error": "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}", "same_run_as": None,
+                          "cores": cores}
+            times = sorted(it.elapsed_ms for it in iterations)
+            log(f"[{index}/{len(names)}] {name}: " + (f"{statistics.median(times):.0f} ms/iteration, {wall:.0f} s"
+                                                       if code == 0 and times else f"FAILED ({runs[name]['error'][:300]})"))
+    except KeyboardInterrupt:
+        log("pipemesh bench --advice: interrupted" + ("; the namespace is removed" if namespace else ""))
+        return None
+    finally:
+        if namespace:
+            namespace.close()
+    return runs
+
+
+def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], advisor_flags: Sequence[str],
+                    runs: Dict[str, dict], out_dir: str) -> dict:
+    """Everything ``--advice`` found, as ``--json`` writes it: per row the prediction and its parts, the
+    measurement and its parts, their ratio and, for a miss, the cost that differs."""
+    rows = []
+    for name in _present(advice):
+        row, run = advice["rows"][name], runs[name]
+        iterations = run["iterations"]
+        times = [it.elapsed_ms / 1e3 for it in iterations]
+        measured_s = statistics.median(times) if run["returncode"] == 0 and times else None
+        predicted = parts[name]
+        measured = measured_parts(iterations, row["pp"], row["dp"] * row["tp"]) if measured_s is not None else None
+        entry = {"name": name, "describe": row["describe"], "flags": row["flags"], "command": row["command"],
+                 "pp": row["pp"], "dp": row["dp"], "tp": row["tp"], "vpp": row["vpp"],
+                 "predicted_iteration_s": row["predicted_iteration_s"], "measured_iteration_s": measured_s,
+                 "measured_iterations_s": times, "predicted_ratio_to_user": row["ratio_to_user"],
+                 "predicted_parts_s": [p.to_dict() for p in predicted],
+                 "measured_parts_s": [m.to_dict() for m in measured] if measured else None,
+                 "returncode": run["returncode"], "error": run["error"], "log": run["log"],
+                 "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"]}
+        if measured_s is not None:
+            attribution = attribute(row["predicted_iteration_s"], measured_s, predicted, measured)
+            entry.update({"measured_over_predicted": attribution["measured_over_predicted"],
+                          "miss": attribution["miss"], "cause": attribution["cause"],
+                          "part_differences_s": attribution["differences_s"], "cause_text": cause_text(attribution)})
+        else:
+            entry.update({"measured_over_predicted": None, "miss": None, "cause": None, "part_differences_s": None,
+                          "cause_text": ""})
+        rows.append(entry)
+    by_name = {r["name"]: r for r in rows}
+    user_s = by_name["user"]["measured_iteration_s"]
+    for r in rows:
+        r["measured_ratio_to_user"] = (user_s / r["measured_iteration_s"]
+                                       if user_s and r["measured_iteration_s"] else None)
+    advised = advice["run"]
+    settings, shaping = setup.settings, setup.shaping
+    return {
+        "command": setup.words, "nproc": settings.nproc, "cores": setup.cores,
+        "ranks_share_cores": settings.nproc > setup.cores, "pinned": [r["cores"] for r in rows],
+        "network": {"shaped": shaping is not None, "rate_mbit": shaping.rate_mbit if shaping else None,
+                    "per_rank": True, "nic_queue": shaping.nic_queue if shaping else None,
+                    "planned_nic_gbps": settings.nic_gbps},
+        "device": {"tflops_per_rank": settings.device_tflops, "mfu": settings.mfu,
+                   "memory_gb_per_rank": settings.device_memory_gb},
+        "profile": settings.profile, "advisor_flags": list(advisor_flags),
+        "warmup_iters": setup.warmup, "measured_iters": setup.iters, "out_dir": out_dir,
+        "advised": advised,
+        "advised_measured_ratio_to_user": by_name[advised]["measured_ratio_to_user"] if advised in by_name else None,
+        "advised_predicted_ratio_to_user": by_name[advised]["predicted_ratio_to_user"] if advised in by_name else None,
+        "rows": rows, "notes": list(advice["notes"]), "advice": advice,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_advice(document: dict) -> str:
+    """The table: per row predicted and measured iteration time, their ratio, both ratios to the user's command;
+    then the advised row's measured ratio, and one line per missed prediction naming the cost that differs."""
+    net = document["network"]
+    lines = [f"pipemesh bench --advice: {document['nproc']} ranks, one single-GPU node each; network: "
+             + (f"{net['rate_mbit']:g} Mbit/s per rank each way ({net['nic_queue']} share), planned at "
+                f"{1e3 * net['planned_nic_gbps']:.1f} Mbit/s payload" if net["shaped"]
+                else f"unshaped loopback, planned at {net['planned_nic_gbps']:g} Gbit/s")
+             + f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank; "
+             f"{document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations (median)"]
+    if document["ranks_share_cores"]:
+        pinned = any(cores is not None for cores in document["pinned"])
+        lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "
+                     + ("each pipeline stage's ranks pinned to one core (--pin-cores)" if pinned else
+                        "unpinned, a rank waiting in a bubble lends its core to another, which no cost models"))
+    else:
+        lines.append(f"one core per rank ({document['cores']} cores)")
+    header = (f"{'row':<18} {'pred s':>8} {'meas s':>8} {'meas/pred':>9} {'pred x user':>11} {'meas x user':>11}  what")
+    lines += ["", header, "-" * len(header)]
+    for r in document["rows"]:
+        mark = "" if r["returncode"] == 0 else "  FAILED"
+        lines.append(f"{r['name']:<18} {r['predicted_iteration_s']:>8.3f} {_fmt(r['measured_iteration_s'], '8.3f'):>8} "
+                     f"{_fmt(r['measured_over_predicted'], '9.2f'):>9} {r['predicted_ratio_to_user']:>11.2f} "
+                     f"{_fmt(r['measured_ratio_to_user'], '11.2f'):>11}  {r['describe']}{mark}")
+    lines.append("")
+    advised = document["advised"]
+    if advised is not None:
+        lines.append(f"advised row ({advised}): measured {_fmt(document['advised_measured_ratio_to_user'], '.2f')}x the "
+                     f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)")
+    for r in document["rows"]:
+        if r["cause_text"] and r["same_run_as"] is None:
+            lines.append(f"{r['name']}: {r['cause_text']}")
+            lines += [f"   pipeline rank {rank}, predicted/measured ms: " + ", ".join(
+                f"{part} {1e3 * p[part]:.0f}/{1e3 * m[part]:.0f}" for part in PARTS)
+                for rank, (p, m) in enumerate(zip(r["predicted_parts_s"], r["measured_parts_s"] or []))]
+        if r["error"]:
+            lines.append(f"{r['name']}: {r['error']}")
+    for note in document["notes"]:
+        lines.append(f"note: {note}")
+    load = document.get("load_average")
+    if load:
+        lines.append(f"load average (1, 5, 15 min) before the runs {', '.join(f'{x:.2f}' for x in load['before'])}; "
+                     f"after {', '.join(f'{x:.2f}' for x in load['after'])} (other work on the machine slows the runs)")
+    lines.append(f"logs and advice.json: {document['out_dir']}")
+    return "\n".join(lines)

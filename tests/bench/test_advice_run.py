@@ -1,0 +1,181 @@
+"""`pipemesh bench --advice`: the refusals (exit 2 naming the flag, before any run), the advisor's cluster, the run
+flags, the report and its JSON, and one run of the smallest command end to end."""
+import json
+import shlex
+
+import pytest
+
+from megatron_pipemesh.bench import advice_plan, advice_run
+from megatron_pipemesh.bench import cli as bench_cli
+from megatron_pipemesh.bench.advice_parts import PARTS
+from megatron_pipemesh.bench.logparse import IterationRecord
+
+# tests/training/test_advice_rows.py's TINY: a tiny GPT on mock data at PP=2, V=2, dropout 0, two iterations.
+TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+        "--eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 --seed 1234 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 257 --hidden-dropout 0 --attention-dropout 0 "
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
+SETTINGS = advice_plan.AdviceBenchSettings(nproc=2, nic_gbps=0.1, device_tflops=0.05, mfu=0.45, device_memory_gb=4.0)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """The advice for TINY on 2 ranks at 100 Mbit/s (planned once for the module)."""
+    return advice_plan.plan_advice(shlex.split(TINY), SETTINGS)
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """Any run or namespace is a failure: the refusals come before them."""
+    def boom(*a, **k):
+        raise AssertionError("a run started before the input was checked")
+    monkeypatch.setattr(advice_run, "run_rows", boom)
+    monkeypatch.setattr(advice_plan, "plan_advice", boom)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--advice", "--nproc", "2"], "--megatron-args"),
+    (["--advice", "--megatron-args", TINY], "--nproc"),
+    (["--advice", "--megatron-args", "  ", "--nproc", "2"], "--megatron-args"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--rate", "fast"], "--rate"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--rate", "0"], "--rate"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--unshaped", "--rate", "100mbit"], "--unshaped"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--quick"], "--quick"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--configs", "pp2"], "--configs"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--network", "shared"], "--network shared"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--iters", "0"], "--iters"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "300"], "--nproc"),
+    (["--nproc", "2"], "--nproc needs --advice"),
+    (["--megatron-args", TINY], "--megatron-args needs --advice"),
+])
+def test_bad_input_exits_2_naming_the_flag(argv, flag, capsys, no_runs):
+    assert bench_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and len(err.splitlines()) == 1
+
+
+def test_a_world_size_that_does_not_fit_the_command_names_nproc(capsys, monkeypatch):
+    """PP = 2 on 3 ranks: Megatron's own parser refuses it, and the message names --nproc, before any run."""
+    monkeypatch.setattr(advice_run, "run_rows", lambda *a, **k: pytest.fail("ran"))
+    assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc 3" in err and "--megatron-args" in err
+
+
+def test_profile_is_refused_until_the_advisor_takes_one(capsys, monkeypatch, no_runs):
+    monkeypatch.setattr(advice_plan, "advisor_takes_profile", lambda: False)
+    assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--profile", "p.json"]) == 2
+    assert "--profile p.json is not available yet" in capsys.readouterr().err
+
+
+def test_profile_reaches_the_advisor_when_it_takes_one(monkeypatch):
+    """Never silently ignored: once the advisor has --profile, the file is among its flags."""
+    monkeypatch.setattr(advice_plan, "advisor_takes_profile", lambda: True)
+    advice_plan.check_profile("p.json")
+    argv = advice_plan.advisor_argv(advice_plan.AdviceBenchSettings(2, 0.1, 0.05, 0.45, 4.0, profile="p.json"))
+    assert argv[argv.index("--profile") + 1] == "p.json"
+
+
+def test_the_advisor_plans_n_single_gpu_nodes_at_the_rate(planned):
+    """--nodes N --gpus-per-node 1, the NIC at the rate, the bench's device rate; every row priced with its parts,
+    which add up to the row's predicted iteration time on every pipeline rank."""
+    advice, parts, argv = planned
+    assert argv[:6] == ["--nodes", "2", "--gpus-per-node", "1", "--nic-gbps", "0.1"]
+    assert argv[argv.index("--device-tflops") + 1] == "0.05"
+    assert advice["gpus"] == 2 and advice["rows"]["user"] is not None
+    for name, row in advice["rows"].items():
+        if row is None:
+            continue
+        assert row["tp"] * row["pp"] * row["dp"] == 2
+        assert len(parts[name]) == row["pp"]
+        for rank in parts[name]:
+            assert rank.total == pytest.approx(row["predicted_iteration_s"], rel=1e-6), name
+
+
+def test_run_flags_replace_only_what_the_measurement_needs():
+    flags = shlex.split(TINY) + ["--save", "/ckpt", "--save-interval", "5"]
+    out = advice_run.run_flags(flags, warmup=2, iters=3)
+    assert out[out.index("--train-iters") + 1] == "5" and out.count("--train-iters") == 1
+    assert out[out.index("--timing-log-level") + 1] == "2" and out[out.index("--timing-log-option") + 1] == "all"
+    assert out[out.index("--log-interval") + 1] == "1" and "--save" not in out and "--save-interval" not in out
+    assert out[out.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2" and "--mock-data" in out
+
+
+def test_rank_cores():
+    assert advice_run.rank_cores(2, 1, 2, False) == [0, 1]
+    assert advice_run.rank_cores(2, 2, 2, False) is None  # more ranks than cores, unpinned
+    assert advice_run.rank_cores(2, 2, 2, True) == [0, 0, 1, 1]  # each stage's replicas on its core
+
+
+def _timers(world, fb, fwd, bwd):
+    names = {"forward-backward": fb, "forward-compute": fwd, "backward-compute": bwd, "all-grads-sync": 1.0,
+             "optimizer": 5.0}
+    return {name: {rank: ms for rank in range(world)} for name, ms in names.items()}
+
+
+def _runs(advice, slow=None, cores=(0, 1)):
+    """Synthetic runs of every row: the prediction's compute met, except ``slow`` whose compute is 30% above."""
+    runs = {}
+    for name, row in advice["rows"].items():
+        if row is None:
+            continue
+        ms = row["predicted_iteration_s"] * 1e3
+        world = row["pp"] * row["dp"]
+        factor = 1.3 if name == slow else 1.0
+        compute = 0.8 * ms * factor
+        its = [IterationRecord(i, compute + 0.2 * ms, timers=_timers(world, compute + 0.2 * ms - 5, compute / 3,
+                                                                      2 * compute / 3)) for i in (2, 3)]
+        runs[name] = {"returncode": 0, "log": f"/x/{name}.log", "wall_s": 1.0, "iterations": its, "error": "",
+                      "same_run_as": None, "cores": list(cores) if cores else None}
+    return runs
+
+
+def _setup():
+    return advice_run.AdviceSetup(shlex.split(TINY), SETTINGS, None, 1, 2, 2, 8.0)
+
+
+def test_report_and_json(planned, tmp_path):
+    """Every row with its predicted and measured time, their ratio, the ratios to the user's command, the parts;
+    the advised row's measured ratio; the missed row's cause, in the JSON and the table."""
+    advice, parts, argv = planned
+    document = advice_run.advice_document(_setup(), advice, parts, argv, _runs(advice, slow="user"), str(tmp_path))
+    json.loads(json.dumps(document))
+    rows = {r["name"]: r for r in document["rows"]}
+    assert set(rows) == {name for name, row in advice["rows"].items() if row is not None}
+    for r in rows.values():
+        assert r["predicted_iteration_s"] > 0 and r["measured_iteration_s"] > 0
+        assert r["measured_over_predicted"] == pytest.approx(r["measured_iteration_s"] / r["predicted_iteration_s"])
+        assert set(r["measured_parts_s"][0]) == set(PARTS) and len(r["predicted_parts_s"]) == r["pp"]
+    assert rows["user"]["miss"] and rows["user"]["cause"] == "compute"
+    assert rows["user"]["measured_ratio_to_user"] == 1.0
+    advised = document["advised"]
+    assert document["advised_measured_ratio_to_user"] == pytest.approx(
+        rows["user"]["measured_iteration_s"] / rows[advised]["measured_iteration_s"])
+    text = advice_run.format_advice(document)
+    assert "meas/pred" in text and f"advised row ({advised}): measured" in text
+    assert "user: measured" in text and "compute (forward/backward compute) differs" in text
+    assert "one core per rank" in text
+
+
+def test_shared_cores_are_said(planned, tmp_path):
+    advice, parts, argv = planned
+    setup = advice_run.AdviceSetup(shlex.split(TINY), SETTINGS, None, 1, 2, 1, 8.0)  # 2 ranks, 1 core
+    document = advice_run.advice_document(setup, advice, parts, argv, _runs(advice, cores=None), str(tmp_path))
+    assert document["ranks_share_cores"] and "2 ranks share 1 cores: unpinned" in advice_run.format_advice(document)
+
+
+def test_end_to_end_on_the_smallest_command(tmp_path, capsys):
+    """The tiny GPT on 2 ranks over the plain loopback, 1 warm-up + 1 measured iteration: every row has a
+    predicted and a measured time, and the product's own lines are printed."""
+    out = tmp_path / "advice.json"
+    code = bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--warmup", "1",
+                           "--iters", "1", "--json", str(out), "--out-dir", str(tmp_path / "runs")])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    document = json.loads(out.read_text())
+    assert document["rows"] and all(r["predicted_iteration_s"] > 0 and r["measured_iteration_s"] > 0
+                                    for r in document["rows"])
+    assert all(r["measured_parts_s"] is not None for r in document["rows"])
+    assert "pipemesh bench --advice: 2 ranks" in text and "advised row (" in text and "meas x user" in text
+    assert len(document["load_average"]["before"]) == 3 and "load average" in text
