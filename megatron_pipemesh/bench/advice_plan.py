@@ -42,7 +42,8 @@ class AdviceBenchSettings:
     device_memory_gb: float
     """Memory of one rank: this machine's memory / N."""
     profile: Optional[str] = None
-    """A ``pipemesh profile`` file the advisor prices with [--profile]; None: analytic costs."""
+    """A ``pipemesh profile`` file the advisor prices with [--profile, or the one measured first]; None: analytic
+    costs [--no-profile]."""
 
 
 def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
@@ -55,35 +56,28 @@ def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
     return argv
 
 
-def advisor_takes_profile() -> bool:
-    """Whether ``pipemesh plan --megatron-args`` accepts ``--profile`` (measured costs) in this version."""
-    from ..cli.megatron_args import build_advice_parser
+def advisor_problem(words: Sequence[str], settings: AdviceBenchSettings):
+    """(the advisor's flags, (user, problem, cluster, rate) as ``pipemesh plan --megatron-args`` reads them): the
+    command read by Megatron's parser for N ranks, and the profile matched to it. UsageError naming the flag when the
+    command does not fit N ranks (cheap: nothing is planned)."""
+    from ..cli.megatron_args import build_advice_parser, problem_and_cluster
 
-    return any("--profile" in action.option_strings for action in build_advice_parser()._actions)
-
-
-def check_profile(profile: Optional[str]) -> None:
-    """UsageError when ``--profile`` is given but the advisor cannot price with a profile yet."""
-    if profile is not None and not advisor_takes_profile():
-        raise UsageError(f"--profile {profile} is not available yet: this version's advisor (pipemesh plan "
-                         "--megatron-args) prices with analytic costs only and takes no profile. Run without "
-                         "--profile; the predictions are then the analytic ones")
+    argv = advisor_argv(settings)
+    args = build_advice_parser().parse_args(argv)
+    try:
+        return argv, problem_and_cluster(args, list(words))
+    except UsageError as error:
+        raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
 
 
 def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
     """(the advisor's report as ``pipemesh plan --megatron-args --json`` prints it, the predicted parts per row name
     (per pipeline rank), the advisor's flags). UsageError naming the flag when the command does not fit N ranks."""
-    from ..cli.megatron_args import build_advice_parser, problem_and_cluster, report
+    from ..cli.megatron_args import profile_report, report
     from ..planning.advice import advise
     from ..planning.planner import NoFeasiblePlan
 
-    check_profile(settings.profile)
-    argv = advisor_argv(settings)
-    args = build_advice_parser().parse_args(argv)
-    try:
-        user, problem, cluster, rate = problem_and_cluster(args, list(words))
-    except UsageError as error:
-        raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
+    argv, (user, problem, cluster, rate) = advisor_problem(words, settings)
     cluster = dataclasses.replace(cluster, host_copies_on_compute=True)
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
     try:
@@ -91,6 +85,8 @@ def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
     except NoFeasiblePlan as error:
         raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
     out = report(user, problem, cluster, rate, advice)
+    if problem.profile is not None:
+        out["profile"] = profile_report(settings.profile, problem, out)  # which costs were measured, which assumed
     parts = {name: row_parts(row, problem, cluster) for name, row in advice.rows.items() if row is not None}
     return out, parts, argv
 
@@ -107,7 +103,7 @@ def row_parts(row, problem, cluster) -> List[RankParts]:
 
 def stock_simulation(row, problem, cluster):
     """The :class:`~..planning.simulator.SimulationResult` of a stock row on its layout's cluster."""
-    from ..planning.costs import analytic_costs
+    from ..planning.clusters import costs_for
     from ..planning.simulator import simulate
     from ..planning.stock import model_for, sharding_model, uniform_plan
 
@@ -115,7 +111,8 @@ def stock_simulation(row, problem, cluster):
     config = setting.config()
     spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
     model = problem.model_for(row.layout.tp, row.split)
-    costs = analytic_costs(model_for(model, setting), spec, config, levels=(setting.recompute.level,))
+    costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
+                      levels=(setting.recompute.level,))
     return simulate(config, costs, uniform_plan(config, setting.recompute.level),
                     sharding=sharding_model(setting, model, spec))
 

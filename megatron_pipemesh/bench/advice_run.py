@@ -10,6 +10,7 @@ once. Ranks get a core each while the cores allow; with more ranks than cores th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import statistics
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..cli.common import UsageError, emit_json
+from ..planning.defaults import MFU
 from .advice_parts import PARTS, attribute, cause_text, measured_parts
-from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, check_profile, plan_advice
+from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice
 from .session import log
 
 RUN_FLAGS = ("--train-iters", "--train-samples", "--log-interval", "--timing-log-level", "--timing-log-option",
@@ -106,13 +108,13 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
     iters = args.iters if args.iters is not None else ADVICE_ITERS
     for flag, value, example, positive in (("--warmup", warmup, "1", False), ("--iters", iters, "3", True),
                                            ("--device-tflops", args.device_tflops, "0.05", True),
-                                           ("--mfu", args.mfu, "0.45", True), ("--timeout", args.timeout, "600", True)):
+                                           ("--mfu", args.mfu, f"{MFU:g}", True), ("--timeout", args.timeout, "600", True)):
         check_number(flag, value, example, positive=positive, required=True)
     for flag, value in (("--warmup", warmup), ("--iters", iters)):
         if int(value) != value:
             raise UsageError(f"{flag} {value} is invalid: it must be a whole number. Example: {flag} 2")
     if args.mfu > 1:
-        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu 0.45")
+        raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu {MFU:g}")
     if args.nproc > MAX_RANKS:
         raise UsageError(f"--nproc {args.nproc} is invalid: the per-rank network holds at most {MAX_RANKS} ranks")
     if args.unshaped:
@@ -129,7 +131,11 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
             raise UsageError(f"--rate {rate_text}: {error}") from error
         shaping = shaping_at(rate)
         gbps = shaping.payload_bytes_per_s * 8 / 1e9
-    check_profile(args.profile)
+    if args.profile and args.no_profile:
+        raise UsageError(f"--profile {args.profile} with --no-profile is contradictory: drop one of them")
+    if args.profile and not os.path.isfile(args.profile):
+        raise UsageError(f"--profile {args.profile}: no such file. Make one with pipemesh profile --megatron-args "
+                         "\"<the same flags>\" --output FILE, or drop --profile to profile here first")
     cores = machine["cores"]
     memory_gb = machine["memory_gb"] or 8.0
     settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps,
@@ -142,10 +148,6 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     """``pipemesh bench --advice``: check the flags, plan, check the namespace can be made, run every distinct row,
     report (the arguments after ``args``: :func:`resolve_advice`'s)."""
     setup = resolve_advice(args, machine, shaping_at, default_rate)
-    log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
-        f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, {setup.settings.device_tflops:g} TFLOP/s x MFU "
-        f"{setup.settings.mfu:g} per rank")
-    advice, parts, advisor_flags = plan_advice(setup.words, setup.settings)
     if setup.shaping is not None:
         from .netns import permission_problem
 
@@ -154,6 +156,18 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
             raise UsageError(f"--advice cannot emulate the network: {problem}. Run as root, or pass --unshaped")
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
     os.makedirs(out_dir, exist_ok=True)
+    advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (and a given profile match it)
+    if setup.settings.profile is None and not args.no_profile:
+        setup = dataclasses.replace(setup, settings=dataclasses.replace(
+            setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"))))
+    if setup.settings.profile is not None and setup.settings.nproc > setup.cores:
+        log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores, and the profile times one core per rank: "
+            "the predictions assume a core per rank (a rank waiting in a bubble lends its core, which no cost knows)")
+    costs = (f"the profile {setup.settings.profile}" if setup.settings.profile is not None else
+             f"{setup.settings.device_tflops:g} TFLOP/s x MFU {setup.settings.mfu:g} per rank (analytic)")
+    log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
+        f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, compute from {costs}")
+    advice, parts, advisor_flags = plan_advice(setup.words, setup.settings)
     load_before = os.getloadavg()
     runs = run_rows(args, setup, advice, out_dir)
     if runs is None:
@@ -168,6 +182,21 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     if not emit_json(document, args.json):
         print(format_advice(document))
     return 0 if all(r["returncode"] == 0 for r in document["rows"]) else 1
+
+
+def profile_here(words: Sequence[str], path: str) -> str:
+    """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs) into ``path``."""
+    from ..integration.megatron_command import CommandError
+    from ..integration.profile import measure_profile
+
+    log(f"pipemesh bench --advice: profiling the command on this machine into {path}")
+    try:
+        profile = measure_profile(list(words), progress=lambda line: log(f"  {line}"))
+    except CommandError as error:
+        raise UsageError(f"--megatron-args: {error}") from error
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(profile.to_json() + "\n")
+    return path
 
 
 def _present(advice: dict) -> List[str]:

@@ -84,7 +84,7 @@ def _add_mode_args(p) -> None:
                         "--nproc single-GPU nodes at --rate on this machine: run your command and every advice row on "
                         "the per-rank network, and print predicted against measured iteration time per row, the "
                         "advised row's measured speed-up, and the cost that differs where a prediction misses by "
-                        "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile, --warmup "
+                        "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile or --no-profile, --warmup "
                         "(default 1), --iters (default 3), --device-tflops, --mfu, --pin-cores, --json, --out-dir")
     advice = p.add_argument_group("--advice")
     advice.add_argument("--megatron-args", metavar='"FLAGS"', default=None,
@@ -92,7 +92,11 @@ def _add_mode_args(p) -> None:
     advice.add_argument("--nproc", type=positive_int, default=None,
                         help="with --advice: ranks, one single-GPU node each (the command's world size)")
     advice.add_argument("--profile", metavar="FILE", default=None,
-                        help="with --advice: a 'pipemesh profile' file the advisor prices with")
+                        help="with --advice: a 'pipemesh profile' file of the command the advisor prices with "
+                             "(default: the command is profiled on this machine first, one thread as each rank runs)")
+    advice.add_argument("--no-profile", action="store_true",
+                        help="with --advice: plan with analytic costs at --device-tflops x --mfu instead of a profile "
+                             "(what pipemesh plan --megatron-args does without --profile)")
 
 
 def _add_run_args(run) -> None:
@@ -471,7 +475,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _terminate_as_interrupt()
         return cmd_advice(args, machine_description(), lambda rate: network_shaping(args, rate), DEFAULT_RATE)
     given = [flag for flag, value in (("--megatron-args", args.megatron_args), ("--nproc", args.nproc),
-                                      ("--profile", args.profile)) if value is not None]
+                                      ("--profile", args.profile),
+                                      ("--no-profile", args.no_profile or None)) if value is not None]
     if given:
         raise UsageError(f"{' '.join(given)} needs --advice: they say which command and cluster --advice checks. "
                          f"Example: pipemesh bench --advice {' '.join(given)} ...")

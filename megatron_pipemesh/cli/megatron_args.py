@@ -134,7 +134,8 @@ def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
 
 
 def problem_and_cluster(args, words: Sequence[str]):
-    """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``."""
+    """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``; the
+    problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`)."""
     from ..integration.megatron_command import CommandError, read_command
     from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
     from ..schedule.config import ScheduleConfig
@@ -167,7 +168,8 @@ def problem_and_cluster(args, words: Sequence[str]):
         vocab_multiple=getattr(a, "make_vocab_size_divisible_by", 128) or 1,
         vocab_size=getattr(a, "vocab_size", None),
         # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.
-        max_tp=None if rate.given else 1)
+        max_tp=None if rate.given else 1,
+        profile=None if args.profile is None else matched_profile(args, user, rate))
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                             intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
                             mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
@@ -307,8 +309,6 @@ def cmd_advice(argv: Sequence[str]) -> int:
     if progress is not None:
         progress("reading the command with Megatron's argument parser")
     user, problem, cluster, rate = problem_and_cluster(args, words)
-    if args.profile is not None:
-        problem = dataclasses.replace(problem, profile=matched_profile(args, user, rate))
     try:
         advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress)
     except NoFeasiblePlan as error:

@@ -1,5 +1,6 @@
 """`pipemesh bench --advice`: the refusals (exit 2 naming the flag, before any run), the advisor's cluster, the run
 flags, the report and its JSON, and one run of the smallest command end to end."""
+import dataclasses
 import json
 import shlex
 
@@ -9,6 +10,8 @@ from megatron_pipemesh.bench import advice_plan, advice_run
 from megatron_pipemesh.bench import cli as bench_cli
 from megatron_pipemesh.bench.advice_parts import PARTS
 from megatron_pipemesh.bench.logparse import IterationRecord
+
+from tests.planning.test_profile import MODEL, profile as a_profile
 
 # tests/training/test_advice_rows.py's TINY: a tiny GPT on mock data at PP=2, V=2, dropout 0, two iterations.
 TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
@@ -63,16 +66,28 @@ def test_a_world_size_that_does_not_fit_the_command_names_nproc(capsys, monkeypa
     assert "--nproc 3" in err and "--megatron-args" in err
 
 
-def test_profile_is_refused_until_the_advisor_takes_one(capsys, monkeypatch, no_runs):
-    monkeypatch.setattr(advice_plan, "advisor_takes_profile", lambda: False)
+def test_a_missing_or_contradictory_profile_is_refused_before_any_work(capsys, no_runs, monkeypatch):
+    monkeypatch.setattr(advice_run, "profile_here", lambda *a: pytest.fail("profiled"))
     assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--profile", "p.json"]) == 2
-    assert "--profile p.json is not available yet" in capsys.readouterr().err
+    assert "--profile p.json: no such file" in capsys.readouterr().err
+    assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--profile", "p.json",
+                           "--no-profile"]) == 2
+    assert "--profile p.json with --no-profile is contradictory" in capsys.readouterr().err
 
 
-def test_profile_reaches_the_advisor_when_it_takes_one(monkeypatch):
-    """Never silently ignored: once the advisor has --profile, the file is among its flags."""
-    monkeypatch.setattr(advice_plan, "advisor_takes_profile", lambda: True)
-    advice_plan.check_profile("p.json")
+def test_a_profile_of_another_model_is_refused_naming_the_mismatch(tmp_path, capsys, monkeypatch):
+    """The advisor reads --profile as pipemesh plan does: another hidden size is one line, before any run."""
+    monkeypatch.setattr(advice_run, "run_rows", lambda *a, **k: pytest.fail("ran"))
+    path = tmp_path / "other.json"
+    path.write_text(a_profile(model=dataclasses.replace(MODEL, hidden_size=32)).to_json())
+    assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--profile",
+                           str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "measured for hidden 32, this command has hidden 64" in err
+
+
+def test_the_profile_reaches_the_advisor():
+    """Never silently ignored: the file is among the advisor's flags."""
     argv = advice_plan.advisor_argv(advice_plan.AdviceBenchSettings(2, 0.1, 0.05, 0.45, 4.0, profile="p.json"))
     assert argv[argv.index("--profile") + 1] == "p.json"
 
