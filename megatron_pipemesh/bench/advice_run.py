@@ -321,8 +321,10 @@ def format_advice(document: dict) -> str:
              + (f"{net['rate_mbit']:g} Mbit/s per rank each way ({net['nic_queue']} share), planned at "
                 f"{1e3 * net['planned_nic_gbps']:.1f} Mbit/s payload" if net["shaped"]
                 else f"unshaped loopback, planned at {net['planned_nic_gbps']:g} Gbit/s")
-             + f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank; "
-             f"{document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations (median)"]
+             + ("; compute and activations from the profile " + document["profile"] if document["profile"] else
+                f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank "
+                "(analytic, --no-profile)")
+             + f"; {document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations (median)"]
     if document["ranks_share_cores"]:
         pinned = any(cores is not None for cores in document["pinned"])
         lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "

@@ -133,9 +133,14 @@ def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
         raise UsageError(f"{MEGATRON_ARGS}: the quoted flags do not split as a shell would ({error})") from error
 
 
+NO_P2P_OVERLAP_FLAG = "--no-overlap-p2p-communication"
+"""Megatron's flag that forbids interleaving at PP = 2 (its validate_args asserts PP > 2 for V > 1 without overlap)."""
+
+
 def problem_and_cluster(args, words: Sequence[str]):
     """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``; the
     problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`)."""
+    from ..integration.command_flags import flag_name
     from ..integration.megatron_command import CommandError, read_command
     from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
     from ..schedule.config import ScheduleConfig
@@ -163,8 +168,9 @@ def problem_and_cluster(args, words: Sequence[str]):
         global_batch=user.global_batch_size, stock=None if user.pipemesh else user.stock, pipemesh=pipemesh,
         sequence_parallel=user.sequence_parallel, distributed_optimizer=user.distributed_optimizer,
         grad_reduce_in_bf16=user.grad_reduce_in_bf16,
-        # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2.
-        interleaving_at_two=bool(getattr(a, "overlap_p2p_comm", True)),
+        # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2; its validate_args turns the
+        # option off for a V = 1 command, so the user's own flag says whether rows may interleave.
+        interleaving_at_two=NO_P2P_OVERLAP_FLAG not in (flag_name(word) for word in user.flags),
         vocab_multiple=getattr(a, "make_vocab_size_divisible_by", 128) or 1,
         vocab_size=getattr(a, "vocab_size", None),
         # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.

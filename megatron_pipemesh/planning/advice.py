@@ -564,7 +564,10 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
                                       lambda: time.perf_counter() >= started + search_seconds)
     if pipemesh_ok:
         rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
-        if best_pm is None:
+        if best_pm is None and not any(c.vpp >= 2 for c in found):
+            notes.append("best_layout: no layout whose weights fit allows V >= 2 (the layers per stage, or "
+                         "--no-overlap-p2p-communication at PP = 2), so PipeMesh has none")
+        elif best_pm is None:
             notes.append(f"best_layout: no PipeMesh plan (PP >= 2, V >= 2) fits {cluster.device_memory_gb:g} GiB per GPU")
     rows["best_layout_stock"] = dataclasses.replace(best_st, name="best_layout_stock") if best_st else None
     if best_st is None:

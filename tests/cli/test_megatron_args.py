@@ -159,3 +159,16 @@ def test_costs_of_this_cpu_hold_compute_for_host_copies(device, on_cpu):
     assert rate.given is not on_cpu
     assert cluster.host_copies_on_compute is on_cpu
     assert cluster.spec(1, 2, False, False).host_copies_on_compute is on_cpu
+
+
+def test_a_pp2_command_without_virtual_stages_still_gets_an_interleaved_pipemesh_layout():
+    """Megatron's validate_args turns --overlap-p2p-communication off for a V = 1 command; the advice reads the user's
+    own flags instead, so at PP = 2 PipeMesh (V >= 2) is searched unless the user forbids the overlap."""
+    flat = TINY.replace(" --num-virtual-stages-per-pipeline-rank 2", "")
+    two = ["--nodes", "2", "--gpus-per-node", "1", "--device-memory-gb", "1", "--nic-gbps", "0.25",
+           "--device-tflops", "0.05"]
+    rows = advice_json(flat, two)["rows"]
+    assert rows["best_layout"] is not None and rows["best_layout"]["vpp"] >= 2
+    forbidden = advice_json(flat + " --no-overlap-p2p-communication", two)
+    assert forbidden["rows"]["best_layout"] is None
+    assert any("allows V >= 2" in note for note in forbidden["notes"])
