@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..planning.profile import ComputePoint, Profile, dtype_name, shape_of
+from ..schedule.levers import Lever
 
 Progress = Callable[[str], None]
 
@@ -149,16 +150,14 @@ def _with_main_grads(model) -> List:
 
 def _level_args(args, level: str):
     """``args`` with the recomputation of ``level`` (a :class:`..schedule.levers.Lever` name) and one layer."""
-    from ..schedule.levers import FULL, Lever
-
     lever = Lever.parse(level)
+    switches = lever.switches  # what the runtime sets for the lever, as Megatron's --recompute-* values
     out = copy.copy(args)
     out.num_layers = 1
-    out.recompute_granularity, out.recompute_method, out.recompute_num_layers = None, None, None
+    out.recompute_granularity, out.recompute_method = switches.granularity, switches.method
+    out.recompute_num_layers = switches.num_layers
     if lever.is_selective:
-        out.recompute_granularity, out.recompute_modules = "selective", sorted(lever.modules)
-    elif lever == FULL:
-        out.recompute_granularity, out.recompute_method, out.recompute_num_layers = "full", "uniform", 1
+        out.recompute_modules = sorted(lever.modules)
     return out
 
 
@@ -373,7 +372,7 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
     point = ComputePoint(
         tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
         recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()
-                           if level != "none"},
+                           if Lever.parse(level).recomputes},
         layer_activation_bytes={level: float(t[2]) for level, t in times.items()},
         embedding_forward_s=embedding[0], embedding_backward_s=embedding[1],
         embedding_activation_bytes=float(embedding[2]), output_forward_s=output[0], output_backward_s=output[1],
