@@ -207,19 +207,16 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
     """Every distinct row's run (rows with the same flags share one), in the shaped namespace when there is one:
     name -> {returncode, log, iterations (parsed, past the warm-up), wall_s, error, same_run_as}."""
     from .logparse import parse_log
-    from .netns import NamespaceError, ShapedNamespace
+    from .netns import ShapedNamespace
     from .runner import TRAIN_MODULE, error_excerpt, launch_command, run_env, run_once, threads_per_rank
+    from .session import enter_namespace
 
     names = _present(advice)
     namespace = ShapedNamespace(setup.shaping, ranks=setup.settings.nproc) if setup.shaping else None
     runs: Dict[str, dict] = {}
     first_of: Dict[tuple, str] = {}
     try:
-        if namespace:
-            try:
-                namespace.__enter__()
-            except NamespaceError as error:
-                raise UsageError(str(error)) from error
+        enter_namespace(namespace)
         for index, name in enumerate(names, 1):
             row = advice["rows"][name]
             flags = run_flags(row["flags"], setup.warmup, setup.iters)

@@ -19,18 +19,14 @@ def log(text: str) -> None:
 def run_all(args, setup: dict, plan: list, data_flags, machine: dict, out_dir: str):
     """Every run of ``plan`` in order, inside the shaped namespace (removed at the end, also on Ctrl-C); None when
     interrupted."""
-    from .netns import NamespaceError, ShapedNamespace
+    from .netns import ShapedNamespace
     from .runner import RunResult
 
     configs, shaping = setup["configs"], setup["shaping"]
     results: List[RunResult] = []
     namespace = ShapedNamespace(shaping, ranks=max(c.world for c in configs)) if shaping else None
     try:
-        if namespace:
-            try:
-                namespace.__enter__()
-            except NamespaceError as error:
-                raise UsageError(str(error)) from error
+        enter_namespace(namespace)
         for index, (repeat, config, spec, shaped) in enumerate(plan, 1):
             results.append(_run_row(args, setup["model"], index, len(plan), repeat, config, spec,
                                     namespace if shaped else None, shaped, data_flags, machine, out_dir))
@@ -41,6 +37,18 @@ def run_all(args, setup: dict, plan: list, data_flags, machine: dict, out_dir: s
         if namespace:
             namespace.close()
     return results
+
+
+def enter_namespace(namespace) -> None:
+    """Set up ``namespace`` (a :class:`.netns.ShapedNamespace`, or None: nothing to do); UsageError naming what the
+    kernel refused. The caller closes it in ``finally``, also after a failed set-up."""
+    from .netns import NamespaceError
+
+    if namespace:
+        try:
+            namespace.__enter__()
+        except NamespaceError as error:
+            raise UsageError(str(error)) from error
 
 
 def _run_row(args, model, index: int, total: int, repeat: int, config, spec, namespace, shaped: bool,
