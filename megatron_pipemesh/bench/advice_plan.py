@@ -12,7 +12,8 @@ The advisor is called as ``pipemesh plan`` calls it (its own parser, :func:`~..c
   bench predicts its rows); ``--device-memory-gb``: this machine's memory / N;
 * ``--gpudirect-rdma``: CPU ranks send from their own memory, nothing is staged; and the ranks' host copies hold up
   their compute (:attr:`~..planning.advice.AdviceCluster.host_copies_on_compute`, set as the advisor sets it for
-  costs measured on this CPU).
+  costs measured on this CPU), and the ranks talk over gloo (:attr:`~..planning.advice.AdviceCluster.collectives`: its
+  two-pass reduce-scatter, and Megatron's sends waiting for their receiver, :data:`~..planning.costs.MEGATRON_SEND_WAIT`).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
     from ..planning.planner import NoFeasiblePlan
 
     argv, (user, problem, cluster, rate) = advisor_problem(words, settings)
-    cluster = dataclasses.replace(cluster, host_copies_on_compute=True)
+    cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo")
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
     try:
         advice = advise(problem, cluster)
@@ -104,8 +105,9 @@ def row_parts(row, problem, cluster) -> List[RankParts]:
 def stock_simulation(row, problem, cluster):
     """The :class:`~..planning.simulator.SimulationResult` of a stock row on its layout's cluster."""
     from ..planning.clusters import costs_for
-    from ..planning.simulator import simulate
+    from ..planning.simulator import megatron_lowering, simulate
     from ..planning.stock import model_for, sharding_model, uniform_plan
+    from ..schedule.lower import lower
 
     setting = row.stock
     config = setting.config()
@@ -113,6 +115,8 @@ def stock_simulation(row, problem, cluster):
     model = problem.model_for(row.layout.tp, row.split)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))
-    return simulate(config, costs, uniform_plan(config, setting.recompute.level),
-                    sharding=sharding_model(setting, model, spec))
+    lowering = megatron_lowering(costs)
+    sharding = sharding_model(setting, model, spec)
+    schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+    return simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding=sharding)
 

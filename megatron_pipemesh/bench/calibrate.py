@@ -43,10 +43,11 @@ from typing import Dict, List, Optional, Sequence
 
 from ..planning.clusters import bench_network_cluster
 from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, OpCosts
-from ..planning.simulator import simulate
+from ..planning.simulator import lowering_for, megatron_lowering, simulate
 from ..planning.topology import topology
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS
+from ..schedule.lower import lower
 from .runner import PADDED_VOCAB, ModelSetup, ParallelConfig
 
 COLLECTIVES = "gloo"
@@ -160,14 +161,18 @@ UNSHAPED_GBPS = 1e6
 
 def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
                          bytes_per_s: Optional[float], latency_s: float = 0.0, link_share: float = 1.0,
-                         sharding: Optional[Sequence[str]] = None, per_rank: bool = True) -> Dict[str, float]:
+                         sharding: Optional[Sequence[str]] = None, per_rank: bool = True,
+                         megatron_p2p: bool = False) -> Dict[str, float]:
     """Simulated forward-backward and iteration time (ms) with measured costs; ``sharding``: the row's levels
     (``--sharding``: the distributed optimizer's collectives and the levels' gathers and reductions);
-    ``per_rank``: the network's topology (a NIC per rank, else one shared bucket)."""
+    ``per_rank``: the network's topology (a NIC per rank, else one shared bucket); ``megatron_p2p``: a stock row
+    (Megatron's receives and send waits, :func:`~..planning.simulator.megatron_lowering`)."""
     costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None,
                            per_rank)
     shards = sharding_model(model, config, sharding, bytes_per_s, link_share, per_rank) if sharding else None
-    result = simulate(sched, costs, sharding=shards)
+    lowering = megatron_lowering(costs) if megatron_p2p else lowering_for(costs)
+    result = simulate(sched, costs, schedule=lower(sched, shards.lowering(lowering) if shards else lowering),
+                      sharding=shards)
     fb = result.iteration_s
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,
             "simulated_idle_fraction": result.idle_fraction,
@@ -179,16 +184,17 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
 def fit_transfer_overhead(model: ModelSetup, config: ParallelConfig, sched: ScheduleConfig, compute: MeasuredCompute,
                           measured_forward_backward_ms: float, upper_s: float = 0.05, bytes_per_s: Optional[float] = None,
                           latency_s: float = 0.0, link_share: float = 1.0, sharding: Optional[Sequence[str]] = None,
-                          per_rank: bool = True) -> float:
+                          per_rank: bool = True, megatron_p2p: bool = True) -> float:
     """The fixed cost per pipeline transfer (s) that makes the simulated forward-backward time of ``sched`` equal
     the measured one: gloo over TCP with ranks sharing the CPU cores is not free even unshaped (thread hand-offs,
     copies). Fitted once per configuration on one stock schedule, then used for every prediction of that
     configuration: on its unshaped run (``bytes_per_s`` None), or, when the bench ran none (``--no-limit``,
     ``--quick``), on its shaped run with the network modelled, so the overhead also takes up what the network model
-    misses for that row. 0 when the simulation is already as slow as the measurement."""
+    misses for that row. 0 when the simulation is already as slow as the measurement. ``megatron_p2p``: the row ran
+    Megatron's own schedule (:func:`~..planning.simulator.megatron_lowering`)."""
     def fb(overhead: float) -> float:
         return predict_iteration_ms(model, config, sched, compute, bytes_per_s, latency_s + overhead, link_share,
-                                    sharding, per_rank)["forward_backward_ms"]
+                                    sharding, per_rank, megatron_p2p)["forward_backward_ms"]
     if fb(0.0) >= measured_forward_backward_ms:
         return 0.0
     lo, hi = 0.0, upper_s

@@ -181,7 +181,7 @@ def fit_overhead(entry: dict, model: ModelSetup, config: ParallelConfig, specs: 
                 return fit_transfer_overhead(model, config, sched, _measured_compute(measured, config),
                                              max(measured["forward_backward_ms"]), bytes_per_s=rate,
                                              latency_s=latency_s if rate else 0.0, link_share=link_share,
-                                             sharding=specs[i].sharding, per_rank=per_rank)
+                                             sharding=specs[i].sharding, per_rank=per_rank, megatron_p2p=True)
     return None
 
 
@@ -197,7 +197,7 @@ def calibration_row(model, config, spec: RunSpec, base, shaped, unshaped, bytes_
         if measured is None or (name == "shaped" and not bytes_per_s):
             continue
         pred = predict_iteration_ms(model, config, sched, compute, bw, (latency_s if bw else 0.0) + overhead_s, link_share,
-                                    spec.sharding, per_rank)
+                                    spec.sharding, per_rank, spec.stock)
         meas = measured["iteration_ms_median"]
         row[name] = {**pred, "measured_iteration_ms": meas,
                      "error": (pred["iteration_ms"] - meas) / meas}

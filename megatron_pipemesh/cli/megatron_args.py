@@ -179,7 +179,9 @@ def problem_and_cluster(args, words: Sequence[str]):
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                             intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
                             mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
-                            nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given)
+                            nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given,
+                            collectives="gloo" if not rate.given or getattr(a, "distributed_backend", None) == "gloo"
+                            else "nccl")
     return user, problem, cluster, rate
 
 

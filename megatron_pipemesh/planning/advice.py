@@ -75,6 +75,9 @@ class AdviceCluster:
     host_copies_on_compute: bool = False
     """The rows run on CPU ranks, whose host copies hold up their compute (costs measured on this CPU: no --gpu or
     --device-tflops); :attr:`.costs.ClusterSpec.host_copies_on_compute`."""
+    collectives: str = "nccl"
+    """Library of the ranks' communication: ``nccl`` (GPUs) or ``gloo`` (CPU ranks, or --distributed-backend gloo);
+    :attr:`.costs.ClusterSpec.collectives`."""
 
     @property
     def gpus(self) -> int:
@@ -92,7 +95,8 @@ class AdviceCluster:
                            device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
                            host_link_gbps=self.host_link_gbps, nic_via_host=self.nic_via_host,
                            sequence_parallel=sequence_parallel and tp > 1, distributed_optimizer=distributed_optimizer,
-                           mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute)
+                           mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
+                           collectives=self.collectives)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
 def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, link_gbps: float,
                 intra_node_gbps: float, device_tflops: float, device_memory_gb: float, host_link_gbps: float,
                 nic_via_host: bool, sequence_parallel: bool, distributed_optimizer: bool = True, mfu: float = MFU,
-                latency_us: float = PLANNING_CLUSTER.latency_us, host_copies_on_compute: bool = False) -> ClusterSpec:
+                latency_us: float = PLANNING_CLUSTER.latency_us, host_copies_on_compute: bool = False,
+                collectives: str = PLANNING_CLUSTER.collectives) -> ClusterSpec:
     """Nodes of ``devices_per_node`` devices behind one NIC of ``nic_gbps`` each way, shared max-min fairly by
     every transfer leaving a node; ``link_gbps``: the data-parallel and pipeline rate per device where no NIC is
     shared."""
@@ -55,7 +56,7 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                        sequence_parallel=sequence_parallel, distributed_optimizer=distributed_optimizer,
                        devices_per_node=devices_per_node, nic_gbps=nic_gbps, host_link_gbps=host_link_gbps,
                        intra_node_gbps=intra_node_gbps, nic_via_host=nic_via_host,
-                       host_copies_on_compute=host_copies_on_compute)
+                       host_copies_on_compute=host_copies_on_compute, collectives=collectives)
 
 
 def bench_network_cluster(dp: int, gbps: float, per_rank: bool, collectives: str, **fields) -> ClusterSpec:

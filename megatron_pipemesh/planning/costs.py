@@ -203,6 +203,15 @@ class ClusterSpec:
             raise ValueError(f"collectives {self.collectives!r} is not one of {', '.join(REDUCE_SCATTER_STEPS)}")
 
 
+MEGATRON_SEND_WAIT = {"nccl": "none", "gloo": "posted"}
+"""What Megatron's schedules wait for after each pipeline send, per collectives library
+(:data:`~..schedule.lower.SEND_WAITS`). Megatron waits on every send right after issuing it
+(``deallocate_pipeline_outputs``, always on in training). On gloo that wait lasts until the receiver has posted
+its receive (a tcp pair sends only after the receiver's ready notice; then the socket buffer takes the bytes):
+measured, it moves the PP = 2 predictions of ``bench --advice`` from 9-20% to within 6% of the runs. On NCCL it
+makes the compute stream wait for the send kernel, which completes once the bytes are in the connection's
+buffer, so a send under the buffer's size (4 MiB by default) holds nothing: "none" (not yet measured on GPUs)."""
+
 REDUCE_SCATTER_STEPS = {"nccl": 1, "gloo": 2}
 """Ring passes of a reduce-scatter over n ranks, each moving (n-1)/n of the payload per rank. NCCL's ring
 reduce-scatter is one pass. torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor``
@@ -298,6 +307,8 @@ class OpCosts:
     chunk-micro-batch's 'none' activation bytes (first/last-stage extras included) in bytes*8/rate."""
     host_copies_on_compute: bool = False
     """An OFFLOAD / RELOAD holds up the rank's compute for its duration (:attr:`ClusterSpec.host_copies_on_compute`)."""
+    megatron_send_wait: str = MEGATRON_SEND_WAIT["nccl"]
+    """What Megatron's schedules wait for after a pipeline send on this cluster (:data:`MEGATRON_SEND_WAIT`)."""
     network: Optional[Topology] = None
     """The links the transfers share (:mod:`.topology`); None = each transfer takes its own time, nothing shared."""
     embedding_allreduce_s: float = 0.0
@@ -449,6 +460,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
         static_bytes=static, host_link_gbps=cluster.host_link_gbps,
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
+        megatron_send_wait=MEGATRON_SEND_WAIT[cluster.collectives],
         embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
         first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,
     )

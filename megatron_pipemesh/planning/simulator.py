@@ -11,6 +11,8 @@ timeline per rank counts the host memory it holds from the OFFLOAD's start to th
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -125,6 +127,12 @@ def lowering_for(costs: OpCosts, placement: Optional[PlacementPlan] = None,
     the host copies of the plan's 'host' chunk-micro-batches."""
     return LoweringOptions(param_sync=costs.dp_gather_s > 0, grad_sync=True,
                            host_placement=host_placement_of(placement), reload_lookahead=reload_lookahead)
+
+
+def megatron_lowering(costs: OpCosts) -> LoweringOptions:
+    """:func:`lowering_for` a stock Megatron schedule: its receives posted and its sends waited on as Megatron's own
+    schedules do (:attr:`~..schedule.lower.LoweringOptions.megatron_p2p`, ``send_wait`` per collectives library)."""
+    return dataclasses.replace(lowering_for(costs), megatron_p2p=True, send_wait=costs.megatron_send_wait)
 
 
 def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:

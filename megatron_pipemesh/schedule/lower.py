@@ -4,9 +4,13 @@ Placement rules (the runtime follows the program literally):
 
 * ``RECV_*`` of a compute op is posted ``recv_lookahead`` compute ops before it (at the start for
   the first ones), so the transfer overlaps the preceding compute; the runtime waits on it just
-  before the consumer runs. Receives of one channel are posted in consumer order, which equals
+  before the consumer runs. With ``megatron_p2p`` (stock rows) it is posted where Megatron's schedules post it
+  (:func:`_megatron_post`). Receives of one channel are posted in consumer order, which equals
   the sender's send order (checked by :mod:`.validate`).
-* ``SEND_*`` follows its producer immediately; sends never block the compute stream.
+* ``SEND_*`` follows its producer immediately. With ``send_wait`` "none" (PipeMesh's runtime) a send never
+  holds the compute stream; with "posted" / "delivered" (Megatron's schedules, which wait on each send before
+  the next compute) the rank's next compute op waits until the receiver has posted the receive / the transfer
+  has ended (:data:`SEND_WAITS`).
 * ``PARAM_SYNC c``: chunks 0 and 1 at the start; chunk c >= 2 just before the forward whose index
   is the first forward of chunk c-1, so its gather overlaps the f_1 forwards of chunk c-1.
   With ``align_param_sync`` the point is moved r forwards earlier on rank r, as Megatron's
@@ -42,6 +46,11 @@ from .spans import SHARD_LEVELS, gather_spans, group_spans, shards_gradients, sh
 
 DEFAULT_RELOAD_LOOKAHEAD = 2
 """Compute ops between a RELOAD and its backward when nothing sizes it (the planner sizes it from the copy time)."""
+
+SEND_WAITS = ("none", "posted", "delivered")
+"""What a SEND holds the sender's next compute op for (``LoweringOptions.send_wait``): nothing; the receiver's
+posted receive (gloo: a send waits for its receiver's ready notice, then the socket buffer takes the bytes); the
+transfer's end (NCCL: the stream waits for the send kernel)."""
 
 LOOKAHEAD_LEAST = {"recv_lookahead": 0, "reload_lookahead": 1, "gather_lookahead": 0}
 """The fewest compute ops each lookahead may be: a receive or a gather may be posted right before the op that
@@ -83,6 +92,14 @@ class LoweringOptions:
     'optim' (or no sharding), no GATHER/RELEASE/REDUCE ops."""
     gather_lookahead: int = 1
     """Launch a ZeRO-3 GATHER this many compute ops before its span (>= 0)."""
+    megatron_p2p: bool = False
+    """Post receives where Megatron's schedules do (:func:`_megatron_post`) and, in the warm-up, hold the next
+    compute op until the receives posted after a forward have arrived (Megatron's warm-up exchanges block);
+    ``recv_lookahead`` then plays no part. For Megatron's own schedules (every rank runs the same order)."""
+    send_wait: str = "none"
+    """What a rank's next compute op waits for after its sends (:data:`SEND_WAITS`): "none" for PipeMesh's runtime,
+    "posted" / "delivered" for Megatron's schedules (they wait on each send before the next compute) on gloo /
+    NCCL."""
 
     @property
     def zero3_chunks(self) -> Tuple[int, ...]:
@@ -98,6 +115,8 @@ class LoweringOptions:
         # JSON round-trips turn the keys into lists; keep one canonical, hashable, sorted form.
         object.__setattr__(self, "host_placement", tuple(sorted(tuple(int(x) for x in key) for key in self.host_placement)))
         object.__setattr__(self, "sharding", tuple(self.sharding))
+        if self.send_wait not in SEND_WAITS:
+            raise ValueError(f"send_wait {self.send_wait!r} is not one of {', '.join(SEND_WAITS)}")
         unknown = [level for level in self.sharding if level not in SHARD_LEVELS]
         if unknown:
             raise ValueError(f"unknown sharding level(s) {unknown}; levels are {', '.join(SHARD_LEVELS)}")
@@ -163,14 +182,14 @@ class LoweredSchedule:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-_SHARDING_DEFAULTS = {"sharding": (), "gather_lookahead": 1}
+_QUIET_DEFAULTS = {"sharding": (), "gather_lookahead": 1, "send_wait": "none", "megatron_p2p": False}
+"""Options a plan file leaves out at these values, so that plans written before them keep their digest."""
 
 
 def _options_dict(options: LoweringOptions) -> dict:
-    """The options as plain data; the sharding options are left out at their defaults so that plans
-    without mixed sharding keep their digest."""
+    """The options as plain data, less :data:`_QUIET_DEFAULTS` at their defaults."""
     data = asdict(options)
-    for key, default in _SHARDING_DEFAULTS.items():
+    for key, default in _QUIET_DEFAULTS.items():
         if data[key] == default or data[key] == list(default):
             del data[key]
     return data
@@ -275,20 +294,57 @@ def _place_reduces(slots: _Slots) -> None:
 
 
 def _place_p2p(slots: _Slots) -> None:
-    """Each compute op's RECV ``recv_lookahead`` compute ops before it (at the start for the first ones) and its
-    SEND right after it."""
+    """Each compute op's RECV ``recv_lookahead`` compute ops before it (at the start for the first ones), or with
+    ``megatron_p2p`` where Megatron posts it, and its SEND right after it."""
     config, rank = slots.config, slots.rank
     peers: Dict[Tuple[OpKind, int], Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]]] = {}
+    megatron = _megatron_post(config, rank, slots.compute) if slots.options.megatron_p2p else None
     for index, op in enumerate(slots.compute):
         placed = peers.get((op.kind, op.chunk))
         if placed is None:  # the same for every micro-batch of a chunk
             placed = peers[op.kind, op.chunk] = (input_source(config, rank, op), output_target(config, rank, op))
         source, target = placed
         if source is not None:
-            post = max(index - slots.options.recv_lookahead, 0)
+            if megatron is not None:
+                post = megatron[index]
+            else:
+                post = max(index - slots.options.recv_lookahead, 0)
             slots.before[post].append(Op(_RECV[op.kind], op.chunk, op.microbatch, source[0]))
         if target is not None:
             slots.after[index].append(Op(_SEND[op.kind], op.chunk, op.microbatch, target[0]))
+
+
+def _megatron_post(config: ScheduleConfig, rank: int, compute: List[Op]) -> List[int]:
+    """Per compute op, the slot (``before`` index) where Megatron's schedules post its receive.
+
+    Without virtual stages (``forward_backward_pipelining_without_interleaving``, batched blocking exchanges) right
+    before the op. Interleaved (``forward_backward_pipelining_with_interleaving``): each forward's exchange posts the
+    receive of the rank's next forward, each backward's the next backward's (right before the first of each); on
+    the leading rank of a direction (the first in forwards, the last in backwards) the input that wraps around
+    from the other end is received aligned with the producer instead (``recv_tensor_from_previous_stage``): the
+    tensor the other end makes in its j-th op of that direction is received with this rank's (j + p - 1)-th, every
+    rank running its ops of a direction in one order."""
+    if config.vpp == 1:
+        return list(range(len(compute)))
+    p = config.pp
+    posts = []
+    seen: Dict[OpKind, List[int]] = {OpKind.FORWARD: [], OpKind.BACKWARD: []}  # direction -> compute indices so far
+    order = {kind: {(op.chunk, op.microbatch): j for j, op in enumerate(o for o in compute if o.kind is kind)}
+             for kind in (OpKind.FORWARD, OpKind.BACKWARD)}
+    for index, op in enumerate(compute):
+        done = seen[op.kind]
+        forward = op.kind is OpKind.FORWARD
+        leading = rank == (0 if forward else p - 1)
+        wraps = leading and (op.chunk > 0 if forward else op.chunk < config.vpp - 1)
+        if wraps:
+            producer = order[op.kind][(op.chunk - 1 if forward else op.chunk + 1, op.microbatch)]
+            k = producer + p - 1  # received with this rank's k-th op of the direction (after it)
+            post = done[k] + 1 if k < len(done) else index
+        else:
+            post = done[-1] + 1 if done else index
+        posts.append(min(post, index))
+        done.append(index)
+    return posts
 
 
 def _place_host_copies(slots: _Slots) -> None:

@@ -4,6 +4,10 @@ planning simulator.
 Semantics (the runtime's): each rank runs its program in order on one compute stream. Receive
 posts, sends and data-parallel launches never block; a compute op starts when the stream is free,
 its input has arrived, and (first forward of a chunk) that chunk's parameter gather has finished.
+With the lowering's ``send_wait`` (Megatron's schedules) it also waits for the sends issued since the rank's
+previous compute op: until each one's receive is posted ("posted") or its transfer has ended ("delivered");
+with ``megatron_p2p``, in the warm-up (after one of the forwards before the last forward that precedes the first
+backward) also for the receives posted since then.
 Each directed pipeline link (src, dst, direction) is a FIFO channel: a transfer starts when it
 was sent, its receive was posted and the previous transfer on the link has left it. Each rank has
 one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order, and
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Protocol, Tuple
 
 from .config import ScheduleConfig
-from .lower import LoweredSchedule, LoweringOptions, input_source, output_target
+from .lower import SEND_WAITS, LoweredSchedule, LoweringOptions, input_source, output_target
 from .ops import Op, OpKind, format_ops
 
 TransferKey = Tuple[int, Op]  # (consumer rank, consumer compute op)
@@ -178,7 +182,8 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
 
     * compute: (code, op, input key id or -1, waits for a parameter gather, is forward, host key,
       waits for its ZeRO-3 span's GATHER, waits for its ZeRO-2/3 chunk's last REDUCE);
-    * receive: (code, key id, channel id); send: (code, key id, channel id, producer compute op);
+    * receive: (code, key id, channel id, held: the next compute op waits for it); send: (code, key id, channel
+      id, producer compute op);
     * data-parallel and GATHER / REDUCE: (code, op, is PARAM_SYNC, is GATHER, is REDUCE); RELEASE: (code, op);
     * host copy: (code, op, is OFFLOAD, host key).
 
@@ -208,6 +213,8 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
         zero3 = set() if schedule.options.forward_only else set(schedule.options.zero3_chunks)
         zero2 = set() if schedule.options.forward_only else set(schedule.options.zero2_chunks)
         producers: Dict[Tuple[str, int, Optional[int]], Op] = {}
+        warmup = _warmup_forwards(program) if schedule.options.megatron_p2p else 0
+        computed = 0
         out = []
         append = out.append
         for op in program:
@@ -222,13 +229,15 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
                 # ZeRO-2/3 chunk for the reduction of the chunk's previous backward group (its REDUCE).
                 append((_COMPUTE_OP, op, key, forward and chunk in param_chunks and chunk not in zero3, forward,
                         (rank, chunk, microbatch), chunk in zero3, not forward and chunk in zero2))
+                computed += 1
                 if op.peer is None:
                     producers[kind, chunk, microbatch] = op
             elif kind == "RECV_F" or kind == "RECV_B":
                 direction = kind[-1]
                 source = peers[direction, chunk][0]
                 key = key_ids.setdefault((rank, direction, chunk, microbatch), len(key_ids))
-                append((_RECV_OP, key, channel_ids.setdefault((source[0], rank, direction), len(channel_ids))))
+                append((_RECV_OP, key, channel_ids.setdefault((source[0], rank, direction), len(channel_ids)),
+                        1 <= computed <= warmup))
             elif kind == "SEND_F" or kind == "SEND_B":
                 direction = kind[-1]
                 target = peers[direction, chunk][1]
@@ -251,6 +260,18 @@ def _compile(schedule: LoweredSchedule) -> _Compiled:
         while len(_COMPILED) > _COMPILED_MAX:
             _COMPILED.popitem(last=False)
     return compiled
+
+
+def _warmup_forwards(program) -> int:
+    """Megatron's warm-up forwards of a rank: the forwards before its first backward but the last of them (the
+    first of the steady 1F1B phase); all of them without a backward (evaluation)."""
+    leading = 0
+    for op in program:
+        if op.kind is OpKind.BACKWARD:
+            return max(0, leading - 1)
+        if op.kind is OpKind.FORWARD:
+            leading += 1
+    return leading
 
 
 class Links(Protocol):
@@ -340,6 +361,11 @@ class _Engine:
         reloaded: Dict[Tuple[int, int, int], Optional[float]] = {}
         links = self.links
         copies_on_compute = self.copies_on_compute
+        send_wait = self.s.options.send_wait
+        sends_hold = send_wait in SEND_WAITS[1:]  # "posted" / "delivered": Megatron's schedules
+        holds: List[List[Tuple[int, bool]]] = [[] for _ in range(p)]  # per rank: (key, is a receive) its next compute waits for
+        send_waiters: Dict[int, int] = {}  # send key -> the rank blocked on it
+        self.holds = holds
         net = links.new_network() if links is not None else None
         p2p_routes = [links.p2p_route(src, dst) if links is not None else None for src, dst, _ in channels]
         dp_routes = [links.dp_route(r) if links is not None else None for r in range(p)]
@@ -391,6 +417,15 @@ class _Engine:
                 blocked[rank] = False
                 step(rank)
 
+        def wake_sender(key: int) -> None:
+            """The send ``key`` a blocked rank waits for is done: it resumes at the current time (an event, not a
+            nested step: this runs inside the receiver's step)."""
+            rank = send_waiters.pop(key, None)
+            if rank is not None and blocked[rank]:
+                blocked[rank] = False
+                seq[0] += 1
+                heapq.heappush(heap, (clock[0], seq[0], _RESUME, rank))
+
         def try_finals() -> None:
             for k, final in enumerate(finals):
                 if final_started[k] or not all(index[r] == len(code[r]) and dp_flight[r] is None and not dp_queue[r]
@@ -411,6 +446,8 @@ class _Engine:
                 src, dst, _ = channels[channel]
                 arrival[key] = (now + latency, sent)
                 comms.append(CommEvent(src, dst, producer, start, now + latency, "p2p"))
+                if send_waiters:
+                    wake_sender(key)  # a sender waiting for delivery, or a receiver for its warm-up receive
                 wake(dst)
                 start_channel(channel)
             elif kind == "dp":
@@ -497,6 +534,24 @@ class _Engine:
                     if back is not None and back > max(data_ready, now):
                         data_ready, waited_on = back, "host"
                         comm_part = back - now
+                    if holds[rank]:  # Megatron waits on the sends it issued since its previous compute op
+                        done = None
+                        for sent_key, received in holds[rank]:
+                            if send_wait == "posted" and not received:
+                                done = posted[sent_key]
+                            else:
+                                got = arrival[sent_key]
+                                done = None if got is None else got[0]
+                            if done is None:
+                                send_waiters[sent_key] = rank
+                                break
+                            if done > max(data_ready, now):
+                                data_ready, waited_on = done, "p2p"
+                                comm_part = done - now
+                        if done is None:
+                            blocked[rank] = True
+                            break
+                        holds[rank].clear()
                     if waits_reduce:
                         reduce_end = reduced[rank].get(op.chunk, 0.0)
                         if reduce_end is None:
@@ -516,9 +571,15 @@ class _Engine:
                     return
                 if what == _RECV_OP:
                     posted[ins[1]] = now
+                    if send_waiters and send_wait == "posted":
+                        wake_sender(ins[1])
+                    if ins[3]:
+                        holds[rank].append((ins[1], True))
                     start_channel(ins[2])
                 elif what == _SEND_OP:
                     queues[ins[2]].append((ins[1], now, ins[3]))
+                    if sends_hold:
+                        holds[rank].append((ins[1], False))
                     start_channel(ins[2])
                 elif what == _DP_OP:
                     if ins[4]:
@@ -584,8 +645,12 @@ class _Engine:
             op = self.s.programs[rank][step]
             source = input_source(self.cfg, rank, op)
             key = self.compiled.code[rank][step][2]
-            why = (f"waits for its input from rank {source[0]}" if source and self.arrival[key] is None
-                   else f"waits for the parameter gather of chunk {op.chunk}")
+            if source and self.arrival[key] is None:
+                why = f"waits for its input from rank {source[0]}"
+            elif self.holds[rank]:
+                why = f"waits for its sends to be received (send_wait {self.s.options.send_wait}) before it starts"
+            else:
+                why = f"waits for the parameter gather of chunk {op.chunk}"
             lines.append(f"rank {rank}, step {step}: {op} {why}")
         for rank, program in enumerate(self.s.programs):
             mark = self.index[rank] if rank in stuck else None

@@ -94,3 +94,49 @@ def test_backward_of_a_zero2_chunk_waits_for_the_previous_groups_reduce():
     # ZeRO-1 reduces once, in GRAD_SYNC: nothing to wait for before a backward.
     plain = execute(lower(schedule.config, LoweringOptions(param_sync=False, sharding=("optim",))), UnitCosts(dp=5.0))
     assert not any(e.waited_on == "reduce" for events in plain.compute for e in events)
+
+
+class _SlowSecondStage(UnitCosts):
+    """Rank 1 computes three times slower than the others; transfers take 0.5."""
+
+    def compute(self, rank, op):
+        return super().compute(rank, op) * (3.0 if rank == 1 else 1.0)
+
+
+def _start(timeline, rank, text):
+    return next(e.start for e in timeline.compute[rank] if str(e.op) == text)
+
+
+@pytest.mark.parametrize("send_wait, second, third", [("none", 1.0, 2.0), ("posted", 1.0, 4.5), ("delivered", 1.5, 5.0)])
+def test_a_send_holds_the_next_compute_as_send_wait_says(send_wait, second, third):
+    """Rank 0 runs F0.0 [0, 1], F0.1 [1, 2]; rank 1 posts the receive of F0.1 right before it (lookahead 0), after
+    its F0.0 [1.5, 4.5], and the F0.1 transfer runs [4.5, 5]. Megatron's senders wait for the posting (gloo) or the delivery
+    (NCCL) before their next compute; PipeMesh's runtime does not wait."""
+    config = ScheduleConfig.depth_first(3, 1, 6)  # 1F1B: rank 0 runs F0.0 F0.1 F0.2 before its first backward
+    options = LoweringOptions(recv_lookahead=0, send_wait=send_wait)
+    timeline = execute(lower(config, options), _SlowSecondStage(1.0, 2.0, transfer=0.5))
+    assert (_start(timeline, 0, "F0.1"), _start(timeline, 0, "F0.2")) == (second, third)
+
+
+def test_megatron_warmup_waits_for_the_wrapped_input_it_posts_early():
+    """Interleaved, p = 2, g = 4: rank 0 receives rank 1's first output (its F0.0 [1.5, 2.5], arriving at 3.0) with
+    its second forward, as Megatron does, and its warm-up exchange blocks until it has arrived, so its third forward
+    starts at 3.0, not 2.0; the receive still reaches F1.0 unchanged."""
+    config = ScheduleConfig.uniform(2, 2, 8, 4)
+    plain = execute(lower(config, LoweringOptions(recv_lookahead=0)), UnitCosts(1.0, 2.0, transfer=0.5))
+    megatron = execute(lower(config, LoweringOptions(megatron_p2p=True)), UnitCosts(1.0, 2.0, transfer=0.5))
+    assert _start(plain, 0, "F0.2") == 2.0
+    assert _start(megatron, 0, "F0.2") == 3.0
+    program = [str(op) for op in lower(config, LoweringOptions(megatron_p2p=True)).programs[0]]
+    assert program.index("RECV_F1.0<1") == program.index("F0.1") + 2  # after F0.1 and its send
+
+
+def test_megatron_sends_waiting_for_their_receiver_do_not_deadlock_interleaved_schedules():
+    """Megatron's interleaved g > p schedules run on gloo, whose sends wait for their receiver: with the receives
+    posted where Megatron posts them, every such schedule finishes (posted right before their consumers they
+    deadlock)."""
+    for config in (ScheduleConfig.uniform(2, 2, 8, 4), ScheduleConfig.uniform(4, 2, 12, 6), ScheduleConfig.depth_first(4, 4, 16)):
+        execute(lower(config, LoweringOptions(megatron_p2p=True, send_wait="posted")), UnitCosts(1.0, 2.0, transfer=0.5))
+    with pytest.raises(DeadlockError, match="waits for its sends to be received"):
+        execute(lower(ScheduleConfig.uniform(2, 2, 8, 4), LoweringOptions(recv_lookahead=0, send_wait="posted")),
+                UnitCosts(1.0, 2.0, transfer=0.5))
