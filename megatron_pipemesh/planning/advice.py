@@ -75,6 +75,12 @@ class AdviceCluster:
     host_copies_on_compute: bool = False
     """The rows run on CPU ranks, whose host copies hold up their compute (costs measured on this CPU: no --gpu or
     --device-tflops); :attr:`.costs.ClusterSpec.host_copies_on_compute`."""
+    shared_cores: Optional[int] = None
+    """Every rank runs on one host of this many CPU cores, shared by the ranks computing at the moment (``pipemesh
+    bench --advice`` with more ranks than cores); :attr:`.costs.ClusterSpec.shared_cores`. None: a device each."""
+    pinned_cores: bool = False
+    """With ``shared_cores``: each pipeline rank's ranks pinned to one core (``pipemesh bench --pin-cores``);
+    :attr:`.costs.ClusterSpec.pinned_cores`."""
 
     @property
     def gpus(self) -> int:
@@ -92,7 +98,8 @@ class AdviceCluster:
                            device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
                            host_link_gbps=self.host_link_gbps, nic_via_host=self.nic_via_host,
                            sequence_parallel=sequence_parallel and tp > 1, distributed_optimizer=distributed_optimizer,
-                           mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute)
+                           mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
+                           shared_cores=self.shared_cores, pinned_cores=self.pinned_cores)
 
 
 @dataclass(frozen=True)
