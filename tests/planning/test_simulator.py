@@ -291,6 +291,27 @@ def test_ranks_sharing_two_cores_run_at_half_speed_while_both_stages_compute():
     assert simulate(config, own).iteration_s == 9  # no shared cores: a device each
 
 
+@pytest.mark.parametrize("cores,pinned", [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False)])
+def test_shared_cores_do_at_most_their_capacity_and_never_speed_a_rank_up(cores, pinned):
+    """PP=4 x DP=2 (8 processes) on a few cores: the iteration is at least the one-core work of every process over
+    the cores (they do no more than ``cores`` core-seconds per second) and at least the iteration with a core each;
+    with as many cores as processes, unpinned, it is that iteration exactly."""
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+
+    model = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=256)
+    config = ScheduleConfig(4, 2, 8)
+    own = simulate(config, analytic_costs(model, ClusterSpec(dp=2, devices_per_node=1, nic_gbps=100.0), config))
+    costs = analytic_costs(model, ClusterSpec(dp=2, devices_per_node=1, nic_gbps=100.0, shared_cores=cores,
+                                              pinned_cores=pinned), config)
+    result = simulate(config, costs)
+    adapter = ScheduleCosts(config, costs)
+    work = 2 * sum(adapter.compute(e.rank, e.op) for events in result.timeline.compute for e in events)
+    assert result.iteration_s >= work / cores * (1 - 1e-9)
+    assert result.iteration_s >= own.iteration_s * (1 - 1e-9)
+    if cores == 8:
+        assert result.iteration_s == pytest.approx(own.iteration_s, rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # Deadline: a search that keeps only schedules ending by a time stops the others early
 
