@@ -33,11 +33,11 @@ Routes: a pipeline send crosses the sender's egress and the receiver's ingress. 
 rank r crosses rank r's own egress and ingress: each ring hop goes to the next replica, which runs the same
 program, so the ring is symmetric and one flow stands for it, at the rate of its slowest hop (NIC or
 intra-node). The tied embedding's all-reduce between the first and the last stage is a send each way.
-A compute op on shared cores (``compute_route``) is a flow whose work is its
-seconds at one full core, so its lone pace is min(1, C / (t*d)) of a core (1 / (t*d) when pinned): e.g. pipeline
-ranks 0 and 1 of PP = 2 x DP = 2 on 2 cores each run at 2 / 4 = 0.5 of a core while both compute, and at 1.0
-while the other waits. Tensor-parallel collectives run on the compute stream (:data:`tp_gbps` prices them alone): inside a node
-over the intra-node link, across nodes at a device's share of the NIC.
+Tensor-parallel collectives run on the compute stream (:data:`tp_gbps` prices them alone): inside a node
+over the intra-node link, across nodes at a device's share of the NIC. A compute op on shared cores
+(:meth:`Topology.compute_route`) is a flow whose work is its seconds at one full core, so its lone pace is
+min(1, C / (t*d)) of a core (1 / (t*d) when pinned): e.g. pipeline ranks 0 and 1 of PP = 2 x DP = 2 on 2 cores
+each run at 2 / 4 = 0.5 of a core while both compute, and at 1.0 while the other waits.
 
 Pure: no torch.
 """
@@ -224,7 +224,8 @@ def topology(cluster, pp: int) -> Topology:
     if cluster.shared_cores is not None:
         cores = cluster.shared_cores
         if cluster.pinned_cores:
-            compute = tuple(make_route([(add.cores(f"core {r % cores}", 1), per_stage)], add.capacity) for r in range(pp))
+            compute = tuple(make_route([(add.cores(f"core {r % cores}", 1), per_stage)], add.capacity)
+                            for r in range(pp))
         else:
             compute = tuple(make_route([(add.cores("cores", cores), per_stage),
                                         (add.cores(f"threads {r}", per_stage), per_stage)], add.capacity)

@@ -31,15 +31,17 @@ more ranks than cores). Then the op is a flow on that route, sharing the cores m
 computing at the same time: it starts when it would start anyway (stream free, input arrived), its work is its
 duration at one full core, and the rank resumes when the flow ends, so a rank waiting in a bubble lends its core to
 the others. Host copies on the compute stream (``host_copies_on_compute``: a memcpy on the rank's thread) share
-the cores the same way. ``costs.final_collectives()`` adds what runs after the
-programs (:class:`FinalCollective`: the tied embedding's all-reduce); a rank ends with its last compute op,
-data-parallel collective or final collective.
+the cores the same way.
+
+``costs.final_collectives()`` adds what runs after the programs (:class:`FinalCollective`: the tied embedding's
+all-reduce); a rank ends with its last compute op, data-parallel collective or final collective.
 
 Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
 compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized per
 (config, lowering options) while its programs hold the same op objects, and run in time order (a heap of
 compute ends, fixed-length transfers and the network's own ends) by one function with local state; without
-compute routes a compute op is one heap entry, as before they existed. Without shared links the results are those of the plain reading of the rules above (``tests/schedule/test_timeline.py``).
+compute routes a compute op is one heap entry (its end), never a flow. Without shared links the results are those
+of the plain reading of the rules above (``tests/schedule/test_timeline.py``).
 """
 from __future__ import annotations
 
@@ -466,7 +468,7 @@ class _Engine:
                 if final_left[k] == 0:
                     for r in final.ranks:
                         rank_end[r] = max(rank_end[r], now + final.latency_s)
-            elif kind == "core":  # the rank's compute op or host copy on shared cores ended; it runs on
+            elif kind == "core":  # the rank's compute op or host copy on shared cores ended; the rank steps on
                 rank = token[1]
                 job = core_job[rank][1]
                 core_job[rank] = None

@@ -185,7 +185,8 @@ def test_shared_cores_are_said(planned, tmp_path):
 def test_more_ranks_than_cores_plan_for_ranks_sharing_the_cores(nproc, pin, shared, pinned):
     """4 ranks on 2 cores: the advice is planned for every rank on one host of 2 cores (unpinned, or each pipeline
     stage on its core with --pin-cores) at the rate of one core, not at cores / N of it; 2 ranks get a core each."""
-    argv = ["bench", "--advice", "--unshaped", "--megatron-args", TINY, "--nproc", str(nproc), "--device-tflops", "0.05"]
+    argv = ["bench", "--advice", "--unshaped", "--megatron-args", TINY, "--nproc", str(nproc),
+            "--device-tflops", "0.05"]
     args = bench_cli.build_parser().parse_args(argv + (["--pin-cores"] if pin else []))
     setup = advice_run.resolve_advice(args, {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
     assert (setup.settings.shared_cores, setup.settings.pinned_cores) == (shared, pinned)
@@ -201,7 +202,8 @@ def test_the_advisor_and_the_stock_rows_share_the_cores(monkeypatch):
 
     seen = []
     advise = advice_module.advise
-    monkeypatch.setattr(advice_module, "advise", lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
+    monkeypatch.setattr(advice_module, "advise",
+                        lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
     settings = dataclasses.replace(SETTINGS, nproc=4, nic_gbps=25.0)
     shared, parts, _ = advice_plan.plan_advice(shlex.split(TINY), dataclasses.replace(settings, shared_cores=2))
     assert seen[-1].shared_cores == 2 and not seen[-1].pinned_cores

@@ -325,8 +325,8 @@ def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host,
     from megatron_pipemesh.planning.simulator import DeadlineExceeded
 
     model = ModelSpec(num_layers=pp * vpp * 2, hidden_size=512, num_attention_heads=8, seq_length=512)
-    cluster = ClusterSpec(tp=1, dp=dp, devices_per_node=1, nic_gbps=2, dp_gbps=2, p2p_gbps=2, distributed_optimizer=True,
-                          shared_cores=cores, host_copies_on_compute=cores is not None)
+    cluster = ClusterSpec(tp=1, dp=dp, devices_per_node=1, nic_gbps=2, dp_gbps=2, p2p_gbps=2,
+                          distributed_optimizer=True, shared_cores=cores, host_copies_on_compute=cores is not None)
     config = ScheduleConfig.breadth_first(pp, vpp, m)
     costs = analytic_costs(model, cluster, config)
     plan = {(r, 0, j): ("host" if host and j % 2 else "selective") for r in range(pp) for j in range(m)}
