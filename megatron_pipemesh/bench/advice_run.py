@@ -332,9 +332,9 @@ def format_advice(document: dict) -> str:
     if document["ranks_share_cores"]:
         pinned = any(cores is not None for cores in document["pinned"])
         lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "
-                     + ("each pipeline stage's ranks pinned to one core (--pin-cores), as predicted" if pinned else
-                        "unpinned; the predictions share the cores among the ranks computing at each moment (a "
-                        "rank waiting in a bubble lends its core)"))
+                     + ("each pipeline stage's ranks pinned to one core (--pin-cores), as the predictions model it"
+                        if pinned else "unpinned; the predictions share the cores among the ranks computing at each "
+                        "moment (a rank waiting in a bubble lends its core)"))
     else:
         lines.append(f"one core per rank ({document['cores']} cores)")
     header = (f"{'row':<18} {'pred s':>8} {'meas s':>8} {'meas/pred':>9} {'pred x user':>11} {'meas x user':>11}  what")
