@@ -3,8 +3,9 @@
 
 One iteration of one pipeline rank splits into four parts that add up to the iteration time on both sides:
 
-* ``compute``: forwards, backwards and their recomputation. Predicted: the simulator's ``busy_s``; measured:
-  Megatron's ``forward-compute`` + ``backward-compute`` timers.
+* ``compute``: forwards, backwards and their recomputation. Predicted: the simulator's ``busy_s`` (ranks sharing
+  cores: stretched while the other stages compute, as the wall-clock timers see it); measured: Megatron's
+  ``forward-compute`` + ``backward-compute`` timers.
 * ``p2p``: the rest of the schedule, time waiting on pipeline transfers and the bubble they leave. Predicted: the
   rank's idle time less its exposed data-parallel time (``exposed_p2p_s`` + ``bubble_s`` + host waits); measured:
   ``forward-backward`` less compute and the data-parallel timers (both run inside ``forward-backward``).

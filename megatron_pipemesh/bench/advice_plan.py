@@ -8,8 +8,11 @@ The advisor is called as ``pipemesh plan`` calls it (its own parser, :func:`~..c
 * ``--nic-gbps``: the shaped rate's payload (frame headers off, :attr:`.netns.Shaping.payload_bytes_per_s`), what
   the bench's own predictions see; unshaped, the loopback the bench's predictions take as free
   (:data:`UNSHAPED_NIC_GBPS`);
-* ``--device-tflops`` / ``--mfu``: the bench's CPU-core rate, times cores / N when N ranks share fewer cores (as the
-  bench predicts its rows); ``--device-memory-gb``: this machine's memory / N;
+* ``--device-tflops`` / ``--mfu``: the bench's rate of one CPU core; ``--device-memory-gb``: this machine's memory / N;
+* when N ranks outnumber this machine's C cores, every rank on one host of C cores
+  (:attr:`~..planning.advice.AdviceCluster.shared_cores`): the simulator gives the cores fairly to the ranks computing
+  at each moment (a rank waiting in a bubble lends its core), unpinned or each pipeline rank's ranks on one core as
+  ``--pin-cores`` runs them (:attr:`~..planning.advice.AdviceCluster.pinned_cores`), the stock rows' simulations too;
 * ``--gpudirect-rdma``: CPU ranks send from their own memory, nothing is staged; and the ranks' host copies hold up
   their compute (:attr:`~..planning.advice.AdviceCluster.host_copies_on_compute`, set as the advisor sets it for
   costs measured on this CPU), and the ranks talk over gloo (:attr:`~..planning.advice.AdviceCluster.collectives`: its
@@ -37,7 +40,7 @@ class AdviceBenchSettings:
     nic_gbps: float
     """Payload rate of one rank's NIC each way, Gbit/s [--rate, or :data:`UNSHAPED_NIC_GBPS` with --unshaped]."""
     device_tflops: float
-    """Peak TFLOP/s of one rank, already scaled by cores / N when ranks share cores [--device-tflops]."""
+    """Peak TFLOP/s of one rank on a core of its own [--device-tflops] (sharing cores is ``shared_cores``)."""
     mfu: float
     """Fraction of the peak [--mfu]."""
     device_memory_gb: float
@@ -45,6 +48,11 @@ class AdviceBenchSettings:
     profile: Optional[str] = None
     """A ``pipemesh profile`` file the advisor prices with [--profile, or the one measured first]; None: analytic
     costs [--no-profile]."""
+    shared_cores: Optional[int] = None
+    """This machine's cores when the N ranks outnumber them: every rank's compute (timed at one core) runs on these,
+    shared by the ranks computing at the moment; None: a core per rank."""
+    pinned_cores: bool = False
+    """With ``shared_cores``: each pipeline rank's ranks pinned to core (pipeline rank % cores) [--pin-cores]."""
 
 
 def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
@@ -79,7 +87,8 @@ def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
     from ..planning.planner import NoFeasiblePlan
 
     argv, (user, problem, cluster, rate) = advisor_problem(words, settings)
-    cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo")
+    cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo",
+                                  shared_cores=settings.shared_cores, pinned_cores=settings.pinned_cores)
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
     try:
         advice = advise(problem, cluster)

@@ -5,8 +5,9 @@ prediction misses.
 Each row runs with its own flags (as ``pipemesh plan`` prints them) through the bench's rank entry
 (:mod:`.rank`, the same training entry point as ``scripts/pretrain_gpt.py``), with only what the measurement needs
 replaced (:data:`RUN_FLAGS`: the iteration count and Megatron's per-rank timers). Rows whose flags are identical run
-once. Ranks get a core each while the cores allow; with more ranks than cores the output says they share cores
-(and ``--pin-cores`` pins each pipeline stage's ranks to one core, :mod:`.affinity`).
+once. Ranks get a core each while the cores allow; with more ranks than cores they share the cores (``--pin-cores``
+pins each pipeline stage's ranks to one core, :mod:`.affinity`), and the advice is planned for ranks that share them
+so (:attr:`.advice_plan.AdviceBenchSettings.shared_cores`).
 """
 from __future__ import annotations
 
@@ -138,9 +139,11 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
                          "\"<the same flags>\" --output FILE, or drop --profile to profile here first")
     cores = machine["cores"]
     memory_gb = machine["memory_gb"] or 8.0
-    settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps,
-                                   device_tflops=args.device_tflops * min(1.0, cores / args.nproc), mfu=args.mfu,
-                                   device_memory_gb=memory_gb / args.nproc, profile=args.profile)
+    # More ranks than cores: the simulator shares the cores among the ranks computing (not a fixed cores / N each).
+    shared = cores if args.nproc > cores else None
+    settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps, device_tflops=args.device_tflops, mfu=args.mfu,
+                                   device_memory_gb=memory_gb / args.nproc, profile=args.profile, shared_cores=shared,
+                                   pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)))
     return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb)
 
 
@@ -160,9 +163,12 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     if setup.settings.profile is None and not args.no_profile:
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"))))
-    if setup.settings.profile is not None and setup.settings.nproc > setup.cores:
-        log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores, and the profile times one core per rank: "
-            "the predictions assume a core per rank (a rank waiting in a bubble lends its core, which no cost knows)")
+    if setup.settings.shared_cores is not None:
+        log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores: the predictions run each rank's compute "
+            "(timed at one core) on them, " + ("each pipeline stage's ranks on one core (--pin-cores)"
+                                               if setup.settings.pinned_cores else
+                                               "shared by the ranks computing at each moment (a rank waiting in a "
+                                               "bubble lends its core)"))
     costs = (f"the profile {setup.settings.profile}" if setup.settings.profile is not None else
              f"{setup.settings.device_tflops:g} TFLOP/s x MFU {setup.settings.mfu:g} per rank (analytic)")
     log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
@@ -296,7 +302,8 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                     "per_rank": True, "nic_queue": shaping.nic_queue if shaping else None,
                     "planned_nic_gbps": settings.nic_gbps},
         "device": {"tflops_per_rank": settings.device_tflops, "mfu": settings.mfu,
-                   "memory_gb_per_rank": settings.device_memory_gb},
+                   "memory_gb_per_rank": settings.device_memory_gb, "shared_cores": settings.shared_cores,
+                   "pinned_cores": settings.pinned_cores},
         "profile": settings.profile, "advisor_flags": list(advisor_flags),
         "warmup_iters": setup.warmup, "measured_iters": setup.iters, "out_dir": out_dir,
         "advised": advised,
@@ -325,8 +332,9 @@ def format_advice(document: dict) -> str:
     if document["ranks_share_cores"]:
         pinned = any(cores is not None for cores in document["pinned"])
         lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "
-                     + ("each pipeline stage's ranks pinned to one core (--pin-cores)" if pinned else
-                        "unpinned, a rank waiting in a bubble lends its core to another, which no cost models"))
+                     + ("each pipeline stage's ranks pinned to one core (--pin-cores), as the predictions model it"
+                        if pinned else "unpinned; the predictions share the cores among the ranks computing at each "
+                        "moment (a rank waiting in a bubble lends its core)"))
     else:
         lines.append(f"one core per rank ({document['cores']} cores)")
     header = (f"{'row':<18} {'pred s':>8} {'meas s':>8} {'meas/pred':>9} {'pred x user':>11} {'meas x user':>11}  what")

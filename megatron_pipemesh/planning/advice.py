@@ -78,6 +78,12 @@ class AdviceCluster:
     collectives: str = "nccl"
     """Library of the ranks' communication: ``nccl`` (GPUs) or ``gloo`` (CPU ranks, or --distributed-backend gloo);
     :attr:`.costs.ClusterSpec.collectives`."""
+    shared_cores: Optional[int] = None
+    """Every rank runs on one host of this many CPU cores, shared by the ranks computing at the moment (``pipemesh
+    bench --advice`` with more ranks than cores); :attr:`.costs.ClusterSpec.shared_cores`. None: a device each."""
+    pinned_cores: bool = False
+    """With ``shared_cores``: each pipeline rank's ranks pinned to one core (``pipemesh bench --pin-cores``);
+    :attr:`.costs.ClusterSpec.pinned_cores`."""
 
     @property
     def gpus(self) -> int:
@@ -96,7 +102,8 @@ class AdviceCluster:
                            host_link_gbps=self.host_link_gbps, nic_via_host=self.nic_via_host,
                            sequence_parallel=sequence_parallel and tp > 1, distributed_optimizer=distributed_optimizer,
                            mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
-                           collectives=self.collectives)
+                           collectives=self.collectives, shared_cores=self.shared_cores,
+                           pinned_cores=self.pinned_cores)
 
 
 @dataclass(frozen=True)

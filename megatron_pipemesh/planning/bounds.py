@@ -30,7 +30,8 @@ lone time (sharing only slows it). An exact synchronous schedule needs at least:
 * **the links**: every transfer on a directed pipeline channel one after another, and every resource of the
   costs' links (:mod:`.topology`: a NIC direction, a host link...) carrying the bytes of every transfer
   through it at no more than its capacity: the pipeline sends, the gathers and reductions, the embedding
-  all-reduce.
+  all-reduce; and, for ranks sharing CPU cores (``compute_route``), every process's forwards and backwards at one
+  core each through the cores.
 
 Pure: no torch.
 """
@@ -59,7 +60,8 @@ class IterationBound:
     data_parallel_s: float
     """At that V: the largest per-rank data-parallel need (reductions after the last stage's last forward)."""
     links_s: float = 0.0
-    """At that V: the busiest pipeline channel or link resource, its transfers back to back at full rate."""
+    """At that V: the busiest pipeline channel or link resource, its transfers back to back at full rate (or the
+    shared CPU cores, every process's compute at one core each)."""
 
     @property
     def bottleneck(self) -> str:
@@ -134,7 +136,8 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
             if r in final.ranks:
                 ready = max(dp_end[q] for q in final.ranks)
         data_parallel = max(data_parallel, ready + final_s.get(r, 0.0) + step[r])
-    links = _links_s(config, plain, gathers, reductions, finals)
+    compute = [m * sum(f[k * p + r] + b[k * p + r] for k in range(vpp)) for r in range(p)]
+    links = _links_s(config, plain, gathers, reductions, finals, compute)
     return IterationBound(max(chain, data_parallel, links), vpp, chain, data_parallel, links)
 
 
@@ -160,9 +163,9 @@ def _fed_span(config: ScheduleConfig, costs: ScheduleCosts, f: Sequence[float], 
     return span
 
 
-def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, finals) -> float:
+def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, finals, compute) -> float:
     """The busiest pipeline channel (its sends back to back) or link resource (every byte through it at its
-    capacity)."""
+    capacity; shared CPU cores: every rank's one-core ``compute`` seconds, times the processes it stands for)."""
     p, vpp, m = config.pp, config.vpp, config.microbatches
     stages = p * vpp
     if p == 1 and not gathers[0][0] and not reductions[0][0]:
@@ -195,6 +198,11 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
     for final in finals:
         for src, dst, seconds, _ in final.transfers:
             carry(links.embedding_route(src, dst), seconds)
+    compute_route = getattr(links, "compute_route", None)
+    for r in range(p) if callable(compute_route) else ():
+        route = compute_route(r)
+        if route is not None:  # the route's work is in seconds at its lone rate (cores)
+            carry(route, compute[r] / route.lone_bytes_per_s)
     return max(worst, max(bytes_ / cap for bytes_, cap in zip(load, links.capacity)))
 
 

@@ -197,10 +197,24 @@ class ClusterSpec:
     collectives: str = "nccl"
     """Library of the data-parallel collectives, which decides what a reduce-scatter costs
     (:func:`reduce_scatter_steps`): ``nccl`` (GPUs) or ``gloo`` (CPU ranks)."""
+    shared_cores: Optional[int] = None
+    """Every rank runs on one host with this many CPU cores, one thread each, and the cores go fairly to the ranks
+    computing at the moment (the OS's processor sharing: a rank waiting in a pipeline bubble lends its core), so a
+    compute op (and a host copy on the compute stream) runs at min(1, cores / ranks computing) of its one-core speed
+    (:mod:`.topology`'s ``cpu`` resources). The bench's emulated cluster when its ranks outnumber the cores; None:
+    every rank computes on a device of its own, at its full speed."""
+    pinned_cores: bool = False
+    """With ``shared_cores``: the ranks of pipeline rank r are pinned to core r % ``shared_cores`` (``pipemesh bench
+    --pin-cores``), so they share that core only, with the other pipeline ranks pinned there."""
 
     def __post_init__(self):
         if self.collectives not in REDUCE_SCATTER_STEPS:
             raise ValueError(f"collectives {self.collectives!r} is not one of {', '.join(REDUCE_SCATTER_STEPS)}")
+        if self.shared_cores is not None and (int(self.shared_cores) != self.shared_cores or self.shared_cores < 1):
+            raise ValueError(f"shared_cores={self.shared_cores!r} is invalid: the CPU cores the ranks share, a whole "
+                             "number >= 1 (None: every rank computes on a device of its own)")
+        if self.pinned_cores and self.shared_cores is None:
+            raise ValueError("pinned_cores=True needs shared_cores: the cores the pipeline ranks are pinned to")
 
 
 MEGATRON_SEND_WAIT = {"nccl": "none", "gloo": "posted"}

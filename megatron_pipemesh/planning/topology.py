@@ -23,12 +23,21 @@ Resources (each direction its own, full duplex):
   ``nic_via_host`` (no GPUDirect RDMA: NCCL stages network traffic in host memory) every transfer it sends
   over the NIC (device to host) or receives from it (host to device).
 
+* ``cpu cores`` (``shared_cores`` C, in cores: core-seconds per second) and ``cpu threads r`` (t*d cores): ranks
+  that share the CPU cores of one host (:attr:`.costs.ClusterSpec.shared_cores`). Pipeline rank r's compute
+  stands for the t*d processes of its stage, one thread each: a flow of weight t*d on the host's cores and on its
+  own threads (so a lone process never runs faster than one core). With ``pinned_cores``: ``cpu core k`` (one
+  core) instead, on which the t*d processes of every pipeline rank r with r % C = k run.
+
 Routes: a pipeline send crosses the sender's egress and the receiver's ingress. A data-parallel collective of
 rank r crosses rank r's own egress and ingress: each ring hop goes to the next replica, which runs the same
 program, so the ring is symmetric and one flow stands for it, at the rate of its slowest hop (NIC or
 intra-node). The tied embedding's all-reduce between the first and the last stage is a send each way.
 Tensor-parallel collectives run on the compute stream (:data:`tp_gbps` prices them alone): inside a node
-over the intra-node link, across nodes at a device's share of the NIC.
+over the intra-node link, across nodes at a device's share of the NIC. A compute op on shared cores
+(:meth:`Topology.compute_route`) is a flow whose work is its seconds at one full core, so its lone pace is
+min(1, C / (t*d)) of a core (1 / (t*d) when pinned): e.g. pipeline ranks 0 and 1 of PP = 2 x DP = 2 on 2 cores
+each run at 2 / 4 = 0.5 of a core while both compute, and at 1.0 while the other waits.
 
 Pure: no torch.
 """
@@ -42,6 +51,9 @@ from .network import Demand, FairShareNetwork, RateCache, Route, make_route
 
 GBIT = 1e9 / 8
 """Bytes per second of one Gbit/s."""
+
+CPU = "cpu "
+"""Prefix of the resources that are CPU cores (capacity in cores) rather than links (bytes/s)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,9 @@ class Topology:
     """Rate of one device's tensor-parallel collectives (Gbit/s)."""
     slowest_p2p_bytes_per_s: float
     """Lone rate of the slowest pipeline link (bytes/s; inf with one stage)."""
+    compute: Tuple[Route, ...] = ()
+    """Per pipeline rank: the route of its compute on the shared CPU cores (its lone rate in cores); empty: every
+    rank computes on a device of its own."""
     rates: RateCache = field(default_factory=RateCache, compare=False, repr=False)
     """The fair-share rates of every mix of routes met so far, shared by the networks of this topology."""
 
@@ -84,6 +99,11 @@ class Topology:
     def embedding_route(self, src: int, dst: int) -> Route:
         return self.p2p_route(src, dst)
 
+    def compute_route(self, rank: int) -> Optional[Route]:
+        """The route of ``rank``'s compute on the shared cores, whose work is seconds at one full core and whose
+        lone rate (``lone_bytes_per_s``) is the cores one rank gets alone; None: the rank has a device of its own."""
+        return self.compute[rank] if self.compute else None
+
     def new_network(self) -> FairShareNetwork:
         return FairShareNetwork(self.capacity, self.rates)
 
@@ -92,8 +112,9 @@ class Topology:
         return self.p2p_route(src, dst).lone_bytes_per_s / self.slowest_p2p_bytes_per_s
 
     def describe(self) -> str:
-        """One line per resource with its capacity (Gbit/s)."""
-        return "\n".join(f"{name}: {cap / GBIT:g} Gbit/s" for name, cap in zip(self.names, self.capacity))
+        """One line per resource with its capacity (Gbit/s; CPU cores for the ``cpu`` resources)."""
+        return "\n".join(f"{name}: {cap:g} cores" if name.startswith(CPU) else f"{name}: {cap / GBIT:g} Gbit/s"
+                         for name, cap in zip(self.names, self.capacity))
 
 
 class _Builder:
@@ -111,6 +132,15 @@ class _Builder:
             self._index[name] = len(self.names)
             self.names.append(name)
             self.capacity.append(gbps * GBIT)
+        return self._index[name]
+
+    def cores(self, name: str, cores: float) -> int:
+        """A CPU resource of ``cores`` cores (core-seconds per second)."""
+        name = CPU + name
+        if name not in self._index:
+            self._index[name] = len(self.names)
+            self.names.append(name)
+            self.capacity.append(float(cores))
         return self._index[name]
 
 
@@ -190,4 +220,15 @@ def topology(cluster, pp: int) -> Topology:
     else:
         tp = cluster.nic_gbps / node if cluster.nic_gbps is not None else cluster.dp_gbps
     slowest = min((route.lone_bytes_per_s for route in p2p.values()), default=float("inf"))
-    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, slowest)
+    compute: Tuple[Route, ...] = ()
+    if cluster.shared_cores is not None:
+        cores = cluster.shared_cores
+        if cluster.pinned_cores:
+            compute = tuple(make_route([(add.cores(f"core {r % cores}", 1), per_stage)], add.capacity)
+                            for r in range(pp))
+        else:
+            compute = tuple(make_route([(add.cores("cores", cores), per_stage),
+                                        (add.cores(f"threads {r}", per_stage), per_stage)], add.capacity)
+                            for r in range(pp))
+    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, slowest,
+                    compute)

@@ -27,15 +27,25 @@ How long a transfer takes: without shared links each takes its own duration (``C
 :class:`~megatron_pipemesh.planning.topology.Topology`) every transfer runs on its route through
 resources (a rank's NIC egress and ingress, its host link, ...) that the transfers running at the same time
 share max-min fairly (:class:`~megatron_pipemesh.planning.network.FairShareNetwork`): its duration is the
-time it would take alone, stretched while it shares. ``costs.final_collectives()`` adds what runs after the
-programs (:class:`FinalCollective`: the tied embedding's all-reduce); a rank ends with its last compute op,
-data-parallel collective or final collective.
+time it would take alone, stretched while it shares.
+
+How long a compute op takes: its own duration (``Costs.compute``), unless the links give the rank a compute
+route (``Links.compute_route``: ranks sharing the CPU cores of one host, e.g. the bench's emulated cluster with
+more ranks than cores). Then the op is a flow on that route, sharing the cores max-min fairly with the other ranks
+computing at the same time: it starts when it would start anyway (stream free, input arrived), its work is its
+duration at one full core, and the rank resumes when the flow ends, so a rank waiting in a bubble lends its core to
+the others. Host copies on the compute stream (``host_copies_on_compute``: a memcpy on the rank's thread) share
+the cores the same way.
+
+``costs.final_collectives()`` adds what runs after the programs (:class:`FinalCollective`: the tied embedding's
+all-reduce); a rank ends with its last compute op, data-parallel collective or final collective.
 
 Speed (the planner and ``pipemesh study`` simulate thousands of schedules): each lowered schedule is
 compiled once into per-rank instruction tuples with interned transfer keys and channels, memoized per
 (config, lowering options) while its programs hold the same op objects, and run in time order (a heap of
-compute ends, fixed-length transfers and the network's own ends) by one function with local state. Without
-shared links the results are those of the plain reading of the rules above (``tests/schedule/test_timeline.py``).
+compute ends, fixed-length transfers and the network's own ends) by one function with local state; without
+compute routes a compute op is one heap entry (its end), never a flow. Without shared links the results are those
+of the plain reading of the rules above (``tests/schedule/test_timeline.py``).
 """
 from __future__ import annotations
 
@@ -291,6 +301,10 @@ class Links(Protocol):
         (:class:`~megatron_pipemesh.planning.network.FairShareNetwork`)."""
         ...
 
+    # Optional: ``compute_route(rank)``, the route of the rank's compute on CPU cores it shares with other ranks
+    # (None: a device of its own), whose ``lone_bytes_per_s`` is the cores it gets alone (a compute op's work on
+    # the network is its one-core seconds over that).
+
 
 @dataclass(frozen=True)
 class FinalCollective:
@@ -306,7 +320,9 @@ class FinalCollective:
     """Added once after the transfers."""
 
 
-_RESUME, _END = 0, 1  # heap event kinds: a rank's compute op ended; a transfer without shared links ended
+# heap event kinds: a rank's compute op ended; a transfer without shared links ended; a rank's compute on shared
+# cores starts (its input arrives then)
+_RESUME, _END, _CORE = 0, 1, 2
 _INF = float("inf")
 
 
@@ -323,6 +339,10 @@ class _Engine:
         self.copies_on_compute = bool(getattr(costs, "host_copies_on_compute", False))
         links = getattr(costs, "links", None)
         self.links: Optional[Links] = links() if callable(links) else None
+        compute_route = getattr(self.links, "compute_route", None)
+        cores = [compute_route(rank) for rank in range(p)] if callable(compute_route) else []
+        self.cores: Optional[List[object]] = cores if any(route is not None for route in cores) else None
+        """Per rank: the route of its compute on shared cores (or None); None when no rank shares cores."""
         finals = getattr(costs, "final_collectives", None)
         self.finals: Tuple[FinalCollective, ...] = tuple(finals()) if callable(finals) and not schedule.options.forward_only else ()
         self.timeline = Timeline(schedule, [[] for _ in range(p)], [], [0.0] * p)
@@ -372,6 +392,10 @@ class _Engine:
         host_routes = {lane: [links.host_route(r, lane == "d2h") if links is not None else None for r in range(p)]
                        for lane in ("d2h", "h2d")}
         finals, final_left, final_started = self.finals, [len(f.transfers) for f in self.finals], [False] * len(self.finals)
+        cores = self.cores
+        # Per rank on shared cores: (one-core seconds, the ComputeEvent or the host copy's (op, offload, host key,
+        # start)) of the op its core runs or is about to run.
+        core_job: List[Optional[tuple]] = [None] * p
         heap: List[tuple] = []
         seq = [0]
         clock = [0.0]
@@ -411,6 +435,11 @@ class _Engine:
             queue.popleft()
             host_flight[lane][rank] = (op, offload, host_key, clock[0])
             launch((lane, rank), host_cost(rank, op), host_routes[lane][rank])
+
+        def run_on_core(rank: int) -> None:
+            """Start the rank's core job now: a flow of its one-core seconds on its share of the cores."""
+            route = cores[rank]
+            launch(("core", rank), core_job[rank][0] / route.lone_bytes_per_s, route)
 
         def wake(rank: int) -> None:
             if blocked[rank]:
@@ -476,6 +505,20 @@ class _Engine:
                 if final_left[k] == 0:
                     for r in final.ranks:
                         rank_end[r] = max(rank_end[r], now + final.latency_s)
+            elif kind == "core":  # the rank's compute op or host copy on shared cores ended; the rank steps on
+                rank = token[1]
+                job = core_job[rank][1]
+                core_job[rank] = None
+                if job.__class__ is ComputeEvent:
+                    job.end = now
+                else:
+                    op, offload, host_key, start = job
+                    (offloaded if offload else reloaded)[host_key] = now
+                    comms.append(CommEvent(rank, rank, op, start, now, "d2h" if offload else "h2d"))
+                if now > rank_end[rank]:
+                    rank_end[rank] = now
+                free[rank] = now
+                step(rank)
             else:
                 lane, rank = kind, token[1]
                 op, offload, host_key, start = host_flight[lane][rank]
@@ -561,11 +604,23 @@ class _Engine:
                             data_ready, waited_on = reduce_end, "reduce"
                             comm_part = reduce_end - now
                     start = data_ready if data_ready > now else now
-                    end = start + compute_cost(rank, op)
                     if 0.0 > comm_part:
                         comm_part = 0.0
                     if start - now < comm_part:
                         comm_part = start - now
+                    if cores is not None and cores[rank] is not None:
+                        # On shared cores: a flow from its start; the event's end is set when the flow ends.
+                        event = ComputeEvent(rank, op, start, start, now, data_ready, waited_on, comm_part)
+                        events.append(event)
+                        core_job[rank] = (compute_cost(rank, op), event)
+                        index[rank] = i + 1
+                        if start > now:
+                            seq[0] += 1
+                            heapq.heappush(heap, (start, seq[0], _CORE, rank))
+                        else:
+                            run_on_core(rank)
+                        return
+                    end = start + compute_cost(rank, op)
                     events.append(ComputeEvent(rank, op, start, end, now, data_ready, waited_on, comm_part))
                     hold(rank, i + 1, end)
                     return
@@ -594,6 +649,11 @@ class _Engine:
                     _, op, offload, host_key = ins
                     lane = "d2h" if offload else "h2d"
                     if copies_on_compute:  # the copy holds the stream; the rank resumes at its end
+                        if cores is not None and cores[rank] is not None:  # a memcpy on the rank's thread: a core
+                            core_job[rank] = (host_cost(rank, op), (op, offload, host_key, now))
+                            index[rank] = i + 1
+                            run_on_core(rank)
+                            return
                         end = now + host_cost(rank, op)
                         (offloaded if offload else reloaded)[host_key] = end
                         comms.append(CommEvent(rank, rank, op, now, end, lane))
@@ -630,8 +690,10 @@ class _Engine:
                 net.now = when  # no flow ends before it (t_net > when): advance()'s check, without its second look
             if kind == _RESUME:
                 step(payload)
-            else:
+            elif kind == _END:
                 ended(payload)
+            else:
+                run_on_core(payload)
         stuck = [r for r in range(p) if index[r] < len(code[r])]
         if stuck:
             self.param_ready = param_ready

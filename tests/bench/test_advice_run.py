@@ -177,7 +177,44 @@ def test_shared_cores_are_said(planned, tmp_path):
     advice, parts, argv = planned
     setup = advice_run.AdviceSetup(shlex.split(TINY), SETTINGS, None, 1, 2, 1, 8.0)  # 2 ranks, 1 core
     document = advice_run.advice_document(setup, advice, parts, argv, _runs(advice, cores=None), str(tmp_path))
-    assert document["ranks_share_cores"] and "2 ranks share 1 cores: unpinned" in advice_run.format_advice(document)
+    text = advice_run.format_advice(document)
+    assert document["ranks_share_cores"] and "2 ranks share 1 cores: unpinned; the predictions share the cores" in text
+
+
+@pytest.mark.parametrize("nproc,pin,shared,pinned", [(4, False, 2, False), (4, True, 2, True), (2, True, None, False)])
+def test_more_ranks_than_cores_plan_for_ranks_sharing_the_cores(nproc, pin, shared, pinned):
+    """4 ranks on 2 cores: the advice is planned for every rank on one host of 2 cores (unpinned, or each pipeline
+    stage on its core with --pin-cores) at the rate of one core, not at cores / N of it; 2 ranks get a core each."""
+    argv = ["bench", "--advice", "--unshaped", "--megatron-args", TINY, "--nproc", str(nproc),
+            "--device-tflops", "0.05"]
+    args = bench_cli.build_parser().parse_args(argv + (["--pin-cores"] if pin else []))
+    setup = advice_run.resolve_advice(args, {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
+    assert (setup.settings.shared_cores, setup.settings.pinned_cores) == (shared, pinned)
+    assert setup.settings.device_tflops == 0.05
+
+
+def test_the_advisor_and_the_stock_rows_share_the_cores(monkeypatch):
+    """The advisor's cluster carries the shared cores (so does every layout's ClusterSpec, the stock rows' simulation
+    included), and 4 ranks on 2 cores are predicted slower than 4 ranks with a core each (at a fast NIC, where compute
+    dominates): each pipeline rank's compute between 1x (the other stage in a bubble) and 2x (both computing: 2
+    cores for 4 processes) its time on a core of its own."""
+    import megatron_pipemesh.planning.advice as advice_module
+
+    seen = []
+    advise = advice_module.advise
+    monkeypatch.setattr(advice_module, "advise",
+                        lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
+    settings = dataclasses.replace(SETTINGS, nproc=4, nic_gbps=25.0)
+    shared, parts, _ = advice_plan.plan_advice(shlex.split(TINY), dataclasses.replace(settings, shared_cores=2))
+    assert seen[-1].shared_cores == 2 and not seen[-1].pinned_cores
+    assert seen[-1].spec(1, 2, False, False).shared_cores == 2
+    own, own_parts, _ = advice_plan.plan_advice(shlex.split(TINY), settings)
+    assert seen[-1].shared_cores is None
+    assert shared["rows"]["user"]["predicted_iteration_s"] > 1.2 * own["rows"]["user"]["predicted_iteration_s"]
+    for mine, alone in zip(parts["user"], own_parts["user"]):
+        assert alone.compute < mine.compute <= 2 * alone.compute + 1e-12
+    stock = next(name for name, row in shared["rows"].items() if row is not None and row["schedule"] != "pipemesh")
+    assert parts[stock][0].total == pytest.approx(shared["rows"][stock]["predicted_iteration_s"], rel=1e-6)
 
 
 def test_end_to_end_on_the_smallest_command(tmp_path, capsys):

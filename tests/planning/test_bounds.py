@@ -11,6 +11,7 @@ from megatron_pipemesh.planning.sharding import ShardingModel, ShardingSpec
 from megatron_pipemesh.planning.simulator import lowering_for, simulate
 from megatron_pipemesh.schedule.config import ScheduleConfig
 from megatron_pipemesh.schedule.lower import lower
+from megatron_pipemesh.schedule.ops import Op, OpKind
 from megatron_pipemesh.schedule.spans import SHARD_LEVELS
 
 MODEL = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
@@ -105,3 +106,27 @@ def test_extra_needs_one_value_per_rank():
     config = ScheduleConfig.depth_first(2, 1, 4)
     with pytest.raises(ValueError, match="one value per pipeline rank"):
         bound_for(config, ScheduleCosts(config, analytic_costs(MODEL, cluster_at(5.0), config)), [1.0])
+
+
+@pytest.mark.parametrize("cores,pinned", [(1, False), (2, False), (2, True), (3, False)])
+def test_shared_cores_bound_the_iteration_by_the_work_they_do(cores, pinned):
+    """PP=2 x DP=2 (4 processes) on a few shared cores at a fast NIC: the cores do every process's forwards and
+    backwards at no more than ``cores`` core-seconds per second, which sets the bound on one core (the core is then
+    the bottleneck, 'links', well above the bound with a core each); no simulated schedule beats it."""
+    cluster = dataclasses.replace(cluster_at(100.0), tp=1, dp=2, devices_per_node=1, nic_gbps=100.0,
+                                  shared_cores=cores, pinned_cores=pinned)
+    for config in (ScheduleConfig.depth_first(2, 1, 8), ScheduleConfig.breadth_first(2, 2, 8)):
+        costs = analytic_costs(MODEL, cluster, config)
+        adapter = ScheduleCosts(config, costs)
+        bound = bound_for(config, adapter)
+        work = 2 * config.microbatches * sum(adapter.compute(r, op) for r in range(2) for op in (
+            Op(OpKind.FORWARD, c, 0) for c in range(config.vpp))) + 2 * config.microbatches * sum(
+            adapter.compute(r, Op(OpKind.BACKWARD, c, 0)) for r in range(2) for c in range(config.vpp))
+        assert bound.links_s >= work / cores * (1 - 1e-9)
+        simulated = simulate(config, costs).iteration_s
+        assert simulated >= bound.seconds * (1 - 1e-9)
+        if cores == 1:
+            assert bound.bottleneck == "links" and bound.links_s == pytest.approx(work)
+            own = dataclasses.replace(cluster, shared_cores=None, pinned_cores=False)
+            alone = bound_for(config, ScheduleCosts(config, analytic_costs(MODEL, own, config)))
+            assert bound.seconds > 1.2 * alone.seconds

@@ -1,5 +1,6 @@
 """Planning layer: simulator end points (paper claims), worked examples, accounting identities,
 analytic cost model sanity, Chrome trace and PNG plot."""
+import dataclasses
 import json
 from collections import Counter
 
@@ -269,19 +270,63 @@ def test_copies_on_the_compute_stream_are_exposed_host_time():
         assert rank.exposed_host_s >= sum(c.end - c.start for c in copies) > 0 or not copies
 
 
+def test_ranks_sharing_two_cores_run_at_half_speed_while_both_stages_compute():
+    """PP=2 x DP=2 on one host of 2 cores (the bench's 4 ranks on this machine), 1F1B with m=2, F=1, B=2, free
+    communication: both stages computing get 2 cores / 4 processes = 0.5 each, a stage alone 1.0, so the
+    iteration is the total work per core, 12 (9 with a core per rank); busy time is the stretched compute."""
+    from megatron_pipemesh.planning.topology import topology
+
+    config = ScheduleConfig(2, 1, 2)
+    shared = dataclasses.replace(free_comm(), network=topology(
+        ClusterSpec(dp=2, devices_per_node=1, nic_gbps=1.0, shared_cores=2), 2))
+    result = simulate(config, shared)
+    spans = [{str(e.op): (e.start, e.end) for e in result.timeline.compute[r]} for r in range(2)]
+    assert spans == [{"F0.0": (0, 1), "F0.1": (1, 3), "B0.0": (5, 9), "B0.1": (10, 12)},
+                     {"F0.0": (1, 3), "B0.0": (3, 5), "F0.1": (5, 7), "B0.1": (7, 10)}]
+    assert result.iteration_s == 12 and simulate(config, free_comm()).iteration_s == 9
+    assert [r.busy_s for r in result.ranks] == [9, 9]  # 1 + 2 + 4 + 2 and 2 + 2 + 2 + 3
+    for r in result.ranks:
+        assert r.busy_s + r.idle_s == pytest.approx(result.iteration_s)
+    own = dataclasses.replace(free_comm(), network=topology(ClusterSpec(dp=2, devices_per_node=1, nic_gbps=1.0), 2))
+    assert simulate(config, own).iteration_s == 9  # no shared cores: a device each
+
+
+@pytest.mark.parametrize("cores,pinned", [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False)])
+def test_shared_cores_do_at_most_their_capacity_and_never_speed_a_rank_up(cores, pinned):
+    """PP=4 x DP=2 (8 processes) on a few cores: the iteration is at least the one-core work of every process over
+    the cores (they do no more than ``cores`` core-seconds per second) and at least the iteration with a core each;
+    with as many cores as processes, unpinned, it is that iteration exactly."""
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+
+    model = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=256)
+    config = ScheduleConfig(4, 2, 8)
+    own = simulate(config, analytic_costs(model, ClusterSpec(dp=2, devices_per_node=1, nic_gbps=100.0), config))
+    costs = analytic_costs(model, ClusterSpec(dp=2, devices_per_node=1, nic_gbps=100.0, shared_cores=cores,
+                                              pinned_cores=pinned), config)
+    result = simulate(config, costs)
+    adapter = ScheduleCosts(config, costs)
+    work = 2 * sum(adapter.compute(e.rank, e.op) for events in result.timeline.compute for e in events)
+    assert result.iteration_s >= work / cores * (1 - 1e-9)
+    assert result.iteration_s >= own.iteration_s * (1 - 1e-9)
+    if cores == 8:
+        assert result.iteration_s == pytest.approx(own.iteration_s, rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # Deadline: a search that keeps only schedules ending by a time stops the others early
 
 
-@pytest.mark.parametrize("pp,vpp,m,dp,host", [(2, 2, 4, 2, False), (4, 2, 8, 2, True), (4, 1, 8, 4, False),
-                                              (3, 2, 6, 1, True)])
-def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host):
-    """Shared NIC, data parallelism, host copies: with the deadline at the iteration's end the simulation is the
-    same event for event; a deadline before the last event stops it with DeadlineExceeded."""
+@pytest.mark.parametrize("pp,vpp,m,dp,host,cores", [(2, 2, 4, 2, False, None), (4, 2, 8, 2, True, None),
+                                                    (4, 1, 8, 4, False, None), (3, 2, 6, 1, True, None),
+                                                    (4, 2, 8, 2, True, 2)])
+def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host, cores):
+    """Shared NIC, data parallelism, host copies, shared cores: with the deadline at the iteration's end the simulation
+    is the same event for event; a deadline before the last event stops it with DeadlineExceeded."""
     from megatron_pipemesh.planning.simulator import DeadlineExceeded
 
     model = ModelSpec(num_layers=pp * vpp * 2, hidden_size=512, num_attention_heads=8, seq_length=512)
-    cluster = ClusterSpec(tp=1, dp=dp, devices_per_node=1, nic_gbps=2, dp_gbps=2, p2p_gbps=2, distributed_optimizer=True)
+    cluster = ClusterSpec(tp=1, dp=dp, devices_per_node=1, nic_gbps=2, dp_gbps=2, p2p_gbps=2,
+                          distributed_optimizer=True, shared_cores=cores, host_copies_on_compute=cores is not None)
     config = ScheduleConfig.breadth_first(pp, vpp, m)
     costs = analytic_costs(model, cluster, config)
     plan = {(r, 0, j): ("host" if host and j % 2 else "selective") for r in range(pp) for j in range(m)}

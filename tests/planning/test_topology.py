@@ -60,3 +60,45 @@ def test_without_a_nic_each_link_is_its_own():
 def test_layouts_that_split_stages_unevenly_are_refused():
     with pytest.raises(ValueError, match="one must divide the other"):
         topology(ClusterSpec(tp=1, dp=6, devices_per_node=8, nic_gbps=50), 2)
+
+
+def test_ranks_sharing_cores_get_cores_fairly_and_a_core_per_process_at_most():
+    """PP=2 x DP=2 on one host of 2 cores (4 processes): each pipeline rank's compute stands for its 2 replicas
+    (weight 2) on the host's cores and on its own 2 threads. Both stages computing: 2 cores / 4 processes = 0.5
+    core each; one stage alone: 1.0 (one thread per process); PP=2, DP=1 on 1 core, both computing: 0.5 each."""
+    topo = topology(ClusterSpec(dp=2, devices_per_node=1, nic_gbps=1.0, shared_cores=2), 2)
+    assert names(topo, topo.compute_route(0)) == {"cpu cores": 2, "cpu threads 0": 2}
+    assert names(topo, topo.compute_route(1)) == {"cpu cores": 2, "cpu threads 1": 2}
+    both = max_min_rates([topo.compute_route(0).demands, topo.compute_route(1).demands], topo.capacity)
+    assert both == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert max_min_rates([topo.compute_route(0).demands], topo.capacity) == [pytest.approx(1.0)]
+    assert topo.compute_route(0).lone_bytes_per_s == 1.0  # the network's work is then one-core seconds directly
+    one_core = topology(ClusterSpec(devices_per_node=1, nic_gbps=1.0, shared_cores=1), 2)
+    assert max_min_rates([one_core.compute_route(r).demands for r in (0, 1)], one_core.capacity) == [
+        pytest.approx(0.5), pytest.approx(0.5)]
+    # More processes per stage than cores: even alone a stage's processes share the cores.
+    crowded = topology(ClusterSpec(dp=4, devices_per_node=1, nic_gbps=1.0, shared_cores=2), 2)
+    assert crowded.compute_route(0).lone_bytes_per_s == 0.5
+    assert "cpu cores: 2 cores" in topo.describe().splitlines()
+    # Without shared cores every rank computes on a device of its own.
+    assert topology(ClusterSpec(dp=2, devices_per_node=1, nic_gbps=1.0), 2).compute_route(0) is None
+
+
+def test_pinned_ranks_share_the_core_of_their_pipeline_rank_only():
+    """--pin-cores: PP=4 x DP=2 on 2 cores pins pipeline ranks 0 and 2 to core 0, 1 and 3 to core 1; a stage's two
+    replicas share their core (0.5 each alone); ranks 0 and 2 computing at once get 0.25 each, and rank 1 keeps
+    its own core's 0.5."""
+    topo = topology(ClusterSpec(dp=2, devices_per_node=1, nic_gbps=1.0, shared_cores=2, pinned_cores=True), 4)
+    assert [names(topo, topo.compute_route(r)) for r in range(4)] == [
+        {"cpu core 0": 2}, {"cpu core 1": 2}, {"cpu core 0": 2}, {"cpu core 1": 2}]
+    assert topo.compute_route(0).lone_bytes_per_s == 0.5
+    rates = max_min_rates([topo.compute_route(r).demands for r in (0, 2, 1)], topo.capacity)
+    assert rates == [pytest.approx(0.25), pytest.approx(0.25), pytest.approx(0.5)]
+
+
+@pytest.mark.parametrize("fields,message", [({"shared_cores": 0}, "shared_cores=0 is invalid"),
+                                            ({"shared_cores": 1.5}, "whole number"),
+                                            ({"pinned_cores": True}, "needs shared_cores")])
+def test_shared_cores_must_be_a_count(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterSpec(**fields)

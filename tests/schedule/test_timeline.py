@@ -140,3 +140,119 @@ def test_megatron_sends_waiting_for_their_receiver_do_not_deadlock_interleaved_s
     with pytest.raises(DeadlockError, match="waits for its sends to be received"):
         execute(lower(ScheduleConfig.uniform(2, 2, 8, 4), LoweringOptions(recv_lookahead=0, send_wait="posted")),
                 UnitCosts(1.0, 2.0, transfer=0.5))
+
+
+class _OneHost:
+    """Links of ranks that share ``cores`` CPU cores of one host (each pipeline rank ``processes`` processes of one
+    thread), their transfers on links of their own: the engine's compute routes alone."""
+
+    def __init__(self, ranks, cores, processes=1, shared=True):
+        from megatron_pipemesh.planning.network import make_route
+
+        self.capacity = [float(cores)] + [float(processes)] * ranks
+        self.routes = [make_route([(0, processes), (1 + r, processes)], self.capacity) for r in range(ranks)]
+        self.shared = shared
+
+    def p2p_route(self, src, dst):
+        return None
+
+    def dp_route(self, rank):
+        return None
+
+    def host_route(self, rank, offload):
+        return None
+
+    def embedding_route(self, src, dst):
+        return None
+
+    def compute_route(self, rank):
+        return self.routes[rank] if self.shared else None
+
+    def new_network(self):
+        from megatron_pipemesh.planning.network import FairShareNetwork
+
+        return FairShareNetwork(self.capacity)
+
+
+class _OnHost(UnitCosts):
+    """F = 1, B = 2, free communication, host copies of 1 on the compute stream, on ``links``."""
+
+    host_copies_on_compute = True
+
+    def __init__(self, links, costs=None):
+        super().__init__()
+        self._links, self._costs = links, costs
+
+    def compute(self, rank, op):
+        return self._costs.compute(rank, op) if self._costs else super().compute(rank, op)
+
+    def transfer(self, src, dst, op):
+        return self._costs.transfer(src, dst, op) if self._costs else super().transfer(src, dst, op)
+
+    def data_parallel(self, rank, op):
+        return self._costs.data_parallel(rank, op) if self._costs else super().data_parallel(rank, op)
+
+    def host_copy(self, rank, op):
+        return self._costs.host_copy(rank, op) if self._costs else 1.0
+
+    def links(self):
+        return self._links
+
+
+def _spans(timeline):
+    return [{str(e.op): (e.start, e.end) for e in events} for events in timeline.compute]
+
+
+def test_ranks_on_one_core_share_it_while_both_compute_and_lend_it_in_a_bubble():
+    """Two ranks on one core (p=2, V=1, m=2 1F1B, F=1, B=2, free transfers): while both compute each runs at half
+    speed, a rank waiting for its input lends the core to the other (which then runs at full speed); the core is never
+    idle, so the iteration is the total work, 12 (9 with a core each). Hand-computed:
+
+    0-1 r0 F0 alone; 1-3 r0 F1 and r1 F0 at 0.5; 3-5 r1 B0 alone (r0's B0 waits for it); 5-7 r0 B0 and r1 F1 at 0.5
+    (F1 done, B0 half); 7-9 r0 B0 and r1 B1 at 0.5 (B0 done, B1 half); 9-10 r1 B1 alone; 10-12 r0 B1 alone."""
+    schedule = lower(ScheduleConfig(2, 1, 2), LoweringOptions(param_sync=False))
+    timeline = execute(schedule, _OnHost(_OneHost(2, 1)))
+    assert _spans(timeline) == [{"F0.0": (0, 1), "F0.1": (1, 3), "B0.0": (5, 9), "B0.1": (10, 12)},
+                                {"F0.0": (1, 3), "B0.0": (3, 5), "F0.1": (5, 7), "B0.1": (7, 10)}]
+    assert timeline.makespan == 12
+    own = execute(schedule, _OnHost(_OneHost(2, 2)))  # a core each: the plain schedule
+    assert _spans(own) == _spans(execute(schedule, UnitCosts())) and own.makespan == 9
+    waited = next(e for e in timeline.compute[0] if str(e.op) == "B0.0")
+    assert (waited.ready, waited.data_ready, waited.waited_on) == (3, 5, "p2p")
+
+
+def test_a_process_never_runs_faster_than_one_core_and_replicas_divide_the_cores():
+    """Each pipeline rank stands for 2 processes (data-parallel replicas) on 2 cores: alone a stage gets a core per
+    process (F0 of rank 0 in 0-1), both stages computing get half a core each (1-3); 4 processes on 1 core: alone
+    a stage's processes get half a core each (F0 takes 2)."""
+    schedule = lower(ScheduleConfig(2, 1, 2), LoweringOptions(param_sync=False))
+    timeline = execute(schedule, _OnHost(_OneHost(2, 2, processes=2)))
+    assert _spans(timeline)[0]["F0.0"] == (0, 1) and _spans(timeline)[0]["F0.1"] == (1, 3)
+    assert timeline.makespan == 12
+    slow = execute(schedule, _OnHost(_OneHost(2, 1, processes=2)))
+    assert _spans(slow)[0]["F0.0"] == (0, 2) and slow.makespan == 24
+
+
+def test_host_copies_on_the_compute_stream_share_the_core_too():
+    """A memcpy on the rank's thread is CPU work: rank 0 offloads F0's activations and reloads them (1 each) while
+    rank 1 computes, on one core. Hand-computed: 0-1 r0 F0; 1-3 r0 OFFLOAD and r1 F0 at 0.5; 3-5 r0 RELOAD and r1 B0
+    at 0.5; 5-7 r0 F1 and the rest of r1's B0; 7-9 r0 B0 and r1 F1; 9-11 the rest of r0's B0 and r1 B1 at 0.5;
+    11-12 r1 B1 alone; 12-14 r0 B1: 14, the total work."""
+    schedule = lower(ScheduleConfig(2, 1, 2), LoweringOptions(param_sync=False, host_placement=((0, 0, 0),)))
+    timeline = execute(schedule, _OnHost(_OneHost(2, 1)))
+    assert _spans(timeline) == [{"F0.0": (0, 1), "F0.1": (5, 7), "B0.0": (7, 11), "B0.1": (12, 14)},
+                                {"F0.0": (1, 3), "B0.0": (3, 7), "F0.1": (7, 9), "B0.1": (9, 12)}]
+    copies = sorted((c.lane, c.start, c.end) for c in timeline.comms if c.lane in ("d2h", "h2d"))
+    assert copies == [("d2h", 1, 3), ("h2d", 3, 5)] and timeline.makespan == 14
+
+
+@pytest.mark.parametrize("config,options,digest,makespan", RECORDED)
+def test_links_without_shared_cores_leave_every_event_as_it_was(config, options, digest, makespan):
+    """A compute route of None (no shared cores) changes nothing: the recorded events with those links' (own-link)
+    transfers, exactly as with no links at all."""
+    timeline = execute(lower(config, options), _OnHost(_OneHost(config.pp, 1, shared=False), _UnevenCosts()))
+    plain = _UnevenCosts()
+    plain.host_copies_on_compute = True
+    assert canonical(timeline) == canonical(execute(lower(config, options), plain))
+    if not options.host_placement:  # the copies on the compute stream are the only difference to the recording
+        assert (hashlib.sha256(canonical(timeline).encode()).hexdigest()[:16], timeline.makespan) == (digest, makespan)
