@@ -79,14 +79,25 @@ def advisor_problem(words: Sequence[str], settings: AdviceBenchSettings):
         raise UsageError(f"--megatron-args on --nproc {settings.nproc} ranks: {error}") from error
 
 
-def plan_advice(words: Sequence[str], settings: AdviceBenchSettings):
+def with_profile(parsed, settings: AdviceBenchSettings):
+    """``parsed`` (:func:`advisor_problem`'s answer) with the profile of ``settings`` matched to the command, without
+    reading the command again (a profile measured after the command was read)."""
+    from ..cli.megatron_args import build_advice_parser, matched_profile
+
+    argv, (user, problem, cluster, rate) = parsed
+    argv = advisor_argv(settings)
+    profile = matched_profile(build_advice_parser().parse_args(argv), user, rate) if settings.profile else None
+    return argv, (user, dataclasses.replace(problem, profile=profile), cluster, rate)
+
+
+def plan_advice(parsed, settings: AdviceBenchSettings):
     """(the advisor's report as ``pipemesh plan --megatron-args --json`` prints it, the predicted parts per row name
-    (per pipeline rank), the advisor's flags). UsageError naming the flag when the command does not fit N ranks."""
+    (per pipeline rank), the advisor's flags) for ``parsed``, :func:`advisor_problem`'s answer for ``settings``."""
     from ..cli.megatron_args import profile_report, report
     from ..planning.advice import advise
     from ..planning.planner import NoFeasiblePlan
 
-    argv, (user, problem, cluster, rate) = advisor_problem(words, settings)
+    argv, (user, problem, cluster, rate) = parsed
     cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo",
                                   shared_cores=settings.shared_cores, pinned_cores=settings.pinned_cores)
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ..cli.common import UsageError, emit_json
 from ..planning.defaults import MFU
 from .advice_parts import PARTS, attribute, cause_text, measured_parts
-from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice
+from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice, with_profile
 from .session import log
 
 RUN_FLAGS = ("--train-iters", "--train-samples", "--log-interval", "--timing-log-level", "--timing-log-option",
@@ -159,10 +159,11 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
             raise UsageError(f"--advice cannot emulate the network: {problem}. Run as root, or pass --unshaped")
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
     os.makedirs(out_dir, exist_ok=True)
-    advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (and a given profile match it)
+    parsed = advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (a given profile match it)
     if setup.settings.profile is None and not args.no_profile:
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"))))
+        parsed = with_profile(parsed, setup.settings)
     if setup.settings.shared_cores is not None:
         log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores: the predictions run each rank's compute "
             "(timed at one core) on them, " + ("each pipeline stage's ranks on one core (--pin-cores)"
@@ -173,7 +174,7 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
              f"{setup.settings.device_tflops:g} TFLOP/s x MFU {setup.settings.mfu:g} per rank (analytic)")
     log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
         f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, compute from {costs}")
-    advice, parts, advisor_flags = plan_advice(setup.words, setup.settings)
+    advice, parts, advisor_flags = plan_advice(parsed, setup.settings)
     load_before = os.getloadavg()
     runs = run_rows(args, setup, advice, out_dir)
     if runs is None:
@@ -181,10 +182,7 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     document = advice_document(setup, advice, parts, advisor_flags, runs, out_dir)
     # Other work on the machine slows the runs and not the predictions: the load is part of the measurement.
     document["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
-    with open(os.path.join(out_dir, "advice.json"), "w", encoding="utf-8") as handle:
-        import json
-
-        json.dump(document, handle, indent=1)
+    emit_json(document, os.path.join(out_dir, "advice.json"))
     if not emit_json(document, args.json):
         print(format_advice(document))
     return 0 if all(r["returncode"] == 0 for r in document["rows"]) else 1

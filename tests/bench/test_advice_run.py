@@ -6,6 +6,8 @@ import shlex
 
 import pytest
 
+from megatron_pipemesh.cli.common import UsageError
+
 from megatron_pipemesh.bench import advice_plan, advice_run
 from megatron_pipemesh.bench import cli as bench_cli
 from megatron_pipemesh.bench.advice_parts import PARTS
@@ -22,10 +24,15 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 SETTINGS = advice_plan.AdviceBenchSettings(nproc=2, nic_gbps=0.1, device_tflops=0.05, mfu=0.45, device_memory_gb=4.0)
 
 
+def plan(words, settings):
+    """The advice as ``bench --advice`` plans it: the command read once, then planned."""
+    return advice_plan.plan_advice(advice_plan.advisor_problem(words, settings), settings)
+
+
 @pytest.fixture(scope="module")
 def planned():
     """The advice for TINY on 2 ranks at 100 Mbit/s (planned once for the module)."""
-    return advice_plan.plan_advice(shlex.split(TINY), SETTINGS)
+    return plan(shlex.split(TINY), SETTINGS)
 
 
 @pytest.fixture
@@ -84,6 +91,24 @@ def test_a_profile_of_another_model_is_refused_naming_the_mismatch(tmp_path, cap
                            str(path)]) == 2
     err = capsys.readouterr().err
     assert "measured for hidden 32, this command has hidden 64" in err
+
+
+def test_a_profile_measured_after_the_command_was_read_is_matched_without_reading_it_again(tmp_path, monkeypatch):
+    """bench --advice reads the command once (Megatron's parser takes seconds): the profile it measures afterwards is
+    matched to the command read, and one of another model is refused naming the mismatch."""
+    import megatron_pipemesh.cli.megatron_args as megatron_args
+
+    parsed = advice_plan.advisor_problem(shlex.split(TINY), SETTINGS)
+    monkeypatch.setattr(megatron_args, "problem_and_cluster", lambda *a: pytest.fail("the command was read again"))
+    good, other = tmp_path / "good.json", tmp_path / "other.json"
+    user_model = parsed[1][0].model
+    good.write_text(a_profile(model=user_model).to_json())
+    other.write_text(a_profile(model=dataclasses.replace(user_model, hidden_size=32)).to_json())
+    argv, (_, problem, _, _) = advice_plan.with_profile(parsed, dataclasses.replace(SETTINGS, profile=str(good)))
+    assert problem.profile is not None and argv[argv.index("--profile") + 1] == str(good)
+    assert parsed[1][1].profile is None
+    with pytest.raises(UsageError, match="measured for hidden 32, this command has hidden 64"):
+        advice_plan.with_profile(parsed, dataclasses.replace(SETTINGS, profile=str(other)))
 
 
 def test_the_profile_reaches_the_advisor():
@@ -205,10 +230,10 @@ def test_the_advisor_and_the_stock_rows_share_the_cores(monkeypatch):
     monkeypatch.setattr(advice_module, "advise",
                         lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
     settings = dataclasses.replace(SETTINGS, nproc=4, nic_gbps=25.0)
-    shared, parts, _ = advice_plan.plan_advice(shlex.split(TINY), dataclasses.replace(settings, shared_cores=2))
+    shared, parts, _ = plan(shlex.split(TINY), dataclasses.replace(settings, shared_cores=2))
     assert seen[-1].shared_cores == 2 and not seen[-1].pinned_cores
     assert seen[-1].spec(1, 2, False, False).shared_cores == 2
-    own, own_parts, _ = advice_plan.plan_advice(shlex.split(TINY), settings)
+    own, own_parts, _ = plan(shlex.split(TINY), settings)
     assert seen[-1].shared_cores is None
     assert shared["rows"]["user"]["predicted_iteration_s"] > 1.2 * own["rows"]["user"]["predicted_iteration_s"]
     for mine, alone in zip(parts["user"], own_parts["user"]):
