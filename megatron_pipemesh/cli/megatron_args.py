@@ -173,9 +173,9 @@ def problem_and_cluster(args, words: Sequence[str]):
     from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
     from ..schedule.config import ScheduleConfig
 
-    memory, rate = _device(args)
     if args.profile is None:
-        link_rates(args, None)  # without a profile, --nic-gbps is required: say so before reading the command
+        link_rates(args, None)  # without a profile, --nic-gbps is required: say so before anything else
+    memory, rate = _device(args)
     gpus = args.nodes * args.gpus_per_node
     try:
         user = read_command(list(words), world_size=gpus)
