@@ -27,8 +27,9 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemesh profile", description=(
         "Measure, on this machine with Megatron's own modules of your command, one transformer layer's forward and "
         "backward and each recomputation's extra, the embedding, the output layer with the loss (at micro-batch sizes "
-        "1, 2, 4, ... up to yours), the optimizer step and the activation bytes; then plan with "
-        "pipemesh plan --megatron-args ... --profile FILE."))
+        "1, 2, 4, ... up to yours), the optimizer step and the activation bytes; launched with torchrun on several "
+        "ranks, also the links between them (p2p between and within nodes, flows sharing a NIC, collectives). Then "
+        "plan with pipemesh plan --megatron-args ... --profile FILE."))
     parser.add_argument(MEGATRON_ARGS, metavar='"FLAGS"', default=None,
                         help="the flags of your pretrain_gpt.py command in one quoted string (or give them after --)")
     parser.add_argument("--output", metavar="FILE", default=DEFAULT_OUTPUT,

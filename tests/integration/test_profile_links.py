@@ -25,7 +25,8 @@ TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 
 def test_the_launch_is_read_from_torchruns_environment_and_bad_values_are_named():
     """One process (no WORLD_SIZE, or 1) is no launch; torchrun's variables give rank, world, local rank and local
-    world; a rank outside the world, a non-number or a missing rendezvous address is refused naming the variable."""
+    world; a rank outside the world, a non-number, a missing rendezvous address or several Slurm tasks without
+    torchrun are refused naming what to do."""
     assert launched({}) is None and launched({"WORLD_SIZE": "1"}) is None
     launch = launched(TORCHRUN)
     assert (launch.rank, launch.world, launch.local_rank, launch.local_world) == (1, 4, 1, 2)
@@ -35,6 +36,11 @@ def test_the_launch_is_read_from_torchruns_environment_and_bad_values_are_named(
         launched({**TORCHRUN, "LOCAL_RANK": "x"})
     with pytest.raises(LaunchError, match="MASTER_ADDR and MASTER_PORT"):
         launched({key: value for key, value in TORCHRUN.items() if key != "MASTER_ADDR"})
+    # srun's own tasks (no torchrun) would not meet: refused; one task, or torchrun under srun, is fine
+    with pytest.raises(LaunchError, match="one of 16 Slurm tasks without torchrun"):
+        launched({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "16"})
+    assert launched({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) is None
+    assert launched({**TORCHRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}).world == 4
 
 
 def test_nodes_are_numbered_by_first_rank_and_the_notes_say_what_cannot_be_measured():
