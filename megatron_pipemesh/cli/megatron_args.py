@@ -157,8 +157,8 @@ def link_rates(args, profile) -> Dict[str, LinkRate]:
         "host_link": chosen_rate("host link", "--host-link-gbps", args.host_link_gbps,
                                  profile.host_link_gbps if profile is not None else None, DEFAULT_HOST_LINK_GBPS)}
     if rates["nic"].gbps is None:
-        why = (f"the profile {args.profile} did not measure the NIC (it ran on one node: launch pipemesh profile on two "
-               "or more nodes to measure it)" if profile is not None else "no --profile measured it")
+        why = (f"the profile {args.profile} did not measure the NIC (it ran on one node: launch pipemesh profile on "
+               "two or more nodes to measure it)" if profile is not None else "no --profile measured it")
         raise UsageError(f"--nic-gbps (one node's network interface, Gbit/s per direction) is required: {why}. "
                          "Example: --nic-gbps 25")
     return rates

@@ -62,7 +62,8 @@ def test_the_patterns_follow_the_nodes():
         return [(case.pattern, case.scope, case.ranks, case.flows) for case in cases]
 
     one_node = names(link_cases((0, 0), [100]))
-    assert one_node == [("p2p", WITHIN_NODE, (0, 1), ((0, 1),)), ("p2p both ways", WITHIN_NODE, (0, 1), ((0, 1), (1, 0))),
+    assert one_node == [("p2p", WITHIN_NODE, (0, 1), ((0, 1),)),
+                        ("p2p both ways", WITHIN_NODE, (0, 1), ((0, 1), (1, 0))),
                         ("all-reduce", ALL_RANKS, (0, 1), ()), ("reduce-scatter", ALL_RANKS, (0, 1), ()),
                         ("all-gather", ALL_RANKS, (0, 1), ())]
     assert [case[:2] for case in names(link_cases((0, 1), [100]))][:2] == [("p2p", BETWEEN_NODES),
@@ -135,7 +136,8 @@ def test_torchrun_profile_writes_the_links_and_plan_takes_the_measured_rate(two_
     assert code == 0 and "intra-node link: " in out and "NIC: not measured (one node)" in out
     cluster = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--quiet"]
     code, out, err = run(["plan"] + cluster + ["--megatron-args", SMALL, "--profile", str(path)])
-    assert code == 2 and "--nic-gbps (one node's network interface, Gbit/s per direction) is required: the profile" in err
+    assert code == 2 and "--nic-gbps (one node's network interface, Gbit/s per direction) is required: the " \
+                         f"profile {path} did not measure the NIC (it ran on one node" in err
     code, out, err = run(["plan"] + cluster + ["--nic-gbps", "0.1", "--megatron-args", SMALL, "--profile", str(path),
                                                "--json"])
     assert code == 0, err
