@@ -271,7 +271,8 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     lead = launch is None or launch.rank == 0
     say = progress if lead else (lambda line: None)
     notes = ["TP > 1 is not measured: it needs CUDA and one process per rank (TP = 1 only)"] if not cuda else [
-        "TP > 1 is not measured by this single-process profile (TP = 1 only)"]
+        "TP > 1 is not measured by this single-process profile (TP = 1 only)" if launch is None else
+        "TP > 1 is not measured: rank 0 measures the layers alone (TP = 1 only)"]
     if launch is None:
         notes.append("the network (pipeline and data-parallel links) is not measured by one process: launch pipemesh "
                      "profile with torchrun on one node (intra-node link) or on two or more (the NIC); plans keep "
