@@ -21,9 +21,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..planning.costs import GB
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU
 from ..planning.devices import DeviceRate, rate_for
+from ..planning.profile import LinkRate
 from .common import UsageError, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
+DEFAULT_INTRA_NODE_GBPS = 100.0
+"""--intra-node-gbps without a flag or a measurement: PCIe."""
 
 
 def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +38,12 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=positive_int, required=True, help="nodes")
     cluster.add_argument("--gpus-per-node", type=positive_int, required=True, help="GPUs per node (behind one NIC)")
-    cluster.add_argument("--nic-gbps", type=positive_number, required=True,
-                         help="one node's network interface, Gbit/s per direction (shared by all its GPUs)")
-    cluster.add_argument("--intra-node-gbps", type=positive_number, default=100.0,
-                         help="per-GPU bandwidth between the GPUs of a node, Gbit/s (default 100: PCIe; NVLink ~2400)")
+    cluster.add_argument("--nic-gbps", type=positive_number, default=None,
+                         help="one node's network interface, Gbit/s per direction (shared by all its GPUs); required "
+                              "unless --profile measured it (pipemesh profile on two or more nodes); given, it wins")
+    cluster.add_argument("--intra-node-gbps", type=positive_number, default=None,
+                         help=f"per-GPU bandwidth between the GPUs of a node, Gbit/s (default: --profile's measurement, "
+                              f"else {DEFAULT_INTRA_NODE_GBPS:g}: PCIe; NVLink ~2400)")
     cluster.add_argument("--gpu", metavar="MODEL", default=None,
                          help="GPU model (peak TFLOP/s and memory from the known table, e.g. A10G, L4, A100-40GB, H100)")
     cluster.add_argument("--device-memory-gb", type=positive_number, default=None,
@@ -50,8 +55,9 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"fraction of the peak the layers reach (default {MFU:g}; 1 for a measured rate)")
     cluster.add_argument("--host-memory-gb", type=positive_number, default=None,
                          help="host memory per GPU for offloaded activations, GiB (default: no offloading on either side)")
-    cluster.add_argument("--host-link-gbps", type=positive_number, default=DEFAULT_HOST_LINK_GBPS,
-                         help=f"device-host copy bandwidth per GPU and direction, Gbit/s (default {DEFAULT_HOST_LINK_GBPS:g})")
+    cluster.add_argument("--host-link-gbps", type=positive_number, default=None,
+                         help="device-host copy bandwidth per GPU and direction, Gbit/s (default: --profile's "
+                              f"measurement, else {DEFAULT_HOST_LINK_GBPS:g})")
     cluster.add_argument("--gpudirect-rdma", action="store_true",
                          help="the NIC reads GPU memory directly (default: network traffic is staged through host "
                               "memory, as on commodity clouds)")
@@ -66,7 +72,8 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress lines on stderr (each row found, and every 10 s where the search is)")
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="a profile of this command measured by pipemesh profile: its layer, embedding, output, "
-                             "optimizer and activation costs replace the assumed ones (the output says which)")
+                             "optimizer and activation costs, and the link rates it measured (NIC, intra-node, host "
+                             "link) where their flags are not given, replace the assumed ones (the output says which)")
     parser.add_argument("--json", action="store_true", help="one JSON object: the rows, the notes, the search")
 
 
@@ -137,14 +144,37 @@ NO_P2P_OVERLAP_FLAG = "--no-overlap-p2p-communication"
 """Megatron's flag that forbids interleaving at PP = 2 (its validate_args asserts PP > 2 for V > 1 without overlap)."""
 
 
+def link_rates(args, profile) -> Dict[str, LinkRate]:
+    """The link rates the advice uses ({'nic', 'intra_node', 'host_link'}): each flag given wins, else what
+    ``profile`` measured, else the flag's default; without either, --nic-gbps is required (exit 2)."""
+    from ..planning.profile import chosen_rate
+
+    network = profile.network if profile is not None else None
+    rates = {
+        "nic": chosen_rate("NIC", "--nic-gbps", args.nic_gbps, network.nic_gbps if network else None, None),
+        "intra_node": chosen_rate("intra-node link", "--intra-node-gbps", args.intra_node_gbps,
+                                  network.intra_node_gbps if network else None, DEFAULT_INTRA_NODE_GBPS),
+        "host_link": chosen_rate("host link", "--host-link-gbps", args.host_link_gbps,
+                                 profile.host_link_gbps if profile is not None else None, DEFAULT_HOST_LINK_GBPS)}
+    if rates["nic"].gbps is None:
+        why = (f"the profile {args.profile} did not measure the NIC (it ran on one node: launch pipemesh profile on "
+               "two or more nodes to measure it)" if profile is not None else "no --profile measured it")
+        raise UsageError(f"--nic-gbps (one node's network interface, Gbit/s per direction) is required: {why}. "
+                         "Example: --nic-gbps 25")
+    return rates
+
+
 def problem_and_cluster(args, words: Sequence[str]):
     """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``; the
-    problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`)."""
+    problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`), the cluster the link
+    rates :func:`link_rates` chooses."""
     from ..integration.command_flags import flag_name
     from ..integration.megatron_command import CommandError, read_command
     from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
     from ..schedule.config import ScheduleConfig
 
+    if args.profile is None:
+        link_rates(args, None)  # without a profile, --nic-gbps is required: say so before anything else
     memory, rate = _device(args)
     gpus = args.nodes * args.gpus_per_node
     try:
@@ -159,6 +189,8 @@ def problem_and_cluster(args, words: Sequence[str]):
         raise UsageError(f"{MEGATRON_ARGS}: --tensor-model-parallel-size {user.tp} does not fit inside a node of "
                          f"--gpus-per-node {args.gpus_per_node}: the advice keeps TP inside a node")
     a = user.args
+    profile = None if args.profile is None else matched_profile(args, user, rate)
+    links = link_rates(args, profile)
     pipemesh = None
     if user.pipemesh and list(a.forward_groups or []) != ["auto"]:
         pipemesh = ScheduleConfig(user.pp, user.vpp, user.microbatches, tuple(a.forward_groups or ()),
@@ -175,10 +207,11 @@ def problem_and_cluster(args, words: Sequence[str]):
         vocab_size=getattr(a, "vocab_size", None),
         # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.
         max_tp=None if rate.given else 1,
-        profile=None if args.profile is None else matched_profile(args, user, rate))
-    cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
-                            intra_node_gbps=args.intra_node_gbps, device_memory_gb=memory, device_tflops=rate.tflops,
-                            mfu=rate.mfu, host_memory_gb=args.host_memory_gb, host_link_gbps=args.host_link_gbps,
+        profile=profile)
+    cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=links["nic"].gbps,
+                            intra_node_gbps=links["intra_node"].gbps, device_memory_gb=memory,
+                            device_tflops=rate.tflops, mfu=rate.mfu, host_memory_gb=args.host_memory_gb,
+                            host_link_gbps=links["host_link"].gbps,
                             nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given,
                             collectives="gloo" if not rate.given or getattr(a, "distributed_backend", None) == "gloo"
                             else "nccl")
@@ -284,15 +317,19 @@ def matched_profile(args, user, rate):
     return profile
 
 
-def profile_report(path: str, problem, out: Dict) -> Dict:
-    """Which costs the rows took from the profile and which they assumed (per TP the rows use)."""
+def profile_report(path: str, problem, out: Dict, links: Optional[Dict] = None) -> Dict:
+    """Which costs the rows took from the profile and which they assumed (per TP the rows use), the link rates
+    (:func:`link_rates`) among them; and the rates themselves."""
     from ..planning.profile import coverage
 
+    rates = list((links or {}).values())
     tps = sorted({row["tp"] for row in out["rows"].values() if row is not None})
-    by_tp = {tp: coverage(problem.profile, tp, problem.model.micro_batch_size) for tp in tps}
+    by_tp = {tp: coverage(problem.profile, tp, problem.model.micro_batch_size, rates) for tp in tps}
     return {"file": path, "device": f"{problem.profile.device_kind} ({problem.profile.device_name})",
             "measured": {str(tp): found[0] for tp, found in by_tp.items()},
-            "assumed": {str(tp): found[1] for tp, found in by_tp.items()}}
+            "assumed": {str(tp): found[1] for tp, found in by_tp.items()},
+            "links": {key: {"gbps": rate.gbps, "source": rate.source, "measured_gbps": rate.measured_gbps}
+                      for key, rate in (links or {}).items()}}
 
 
 def _progress_to_stderr() -> Callable[[str], None]:
@@ -327,6 +364,6 @@ def cmd_advice(argv: Sequence[str]) -> int:
                             "--device-tflops to plan for GPUs")
     out = report(user, problem, cluster, rate, advice)
     if problem.profile is not None:
-        out["profile"] = profile_report(args.profile, problem, out)
+        out["profile"] = profile_report(args.profile, problem, out, link_rates(args, problem.profile))
     print(json.dumps(out, indent=1) if args.json else text(out))
     return 0

@@ -3,6 +3,7 @@
     pipemesh profile --megatron-args "<your pretrain_gpt.py flags>" [--output profile.json] [--repeats 3]
     pipemesh profile --output profile.json -- --num-layers 24 ...
     pipemesh profile --show profile.json
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_pipemesh.cli profile --megatron-args "..."   # + the links
 
 The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.profile`; ``pipemesh plan
 --megatron-args ... --profile profile.json`` prices the layouts with it.
@@ -16,7 +17,7 @@ from typing import List, Sequence
 
 from ..integration.profile import ProfileSettings
 from ..planning.profile import Profile, ProfileError, load
-from .common import UsageError, positive_int
+from .common import UsageError, positive_int, positive_number
 from .megatron_args import MEGATRON_ARGS, _megatron_words, split_argv
 
 DEFAULT_OUTPUT = "profile.json"
@@ -26,8 +27,9 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemesh profile", description=(
         "Measure, on this machine with Megatron's own modules of your command, one transformer layer's forward and "
         "backward and each recomputation's extra, the embedding, the output layer with the loss (at micro-batch sizes "
-        "1, 2, 4, ... up to yours), the optimizer step and the activation bytes; then plan with "
-        "pipemesh plan --megatron-args ... --profile FILE."))
+        "1, 2, 4, ... up to yours), the optimizer step and the activation bytes; launched with torchrun on several "
+        "ranks, also the links between them (p2p between and within nodes, flows sharing a NIC, collectives). Then "
+        "plan with pipemesh plan --megatron-args ... --profile FILE."))
     parser.add_argument(MEGATRON_ARGS, metavar='"FLAGS"', default=None,
                         help="the flags of your pretrain_gpt.py command in one quoted string (or give them after --)")
     parser.add_argument("--output", metavar="FILE", default=DEFAULT_OUTPUT,
@@ -39,6 +41,9 @@ def build_profile_parser() -> argparse.ArgumentParser:
                         help=f"untimed calls before them (default {ProfileSettings.warmup})")
     parser.add_argument("--max-micro-batch-size", type=positive_int, default=None,
                         help="the largest micro-batch size measured, at most your command's (default: yours)")
+    parser.add_argument("--bucket-mib", type=positive_number, default=None,
+                        help="launched on several ranks (torchrun): the larger message the links are timed with, MiB "
+                             "(default 40 with CUDA, 4 without; the smaller is one micro-batch's activation)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -80,11 +85,34 @@ def table(profile: Profile, name: str = "") -> str:
         lines.append(f"optimizer step: {profile.optimizer_s_per_param * 1e9:.3f} ns per parameter")
     lines.append("host link: " + (f"{profile.host_link_gbps:.1f} Gbit/s" if profile.host_link_gbps is not None
                                   else "not measured (CUDA only)"))
+    lines += _network_lines(profile)
     if profile.run_times is not None:
         lines.append("a training run's per-op times (s): "
                      + ", ".join(f"{key} {value:.6f}" for key, value in profile.run_times.items()))
     lines += [f"note: {note}" for note in profile.notes]
     return "\n".join(lines)
+
+
+def _network_lines(profile: Profile) -> List[str]:
+    """The links a multi-rank profile timed: the rates the plan takes, then one row per pattern and size."""
+    network = profile.network
+    if network is None:
+        return ["network: not measured (one process)"]
+    nodes = [network.node_of_rank.count(node) for node in sorted(set(network.node_of_rank))]
+    lines = [f"network: {len(network.node_of_rank)} ranks on {network.nodes} node(s) ({'/'.join(map(str, nodes))} "
+             f"ranks each), {network.backend}; messages " + ", ".join(
+                 f"{name} {nbytes / 2**20:.3f} MiB" for name, nbytes in network.sizes.items()),
+             "NIC: " + (f"{network.nic_gbps:.4g} Gbit/s each way ({network.nic_from})" if network.nic_gbps is not None
+                        else "not measured (one node)"),
+             "intra-node link: " + (f"{network.intra_node_gbps:.4g} Gbit/s" if network.intra_node_gbps is not None
+                                    else "not measured (one rank per node)")]
+    header = f"{'pattern':<15} {'scope':<14} {'ranks':<12} {'MiB':>9} {'median ms':>10} {'Gbit/s':>9}"
+    lines += ["", header, "-" * len(header)]
+    for point in network.points:
+        lines.append(f"{point.pattern:<15} {point.scope:<14} {','.join(map(str, point.ranks)):<12} "
+                     f"{point.nbytes / 2**20:>9.3f} {point.median_s * 1e3:>10.3f} {point.gbps:>9.4g}")
+    lines.append("(Gbit/s: each flow's rate for p2p patterns, the bus bandwidth for collectives)")
+    return lines
 
 
 def _progress(quiet: bool):
@@ -112,16 +140,26 @@ def cmd_profile(argv: Sequence[str]) -> int:
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup} is invalid: it must be 0 or more. Example: --warmup 1")
     words: List[str] = _megatron_words(args, tail)
-    say = _progress(args.quiet)
+    from ..integration.profile_links import LaunchError, launched
+
+    try:
+        launch = launched()
+    except LaunchError as error:
+        raise UsageError(str(error)) from error
+    say = _progress(args.quiet or (launch is not None and launch.rank != 0))  # rank 0 speaks for the launch
     say("reading the command with Megatron's argument parser and building one layer of it")
     from ..integration.megatron_command import CommandError
     from ..integration.profile import measure_profile
 
+    bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
     try:
         profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
-                                                         max_micro_batch=args.max_micro_batch_size), progress=say)
+                                                         max_micro_batch=args.max_micro_batch_size,
+                                                         bucket_bytes=bucket), progress=say)
     except CommandError as error:
         raise UsageError(str(error)) from error
+    if profile is None:  # a rank other than 0 of a multi-rank launch: rank 0 writes the file
+        return 0
     with open(args.output, "w", encoding="utf-8") as handle:
         handle.write(profile.to_json() + "\n")
     say(f"wrote {args.output}")

@@ -15,7 +15,12 @@ micro-batch size 1, 2, 4, ... up to the command's:
 * the bytes each keeps for its backward: the runtime's saved-tensor meter
   (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded);
 * the optimizer step (torch's Adam over fp32 parameters, as Megatron without Apex runs it) per parameter;
-* on CUDA, the pinned host link (device-to-host and back, the slower); the NIC is not measured here.
+* on CUDA, the pinned host link (device-to-host and back, the slower).
+
+Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, rank 0
+measures all of the above (the others wait), then every rank times the links between them
+(:mod:`.profile_links`: p2p, collectives, flows sharing a NIC) and rank 0 returns the profile. One process measures no
+network: the plan keeps ``--nic-gbps`` and ``--intra-node-gbps``.
 
 Timing: on CPU the wall clock with one thread (a rank's share), on CUDA CUDA events; warm-up calls, then the median
 of the repeats. Weights get Megatron's ``main_grad`` buffers, as DDP gives them, so the backward accumulates as in
@@ -51,6 +56,8 @@ class ProfileSettings:
     """The largest micro-batch size measured (None: the command's)."""
     seed: int = 1234
     """Seed of the weights and inputs."""
+    bucket_bytes: Optional[int] = None
+    """The larger message the links are timed with (None: :data:`.profile_links.BUCKET_BYTES` of the device)."""
 
 
 def micro_batch_sizes(largest: int) -> List[int]:
@@ -236,10 +243,13 @@ def _start_process_group(cuda: bool) -> Callable[[], None]:
 
 
 def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSettings(),
-                    progress: Progress = lambda line: None) -> Profile:
-    """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them)."""
+                    progress: Progress = lambda line: None) -> Optional[Profile]:
+    """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them).
+    Launched on several ranks, every rank calls it and rank 0 gets the profile, the others None."""
     from .bootstrap import prepare_megatron_import
+    from .profile_links import join_job, launched, measure_network, message_sizes, share_failure
 
+    launch = launched()
     prepare_megatron_import()
     import torch
 
@@ -258,25 +268,48 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     args = _single_rank_args(run.args)
     args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
     model_spec = planned.model
+    lead = launch is None or launch.rank == 0
+    say = progress if lead else (lambda line: None)
     notes = ["TP > 1 is not measured: it needs CUDA and one process per rank (TP = 1 only)"] if not cuda else [
-        "TP > 1 is not measured by this single-process profile (TP = 1 only)"]
-    notes.append("the network (pipeline and data-parallel links) is not measured: plans keep --nic-gbps")
+        "TP > 1 is not measured by this single-process profile (TP = 1 only)" if launch is None else
+        "TP > 1 is not measured: rank 0 measures the layers alone (TP = 1 only)"]
+    if launch is None:
+        notes.append("the network (pipeline and data-parallel links) is not measured by one process: launch pipemesh "
+                     "profile with torchrun on one node (intra-node link) or on two or more (the NIC); plans keep "
+                     "--nic-gbps and --intra-node-gbps")
     if run.model.layer_spec != model_spec.layer_spec:
         notes.append(f"measured with the {run.model.layer_spec} layer spec (the command's {model_spec.layer_spec} "
                      "needs Transformer Engine, which this machine does not have); a run here uses the same")
-    stop = _start_process_group(cuda)
+    stop = _start_process_group(cuda) if launch is None else join_job(launch, cuda)
+    network = None
     try:
-        compute, optimizer_s, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, progress,
-                                                   notes)
+        compute, optimizer_s, host_gbps, failure = [], None, None, None
+        if lead:
+            try:
+                compute, optimizer_s, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda,
+                                                           say, notes)
+            except BaseException as error:
+                failure = f"{type(error).__name__}: {error}"
+                if launch is not None:
+                    share_failure(launch, failure)
+                raise
+        if launch is not None:
+            share_failure(launch, failure)
+            sizes = message_sizes(model_spec.micro_batch_size, model_spec.seq_length, model_spec.hidden_size,
+                                  model_spec.dtype_bytes, "cuda" if cuda else "cpu", settings.bucket_bytes)
+            network, link_notes = measure_network(launch, sizes, settings.warmup, settings.repeats, cuda, say)
+            notes += link_notes
     finally:
         stop()
+    if not lead:
+        return None
     import megatron.core
 
     return Profile(
         device_kind="cuda" if cuda else "cpu", device_name=_device_name(cuda), torch_version=torch.__version__,
         megatron_core_version=getattr(megatron.core, "__version__", "unknown"),
         shape=shape_of(model_spec, dtype_name(planned.args)), compute=tuple(compute),
-        optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps,
+        optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps, network=network,
         method={"timer": "CUDA events" if cuda else "wall clock", "threads": None if cuda else 1,
                 "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
                 "activation_meter": "saved-tensor meter (parameters excluded)",

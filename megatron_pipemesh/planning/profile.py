@@ -4,9 +4,13 @@ and the planner's costs with its measured times and bytes in place of the analyt
 One JSON object (:data:`SCHEMA_VERSION`): the device and versions it was measured with, the model shape, one
 :class:`ComputePoint` per (TP, micro-batch size) measured (one transformer layer's forward and backward, the extra
 backward of each recompute level, the embedding, the output layer with the loss, and the bytes each keeps for the
-backward), the optimizer step per parameter, the host link where measured, and the per-op times a training run
-measured (``--pipemesh-measure-iters``: :attr:`Profile.run_times`). Files written before the format had a version
-(the flat per-op times of a run) still read: they are a profile with :attr:`Profile.run_times` only.
+backward), the optimizer step per parameter, the host link where measured, the network where several ranks measured
+it (:class:`NetworkProfile`: the NIC and intra-node rates the planner uses, with every timed point), and the per-op
+times a training run measured (``--pipemesh-measure-iters``: :attr:`Profile.run_times`). Files written before the
+format had a version (the flat per-op times of a run) still read: they are a profile with :attr:`Profile.run_times`
+only; files of this version written before the network was measured read with :attr:`Profile.network` None.
+
+:func:`chosen_rate` says which link rate a plan uses: the user's flag, else the profile's measurement, else the default.
 
 :func:`apply_profile` is called by :func:`.clusters.costs_for` only: the costs are built in one place.
 
@@ -114,6 +118,173 @@ class ComputePoint:
     """Bytes they keep for the backward."""
 
 
+P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
+"""Patterns of point-to-point flows (:attr:`LinkPoint.flows`): one flow alone, the same pair both directions at
+once, and every rank of one node sending to another node at once (the flows share the node's NIC)."""
+COLLECTIVES = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0}
+"""Collectives timed, with the factor that turns their algorithm bandwidth into bus bandwidth over ``g`` ranks:
+``factor * (g - 1) / g`` (nccl-tests' convention: the rate each rank's link carries in a ring)."""
+BETWEEN_NODES, WITHIN_NODE, ALL_RANKS, ONE_NODE = "between nodes", "within a node", "all ranks", "one node"
+"""Scopes of a :class:`LinkPoint`: p2p between two nodes or inside one; a collective over every rank or over the
+ranks of one node."""
+
+
+@dataclass(frozen=True)
+class LinkPoint:
+    """One communication pattern timed at one message size."""
+
+    pattern: str
+    """One of :data:`P2P_PATTERNS` or :data:`COLLECTIVES`."""
+    scope: str
+    """:data:`BETWEEN_NODES` or :data:`WITHIN_NODE` (p2p); :data:`ALL_RANKS` or :data:`ONE_NODE` (collectives)."""
+    ranks: Tuple[int, ...]
+    """The ranks taking part."""
+    flows: Tuple[Tuple[int, int], ...]
+    """(source, destination) of every flow started at once (p2p); () for a collective."""
+    nbytes: int
+    """Bytes of each flow (p2p), or of the whole tensor (a collective: all-reduce's input, reduce-scatter's input,
+    all-gather's output)."""
+    seconds: Tuple[float, ...]
+    """Every timed repeat: from a barrier to the last participating rank's completion."""
+    gbps: float
+    """From the median: each flow's payload rate, Gbit/s (p2p); the bus bandwidth (a collective,
+    :data:`COLLECTIVES`)."""
+
+    @property
+    def median_s(self) -> float:
+        ordered = sorted(self.seconds)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def to_dict(self) -> dict:
+        return {"pattern": self.pattern, "scope": self.scope, "ranks": list(self.ranks),
+                "flows": [list(flow) for flow in self.flows], "nbytes": self.nbytes, "seconds": list(self.seconds),
+                "gbps": self.gbps}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "LinkPoint":
+        return LinkPoint(pattern=str(data["pattern"]), scope=str(data["scope"]),
+                         ranks=tuple(int(r) for r in data["ranks"]),
+                         flows=tuple((int(a), int(b)) for a, b in data["flows"]), nbytes=int(data["nbytes"]),
+                         seconds=tuple(float(t) for t in data["seconds"]), gbps=float(data["gbps"]))
+
+
+def link_gbps(pattern: str, nbytes: int, seconds: float, group: int) -> float:
+    """The rate :attr:`LinkPoint.gbps` reports for ``pattern`` moving ``nbytes`` in ``seconds`` over ``group``
+    ranks."""
+    rate = nbytes * 8 / seconds / 1e9
+    if pattern in COLLECTIVES:
+        return rate * COLLECTIVES[pattern] * (group - 1) / group
+    return rate
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """The links measured between the ranks of a multi-rank ``pipemesh profile`` (torchrun, Slurm)."""
+
+    nic_gbps: Optional[float]
+    """One node's NIC per direction, Gbit/s (what ``--nic-gbps`` means); None: all ranks were on one node."""
+    nic_from: str
+    """How :attr:`nic_gbps` was derived: the shared flows' sum, or one flow between nodes alone ('' when None)."""
+    intra_node_gbps: Optional[float]
+    """One flow between two ranks of a node, Gbit/s (what ``--intra-node-gbps`` means); None: one rank per node."""
+    backend: str
+    """'nccl' or 'gloo'."""
+    node_of_rank: Tuple[int, ...]
+    """The node of every rank (ranks with the same hostname and network namespace share one)."""
+    sizes: Dict[str, int]
+    """The message sizes timed, bytes: 'activation' (one micro-batch's activation) and 'bucket'."""
+    warmup: int
+    """Untimed calls of every pattern before its repeats."""
+    points: Tuple[LinkPoint, ...]
+    """Every pattern timed (:class:`LinkPoint`)."""
+
+    @property
+    def nodes(self) -> int:
+        return len(set(self.node_of_rank))
+
+    def to_dict(self) -> dict:
+        return {"nic_gbps": self.nic_gbps, "nic_from": self.nic_from, "intra_node_gbps": self.intra_node_gbps,
+                "backend": self.backend, "node_of_rank": list(self.node_of_rank), "sizes": dict(self.sizes),
+                "warmup": self.warmup, "points": [point.to_dict() for point in self.points]}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "NetworkProfile":
+        return NetworkProfile(nic_gbps=_optional_float(data["nic_gbps"]), nic_from=str(data.get("nic_from", "")),
+                              intra_node_gbps=_optional_float(data["intra_node_gbps"]), backend=str(data["backend"]),
+                              node_of_rank=tuple(int(n) for n in data["node_of_rank"]),
+                              sizes={str(k): int(v) for k, v in data["sizes"].items()}, warmup=int(data["warmup"]),
+                              points=tuple(LinkPoint.from_dict(point) for point in data["points"]))
+
+
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def network_rates(points: Sequence[LinkPoint]) -> Tuple[Optional[float], str, Optional[float]]:
+    """(NIC Gbit/s, how it was derived, intra-node Gbit/s) from the largest message's points: the NIC is the sum of
+    the flows sharing it where they were timed (one flow may not fill a fast NIC), else one flow between nodes
+    alone; the intra-node rate is one flow inside a node alone. None where no such point was timed."""
+
+    def largest(pattern: str, scope: str) -> Optional[LinkPoint]:
+        found = [point for point in points if point.pattern == pattern and point.scope == scope]
+        return max(found, key=lambda point: point.nbytes) if found else None
+
+    shared, alone = largest("shared NIC", BETWEEN_NODES), largest("p2p", BETWEEN_NODES)
+    inside = largest("p2p", WITHIN_NODE)
+    if shared is not None:
+        nic, source = shared.gbps * len(shared.flows), (f"{len(shared.flows)} flows sharing a NIC, summed "
+                                                        f"({shared.nbytes} bytes each)")
+    elif alone is not None:
+        nic, source = alone.gbps, f"one flow between nodes alone ({alone.nbytes} bytes)"
+    else:
+        nic, source = None, ""
+    return nic, source, inside.gbps if inside is not None else None
+
+
+@dataclass(frozen=True)
+class LinkRate:
+    """The rate of one link a plan uses, and where it came from."""
+
+    name: str
+    """'NIC', 'intra-node', 'host link'."""
+    flag: str
+    """The ``pipemesh plan`` flag that sets it."""
+    gbps: Optional[float]
+    """The rate used, Gbit/s (None: neither given nor measured, and no default)."""
+    source: str
+    """'given' (the flag), 'measured' (the profile), 'default' (the flag's default) or 'missing'."""
+    measured_gbps: Optional[float] = None
+    """What the profile measured, also when the flag overrides it."""
+
+    @property
+    def measured(self) -> bool:
+        return self.source == "measured"
+
+    def describe(self) -> str:
+        if self.source == "measured":
+            return f"{self.name} {self.gbps:.4g} Gbit/s measured (profile)"
+        if self.source == "given":
+            also = f"; the profile measured {self.measured_gbps:.4g}" if self.measured_gbps is not None else ""
+            return f"{self.name} {self.gbps:.4g} Gbit/s ({self.flag}, given{also})"
+        if self.source == "default":
+            return f"{self.name} {self.gbps:.4g} Gbit/s ({self.flag} default, not measured)"
+        return f"{self.name}: not measured and {self.flag} not given"
+
+
+def chosen_rate(name: str, flag: str, given: Optional[float], measured: Optional[float],
+                default: Optional[float]) -> LinkRate:
+    """The rate of ``name`` a plan uses: the flag ``given`` wins, else what a profile ``measured``, else
+    ``default``."""
+    if given is not None:
+        return LinkRate(name, flag, given, "given", measured)
+    if measured is not None:
+        return LinkRate(name, flag, measured, "measured", measured)
+    if default is not None:
+        return LinkRate(name, flag, default, "default")
+    return LinkRate(name, flag, None, "missing")
+
+
 @dataclass(frozen=True)
 class Profile:
     """A measured profile (the file :func:`load` reads and :meth:`to_json` writes)."""
@@ -132,10 +303,12 @@ class Profile:
     """The optimizer step's seconds per local parameter."""
     host_link_gbps: Optional[float] = None
     """Pinned device-host copy rate, Gbit/s per direction (CUDA only; None: not measured)."""
+    network: Optional[NetworkProfile] = None
+    """The links between ranks, where several ranks measured them (None: one process, or an older file)."""
     method: Dict[str, object] = field(default_factory=dict)
     """How it was measured (timer, threads, warm-up, repeats)."""
     notes: Tuple[str, ...] = ()
-    """What was not measured and why (TP > 1 needs CUDA; the NIC stays --nic-gbps)."""
+    """What was not measured and why (TP > 1 needs CUDA; the NIC needs ranks on two or more nodes)."""
     run_times: Optional[Dict[str, float]] = None
     """Per-op times a training run measured (:data:`RUN_TIME_FIELDS`), or None."""
     schema_version: int = SCHEMA_VERSION
@@ -154,7 +327,9 @@ class Profile:
                "model": dataclasses.asdict(self.shape) if self.shape else None,
                "compute": [dataclasses.asdict(point) for point in self.compute],
                "optimizer_s_per_param": self.optimizer_s_per_param,
-               "links": {"host_link_gbps": self.host_link_gbps}, "method": dict(self.method),
+               "links": {"host_link_gbps": self.host_link_gbps,
+                         **({"network": self.network.to_dict()} if self.network is not None else {})},
+               "method": dict(self.method),
                "notes": list(self.notes)}
         if self.run_times is not None:
             out["run_times"] = dict(self.run_times)
@@ -187,9 +362,10 @@ def from_dict(data: Mapping, where: str = "the profile") -> Profile:
             shape=ModelShape(**model) if model else None,
             compute=tuple(ComputePoint(**point) for point in data.get("compute") or ()),
             optimizer_s_per_param=data.get("optimizer_s_per_param"), host_link_gbps=links.get("host_link_gbps"),
+            network=NetworkProfile.from_dict(links["network"]) if links.get("network") else None,
             method=dict(data.get("method") or {}), notes=tuple(data.get("notes") or ()),
             run_times=None if run_times is None else {key: float(run_times[key]) for key in RUN_TIME_FIELDS})
-    except (TypeError, KeyError) as error:
+    except (TypeError, KeyError, ValueError) as error:
         raise ProfileError(f"{where} is not a pipemesh profile ({error}); re-run pipemesh profile") from error
 
 
@@ -227,10 +403,15 @@ COST_NAMES = ("layer forward/backward", "recompute extras", "embedding", "output
 """The costs a profile can give, in the order :func:`coverage` names them."""
 
 
-def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int) -> Tuple[List[str], List[str]]:
-    """(costs measured, costs assumed) when ``profile`` prices a layout at ``tp`` and ``micro_batch_size``."""
+def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int,
+             links: Sequence[LinkRate] = ()) -> Tuple[List[str], List[str]]:
+    """(costs measured, costs assumed) when ``profile`` prices a layout at ``tp`` and ``micro_batch_size``, with the
+    link rates the plan uses (:func:`chosen_rate`) described among them (without ``links``: the links assumed)."""
+    link_measured = [rate.describe() for rate in links if rate.measured]
+    link_assumed = [rate.describe() for rate in links if not rate.measured] if links else [
+        "pipeline and data-parallel links (--nic-gbps)"]
     if profile is None:
-        return [], list(COST_NAMES) + ["pipeline and data-parallel links"]
+        return link_measured, list(COST_NAMES) + link_assumed
     point = profile.point(tp, micro_batch_size)
     measured = list(COST_NAMES[:5]) if point is not None else []
     if profile.optimizer_s_per_param is not None:
@@ -239,7 +420,7 @@ def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int) -> Tupl
     if point is None:
         assumed = [f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})" if name in COST_NAMES[:5]
                    else name for name in assumed]
-    return measured, assumed + ["pipeline and data-parallel links (--nic-gbps)"]
+    return measured + link_measured, assumed + link_assumed
 
 
 def _levels(measured: Mapping[str, float], analytic: Mapping[str, float], count: float,

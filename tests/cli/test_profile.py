@@ -30,8 +30,8 @@ def measured(tmp_path_factory):
 
 def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     """The file holds the model shape, a point per micro-batch size 1 and 2 with positive times and bytes (full
-    recomputation keeps less than none), the optimizer rate and the notes; progress lines went to stderr;
-    --show prints the same table."""
+    recomputation keeps less than none), the optimizer rate and the notes, no network (one process); progress lines
+    went to stderr; --show prints the same table."""
     path, done = measured
     data = json.loads(path.read_text())
     assert data["schema_version"] == 2 and data["device"]["kind"] == "cpu" and data["versions"]["megatron_core"]
@@ -50,17 +50,19 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0, err
     assert "hidden 64" in out and "optimizer step" in out and out in done.stdout
+    assert profile.network is None and "network: not measured (one process)" in out
 
 
 def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(measured):
-    """The plan prices with the profile and names the measured and assumed costs; a command of another hidden size
-    is refused in one line naming it, exit 2."""
+    """The plan prices with the profile and names the measured and assumed costs, the link rates given or defaulted
+    among the assumed; a command of another hidden size is refused in one line naming it, exit 2."""
     path, _ = measured
     code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(path), "--json"])
     assert code == 0, err
     report = json.loads(out)["profile"]
     assert "layer forward/backward" in report["measured"]["1"] and "optimizer step" in report["measured"]["1"]
-    assert any("links" in cost for cost in report["assumed"]["1"])
+    assert "NIC 0.1 Gbit/s (--nic-gbps, given)" in report["assumed"]["1"]
+    assert "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)" in report["assumed"]["1"]
     other = SMALL.replace("--hidden-size 64", "--hidden-size 128")
     code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", other, "--profile", str(path)])
     assert code == 2 and out == ""

@@ -8,8 +8,10 @@ import pytest
 
 from megatron_pipemesh.planning.clusters import costs_for, flat_cluster
 from megatron_pipemesh.planning.costs import ModelSpec, ScheduleCosts
-from megatron_pipemesh.planning.profile import (RUN_TIME_FIELDS, ComputePoint, Profile, ProfileError, coverage,
-                                                from_dict, load, mismatch, shape_of)
+from megatron_pipemesh.planning.profile import (ALL_RANKS, BETWEEN_NODES, RUN_TIME_FIELDS, WITHIN_NODE, ComputePoint,
+                                                LinkPoint, NetworkProfile, Profile, ProfileError, chosen_rate,
+                                                coverage, from_dict, link_gbps, load, mismatch, network_rates,
+                                                shape_of)
 from megatron_pipemesh.planning.simulator import simulate
 from megatron_pipemesh.schedule.config import ScheduleConfig
 from megatron_pipemesh.schedule.ops import Op, OpKind
@@ -111,3 +113,68 @@ def test_a_slower_measured_layer_raises_the_prediction_by_the_expected_amount():
     f, b = 4 * 4e-3, 4 * 6e-3
     assert times[0] == pytest.approx((6 + 2 - 1) * (f + b), rel=1e-6)
     assert times[1] - times[0] == pytest.approx((6 + 2 - 1) * 4 * 3e-3, rel=1e-6)
+
+
+def network(nic_points=True) -> NetworkProfile:
+    """Two nodes of two ranks: a flow between nodes alone, two flows sharing the NIC, one flow inside a node, an
+    all-reduce; each at a small and a large message."""
+    points = []
+    for nbytes, seconds in ((1000, 1e-4), (10 ** 6, 0.1)):
+        shapes = [("p2p", BETWEEN_NODES, (0, 1), ((0, 1),), 1.0), ("shared NIC", BETWEEN_NODES, (0, 1, 2, 3),
+                                                                     ((0, 1), (2, 3)), 1.6),
+                  ("p2p", WITHIN_NODE, (0, 2), ((0, 2),), 0.1), ("all-reduce", ALL_RANKS, (0, 1, 2, 3), (), 1.5)]
+        for pattern, scope, ranks, flows, scale in shapes:
+            if not nic_points and scope == BETWEEN_NODES:
+                continue
+            took = seconds * scale
+            points.append(LinkPoint(pattern, scope, ranks, flows, nbytes, (took, took * 2, took / 2),
+                                    link_gbps(pattern, nbytes, took, len(ranks))))
+    nic, nic_from, intra = network_rates(points)
+    return NetworkProfile(nic_gbps=nic, nic_from=nic_from, intra_node_gbps=intra, backend="gloo",
+                          node_of_rank=(0, 1, 0, 1), sizes={"activation": 1000, "bucket": 10 ** 6}, warmup=1,
+                          points=tuple(points))
+
+
+def test_the_network_round_trips_and_a_file_without_it_reads():
+    """A profile with the links measured reads back the same; a file of this version written before the network
+    was measured (links holding the host link only) reads with no network."""
+    measured = dataclasses.replace(profile(), network=network(), host_link_gbps=200.0)
+    assert from_dict(json.loads(measured.to_json())) == measured
+    older = profile().to_dict()
+    assert older["links"] == {"host_link_gbps": None}
+    assert from_dict(older).network is None and from_dict(older) == profile()
+    with pytest.raises(ProfileError, match="is not a pipemesh profile"):
+        from_dict({**older, "links": {"network": {"nic_gbps": 1.0}}}, "x.json")
+
+
+def test_the_rates_the_planner_takes_from_the_links():
+    """The NIC is the shared flows' sum at the largest message (1e6 bytes in 0.16 s: 0.05 Gbit/s each, 0.1 both),
+    else one flow alone (0.08); the intra-node rate one flow inside a node (0.8); collectives report the bus
+    bandwidth (all-reduce over 4: 2 * 3/4 of the algorithm bandwidth); without points, None."""
+    measured = network()
+    assert measured.nic_gbps == pytest.approx(2 * 1e6 * 8 / 0.16 / 1e9)
+    assert measured.nic_from == "2 flows sharing a NIC, summed (1000000 bytes each)"
+    assert measured.intra_node_gbps == pytest.approx(1e6 * 8 / 0.01 / 1e9)
+    alone = [p for p in measured.points if p.pattern != "shared NIC"]
+    assert network_rates(alone)[:2] == (pytest.approx(0.08), "one flow between nodes alone (1000000 bytes)")
+    assert network_rates([])[0] is None and network(nic_points=False).nic_gbps is None
+    assert link_gbps("all-reduce", 10 ** 9, 1.0, 4) == pytest.approx(8 * 2 * 3 / 4)
+    assert link_gbps("all-gather", 10 ** 9, 1.0, 2) == pytest.approx(4.0)
+    assert measured.points[0].median_s == 1e-4
+
+
+def test_the_flag_wins_over_the_measurement_and_the_output_says_which():
+    """A given flag is used and the measurement named beside it; else the measurement; else the default; else
+    missing. The coverage lists the measured link with the measured costs, the others with the assumed."""
+    assert chosen_rate("NIC", "--nic-gbps", None, 0.0962, None).describe() == "NIC 0.0962 Gbit/s measured (profile)"
+    given = chosen_rate("NIC", "--nic-gbps", 25.0, 0.0962, None)
+    assert given.gbps == 25.0 and given.describe() == "NIC 25 Gbit/s (--nic-gbps, given; the profile measured 0.0962)"
+    assert chosen_rate("NIC", "--nic-gbps", 25.0, None, None).describe() == "NIC 25 Gbit/s (--nic-gbps, given)"
+    default = chosen_rate("intra-node link", "--intra-node-gbps", None, None, 100.0)
+    assert (default.gbps, default.source) == (100.0, "default")
+    assert chosen_rate("NIC", "--nic-gbps", None, None, None).gbps is None
+    rates = [chosen_rate("NIC", "--nic-gbps", None, 0.5, None), default]
+    measured, assumed = coverage(profile(), 1, 2, rates)
+    assert measured[-1] == "NIC 0.5 Gbit/s measured (profile)"
+    assert assumed[-1] == "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)"
+    assert coverage(profile(), 1, 2)[1][-1] == "pipeline and data-parallel links (--nic-gbps)"
