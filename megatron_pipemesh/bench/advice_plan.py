@@ -135,7 +135,7 @@ def stock_simulation(row, problem, cluster):
     model = problem.model_for(row.layout.tp, row.split)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))
-    lowering = megatron_lowering(costs)
+    lowering = megatron_lowering(costs, config)
     sharding = sharding_model(setting, model, spec)
     schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
     return simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding=sharding)

@@ -170,7 +170,7 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
     costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None,
                            per_rank)
     shards = sharding_model(model, config, sharding, bytes_per_s, link_share, per_rank) if sharding else None
-    lowering = megatron_lowering(costs) if megatron_p2p else lowering_for(costs)
+    lowering = megatron_lowering(costs, sched) if megatron_p2p else lowering_for(costs)
     result = simulate(sched, costs, schedule=lower(sched, shards.lowering(lowering) if shards else lowering),
                       sharding=shards)
     fb = result.iteration_s

@@ -129,10 +129,16 @@ def lowering_for(costs: OpCosts, placement: Optional[PlacementPlan] = None,
                            host_placement=host_placement_of(placement), reload_lookahead=reload_lookahead)
 
 
-def megatron_lowering(costs: OpCosts) -> LoweringOptions:
+def megatron_lowering(costs: OpCosts, config: ScheduleConfig) -> LoweringOptions:
     """:func:`lowering_for` a stock Megatron schedule: its receives posted and its sends waited on as Megatron's own
-    schedules do (:attr:`~..schedule.lower.LoweringOptions.megatron_p2p`, ``send_wait`` per collectives library)."""
-    return dataclasses.replace(lowering_for(costs), megatron_p2p=True, send_wait=costs.megatron_send_wait)
+    schedules do (:attr:`~..schedule.lower.LoweringOptions.megatron_p2p`, ``send_wait`` per collectives library).
+    Where the sends wait for their receiver (gloo), a receive's ready notice queues behind the receiver's own
+    transfers to the sender when both directions of a rank pair share one communicator: Megatron's batched p2p
+    (``batch_p2p_comm``, every V = 1 command) and its unbatched one beyond two stages (``_p2p_ops`` gives a pair of
+    two ranks a second communicator, ``group.WORLD``, for one direction)."""
+    shared = config.vpp == 1 or config.pp > 2
+    return dataclasses.replace(lowering_for(costs), megatron_p2p=True, send_wait=costs.megatron_send_wait,
+                               notices_behind_data=shared and costs.megatron_send_wait == "posted")
 
 
 def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:

@@ -75,7 +75,7 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
     if setting.offload is not None:
         if sharding is not None or offload is None:
             raise ValueError("stock offloading is modelled with the distributed optimizer only and needs its OffloadModel")
-        schedule = schedule or lower(config, megatron_lowering(costs))
+        schedule = schedule or lower(config, megatron_lowering(costs, config))
         result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, deadline_s=deadline_s)
         adapter = ScheduleCosts(config, costs)
         kinds = ChunkKinds.of(config, adapter)
@@ -84,7 +84,8 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
                            offload.device_peaks(counts, kinds, adapter, setting.recompute.level, setting.offload),
                            tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, kinds, setting.offload))
     if schedule is None:
-        schedule = lower(config, sharding.lowering(megatron_lowering(costs)) if sharding is not None else megatron_lowering(costs))
+        lowering = megatron_lowering(costs, config)
+        schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
     result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding, deadline_s)
     if sharding is None:
         return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
@@ -189,7 +190,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in options], profile)
         config = probe.config()
-        schedule = lower(config, megatron_lowering(costs))
+        schedule = lower(config, megatron_lowering(costs, config))
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
         offload, offloads = None, []
         if host_limit is not None and model.layer_spec == "te":
@@ -227,7 +228,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             bounds = (tuple((compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
                       if shard is not None else ())
             out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
-                               costs, schedule if shard is None else lower(config, shard.lowering(megatron_lowering(costs))),
+                               costs, schedule if shard is None else lower(config, shard.lowering(megatron_lowering(costs, config))),
                                bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level), shard,
                                bounds, offload if first.offload is not None else None, without))
     return out
@@ -337,7 +338,7 @@ def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in ladder])
         config = probe.config()
-        schedule = lower(config, megatron_lowering(costs))
+        schedule = lower(config, megatron_lowering(costs, config))
         peaks = order_peaks(config, costs, [o.level for o in ladder], schedule)
         limits = per_rank(budget, pp)
         fitting = next((o for o in ladder if all(peak <= limit for peak, limit in zip(peaks[o.level], limits))), None)

@@ -96,6 +96,11 @@ class LoweringOptions:
     """Post receives where Megatron's schedules do (:func:`_megatron_post`) and, in the warm-up, hold the next
     compute op until the receives posted after a forward have arrived (Megatron's warm-up exchanges block);
     ``recv_lookahead`` then plays no part. For Megatron's own schedules (every rank runs the same order)."""
+    notices_behind_data: bool = False
+    """A receive's ready notice reaches the sender on the connection that carries the receiver's own transfers to
+    that sender, behind the one in flight, and the sender's transfer starts only once it has arrived (gloo's tcp
+    pair is a rendezvous; Megatron's batched p2p, and its unbatched one beyond two stages, puts both directions of a
+    rank pair on one communicator, where PipeMesh's runtime gives every link and direction its own)."""
     send_wait: str = "none"
     """What a rank's next compute op waits for after its sends (:data:`SEND_WAITS`): "none" for PipeMesh's runtime,
     "posted" / "delivered" for Megatron's schedules (they wait on each send before the next compute) on gloo /
@@ -182,7 +187,8 @@ class LoweredSchedule:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-_QUIET_DEFAULTS = {"sharding": (), "gather_lookahead": 1, "send_wait": "none", "megatron_p2p": False}
+_QUIET_DEFAULTS = {"sharding": (), "gather_lookahead": 1, "send_wait": "none", "megatron_p2p": False,
+                   "notices_behind_data": False}
 """Options a plan file leaves out at these values, so that plans written before them keep their digest."""
 
 

@@ -7,7 +7,8 @@ its input has arrived, and (first forward of a chunk) that chunk's parameter gat
 With the lowering's ``send_wait`` (Megatron's schedules) it also waits for the sends issued since the rank's
 previous compute op: until each one's receive is posted ("posted") or its transfer has ended ("delivered");
 with ``megatron_p2p``, in the warm-up (after one of the forwards before the last forward that precedes the first
-backward) also for the receives posted since then.
+backward) also for the receives posted since then. With ``notices_behind_data`` a receive counts as posted for its
+sender only once the transfers its rank has in flight back to that sender have ended.
 Each directed pipeline link (src, dst, direction) is a FIFO channel: a transfer starts when it
 was sent, its receive was posted and the previous transfer on the link has left it. Each rank has
 one data-parallel channel that serves its PARAM_SYNC / GRAD_SYNC collectives in issue order, and
@@ -385,6 +386,11 @@ class _Engine:
         sends_hold = send_wait in SEND_WAITS[1:]  # "posted" / "delivered": Megatron's schedules
         holds: List[List[Tuple[int, bool]]] = [[] for _ in range(p)]  # per rank: (key, is a receive) its next compute waits for
         send_waiters: Dict[int, int] = {}  # send key -> the rank blocked on it
+        behind_data = self.s.options.notices_behind_data
+        # channel -> the channels from its receiver back to its sender (a ready notice queues behind their transfer)
+        reverse = [[c for c, (s2, d2, _) in enumerate(channels) if s2 == dst and d2 == src] for src, dst, _ in channels]
+        notices: List[List[Tuple[int, int]]] = [[] for _ in channels]  # channel -> (key, its channel) notices behind it
+        notice_left: Dict[int, int] = {}  # key -> transfers its notice still waits behind
         self.holds = holds
         net = links.new_network() if links is not None else None
         p2p_routes = [links.p2p_route(src, dst) if links is not None else None for src, dst, _ in channels]
@@ -473,6 +479,8 @@ class _Engine:
                 key, sent, producer, start, latency = in_flight[channel]
                 in_flight[channel] = None
                 src, dst, _ = channels[channel]
+                if notices[channel]:
+                    deliver_notices(channel)
                 arrival[key] = (now + latency, sent)
                 comms.append(CommEvent(src, dst, producer, start, now + latency, "p2p"))
                 if send_waiters:
@@ -530,6 +538,22 @@ class _Engine:
                 else:
                     wake(rank)
                 start_host(lane, rank)
+
+        def post(key: int, channel: int) -> None:
+            """The receive ``key`` is posted as its sender sees it: its transfer may start."""
+            posted[key] = clock[0] if posted[key] is None else posted[key]
+            if send_waiters and send_wait == "posted":
+                wake_sender(key)
+            start_channel(channel)
+
+        def deliver_notices(channel: int) -> None:
+            """The transfer on ``channel`` left: the ready notices queued behind it reach their senders."""
+            waiting, notices[channel] = notices[channel], []
+            for key, its_channel in waiting:
+                notice_left[key] -= 1
+                if notice_left[key] == 0:
+                    del notice_left[key]
+                    post(key, its_channel)
 
         def hold(rank: int, resume_at: int, end: float) -> None:
             """The rank's stream is busy until ``end``; it resumes there at instruction ``resume_at``."""
@@ -625,12 +649,18 @@ class _Engine:
                     hold(rank, i + 1, end)
                     return
                 if what == _RECV_OP:
-                    posted[ins[1]] = now
-                    if send_waiters and send_wait == "posted":
-                        wake_sender(ins[1])
                     if ins[3]:
                         holds[rank].append((ins[1], True))
-                    start_channel(ins[2])
+                    ahead = [c for c in reverse[ins[2]] if in_flight[c] is not None] if behind_data else ()
+                    if ahead:  # the ready notice leaves behind this rank's transfers to the sender
+                        notice_left[ins[1]] = len(ahead)
+                        for c in ahead:
+                            notices[c].append((ins[1], ins[2]))
+                    else:
+                        posted[ins[1]] = now
+                        if send_waiters and send_wait == "posted":
+                            wake_sender(ins[1])
+                        start_channel(ins[2])
                 elif what == _SEND_OP:
                     queues[ins[2]].append((ins[1], now, ins[3]))
                     if sends_hold:

@@ -256,3 +256,16 @@ def test_links_without_shared_cores_leave_every_event_as_it_was(config, options,
     assert canonical(timeline) == canonical(execute(lower(config, options), plain))
     if not options.host_placement:  # the copies on the compute stream are the only difference to the recording
         assert (hashlib.sha256(canonical(timeline).encode()).hexdigest()[:16], timeline.makespan) == (digest, makespan)
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_a_ready_notice_queues_behind_the_receivers_own_transfer_to_the_sender(behind):
+    """1F1B, p = 2: rank 1 sends B0.0's gradient to rank 0 and posts the receive of F0.1 from rank 0 at once. With
+    one connection per rank pair (gloo under Megatron's batched p2p) the ready notice leaves behind that gradient,
+    so the F0.1 transfer starts when the gradient's ends; on a connection of its own it starts with it."""
+    config = ScheduleConfig.depth_first(2, 1, 4)
+    options = LoweringOptions(megatron_p2p=True, send_wait="posted", notices_behind_data=behind)
+    timeline = execute(lower(config, options), UnitCosts(1.0, 2.0, transfer=0.5))
+    transfer = {(c.src, str(c.op)): c for c in timeline.comms if c.lane == "p2p"}
+    gradient, forward = transfer[1, "B0.0"], transfer[0, "F0.1"]
+    assert forward.start == (gradient.end if behind else gradient.start)
