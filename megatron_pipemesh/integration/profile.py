@@ -117,9 +117,11 @@ class _Timer:
 
 def _forward_backward(forwards: Dict[str, Callable[[], object]], grad_of: Callable[[object], object], timer: _Timer,
                       settings: ProfileSettings, meter_exclude) -> Dict[str, Tuple[float, float, int]]:
-    """Per name: (median forward s, median backward s, bytes saved for the backward) of ``forward`` then
+    """Per name: (median forward s, median backward s, bytes kept for the backward) of ``forward`` then
     ``backward(grad)``. The forwards take turns in every round, so that a drift of the machine's speed (other
-    processes, clocks) reaches them alike and their differences (a recomputation's extra) stay fair."""
+    processes, clocks) reaches them alike and their differences (a recomputation's extra) stay fair. The bytes kept:
+    on CUDA what the allocator holds after the forward less its output (workspace and rounding included, as the
+    device will hold them); on CPU the saved-tensor meter's count."""
     import torch
 
     from ..runtime.memory import SavedTensorMeter
@@ -136,12 +138,37 @@ def _forward_backward(forwards: Dict[str, Callable[[], object]], grad_of: Callab
     found = {}
     for name, forward in forwards.items():
         meter = SavedTensorMeter(meter_exclude)
+        allocated = _allocated_bytes()
         with meter.record(name):
             out = forward()
+        kept = (_allocated_bytes() - allocated - _tensor_bytes(out) if allocated is not None
+                else meter.saved_bytes.get(name, 0))
         torch.autograd.backward(out, grad_of(out))
-        found[name] = (statistics.median(samples[name][0]), statistics.median(samples[name][1]),
-                       int(meter.saved_bytes.get(name, 0)))
+        found[name] = (statistics.median(samples[name][0]), statistics.median(samples[name][1]), int(max(0, kept)))
     return found
+
+
+def _allocated_bytes() -> Optional[int]:
+    """Bytes the CUDA allocator holds once the device is idle; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _tensor_bytes(out) -> int:
+    """Bytes of the tensors in ``out`` (a tensor, or a tuple / list / dict of them)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in out)
+    return 0
 
 
 def _with_main_grads(model) -> List:
@@ -312,7 +339,8 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps, network=network,
         method={"timer": "CUDA events" if cuda else "wall clock", "threads": None if cuda else 1,
                 "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
-                "activation_meter": "saved-tensor meter (parameters excluded)",
+                "activation_meter": ("CUDA allocator after the forward, less its output" if cuda else
+                                     "saved-tensor meter (parameters excluded)"),
                 "measured_layer_spec": run.model.layer_spec},
         notes=tuple(notes))
 
