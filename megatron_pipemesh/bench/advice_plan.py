@@ -131,7 +131,8 @@ def stock_simulation(row, problem, cluster):
 
     setting = row.stock
     config = setting.config()
-    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
+                        problem.overlap)
     model = problem.model_for(row.layout.tp, row.split)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))

@@ -199,6 +199,8 @@ def problem_and_cluster(args, words: Sequence[str]):
         model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp), vpp=user.vpp,
         global_batch=user.global_batch_size, stock=None if user.pipemesh else user.stock, pipemesh=pipemesh,
         sequence_parallel=user.sequence_parallel, distributed_optimizer=user.distributed_optimizer,
+        overlap_grad_reduce=bool(getattr(a, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(a, "overlap_param_gather", False)),
         grad_reduce_in_bf16=user.grad_reduce_in_bf16,
         # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2; its validate_args turns the
         # option off for a V = 1 command, so the user's own flag says whether rows may interleave.

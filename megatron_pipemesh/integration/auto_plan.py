@@ -179,7 +179,9 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None,
                            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                            host_link_gbps=host_link or settings.placement.host_link_gbps,
                            host_copies_on_compute=not _on_cuda(), collectives=collectives(args),
-                           devices_per_node=ranks_per_node or settings.sharding.ranks_per_node)
+                           devices_per_node=ranks_per_node or settings.sharding.ranks_per_node,
+                           overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+                           overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
     return model, cluster
 
 

@@ -94,8 +94,10 @@ class AdviceCluster:
         """Device memory a plan may use: the memory less :data:`.memory.MEMORY_MARGIN`."""
         return self.device_memory_gb * GB * (1 - MEMORY_MARGIN)
 
-    def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool) -> ClusterSpec:
-        """The planner's :class:`.costs.ClusterSpec` for one parallel layout."""
+    def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool,
+             overlap: Tuple[bool, bool] = (True, True)) -> ClusterSpec:
+        """The planner's :class:`.costs.ClusterSpec` for one parallel layout; ``overlap``: the command's
+        (--overlap-grad-reduce, --overlap-param-gather)."""
         return nic_cluster(tp=tp, dp=dp, devices_per_node=self.gpus_per_node, nic_gbps=self.nic_gbps,
                            link_gbps=self.nic_gbps, intra_node_gbps=self.intra_node_gbps,
                            device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
@@ -103,7 +105,8 @@ class AdviceCluster:
                            sequence_parallel=sequence_parallel and tp > 1, distributed_optimizer=distributed_optimizer,
                            mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
                            collectives=self.collectives, shared_cores=self.shared_cores,
-                           pinned_cores=self.pinned_cores)
+                           pinned_cores=self.pinned_cores, overlap_grad_reduce=overlap[0],
+                           overlap_param_gather=overlap[1])
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,10 @@ class AdviceProblem:
     """[--sequence-parallel] Kept wherever TP > 1."""
     distributed_optimizer: bool = False
     """[--use-distributed-optimizer] Kept in every row."""
+    overlap_grad_reduce: bool = True
+    """[--overlap-grad-reduce] Kept in every row (:attr:`.costs.ClusterSpec.overlap_grad_reduce`)."""
+    overlap_param_gather: bool = True
+    """[--overlap-param-gather] Kept in every row (:attr:`.costs.ClusterSpec.overlap_param_gather`)."""
     grad_reduce_in_bf16: bool = False
     """[--grad-reduce-in-bf16] Asked for by the user (only then may a row reduce in bf16)."""
     interleaving_at_two: bool = True
@@ -165,6 +172,11 @@ class AdviceProblem:
             multiple = self.vocab_multiple * tp
             vocab = -(-self.vocab_size // multiple) * multiple
         return dataclasses.replace(self.model, vocab_size=vocab, layer_split=split)
+
+    @property
+    def overlap(self) -> Tuple[bool, bool]:
+        """(--overlap-grad-reduce, --overlap-param-gather) of the command, for :meth:`AdviceCluster.spec`."""
+        return self.overlap_grad_reduce, self.overlap_param_gather
 
     def microbatches(self, dp: int) -> int:
         return self.global_batch // (self.model.micro_batch_size * dp)
@@ -340,7 +352,8 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidat
     """Every (layout, V, split) whose static memory fits, with its tight bound, least bound first."""
     out = []
     for layout in parallel_layouts(problem, cluster):
-        spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+        spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
+                            problem.overlap)
         m = problem.microbatches(layout.dp)
         for vpp in range(1, problem.model.num_layers // layout.pp + 1):
             if vpp > 1 and layout.pp == 2 and not problem.interleaving_at_two:
@@ -425,7 +438,8 @@ def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:
 
 def _user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> _Candidate:
     layout = problem.layout
-    spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer)
+    spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
+                        problem.overlap)
     return _Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0,
                       problem.profile)
 

@@ -32,7 +32,8 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
                  host_link_gbps: Optional[float] = None, collectives: str = PLANNING_CLUSTER.collectives,
                  device_memory_gb: float = PLANNING_CLUSTER.device_memory_gb,
                  latency_us: float = PLANNING_CLUSTER.latency_us, host_copies_on_compute: bool = False,
-                 devices_per_node: Optional[int] = None) -> ClusterSpec:
+                 devices_per_node: Optional[int] = None, overlap_grad_reduce: bool = True,
+                 overlap_param_gather: bool = True) -> ClusterSpec:
     """A cluster whose data-parallel and pipeline links are given per device (no shared NIC); ``host_link_gbps``
     None: :data:`.defaults.DEFAULT_HOST_LINK_GBPS`; ``devices_per_node`` None: the planning default (8)."""
     return ClusterSpec(tp=tp, dp=dp, device_tflops=device_tflops, mfu=mfu, device_memory_gb=device_memory_gb,
@@ -40,7 +41,8 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
                        distributed_optimizer=distributed_optimizer,
                        devices_per_node=devices_per_node or PLANNING_CLUSTER.devices_per_node,
                        host_link_gbps=DEFAULT_HOST_LINK_GBPS if host_link_gbps is None else host_link_gbps,
-                       host_copies_on_compute=host_copies_on_compute, collectives=collectives)
+                       host_copies_on_compute=host_copies_on_compute, collectives=collectives,
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
 
 
 def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, link_gbps: float,
@@ -48,7 +50,8 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                 nic_via_host: bool, sequence_parallel: bool, distributed_optimizer: bool = True, mfu: float = MFU,
                 latency_us: float = PLANNING_CLUSTER.latency_us, host_copies_on_compute: bool = False,
                 collectives: str = PLANNING_CLUSTER.collectives, shared_cores: Optional[int] = None,
-                pinned_cores: bool = False) -> ClusterSpec:
+                pinned_cores: bool = False, overlap_grad_reduce: bool = True,
+                overlap_param_gather: bool = True) -> ClusterSpec:
     """Nodes of ``devices_per_node`` devices behind one NIC of ``nic_gbps`` each way, shared max-min fairly by
     every transfer leaving a node; ``link_gbps``: the data-parallel and pipeline rate per device where no NIC is
     shared; ``shared_cores`` / ``pinned_cores``: every rank on one host of that many CPU cores
@@ -59,7 +62,8 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                        devices_per_node=devices_per_node, nic_gbps=nic_gbps, host_link_gbps=host_link_gbps,
                        intra_node_gbps=intra_node_gbps, nic_via_host=nic_via_host,
                        host_copies_on_compute=host_copies_on_compute, collectives=collectives,
-                       shared_cores=shared_cores, pinned_cores=pinned_cores)
+                       shared_cores=shared_cores, pinned_cores=pinned_cores,
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
 
 
 def bench_network_cluster(dp: int, gbps: float, per_rank: bool, collectives: str, **fields) -> ClusterSpec:

@@ -169,6 +169,12 @@ class ClusterSpec:
     """Megatron sequence parallelism (activations and transfers split over TP)."""
     distributed_optimizer: bool = True
     """Megatron distributed optimizer: grads reduce-scattered, params all-gathered, optimizer sharded."""
+    overlap_grad_reduce: bool = True
+    """[--overlap-grad-reduce] each chunk's gradients reduce during the backward, once its last backward ran; False:
+    Megatron's ``finalize_model_grads`` reduces them all after the last backward, exposed."""
+    overlap_param_gather: bool = True
+    """[--overlap-param-gather] with the distributed optimizer, each chunk's parameters gather before its first
+    forward; False: the optimizer step gathers them, exposed."""
     memory_gbs: float = 1500.0
     """Device memory bandwidth (GB/s): memory-bound work (norm recomputation, the optimizer step)."""
     devices_per_node: int = 8
@@ -321,6 +327,10 @@ class OpCosts:
     chunk-micro-batch's 'none' activation bytes (first/last-stage extras included) in bytes*8/rate."""
     host_copies_on_compute: bool = False
     """An OFFLOAD / RELOAD holds up the rank's compute for its duration (:attr:`ClusterSpec.host_copies_on_compute`)."""
+    grad_reduce_overlapped: bool = True
+    """The reductions run during the backward (:attr:`ClusterSpec.overlap_grad_reduce`), else after it."""
+    param_gather_overlapped: bool = True
+    """The gathers run before the forwards (:attr:`ClusterSpec.overlap_param_gather`), else in the optimizer step."""
     megatron_send_wait: str = MEGATRON_SEND_WAIT["nccl"]
     """What Megatron's schedules wait for after a pipeline send on this cluster (:data:`MEGATRON_SEND_WAIT`)."""
     network: Optional[Topology] = None
@@ -475,6 +485,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         static_bytes=static, host_link_gbps=cluster.host_link_gbps,
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         megatron_send_wait=MEGATRON_SEND_WAIT[cluster.collectives],
+        grad_reduce_overlapped=cluster.overlap_grad_reduce, param_gather_overlapped=cluster.overlap_param_gather,
         embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
         first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,
     )

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ..schedule.config import ScheduleConfig
 from ..schedule.lower import DEFAULT_RELOAD_LOOKAHEAD, LoweredSchedule, LoweringOptions, host_placement_of, lower
-from ..schedule.ops import OpKind
+from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import DeadlineExceeded, Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 from .memory import host_block_bytes
@@ -125,7 +125,8 @@ def lowering_for(costs: OpCosts, placement: Optional[PlacementPlan] = None,
                  reload_lookahead: int = DEFAULT_RELOAD_LOOKAHEAD) -> LoweringOptions:
     """Emit parameter gathers only when they cost something (distributed optimizer over DP > 1), and
     the host copies of the plan's 'host' chunk-micro-batches."""
-    return LoweringOptions(param_sync=costs.dp_gather_s > 0, grad_sync=True,
+    return LoweringOptions(param_sync=costs.dp_gather_s > 0 and costs.param_gather_overlapped, grad_sync=True,
+                           grad_sync_at_end=not costs.grad_reduce_overlapped,
                            host_placement=host_placement_of(placement), reload_lookahead=reload_lookahead)
 
 
@@ -179,6 +180,9 @@ def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[Placeme
     optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
     if sharding is not None:
         optimizer = sharding.optimizer_seconds(optimizer)
+    elif costs.dp_gather_s > 0 and not costs.param_gather_overlapped:  # the step gathers every chunk, exposed
+        optimizer = [seconds + sum(adapter.data_parallel(r, Op(OpKind.PARAM_SYNC, c)) for c in range(config.vpp))
+                     for r, seconds in enumerate(optimizer)]
     # Each rank steps its optimizer once its own gradients are reduced; the iteration ends with the slowest.
     end = max(timeline.rank_end[r] + optimizer[r] for r in range(config.pp))
     copies: List[list] = [[] for _ in range(config.pp)]

@@ -78,6 +78,9 @@ class LoweringOptions:
     """Emit GRAD_SYNC ops (overlapped gradient reduction per chunk)."""
     align_param_sync: bool = True
     """Shift each rank's PARAM_SYNC r forwards earlier so pipeline ranks launch together (Megatron default)."""
+    grad_sync_at_end: bool = False
+    """Every GRAD_SYNC after the rank's last compute op, in the order of the chunks' last backwards (Megatron
+    without --overlap-grad-reduce: ``finalize_model_grads`` reduces every bucket after the backward)."""
     align_grad_sync: bool = True
     """Shift each rank's GRAD_SYNC r backwards later so pipeline ranks launch together (Megatron default)."""
     forward_only: bool = False
@@ -188,7 +191,7 @@ class LoweredSchedule:
 
 
 _QUIET_DEFAULTS = {"sharding": (), "gather_lookahead": 1, "send_wait": "none", "megatron_p2p": False,
-                   "notices_behind_data": False}
+                   "notices_behind_data": False, "grad_sync_at_end": False}
 """Options a plan file leaves out at these values, so that plans written before them keep their digest."""
 
 
@@ -368,14 +371,14 @@ def _place_host_copies(slots: _Slots) -> None:
 
 def _place_grad_syncs(slots: _Slots) -> None:
     """GRAD_SYNC c after chunk c's last backward (r backwards later on rank r when aligned; at the end when that
-    backward does not exist)."""
+    backward does not exist, or with ``grad_sync_at_end``)."""
     options = slots.options
     if not (options.grad_sync and slots.training):
         return
     last_backward, backward_at = slots.positions["last_backward"], slots.at(OpKind.BACKWARD)
     for chunk in sorted(last_backward, key=last_backward.get):
         k = last_backward[chunk] + (slots.rank if options.align_grad_sync else 0)
-        if k < len(backward_at):
+        if k < len(backward_at) and not options.grad_sync_at_end:
             slots.after[backward_at[k]].append(Op(OpKind.GRAD_SYNC, chunk))
         else:
             slots.tail.append(Op(OpKind.GRAD_SYNC, chunk))

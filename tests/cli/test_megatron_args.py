@@ -172,3 +172,18 @@ def test_a_pp2_command_without_virtual_stages_still_gets_an_interleaved_pipemesh
     forbidden = advice_json(flat + " --no-overlap-p2p-communication", two)
     assert forbidden["rows"]["best_layout"] is None
     assert any("allows V >= 2" in note for note in forbidden["notes"])
+
+
+@pytest.mark.parametrize("flags, overlap", [("", (False, False)), (" --overlap-grad-reduce", (True, False)),
+                                            (" --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+                                             (True, True))])
+def test_the_advice_prices_the_commands_own_overlap_flags(flags, overlap):
+    """Megatron overlaps the data-parallel reductions / gathers only with --overlap-grad-reduce /
+    --overlap-param-gather (both off by default): the advice reads them from the command and every row's costs keep
+    them."""
+    from megatron_pipemesh.cli.megatron_args import build_advice_parser, problem_and_cluster
+    args = build_advice_parser().parse_args(CLUSTER + ["--megatron-args", TINY + flags])
+    _, problem, cluster, _ = problem_and_cluster(args, shlex.split(TINY + flags))
+    assert problem.overlap == overlap
+    spec = cluster.spec(1, 2, False, problem.distributed_optimizer, problem.overlap)
+    assert (spec.overlap_grad_reduce, spec.overlap_param_gather) == overlap

@@ -338,3 +338,26 @@ def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host,
     last_event = max(e.end for r in range(pp) for e in full.timeline.compute[r])
     with pytest.raises(DeadlineExceeded, match="past the deadline"):
         simulate(config, costs, plan, deadline_s=last_event * (1 - 1e-9))
+
+
+def test_without_the_overlap_flags_the_data_parallel_syncs_are_exposed():
+    """Megatron without --overlap-grad-reduce reduces every chunk after the last backward, and without
+    --overlap-param-gather its optimizer step gathers the parameters: the iteration grows by what overlapped, the
+    reductions all follow the rank's last compute op, and the step holds each chunk's gather."""
+    config = ScheduleConfig.depth_first(2, 2, 8)
+    model = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024)
+    overlapped = ClusterSpec(dp=4, device_tflops=50, dp_gbps=10, p2p_gbps=100)
+    costs = {flags: analytic_costs(model, dataclasses.replace(overlapped, overlap_grad_reduce=flags[0],
+                                                              overlap_param_gather=flags[1]), config)
+             for flags in ((True, True), (False, True), (True, False))}
+    both, no_reduce, no_gather = (simulate(config, costs[flags]) for flags in costs)
+    assert no_reduce.iteration_s > both.iteration_s and no_gather.iteration_s > both.iteration_s
+    for rank in range(config.pp):
+        last_compute = max(e.end for e in no_reduce.timeline.compute[rank])
+        syncs = [c for c in no_reduce.timeline.comms if c.lane == "dp" and c.src == rank and c.op.kind.name == "GRAD_SYNC"]
+        assert len(syncs) == config.vpp and all(c.start >= last_compute for c in syncs)
+    assert not any(c.op.kind.name == "PARAM_SYNC" for c in no_gather.timeline.comms)
+    gather = costs[True, False].dp_gather_s
+    assert gather > 0
+    # Each rank's step holds at least one chunk gather per chunk on top of Adam's.
+    assert no_gather.iteration_s >= max(r.busy_s for r in no_gather.ranks) + config.vpp * gather
