@@ -21,12 +21,14 @@ def problem(**changes) -> AdviceProblem:
 
 
 def test_layouts_keep_tp_in_a_node_and_whole_microbatches():
-    """TP divides the node and the heads; PP >= 2 and at most the layers; m = batch / (b x DP) >= p; max_tp caps TP."""
+    """TP divides the node and the heads; PP at most the layers, PP = 1 (no pipeline) included; m = batch / (b x DP)
+    >= p; max_tp caps TP."""
     layouts = parallel_layouts(problem(), CLUSTER)
     assert ParallelLayout(1, 4, 2) in layouts and ParallelLayout(2, 2, 2) in layouts
+    assert ParallelLayout(1, 1, 8) in layouts and ParallelLayout(2, 1, 4) in layouts
     for layout in layouts:
         assert layout.tp * layout.pp * layout.dp == 8 and CLUSTER.gpus_per_node % layout.tp == 0
-        assert layout.pp >= 2 and 32 // layout.dp >= layout.pp
+        assert layout.pp >= 1 and 32 // layout.dp >= layout.pp
     assert {l.tp for l in parallel_layouts(problem(max_tp=1), CLUSTER)} == {1}
     assert ParallelLayout(1, 8, 1) in layouts  # one stage per GPU: whole stages per node
 
