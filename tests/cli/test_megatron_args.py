@@ -45,7 +45,11 @@ def test_the_rows_and_their_keys(tiny):
     kept = without(shlex.split(TINY), ["--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"])
     for name in ("best_stock", "pipemesh", "best_layout", "best_layout_stock"):
         flags = rows[name]["flags"]
-        assert flags[:len(kept)] == kept, name  # the user's other flags, in place
+        own = kept[:]  # a row that changes the micro-batch size changes its value, in place
+        own[own.index("--micro-batch-size") + 1] = str(rows[name]["micro_batch_size"])
+        assert flags[:len(own)] == own, name  # the user's other flags, in place
+        assert rows[name]["micro_batch_size_changed"] == (rows[name]["micro_batch_size"] != 2), name
+        assert ("mbs " in rows[name]["describe"]) == rows[name]["micro_batch_size_changed"], name
         assert flags.count("--pipeline-model-parallel-size") == 1, name
     for name in ("pipemesh", "best_layout"):
         tail = rows[name]["flags"]
@@ -98,8 +102,8 @@ def test_an_uneven_split_moves_the_per_stage_prediction():
      "--gpu Z80: not a known GPU model"),
     (CLUSTER + ["--megatron-args", TINY + " --fast-mode 3"], "Megatron does not know --fast-mode"),
     (CLUSTER + ["--megatron-args", TINY.replace("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
-                                                "--pipeline-model-parallel-size 1")],
-     "--pipeline-model-parallel-size 1: the advice prices pipelines"),
+                                                "--pipeline-model-parallel-size 1 --pipeline-schedule pipemesh")],
+     "--pipeline-schedule pipemesh with --pipeline-model-parallel-size 1: PipeMesh schedules a pipeline"),
     (CLUSTER + ["--megatron-args", ""], "--megatron-args needs the flags"),
     (CLUSTER + ["--megatron-args", TINY, "--", "--num-layers", "4"], "the command is given twice"),
 ])
