@@ -131,9 +131,11 @@ def stock_simulation(row, problem, cluster):
 
     setting = row.stock
     config = setting.config()
-    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
-                        problem.overlap)
-    model = problem.model_for(row.layout.tp, row.split)
+    # The row's own micro-batch size and optimizer (a row without a pipeline may add the distributed optimizer).
+    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel,
+                        problem.distributed_optimizer or setting.sharding is not None, problem.overlap)
+    model = dataclasses.replace(problem.model_for(row.layout.tp, row.split),
+                                micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))
     lowering = megatron_lowering(costs, config)

@@ -333,11 +333,13 @@ def profile_report(path: str, problem, out: Dict, links: Optional[Dict] = None) 
     from ..planning.profile import coverage
 
     rates = list((links or {}).values())
-    tps = sorted({row["tp"] for row in out["rows"].values() if row is not None})
-    by_tp = {tp: coverage(problem.profile, tp, problem.model.micro_batch_size, rates) for tp in tps}
+    own = problem.model.micro_batch_size
+    pairs = sorted({(row["tp"], row.get("micro_batch_size", own)) for row in out["rows"].values() if row is not None})
+    # keyed by TP, and by the micro-batch size where a row changes it
+    by_tp = {(str(tp) if b == own else f"{tp} mbs {b}"): coverage(problem.profile, tp, b, rates) for tp, b in pairs}
     return {"file": path, "device": f"{problem.profile.device_kind} ({problem.profile.device_name})",
-            "measured": {str(tp): found[0] for tp, found in by_tp.items()},
-            "assumed": {str(tp): found[1] for tp, found in by_tp.items()},
+            "measured": {key: found[0] for key, found in by_tp.items()},
+            "assumed": {key: found[1] for key, found in by_tp.items()},
             "links": {key: {"gbps": rate.gbps, "source": rate.source, "measured_gbps": rate.measured_gbps}
                       for key, rate in (links or {}).items()}}
 
