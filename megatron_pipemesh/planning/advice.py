@@ -617,6 +617,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     pipemesh_ok = problem.pipemesh_refused is None
     if not pipemesh_ok:
         notes.append(f"pipemesh, best_layout: {problem.pipemesh_refused}")
+    elif problem.layout.pp == 1:
+        notes.append("pipemesh: the command runs no pipeline (PP = 1); PipeMesh schedules one (see best_layout)")
     elif problem.vpp < 2:
         notes.append("pipemesh: the command has no virtual stages (V = 1); PipeMesh needs V >= 2 (see best_layout)")
     else:
