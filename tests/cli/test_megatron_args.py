@@ -191,3 +191,19 @@ def test_the_advice_prices_the_commands_own_overlap_flags(flags, overlap):
     assert problem.overlap == overlap
     spec = cluster.spec(1, 2, False, problem.distributed_optimizer, problem.overlap)
     assert (spec.overlap_grad_reduce, spec.overlap_param_gather) == overlap
+
+
+def test_a_command_without_a_pipeline_is_priced_and_its_rows_name_their_micro_batch_size():
+    """A PP = 1 command (data parallel alone) is a row the advice prices as Megatron runs it; every row says its
+    micro-batch size (and whether it changed the command's), a PP = 1 row writes PP 1 once."""
+    flat = TINY.replace("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+                        "--pipeline-model-parallel-size 1")
+    out = advice_json(flat)
+    user = out["rows"]["user"]
+    assert user["pp"] == 1 and user["dp"] == 4 and "no pipeline" in user["describe"]
+    assert out["rows"]["pipemesh"] is None and any("runs no pipeline" in note for note in out["notes"])
+    for name, row in out["rows"].items():
+        if row is None:
+            continue
+        assert row["flags"].count("--pipeline-model-parallel-size") == 1 and row["flags"].count("--micro-batch-size") == 1
+        assert row["flags"][row["flags"].index("--micro-batch-size") + 1] == str(row["micro_batch_size"]), name
