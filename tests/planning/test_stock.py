@@ -233,6 +233,11 @@ def test_without_a_pipeline_overlapped_buckets_hide_all_but_one_under_the_last_b
     assert n == -(-(costs.static_bytes[0] / 18) // 40e6) and n > 1
     assert tail == pytest.approx(max(reduce / n, reduce - b * (n - 1) / n), rel=1e-9) and tail < reduce
     assert during.iteration_s == pytest.approx(after.iteration_s - reduce + tail, rel=1e-9)
+    from megatron_pipemesh.planning.bounds import bound_for
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+
+    config = StockSetting(1, 1, 4).config()
+    assert bound_for(config, ScheduleCosts(config, bucketed)).seconds <= during.iteration_s * (1 + 1e-9)
     small = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256)
     _, _, _, one, single = _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=True))
     assert single.dp_buckets == 1 and one == _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=False))[3]
