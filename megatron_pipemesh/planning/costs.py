@@ -425,7 +425,7 @@ def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, 
         params = rank_layers * model.layer_params() / t if uneven else config.vpp * chunk_params
         if rank == 0:
             params += model.embedding_params() / t
-        if rank == config.pp - 1:
+        if rank == config.pp - 1 and not (config.pp == 1 and model.tied_embeddings):
             params += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
         static.append(params * bytes_per_param)
         # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
@@ -457,7 +457,9 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     # The embedding (and position table) lives in stage 0's bucket, the output layer (or the tied embedding's
     # copy) in the last's.
     first_dp = sum(_dp_sync_s(model, cluster, links, model.embedding_params() / t))
-    last_dp = sum(_dp_sync_s(model, cluster, links, model.vocab_size * h / t))
+    # Without a pipeline a tied output layer is the embedding itself: no copy to hold or reduce.
+    last_dp = (0.0 if config.pp == 1 and model.tied_embeddings
+               else sum(_dp_sync_s(model, cluster, links, model.vocab_size * h / t)))
     embedding = 0.0
     if model.tied_embeddings and config.pp > 1:
         # Two ranks: a ring all-reduce sends half the gradient each way twice.
