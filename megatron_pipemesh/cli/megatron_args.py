@@ -235,7 +235,7 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
                              rate.tflops if rate.given else None)
     else:
         new = stock_flags(row.stock, row.layout.tp, row.split)
-    flags = replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new)
+    flags = replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new + list(row.added_flags))
     if row.micro_batch_size is not None:  # its value replaced where the command has it, the rest in place
         names = expand_aliases((MICRO_BATCH_FLAG,), option_aliases((MICRO_BATCH_FLAG,)))
         flags = set_value(flags, names, str(row.micro_batch_size))

@@ -11,8 +11,9 @@ The search prices every candidate with the planner's own costs and simulator, an
   (:func:`micro_batch_sizes`; the command's own first), priced from the profile where it measured that size;
 * per layout and micro-batch size, every V the model allows (1 at PP = 1) and the layer splits of
   :func:`.layout.split_candidates` (the even split, and fewer layers on the stages that also hold the embedding and
-  the output layer); at PP = 1 without ``--use-distributed-optimizer`` over DP > 1, stock also with it (ZeRO-1, the
-  sharding level Megatron's DDP offers, its flag added);
+  the output layer); at PP = 1 over DP > 1, stock also as Megatron recommends data parallelism where the command
+  differs (:func:`_optimizers`): with the distributed optimizer (ZeRO-1, the sharding level Megatron's DDP offers)
+  and with it and --overlap-grad-reduce --overlap-param-gather, the flags added;
 * each (layout, V, split) gets the tight bound of any exact synchronous schedule (:func:`.bounds.bound_for`: memory
   ignored, so it bounds stock and PipeMesh alike) and is dropped if its weights, gradients and optimizer state alone
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
@@ -34,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import DEVICE, RECOMPUTE_ONLY
@@ -221,6 +222,9 @@ class AdviceRow:
     """The PipeMesh plan of a PipeMesh row."""
     micro_batch_size: Optional[int] = None
     """[--micro-batch-size] The row's, where it changes the command's; None: the command's."""
+    added_flags: Tuple[str, ...] = ()
+    """Store-true flags the row adds to the command (:data:`OVERLAP_FLAGS`); the distributed optimizer comes with the
+    stock setting (sharding level ``optim``)."""
 
     @property
     def schedule(self) -> str:
@@ -237,6 +241,8 @@ class AdviceRow:
         what = self.plan.config.group_flags() if self.plan is not None else self.stock.describe()
         if self.micro_batch_size is not None:
             what = f"mbs {self.micro_batch_size}, {what}"
+        if self.added_flags:
+            what += ", adds " + " ".join(self.added_flags)
         if self.plan is not None and self.plan.recompute_share:
             what += f", recompute {100 * self.plan.recompute_share:.1f}% of the time"
         if self.plan is not None and any(r.host_placed for r in self.plan.result.ranks):
@@ -325,6 +331,8 @@ class _Candidate:
     stock_sharding: Tuple[Optional[str], ...] = (None,)
     """The stock sharding levels tried (:data:`.stock_options.STOCK_SHARDING`; None: the command's optimizer as it
     is): ``optim`` adds --use-distributed-optimizer where the command has none (``cluster`` prices it so)."""
+    added_flags: Tuple[str, ...] = ()
+    """The overlap flags its rows add to the command (``cluster`` prices them)."""
 
     def describe(self) -> str:
         return (_layout_words(self.layout, self.vpp, self.split, self.model.stage_layers(self.layout.pp, self.vpp))
@@ -382,12 +390,38 @@ def _splits(problem: AdviceProblem, layout: ParallelLayout, vpp: int) -> List[La
     return out
 
 
-def _optimizers(problem: AdviceProblem, layout: ParallelLayout) -> List[Tuple[bool, Tuple[Optional[str], ...]]]:
-    """(distributed optimizer, stock sharding levels) of a layout's candidates: the command's; at PP = 1 over DP > 1
-    without it, also the distributed optimizer (data parallelism's ZeRO-1, Megatron's DDP buffers)."""
-    out = [(problem.distributed_optimizer, (None,))]
-    if layout.pp == 1 and layout.dp > 1 and not problem.distributed_optimizer:
-        out.append((True, (OPTIM,)))
+OVERLAP_FLAGS = ("--overlap-grad-reduce", "--overlap-param-gather")
+"""Megatron's data-parallel overlap flags (the second needs the distributed optimizer)."""
+
+
+class _Optimizer(NamedTuple):
+    """How a layout's candidates reduce and step: the command's, or what a row without a pipeline adds to it."""
+
+    distributed: bool
+    """--use-distributed-optimizer."""
+    overlap: Tuple[bool, bool]
+    """(--overlap-grad-reduce, --overlap-param-gather)."""
+    sharding: Tuple[Optional[str], ...]
+    """The stock sharding levels (``optim``: the distributed optimizer added)."""
+    added: Tuple[str, ...]
+    """The overlap flags added."""
+
+
+def _optimizers(problem: AdviceProblem, layout: ParallelLayout) -> List[_Optimizer]:
+    """A layout's optimizer settings: the command's; at PP = 1 over DP > 1 (data parallelism alone), also Megatron's
+    own data-parallel setup where the command differs: the distributed optimizer (ZeRO-1 over Megatron's DDP buffers),
+    and with it both overlap flags (gradients reduced in buckets under the last backward, parameters gathered under
+    the first forward)."""
+    own = _Optimizer(problem.distributed_optimizer, problem.overlap, (None,), ())
+    if layout.pp > 1 or layout.dp == 1:
+        return [own]
+    sharding = (None,) if problem.distributed_optimizer else (OPTIM,)
+    out = [own]
+    if not problem.distributed_optimizer:
+        out.append(_Optimizer(True, problem.overlap, sharding, ()))
+    added = tuple(flag for flag, on in zip(OVERLAP_FLAGS, problem.overlap) if not on)
+    if added:
+        out.append(_Optimizer(True, (True, True), sharding, added))
     return out
 
 
@@ -397,8 +431,8 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidat
     out = []
     own = problem.model.micro_batch_size
     for layout in parallel_layouts(problem, cluster):
-        for distributed, sharding in _optimizers(problem, layout):
-            spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, distributed, problem.overlap)
+        for optimizer in _optimizers(problem, layout):
+            spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, optimizer.distributed, optimizer.overlap)
             for b in micro_batch_sizes(problem, layout.pp, layout.dp):
                 m = problem.microbatches(layout.dp, b)
                 for vpp in range(1, (problem.model.num_layers // layout.pp if layout.pp > 1 else 1) + 1):
@@ -412,7 +446,7 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidat
                             continue
                         bound = bound_for(config, ScheduleCosts(config, costs)).seconds
                         out.append(_Candidate(layout, vpp, split, model, spec, m, bound, problem.profile,
-                                              None if b == own else b, sharding))
+                                              None if b == own else b, optimizer.sharding, optimizer.added))
     return sorted(out, key=lambda c: c.bound_s)
 
 
@@ -474,7 +508,7 @@ def _stock_row(name: str, candidate: _Candidate, result: StockResult, cluster: A
     layers = candidate.model.stage_layers(setting.pp, setting.vpp)
     return AdviceRow(name, candidate.layout, setting.vpp, candidate.split, layers, setting.microbatches,
                      result.iteration_s, peaks, all(p <= cluster.budget_bytes for p in peaks), compute, stock=setting,
-                     micro_batch_size=candidate.micro_batch_size)
+                     micro_batch_size=candidate.micro_batch_size, added_flags=candidate.added_flags)
 
 
 def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:

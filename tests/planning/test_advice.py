@@ -208,9 +208,10 @@ def test_micro_batch_sizes_divide_the_replica_batch_into_p_or_more_the_commands_
 
 
 def test_candidates_without_a_pipeline_run_at_v1_and_add_the_distributed_optimizer_where_missing():
-    """PP = 1 candidates (stock only) have V = 1; without --use-distributed-optimizer each comes twice, the second
-    priced with it and flagged to add it (sharding level optim); every candidate's bound is below its simulation, and
-    candidates at other micro-batch sizes carry theirs."""
+    """PP = 1 candidates (stock only) have V = 1; without --use-distributed-optimizer each comes again priced with it
+    and flagged to add it (sharding level optim), and without the overlap flags once more with both added (and the
+    distributed optimizer); every candidate's bound is below its simulation, and candidates at other micro-batch
+    sizes carry theirs."""
     p = problem(distributed_optimizer=False)
     found = candidates(p, CLUSTER)
     flat = [c for c in found if c.layout.pp == 1]
@@ -218,6 +219,12 @@ def test_candidates_without_a_pipeline_run_at_v1_and_add_the_distributed_optimiz
     assert {c.stock_sharding for c in flat} == {(None,), ("optim",)}
     assert all(c.cluster.distributed_optimizer == (c.stock_sharding == ("optim",)) for c in flat)
     assert {c.stock_sharding for c in candidates(problem(), CLUSTER) if c.layout.pp == 1} == {(None,)}
+    bare = problem(distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
+    ways = {(c.stock_sharding, c.added_flags, c.cluster.distributed_optimizer, c.cluster.overlap_grad_reduce,
+             c.cluster.overlap_param_gather) for c in candidates(bare, CLUSTER) if c.layout.pp == 1}
+    assert ways == {((None,), (), False, False, False), (("optim",), (), True, False, False),
+                    (("optim",), ("--overlap-grad-reduce", "--overlap-param-gather"), True, True, True)}
+    assert all(not c.added_flags for c in found if c.layout.pp > 1)
     assert {c.micro_batch_size for c in found} == {None, 2, 4, 8, 16}
     assert all(c.model.micro_batch_size == (c.micro_batch_size or 1) for c in found)
     for c in flat[:6]:

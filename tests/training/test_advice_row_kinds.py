@@ -1,4 +1,5 @@
-"""The advice's rows without a pipeline (PP = 1, with the distributed optimizer added where the command has none)
+"""The advice's rows without a pipeline (PP = 1, with the distributed optimizer and the overlap flags added where the
+command has none)
 and with another micro-batch size: their flags, as ``pipemesh plan --megatron-args`` writes them, train unchanged
 with ``torchrun --nproc-per-node 2 scripts/pretrain_gpt.py`` on CPU (gloo). The rows are built from the advice's own
 candidates (whichever would win), so that both kinds are always trained.
@@ -22,15 +23,16 @@ CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "-
 
 
 def _rows():
-    """(flags of a PP = 1 stock row at micro-batch 4 with the distributed optimizer added, flags of a PipeMesh row at
-    PP 2, V 2 and micro-batch 1)."""
+    """(flags of a PP = 1 stock row at micro-batch 4 with the distributed optimizer and both overlap flags added,
+    flags of a PipeMesh row at PP 2, V 2 and micro-batch 1)."""
     from megatron_pipemesh.cli.megatron_args import build_advice_parser, problem_and_cluster, row_flags
     from megatron_pipemesh.planning import advice as adv
 
     args = build_advice_parser().parse_args(CLUSTER + ["--megatron-args", TINY])
     user, problem, cluster, rate = problem_and_cluster(args, shlex.split(TINY))
     found = adv.candidates(problem, cluster)
-    flat = next(c for c in found if c.layout.pp == 1 and c.micro_batch_size == 4 and c.stock_sharding == ("optim",))
+    flat = next(c for c in found if c.layout.pp == 1 and c.micro_batch_size == 4 and c.stock_sharding == ("optim",)
+                and c.added_flags == adv.OVERLAP_FLAGS)
     stock = adv._stock(flat, problem, cluster)
     piped = next(c for c in found if c.layout.pp == 2 and c.vpp == 2 and c.micro_batch_size == 1 and c.split.even)
     plan = adv._plan(piped, cluster)
@@ -53,6 +55,7 @@ def test_rows_without_a_pipeline_and_with_another_micro_batch_size_train():
     assert flat.count("--pipeline-model-parallel-size") == 1
     assert flat[flat.index("--pipeline-model-parallel-size") + 1] == "1"
     assert "--num-virtual-stages-per-pipeline-rank" not in flat and "--use-distributed-optimizer" in flat
+    assert "--overlap-grad-reduce" in flat and "--overlap-param-gather" in flat
     assert flat[flat.index("--micro-batch-size") + 1] == "4" and flat.count("--micro-batch-size") == 1
     assert flat.index("--micro-batch-size") == words.index("--micro-batch-size")  # replaced in place
     assert piped[piped.index("--micro-batch-size") + 1] == "1" and piped.count("--micro-batch-size") == 1
