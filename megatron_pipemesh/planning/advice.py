@@ -231,10 +231,14 @@ class AdviceRow:
         return "pipemesh" if self.plan is not None else "stock"
 
     def keeps(self, other: "AdviceRow") -> bool:
-        """Same layout, V, layers per stage and micro-batch size as ``other`` (so, for the same data and seed, the
-        same losses)."""
-        return ((self.layout, self.vpp, self.stage_layers, self.micro_batch_size)
-                == (other.layout, other.vpp, other.stage_layers, other.micro_batch_size))
+        """Same layout, V, layers per stage, micro-batch size and optimizer flags as ``other`` (so, for the same data
+        and seed, the same losses)."""
+        return ((self.layout, self.vpp, self.stage_layers, self.micro_batch_size, self._optimizer())
+                == (other.layout, other.vpp, other.stage_layers, other.micro_batch_size, other._optimizer()))
+
+    def _optimizer(self) -> Tuple[Optional[str], Tuple[str, ...]]:
+        """The optimizer flags the row adds: its stock sharding level and its overlap flags."""
+        return (self.stock.sharding if self.stock is not None else None), self.added_flags
 
     def describe(self) -> str:
         """The schedule in a few words (with "mbs b" where the row changes the micro-batch size)."""
