@@ -124,6 +124,7 @@ def row_parts(row, problem, cluster) -> List[RankParts]:
 
 def stock_simulation(row, problem, cluster):
     """The :class:`~..planning.simulator.SimulationResult` of a stock row on its layout's cluster."""
+    from ..planning.advice import OVERLAP_FLAGS
     from ..planning.clusters import costs_for
     from ..planning.simulator import megatron_lowering, simulate
     from ..planning.stock import model_for, sharding_model, uniform_plan
@@ -131,9 +132,12 @@ def stock_simulation(row, problem, cluster):
 
     setting = row.stock
     config = setting.config()
-    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
-                        problem.overlap)
-    model = problem.model_for(row.layout.tp, row.split)
+    # The row's own micro-batch size and optimizer (a row without a pipeline may add the distributed optimizer).
+    spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel,
+                        problem.distributed_optimizer or setting.sharding is not None,
+                        tuple(on or flag in row.added_flags for on, flag in zip(problem.overlap, OVERLAP_FLAGS)))
+    model = dataclasses.replace(problem.model_for(row.layout.tp, row.split),
+                                micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))
     lowering = megatron_lowering(costs, config)

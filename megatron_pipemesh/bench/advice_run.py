@@ -188,14 +188,32 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     return 0 if all(r["returncode"] == 0 for r in document["rows"]) else 1
 
 
+PROFILED_MICRO_BATCH = 8
+"""The bench's profile measures micro-batch sizes up to this (or the command's, if larger; at most the global batch):
+the advice may change the size, and prices the sizes measured from the profile."""
+
+
+def profiled_micro_batch(words: Sequence[str]) -> int:
+    """The largest micro-batch size the bench's profile measures for the command ``words``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    known, _ = parser.parse_known_args(list(words))
+    largest = max(known.micro_batch_size, PROFILED_MICRO_BATCH)
+    return min(largest, known.global_batch_size) if known.global_batch_size else largest
+
+
 def profile_here(words: Sequence[str], path: str) -> str:
     """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs) into ``path``."""
     from ..integration.megatron_command import CommandError
-    from ..integration.profile import measure_profile
+    from ..integration.profile import ProfileSettings, measure_profile
 
     log(f"pipemesh bench --advice: profiling the command on this machine into {path}")
     try:
-        profile = measure_profile(list(words), progress=lambda line: log(f"  {line}"))
+        profile = measure_profile(list(words), ProfileSettings(max_micro_batch=profiled_micro_batch(words)),
+                                  progress=lambda line: log(f"  {line}"))
     except CommandError as error:
         raise UsageError(f"--megatron-args: {error}") from error
     with open(path, "w", encoding="utf-8") as handle:

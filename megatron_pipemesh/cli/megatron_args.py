@@ -181,10 +181,10 @@ def problem_and_cluster(args, words: Sequence[str]):
         user = read_command(list(words), world_size=gpus)
     except CommandError as error:
         raise UsageError(str(error)) from error
-    if user.pp < 2:
-        raise UsageError(f"{MEGATRON_ARGS}: --pipeline-model-parallel-size {user.pp}: the advice prices pipelines "
-                         "(PP >= 2, the schedules PipeMesh and stock interleaving choose between); give your command "
-                         "with --pipeline-model-parallel-size 2 or more")
+    if user.pp == 1 and user.pipemesh:
+        raise UsageError(f"{MEGATRON_ARGS}: --pipeline-schedule pipemesh with --pipeline-model-parallel-size 1: "
+                         "PipeMesh schedules a pipeline; give --pipeline-model-parallel-size 2 or more, or drop "
+                         "--pipeline-schedule pipemesh to price the command without a pipeline")
     if user.tp > args.gpus_per_node or args.gpus_per_node % user.tp:
         raise UsageError(f"{MEGATRON_ARGS}: --tensor-model-parallel-size {user.tp} does not fit inside a node of "
                          f"--gpus-per-node {args.gpus_per_node}: the advice keeps TP inside a node")
@@ -222,7 +222,8 @@ def problem_and_cluster(args, words: Sequence[str]):
 
 def row_flags(user, row, problem, cluster, rate) -> List[str]:
     """The complete flags of ``row``: the user's with the row's replacing what it changes."""
-    from ..integration.command_flags import REPLACED, expand_aliases, pipemesh_flags, replace_flags, stock_flags
+    from ..integration.command_flags import (MICRO_BATCH_FLAG, REPLACED, expand_aliases, pipemesh_flags, replace_flags,
+                                             set_value, stock_flags)
     from ..integration.megatron_command import option_aliases
 
     if row.name == "user":
@@ -234,7 +235,11 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
                              rate.tflops if rate.given else None)
     else:
         new = stock_flags(row.stock, row.layout.tp, row.split)
-    return replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new)
+    flags = replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new + list(row.added_flags))
+    if row.micro_batch_size is not None:  # its value replaced where the command has it, the rest in place
+        names = expand_aliases((MICRO_BATCH_FLAG,), option_aliases((MICRO_BATCH_FLAG,)))
+        flags = set_value(flags, names, str(row.micro_batch_size))
+    return flags
 
 
 def report(user, problem, cluster, rate, advice) -> Dict:
@@ -254,6 +259,8 @@ def report(user, problem, cluster, rate, advice) -> Dict:
             "schedule": row.schedule, "describe": row.describe(),
             "tp": row.layout.tp, "pp": row.layout.pp, "dp": row.layout.dp, "vpp": row.vpp,
             "stage_layers": list(row.stage_layers), "microbatches": row.microbatches,
+            "micro_batch_size": row.micro_batch_size or problem.model.micro_batch_size,
+            "micro_batch_size_changed": row.micro_batch_size is not None,
             "predicted_iteration_s": row.iteration_s, "tokens_per_s": tokens_per_s(problem, row),
             "peak_memory_gb": [p / GB for p in row.peak_memory_bytes], "fits": row.fits,
             "ratio_to_user": user_row.iteration_s / row.iteration_s,
@@ -275,7 +282,8 @@ def text(out: Dict) -> str:
     measured = " where the profile has no measurement" if out.get("profile") else ""
     lines = [f"{out['gpus']} GPUs, memory budget {out['budget_gb_per_gpu']:.2f} GiB per GPU; costs at {out['rate']}"
              f"{measured}",
-             f"{out['candidates']} layouts x V x splits bounded, simulated {out['simulated']['pipemesh']} (PipeMesh) "
+             f"{out['candidates']} layouts x micro-batch sizes x V x splits bounded, simulated "
+             f"{out['simulated']['pipemesh']} (PipeMesh) "
              f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
     header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
     lines += [header, "-" * len(header)]
@@ -325,11 +333,13 @@ def profile_report(path: str, problem, out: Dict, links: Optional[Dict] = None) 
     from ..planning.profile import coverage
 
     rates = list((links or {}).values())
-    tps = sorted({row["tp"] for row in out["rows"].values() if row is not None})
-    by_tp = {tp: coverage(problem.profile, tp, problem.model.micro_batch_size, rates) for tp in tps}
+    own = problem.model.micro_batch_size
+    pairs = sorted({(row["tp"], row.get("micro_batch_size", own)) for row in out["rows"].values() if row is not None})
+    # keyed by TP, and by the micro-batch size where a row changes it
+    by_tp = {(str(tp) if b == own else f"{tp} mbs {b}"): coverage(problem.profile, tp, b, rates) for tp, b in pairs}
     return {"file": path, "device": f"{problem.profile.device_kind} ({problem.profile.device_name})",
-            "measured": {str(tp): found[0] for tp, found in by_tp.items()},
-            "assumed": {str(tp): found[1] for tp, found in by_tp.items()},
+            "measured": {key: found[0] for key, found in by_tp.items()},
+            "assumed": {key: found[1] for key, found in by_tp.items()},
             "links": {key: {"gbps": rate.gbps, "source": rate.source, "measured_gbps": rate.measured_gbps}
                       for key, rate in (links or {}).items()}}
 

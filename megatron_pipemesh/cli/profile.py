@@ -40,7 +40,8 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=ProfileSettings.warmup,
                         help=f"untimed calls before them (default {ProfileSettings.warmup})")
     parser.add_argument("--max-micro-batch-size", type=positive_int, default=None,
-                        help="the largest micro-batch size measured, at most your command's (default: yours)")
+                        help="the largest micro-batch size measured (default: your command's); a larger one also "
+                             "measures the sizes the advice may change yours to (1, 2, 4, ... and this one)")
     parser.add_argument("--bucket-mib", type=positive_number, default=None,
                         help="launched on several ranks (torchrun): the larger message the links are timed with, MiB "
                              "(default 40 with CUDA, 4 without; the smaller is one micro-batch's activation)")

@@ -2,7 +2,8 @@
 changes replaced (``pipemesh plan --megatron-args``).
 
 What a row may change: the tensor- and pipeline-parallel sizes, V, Megatron's group size, its recomputation and
-activation-offloading flags, the layer split, and the PipeMesh schedule flags. Everything else the user wrote (data,
+activation-offloading flags, the layer split, the PipeMesh schedule flags, the micro-batch size (:data:`MICRO_BATCH_FLAG`,
+replaced only where the row changes it) and, without a pipeline, the distributed optimizer (added where missing). Everything else the user wrote (data,
 optimizer, precision, ``--grad-reduce-in-bf16``, logging) stays as written and in place, so the command trains the
 same model on the same data.
 
@@ -22,7 +23,7 @@ from ..planning.layout import SPLIT_FLAGS, VPP_FLAGS, LayerSplit
 from ..planning.stock_options import BF16_REDUCE_FLAG, GROUP_FLAG, PP_FLAG, TP_FLAG, stock_flags, vpp_flags
 from ..schedule.config import ScheduleConfig
 
-__all__ = ["REPLACED", "flag_name", "without", "replace_flags", "expand_aliases", "split_flags", "stock_flags",
+__all__ = ["REPLACED", "MICRO_BATCH_FLAG", "flag_name", "without", "replace_flags", "set_value", "expand_aliases", "split_flags", "stock_flags",
            "pipemesh_flags"]
 RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-modules", "--recompute-method", "--recompute-num-layers",
                    "--recompute-activations")
@@ -31,6 +32,8 @@ PIPEMESH_FLAGS = recommended_flag_names()
 REPLACED = (TP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
             BF16_REDUCE_FLAG, *PIPEMESH_FLAGS)
 """Every flag a recommendation may set: the user's are dropped and the row's own written instead."""
+MICRO_BATCH_FLAG = "--micro-batch-size"
+"""Replaced (with its aliases) only by a row that changes the micro-batch size."""
 
 
 def flag_name(word: str) -> str:
@@ -54,6 +57,24 @@ def without(flags: Sequence[str], names: Iterable[str]) -> List[str]:
 def replace_flags(flags: Sequence[str], names: Iterable[str], new: Sequence[str]) -> List[str]:
     """``flags`` without ``names`` (:func:`without`), then ``new`` appended."""
     return without(flags, names) + list(new)
+
+
+def set_value(flags: Sequence[str], names: Iterable[str], value: str) -> List[str]:
+    """``flags`` with the value of the flag ``names`` (any of its spellings) set to ``value`` where it stands (every
+    occurrence), or the flag appended with ``value`` where it is absent."""
+    names = list(names)
+    out: List[str] = []
+    found = skipping = False
+    for word in flags:
+        if word.startswith("--"):
+            skipping = False
+            if flag_name(word) in names:
+                out += [flag_name(word), value]
+                found = skipping = True
+                continue
+        if not skipping:
+            out.append(word)
+    return out if found else out + [names[0], value]
 
 
 def expand_aliases(names: Iterable[str], aliases: Optional[Dict[str, Sequence[str]]]) -> List[str]:

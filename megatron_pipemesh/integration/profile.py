@@ -53,7 +53,8 @@ class ProfileSettings:
     repeats: int = 5
     """Timed calls; the median is kept."""
     max_micro_batch: Optional[int] = None
-    """The largest micro-batch size measured (None: the command's)."""
+    """The largest micro-batch size measured (None: the command's); larger than the command's measures the sizes
+    the advice may change it to (1, 2, 4, ... and this one)."""
     seed: int = 1234
     """Seed of the weights and inputs."""
     bucket_bytes: Optional[int] = None
@@ -381,7 +382,8 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
     excluded = [t for model, _ in layer_models.values() for t in _with_main_grads(model)] + _with_main_grads(ends)
     dtype = config.params_dtype
     s, h, vocab = args.seq_length, args.hidden_size, args.padded_vocab_size
-    largest = min(settings.max_micro_batch or args.micro_batch_size, args.micro_batch_size)
+    # Above the command's own size too when asked: the advice prices every micro-batch size it may change to.
+    largest = settings.max_micro_batch or args.micro_batch_size
     points = []
     for b in micro_batch_sizes(largest):
         try:

@@ -3,11 +3,17 @@ parallel layout (TP x PP x DP, V, layer split) for the same GPUs with each, rank
 
 The search prices every candidate with the planner's own costs and simulator, and prunes by lower bounds first:
 
-* a parallel layout (:func:`parallel_layouts`): TP inside a node and dividing the heads, query groups and FFN; PP >= 2
-  (the simulator models pipelines); DP from the GPU count; the global batch split into whole micro-batches, at
-  least p per replica; the layouts the topology can describe (whole stages per node, or whole nodes per stage);
-* per layout, every V the model allows and the layer splits of :func:`.layout.split_candidates` (the even split, and
-  fewer layers on the stages that also hold the embedding and the output layer);
+* a parallel layout (:func:`parallel_layouts`): TP inside a node and dividing the heads, query groups and FFN; every
+  PP, PP = 1 included (no pipeline: data parallel, Megatron's ``forward_backward_no_pipelining``, stock rows only:
+  PipeMesh needs a pipeline); DP from the GPU count; the layouts the topology can describe (whole stages per node, or
+  whole nodes per stage);
+* per layout, every micro-batch size that divides the per-replica batch into at least p micro-batches
+  (:func:`micro_batch_sizes`; the command's own first), priced from the profile where it measured that size;
+* per layout and micro-batch size, every V the model allows (1 at PP = 1) and the layer splits of
+  :func:`.layout.split_candidates` (the even split, and fewer layers on the stages that also hold the embedding and
+  the output layer); at PP = 1 over DP > 1, stock also as Megatron recommends data parallelism where the command
+  differs (:func:`_optimizers`): with the distributed optimizer (ZeRO-1, the sharding level Megatron's DDP offers)
+  and with it and --overlap-grad-reduce --overlap-param-gather, the flags added;
 * each (layout, V, split) gets the tight bound of any exact synchronous schedule (:func:`.bounds.bound_for`: memory
   ignored, so it bounds stock and PipeMesh alike) and is dropped if its weights, gradients and optimizer state alone
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
@@ -29,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import DEVICE, RECOMPUTE_ONLY
+from ..schedule.spans import OPTIM
 from .bounds import bound_for, virtual_sizes
 from .clusters import costs_for, nic_cluster
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
@@ -164,6 +171,8 @@ class AdviceProblem:
     profile: Optional[Profile] = None
     """A measured profile of the command's model (``pipemesh plan --profile``, already matched to it): every row's
     costs take its measurements wherever it has them (:func:`.clusters.costs_for`)."""
+    search_micro_batch_size: bool = True
+    """The rows may change --micro-batch-size (:func:`micro_batch_sizes`); False: every row keeps the command's."""
 
     def model_for(self, tp: int, split: LayerSplit) -> ModelSpec:
         """The model at tensor-parallel size ``tp`` (Megatron pads the vocabulary per TP) with ``split``."""
@@ -178,8 +187,9 @@ class AdviceProblem:
         """(--overlap-grad-reduce, --overlap-param-gather) of the command, for :meth:`AdviceCluster.spec`."""
         return self.overlap_grad_reduce, self.overlap_param_gather
 
-    def microbatches(self, dp: int) -> int:
-        return self.global_batch // (self.model.micro_batch_size * dp)
+    def microbatches(self, dp: int, micro_batch_size: Optional[int] = None) -> int:
+        """Micro-batches per replica at ``dp`` with ``micro_batch_size`` (None: the command's)."""
+        return self.global_batch // ((micro_batch_size or self.model.micro_batch_size) * dp)
 
 
 @dataclass
@@ -210,18 +220,33 @@ class AdviceRow:
     """The stock setting of a stock row."""
     plan: Optional[Plan] = None
     """The PipeMesh plan of a PipeMesh row."""
+    micro_batch_size: Optional[int] = None
+    """[--micro-batch-size] The row's, where it changes the command's; None: the command's."""
+    added_flags: Tuple[str, ...] = ()
+    """Store-true flags the row adds to the command (:data:`OVERLAP_FLAGS`); the distributed optimizer comes with the
+    stock setting (sharding level ``optim``)."""
 
     @property
     def schedule(self) -> str:
         return "pipemesh" if self.plan is not None else "stock"
 
     def keeps(self, other: "AdviceRow") -> bool:
-        """Same layout, V and layers per stage as ``other`` (so, for the same data and seed, the same losses)."""
-        return (self.layout, self.vpp, self.stage_layers) == (other.layout, other.vpp, other.stage_layers)
+        """Same layout, V, layers per stage, micro-batch size and optimizer flags as ``other`` (so, for the same data
+        and seed, the same losses)."""
+        return ((self.layout, self.vpp, self.stage_layers, self.micro_batch_size, self._optimizer())
+                == (other.layout, other.vpp, other.stage_layers, other.micro_batch_size, other._optimizer()))
+
+    def _optimizer(self) -> Tuple[Optional[str], Tuple[str, ...]]:
+        """The optimizer flags the row adds: its stock sharding level and its overlap flags."""
+        return (self.stock.sharding if self.stock is not None else None), self.added_flags
 
     def describe(self) -> str:
-        """The schedule in a few words."""
+        """The schedule in a few words (with "mbs b" where the row changes the micro-batch size)."""
         what = self.plan.config.group_flags() if self.plan is not None else self.stock.describe()
+        if self.micro_batch_size is not None:
+            what = f"mbs {self.micro_batch_size}, {what}"
+        if self.added_flags:
+            what += ", adds " + " ".join(self.added_flags)
         if self.plan is not None and self.plan.recompute_share:
             what += f", recompute {100 * self.plan.recompute_share:.1f}% of the time"
         if self.plan is not None and any(r.host_placed for r in self.plan.result.ranks):
@@ -305,9 +330,17 @@ class _Candidate:
     """The tight bound of any exact synchronous schedule of it (:func:`.bounds.bound_for`, memory ignored)."""
     profile: Optional[Profile] = None
     """The problem's measured profile (:attr:`AdviceProblem.profile`)."""
+    micro_batch_size: Optional[int] = None
+    """The micro-batch size where it is not the command's (``model`` has it); None: the command's."""
+    stock_sharding: Tuple[Optional[str], ...] = (None,)
+    """The stock sharding levels tried (:data:`.stock_options.STOCK_SHARDING`; None: the command's optimizer as it
+    is): ``optim`` adds --use-distributed-optimizer where the command has none (``cluster`` prices it so)."""
+    added_flags: Tuple[str, ...] = ()
+    """The overlap flags its rows add to the command (``cluster`` prices them)."""
 
     def describe(self) -> str:
-        return _layout_words(self.layout, self.vpp, self.split, self.model.stage_layers(self.layout.pp, self.vpp))
+        return (_layout_words(self.layout, self.vpp, self.split, self.model.stage_layers(self.layout.pp, self.vpp))
+                + (f" mbs {self.micro_batch_size}" if self.micro_batch_size is not None else ""))
 
 
 def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
@@ -319,17 +352,30 @@ def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[Par
             continue
         if model.num_attention_heads % tp or (model.num_query_groups or model.num_attention_heads) % tp or model.ffn % tp:
             continue
-        for pp in range(2, cluster.gpus // tp + 1):
+        for pp in range(1, cluster.gpus // tp + 1):
             if (cluster.gpus // tp) % pp or pp > model.num_layers:
                 continue
             dp = cluster.gpus // (tp * pp)
             per_stage = tp * dp
             if cluster.gpus_per_node % per_stage and per_stage % cluster.gpus_per_node:
                 continue  # neither whole stages per node nor whole nodes per stage (not modelled)
-            if problem.global_batch % (model.micro_batch_size * dp) or problem.microbatches(dp) < pp:
+            if not micro_batch_sizes(problem, pp, dp):
                 continue
             out.append(ParallelLayout(tp, pp, dp))
     return out
+
+
+def micro_batch_sizes(problem: AdviceProblem, pp: int, dp: int) -> List[int]:
+    """The micro-batch sizes the rows may use with ``pp`` x ``dp``: every size that divides the per-replica batch
+    (global batch / DP) into at least p micro-batches, the command's own first (it wins ties); only the command's
+    when :attr:`AdviceProblem.search_micro_batch_size` is off. Which of them fit the memory, the simulation says."""
+    own = problem.model.micro_batch_size
+    if problem.global_batch % dp:
+        return []
+    replica = problem.global_batch // dp
+    sizes = range(1, replica + 1) if problem.search_micro_batch_size else (own,)
+    fitting = [b for b in sizes if replica % b == 0 and replica // b >= pp]
+    return sorted(fitting, key=lambda b: b != own)
 
 
 def _splits(problem: AdviceProblem, layout: ParallelLayout, vpp: int) -> List[LayerSplit]:
@@ -348,24 +394,63 @@ def _splits(problem: AdviceProblem, layout: ParallelLayout, vpp: int) -> List[La
     return out
 
 
+OVERLAP_FLAGS = ("--overlap-grad-reduce", "--overlap-param-gather")
+"""Megatron's data-parallel overlap flags (the second needs the distributed optimizer)."""
+
+
+class _Optimizer(NamedTuple):
+    """How a layout's candidates reduce and step: the command's, or what a row without a pipeline adds to it."""
+
+    distributed: bool
+    """--use-distributed-optimizer."""
+    overlap: Tuple[bool, bool]
+    """(--overlap-grad-reduce, --overlap-param-gather)."""
+    sharding: Tuple[Optional[str], ...]
+    """The stock sharding levels (``optim``: the distributed optimizer added)."""
+    added: Tuple[str, ...]
+    """The overlap flags added."""
+
+
+def _optimizers(problem: AdviceProblem, layout: ParallelLayout) -> List[_Optimizer]:
+    """A layout's optimizer settings: the command's; at PP = 1 over DP > 1 (data parallelism alone), also Megatron's
+    own data-parallel setup where the command differs: the distributed optimizer (ZeRO-1 over Megatron's DDP buffers),
+    and with it both overlap flags (gradients reduced in buckets under the last backward, parameters gathered under
+    the first forward)."""
+    own = _Optimizer(problem.distributed_optimizer, problem.overlap, (None,), ())
+    if layout.pp > 1 or layout.dp == 1:
+        return [own]
+    sharding = (None,) if problem.distributed_optimizer else (OPTIM,)
+    out = [own]
+    if not problem.distributed_optimizer:
+        out.append(_Optimizer(True, problem.overlap, sharding, ()))
+    added = tuple(flag for flag, on in zip(OVERLAP_FLAGS, problem.overlap) if not on)
+    if added:
+        out.append(_Optimizer(True, (True, True), sharding, added))
+    return out
+
+
 def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[_Candidate]:
-    """Every (layout, V, split) whose static memory fits, with its tight bound, least bound first."""
+    """Every (layout, micro-batch size, V, split) whose static memory fits, with its tight bound, least bound first
+    (ties: the command's micro-batch size first)."""
     out = []
+    own = problem.model.micro_batch_size
     for layout in parallel_layouts(problem, cluster):
-        spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
-                            problem.overlap)
-        m = problem.microbatches(layout.dp)
-        for vpp in range(1, problem.model.num_layers // layout.pp + 1):
-            if vpp > 1 and layout.pp == 2 and not problem.interleaving_at_two:
-                continue
-            for split in _splits(problem, layout, vpp):
-                model = problem.model_for(layout.tp, split)
-                config = ScheduleConfig.depth_first(layout.pp, vpp, m)
-                costs = costs_for(model, spec, config, profile=problem.profile, levels=(DEVICE,))
-                if max(costs.static_bytes) > cluster.budget_bytes:
-                    continue
-                bound = bound_for(config, ScheduleCosts(config, costs)).seconds
-                out.append(_Candidate(layout, vpp, split, model, spec, m, bound, problem.profile))
+        for optimizer in _optimizers(problem, layout):
+            spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, optimizer.distributed, optimizer.overlap)
+            for b in micro_batch_sizes(problem, layout.pp, layout.dp):
+                m = problem.microbatches(layout.dp, b)
+                for vpp in range(1, (problem.model.num_layers // layout.pp if layout.pp > 1 else 1) + 1):
+                    if vpp > 1 and layout.pp == 2 and not problem.interleaving_at_two:
+                        continue
+                    for split in _splits(problem, layout, vpp):
+                        model = dataclasses.replace(problem.model_for(layout.tp, split), micro_batch_size=b)
+                        config = ScheduleConfig.depth_first(layout.pp, vpp, m)
+                        costs = costs_for(model, spec, config, profile=problem.profile, levels=(DEVICE,))
+                        if max(costs.static_bytes) > cluster.budget_bytes:
+                            continue
+                        bound = bound_for(config, ScheduleCosts(config, costs)).seconds
+                        out.append(_Candidate(layout, vpp, split, model, spec, m, bound, problem.profile,
+                                              None if b == own else b, optimizer.sharding, optimizer.added))
     return sorted(out, key=lambda c: c.bound_s)
 
 
@@ -412,7 +497,8 @@ def _stock(candidate: _Candidate, problem: AdviceProblem, cluster: AdviceCluster
                                candidate.vpp)
     host = _host_bytes(cluster) if candidate.model.layer_spec == "te" else None
     return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
-                      problem.grad_reduce_in_bf16, host_limit=host, vpps=vpps or (candidate.vpp,),
+                      problem.grad_reduce_in_bf16, sharding=candidate.stock_sharding, host_limit=host,
+                      vpps=vpps or (candidate.vpp,),
                       incumbent_s=incumbent_s, time_up=time_up, profile=candidate.profile)
 
 
@@ -425,7 +511,8 @@ def _stock_row(name: str, candidate: _Candidate, result: StockResult, cluster: A
     compute = tuple(r.busy_s for r in simulate(config, costs, uniform_plan(config, setting.recompute.level)).ranks)
     layers = candidate.model.stage_layers(setting.pp, setting.vpp)
     return AdviceRow(name, candidate.layout, setting.vpp, candidate.split, layers, setting.microbatches,
-                     result.iteration_s, peaks, all(p <= cluster.budget_bytes for p in peaks), compute, stock=setting)
+                     result.iteration_s, peaks, all(p <= cluster.budget_bytes for p in peaks), compute, stock=setting,
+                     micro_batch_size=candidate.micro_batch_size, added_flags=candidate.added_flags)
 
 
 def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:
@@ -433,7 +520,7 @@ def _plan_row(name: str, candidate: _Candidate, plan: Plan) -> AdviceRow:
     return AdviceRow(name, candidate.layout, config.vpp, candidate.split,
                      candidate.model.stage_layers(config.pp, config.vpp), config.microbatches, plan.result.iteration_s,
                      tuple(r.peak_memory_bytes for r in plan.result.ranks), plan.fits,
-                     tuple(r.busy_s for r in plan.result.ranks), plan=plan)
+                     tuple(r.busy_s for r in plan.result.ranks), plan=plan, micro_batch_size=candidate.micro_batch_size)
 
 
 def _user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> _Candidate:
@@ -568,6 +655,8 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     pipemesh_ok = problem.pipemesh_refused is None
     if not pipemesh_ok:
         notes.append(f"pipemesh, best_layout: {problem.pipemesh_refused}")
+    elif problem.layout.pp == 1:
+        notes.append("pipemesh: the command runs no pipeline (PP = 1); PipeMesh schedules one (see best_layout)")
     elif problem.vpp < 2:
         notes.append("pipemesh: the command has no virtual stages (V = 1); PipeMesh needs V >= 2 (see best_layout)")
     else:

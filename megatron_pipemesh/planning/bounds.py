@@ -208,8 +208,8 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
 
 def virtual_sizes(model: ModelSpec, pp: int) -> List[int]:
     """V values stock and PipeMesh try: every V at which the model's layer split places its layers on p ranks
-    (evenly: every divisor of the layers per rank; 1 = no interleaving)."""
-    return model.layer_split.virtual_sizes(model.num_layers, pp)
+    (evenly: every divisor of the layers per rank; 1 = no interleaving); only 1 without a pipeline (p = 1)."""
+    return model.layer_split.virtual_sizes(model.num_layers, pp) if pp > 1 else [1]
 
 
 def iteration_lower_bound(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,

@@ -38,6 +38,7 @@ Analytic formulas (all per chunk-micro-batch unless said otherwise):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -50,8 +51,11 @@ from .layout import LayerSplit
 from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 from .topology import GBIT, Topology, topology
 
-GB = 1024 ** 3
+DDP_BUCKET_PARAMS = 40_000_000
+"""Parameters of one of Megatron's gradient buckets with --overlap-grad-reduce (at least 1M x DP; megatron-core
+0.19.2 ``resolve_ddp_bucket_size``); only the first pipeline stage is bucketed."""
 
+GB = 1024 ** 3
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,13 @@ class OpCosts:
     """What Megatron's schedules wait for after a pipeline send on this cluster (:data:`MEGATRON_SEND_WAIT`)."""
     network: Optional[Topology] = None
     """The links the transfers share (:mod:`.topology`); None = each transfer takes its own time, nothing shared."""
+    dp_buckets: int = 1
+    """Without a pipeline (p = 1) and with --overlap-grad-reduce: Megatron's gradient buckets (:data:`DDP_BUCKET_PARAMS`
+    parameters each, or 1M x DP): each bucket's reduction starts once the last micro-batch's backward has produced
+    its gradients, each gather (--overlap-param-gather) is awaited by the first forward of the layers it holds, so a
+    collective of n buckets overlaps the op next to it but for one bucket's share (:meth:`ScheduleCosts.data_parallel`).
+    1: one collective after the backward (a pipeline stage past the first gets no buckets, and Megatron's pipelined
+    schedules' own overlap is per chunk)."""
     embedding_allreduce_s: float = 0.0
     """The tied embedding's gradient all-reduce between stage 0 and the last stage after the backward: seconds
     of its transfer each way alone (0: untied, or one stage); its two ring steps add ``latency_s`` each."""
@@ -414,7 +425,7 @@ def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, 
         params = rank_layers * model.layer_params() / t if uneven else config.vpp * chunk_params
         if rank == 0:
             params += model.embedding_params() / t
-        if rank == config.pp - 1:
+        if rank == config.pp - 1 and not (config.pp == 1 and model.tied_embeddings):
             params += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
         static.append(params * bytes_per_param)
         # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
@@ -446,7 +457,9 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     # The embedding (and position table) lives in stage 0's bucket, the output layer (or the tied embedding's
     # copy) in the last's.
     first_dp = sum(_dp_sync_s(model, cluster, links, model.embedding_params() / t))
-    last_dp = sum(_dp_sync_s(model, cluster, links, model.vocab_size * h / t))
+    # Without a pipeline a tied output layer is the embedding itself: no copy to hold or reduce.
+    last_dp = (0.0 if config.pp == 1 and model.tied_embeddings
+               else sum(_dp_sync_s(model, cluster, links, model.vocab_size * h / t)))
     embedding = 0.0
     if model.tied_embeddings and config.pp > 1:
         # Two ranks: a ring all-reduce sends half the gradient each way twice.
@@ -474,6 +487,10 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                  for count in set(stage_layers)}
         stages = tuple(kinds[count] for count in stage_layers)
     static, optimizer = _rank_state(model, cluster, config, stage_layers, bool(stages))
+    buckets = 1
+    if config.pp == 1 and cluster.overlap_grad_reduce and cluster.dp > 1:
+        params = static[0] / (6 + 12 / cluster.dp if cluster.distributed_optimizer else 18)
+        buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * cluster.dp)))
     tp_forward = tp_backward = layers * tp_layer
     return OpCosts(
         forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
@@ -486,7 +503,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         megatron_send_wait=MEGATRON_SEND_WAIT[cluster.collectives],
         grad_reduce_overlapped=cluster.overlap_grad_reduce, param_gather_overlapped=cluster.overlap_param_gather,
-        embedding_allreduce_s=embedding, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
+        embedding_allreduce_s=embedding, dp_buckets=buckets, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
         first_stage_tp_s=first_tp, last_stage_tp_s=last_tp, stages=stages,
     )
 
@@ -591,4 +608,11 @@ class ScheduleCosts:
         extra = (c.first_stage_dp_s if stage == 0 else 0.0) + (c.last_stage_dp_s if stage == self.config.num_stages - 1 else 0.0)
         # The embedding/output parameters split between gather and reduction like the chunk's own.
         share = base / total if total else (0.0 if op.kind is OpKind.PARAM_SYNC else 1.0)
-        return base * self._stages[rank][op.chunk].scale + extra * share
+        seconds = base * self._stages[rank][op.chunk].scale + extra * share
+        n = c.dp_buckets
+        if n > 1 and (op.kind is OpKind.GRAD_SYNC or c.param_gather_overlapped):
+            # Bucketed (no pipeline): all but one bucket's share runs under the last backward / the first forward.
+            neighbour = self._compute_without_recomputation(
+                rank, Op(OpKind.BACKWARD if op.kind is OpKind.GRAD_SYNC else OpKind.FORWARD, op.chunk, 0))
+            seconds = max(seconds / n, seconds - neighbour * (n - 1) / n)
+        return seconds

@@ -320,6 +320,36 @@ class Profile:
                 return point
         return None
 
+    def nearest(self, tp: int, micro_batch_size: int) -> Optional[ComputePoint]:
+        """The point measured at ``tp`` nearest ``micro_batch_size`` (the largest below it, else the smallest above),
+        or None where nothing was measured at ``tp``."""
+        sizes = sorted(point.micro_batch_size for point in self.compute if point.tp == tp)
+        if not sizes:
+            return None
+        below = [b for b in sizes if b <= micro_batch_size]
+        return self.point(tp, below[-1] if below else sizes[0])
+
+    def point_for(self, tp: int, micro_batch_size: int) -> Optional[ComputePoint]:
+        """The measurements at ``tp`` and ``micro_batch_size``; where that size was not measured, the analytic costs
+        (linear in the micro-batch size) calibrated at the :meth:`nearest` size measured: its times and bytes times
+        the ratio of the sizes. None where nothing was measured at ``tp``."""
+        point = self.point(tp, micro_batch_size)
+        if point is not None:
+            return point
+        near = self.nearest(tp, micro_batch_size)
+        if near is None:
+            return None
+        ratio = micro_batch_size / near.micro_batch_size
+        return dataclasses.replace(
+            near, micro_batch_size=micro_batch_size, layer_forward_s=near.layer_forward_s * ratio,
+            layer_backward_s=near.layer_backward_s * ratio,
+            recompute_extra_s={k: v * ratio for k, v in near.recompute_extra_s.items()},
+            layer_activation_bytes={k: v * ratio for k, v in near.layer_activation_bytes.items()},
+            embedding_forward_s=near.embedding_forward_s * ratio, embedding_backward_s=near.embedding_backward_s * ratio,
+            embedding_activation_bytes=near.embedding_activation_bytes * ratio,
+            output_forward_s=near.output_forward_s * ratio, output_backward_s=near.output_backward_s * ratio,
+            output_activation_bytes=near.output_activation_bytes * ratio)
+
     def to_dict(self) -> dict:
         out = {"schema_version": self.schema_version, "kind": "pipemesh-profile",
                "device": {"kind": self.device_kind, "name": self.device_name},
@@ -413,11 +443,15 @@ def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int,
     if profile is None:
         return link_measured, list(COST_NAMES) + link_assumed
     point = profile.point(tp, micro_batch_size)
+    near = profile.nearest(tp, micro_batch_size) if point is None else None
     measured = list(COST_NAMES[:5]) if point is not None else []
     if profile.optimizer_s_per_param is not None:
         measured.append("optimizer step")
     assumed = [name for name in COST_NAMES if name not in measured]
-    if point is None:
+    if near is not None:  # the analytic costs calibrated at the nearest size measured
+        measured = [f"{name} (scaled from micro-batch {near.micro_batch_size})" for name in COST_NAMES[:5]] + measured
+        assumed = [name for name in assumed if name not in COST_NAMES[:5]]
+    elif point is None:
         assumed = [f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})" if name in COST_NAMES[:5]
                    else name for name in assumed]
     return measured + link_measured, assumed + link_assumed
@@ -439,9 +473,10 @@ def _bytes_per_param(cluster: ClusterSpec) -> float:
 def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: ClusterSpec,
                   stage_layers: Sequence[int]) -> OpCosts:
     """``costs`` (analytic, for a schedule whose stages hold ``stage_layers``) with ``profile``'s measured times
-    and bytes in place wherever it has them at the cluster's TP and the model's micro-batch size; the tensor-parallel
+    and bytes in place wherever it has them at the cluster's TP and the model's micro-batch size (a size it did not
+    measure: :meth:`Profile.point_for`, calibrated at the nearest size measured); the tensor-parallel
     collectives, the links and the transient bytes stay analytic."""
-    point = profile.point(cluster.tp, model.micro_batch_size)
+    point = profile.point_for(cluster.tp, model.micro_batch_size)
     changes: Dict[str, object] = {}
     if point is not None:
         layers = max(stage_layers)

@@ -2,7 +2,9 @@
 
 What megatron-core 0.19.2 offers a dense GPT run, and what this module enumerates:
 
-* schedule: 1F1B (V = 1), or interleaved with V >= 2 virtual stages per rank for every V that
+* schedule: no pipeline (p = 1: data parallel alone, ``forward_backward_no_pipelining``, every micro-batch's forward
+  and backward in turn, the gradients reduced during or after the last backward as the command's
+  --overlap-grad-reduce says), 1F1B (V = 1), or interleaved with V >= 2 virtual stages per rank for every V that
   divides the layers per pipeline rank, with every group size
   ``--microbatch-group-size-per-virtual-pipeline-stage g`` the schedule accepts: p <= g <= m and
   the last group (m mod g) either empty or at least p (``schedules.py`` raises otherwise);
@@ -189,7 +191,8 @@ class StockSetting:
 
     @property
     def schedule(self) -> str:
-        return "1f1b" if self.vpp == 1 else "interleaved"
+        """'no_pipeline' (p = 1: Megatron's ``forward_backward_no_pipelining``), '1f1b' or 'interleaved'."""
+        return "no_pipeline" if self.pp == 1 else "1f1b" if self.vpp == 1 else "interleaved"
 
     @property
     def effective_group_size(self) -> Optional[int]:
@@ -206,7 +209,8 @@ class StockSetting:
         return stock_flags(self)
 
     def describe(self) -> str:
-        sched = "1F1B" if self.vpp == 1 else f"interleaved V={self.vpp} g={self.effective_group_size}"
+        sched = ("no pipeline" if self.pp == 1 else "1F1B" if self.vpp == 1
+                 else f"interleaved V={self.vpp} g={self.effective_group_size}")
         return (f"{sched}, {self.recompute.describe()}" + (f", {self.offload.describe()}" if self.offload else "")
                 + (", bf16 grad reduce" if self.grad_reduce_in_bf16 else "")
                 + (f", sharding {self.sharding}" if self.sharding else ""))
@@ -241,7 +245,7 @@ def schedule_options(pp: int, num_layers: int, microbatches: int,
         raise ValueError(f"--num-layers {num_layers} must be a multiple of --pipeline-model-parallel-size {pp}, or give "
                          "an uneven split (e.g. --pipeline-model-parallel-layout)")
     out: List[Tuple[int, Optional[int]]] = []
-    for vpp in split.virtual_sizes(num_layers, pp):
+    for vpp in split.virtual_sizes(num_layers, pp) if pp > 1 else [1]:  # no pipeline: no virtual stages
         out += [(1, None)] if vpp == 1 else [(vpp, g) for g in group_sizes(pp, microbatches)]
     return out
 

@@ -151,7 +151,8 @@ def check_groups(pp: int, vpp: int, microbatches: int, forward: Sequence[int], b
 
     Rules (each is checked in this order and named in the error):
 
-    1. p >= 2, V >= 1, m >= 1 (the schedule is a pipeline schedule);
+    1. p >= 2, V >= 1, m >= 1 (the schedule is a pipeline schedule), or p = V = 1: no pipeline (Megatron's
+       ``forward_backward_no_pipelining``, F B F B ..., which stock rows price; PipeMesh itself needs p >= 2);
     2. every group is a positive integer;
     3. each list sums to m;
     4. every group has at least p micro-batches, and m >= p: a smaller group starves rank 0, which
@@ -162,7 +163,7 @@ def check_groups(pp: int, vpp: int, microbatches: int, forward: Sequence[int], b
     The dependency and deadlock checks of the built program follow in :mod:`.validate`.
     """
     example = _example(pp, microbatches)
-    if pp < 2:
+    if pp < 2 and not (pp == 1 and vpp == 1):
         raise ScheduleConfigError("--pipeline-model-parallel-size", pp,
                                   "PipeMesh schedules need at least 2 pipeline ranks", "--pipeline-model-parallel-size 2")
     if vpp < 1:

@@ -318,7 +318,7 @@ def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, pl
     is simulated, :data:`ADVICE_CANDIDATES` at most. None if no PipeMesh plan fits anywhere."""
     problem = AdviceProblem(model, ParallelLayout(row.tp, row.pp, row.dp), plan.config.vpp if plan else 1,
                             row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                            grad_reduce_in_bf16=row.grad_reduce_in_bf16)
+                            grad_reduce_in_bf16=row.grad_reduce_in_bf16, search_micro_batch_size=False)
     advice = advice_cluster(row)
     log = SearchLog()
     best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,

@@ -45,7 +45,11 @@ def test_the_rows_and_their_keys(tiny):
     kept = without(shlex.split(TINY), ["--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"])
     for name in ("best_stock", "pipemesh", "best_layout", "best_layout_stock"):
         flags = rows[name]["flags"]
-        assert flags[:len(kept)] == kept, name  # the user's other flags, in place
+        own = kept[:]  # a row that changes the micro-batch size changes its value, in place
+        own[own.index("--micro-batch-size") + 1] = str(rows[name]["micro_batch_size"])
+        assert flags[:len(own)] == own, name  # the user's other flags, in place
+        assert rows[name]["micro_batch_size_changed"] == (rows[name]["micro_batch_size"] != 2), name
+        assert ("mbs " in rows[name]["describe"]) == rows[name]["micro_batch_size_changed"], name
         assert flags.count("--pipeline-model-parallel-size") == 1, name
     for name in ("pipemesh", "best_layout"):
         tail = rows[name]["flags"]
@@ -98,8 +102,8 @@ def test_an_uneven_split_moves_the_per_stage_prediction():
      "--gpu Z80: not a known GPU model"),
     (CLUSTER + ["--megatron-args", TINY + " --fast-mode 3"], "Megatron does not know --fast-mode"),
     (CLUSTER + ["--megatron-args", TINY.replace("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
-                                                "--pipeline-model-parallel-size 1")],
-     "--pipeline-model-parallel-size 1: the advice prices pipelines"),
+                                                "--pipeline-model-parallel-size 1 --pipeline-schedule pipemesh")],
+     "--pipeline-schedule pipemesh with --pipeline-model-parallel-size 1: PipeMesh schedules a pipeline"),
     (CLUSTER + ["--megatron-args", ""], "--megatron-args needs the flags"),
     (CLUSTER + ["--megatron-args", TINY, "--", "--num-layers", "4"], "the command is given twice"),
 ])
@@ -187,3 +191,19 @@ def test_the_advice_prices_the_commands_own_overlap_flags(flags, overlap):
     assert problem.overlap == overlap
     spec = cluster.spec(1, 2, False, problem.distributed_optimizer, problem.overlap)
     assert (spec.overlap_grad_reduce, spec.overlap_param_gather) == overlap
+
+
+def test_a_command_without_a_pipeline_is_priced_and_its_rows_name_their_micro_batch_size():
+    """A PP = 1 command (data parallel alone) is a row the advice prices as Megatron runs it; every row says its
+    micro-batch size (and whether it changed the command's), a PP = 1 row writes PP 1 once."""
+    flat = TINY.replace("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+                        "--pipeline-model-parallel-size 1")
+    out = advice_json(flat)
+    user = out["rows"]["user"]
+    assert user["pp"] == 1 and user["dp"] == 4 and "no pipeline" in user["describe"]
+    assert out["rows"]["pipemesh"] is None and any("runs no pipeline" in note for note in out["notes"])
+    for name, row in out["rows"].items():
+        if row is None:
+            continue
+        assert row["flags"].count("--pipeline-model-parallel-size") == 1 and row["flags"].count("--micro-batch-size") == 1
+        assert row["flags"][row["flags"].index("--micro-batch-size") + 1] == str(row["micro_batch_size"]), name

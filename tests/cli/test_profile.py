@@ -22,14 +22,15 @@ def measured(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
-                           "--output", str(path), "--repeats", "1", "--warmup", "1"],
+                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-micro-batch-size", "4"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return path, done
 
 
 def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
-    """The file holds the model shape, a point per micro-batch size 1 and 2 with positive times and bytes (full
+    """The file holds the model shape, a point per micro-batch size 1, 2 and 4 (--max-micro-batch-size above the
+    command's 2: the sizes the advice may change it to) with positive times and bytes (full
     recomputation keeps less than none), the optimizer rate and the notes, no network (one process); progress lines
     went to stderr; --show prints the same table."""
     path, done = measured
@@ -37,7 +38,7 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     assert data["schema_version"] == 2 and data["device"]["kind"] == "cpu" and data["versions"]["megatron_core"]
     assert data["model"]["hidden_size"] == 64 and data["model"]["seq_length"] == 32 and data["model"]["dtype"] == "fp32"
     profile = load(str(path))
-    assert [p.micro_batch_size for p in profile.compute] == [1, 2]
+    assert [p.micro_batch_size for p in profile.compute] == [1, 2, 4]
     for point in profile.compute:
         assert point.layer_forward_s > 0 and point.layer_backward_s > 0 and point.output_forward_s > 0
         assert point.layer_activation_bytes["full"] < point.layer_activation_bytes["none"]
@@ -63,6 +64,8 @@ def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(
     assert "layer forward/backward" in report["measured"]["1"] and "optimizer step" in report["measured"]["1"]
     assert "NIC 0.1 Gbit/s (--nic-gbps, given)" in report["assumed"]["1"]
     assert "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)" in report["assumed"]["1"]
+    for key, found in report["measured"].items():  # rows at another micro-batch size: 1, 2 and 4 were measured
+        assert "layer forward/backward" in found, key
     other = SMALL.replace("--hidden-size 64", "--hidden-size 128")
     code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", other, "--profile", str(path)])
     assert code == 2 and out == ""

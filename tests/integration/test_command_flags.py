@@ -52,3 +52,27 @@ def test_every_flag_a_row_writes_replaces_the_users():
             stock_flags(stock, 1, LayerSplit.of_layout("Et|tt|tt|tL"))]
     for flags in rows:
         assert {word for word in flags if word.startswith("--")} <= set(REPLACED)
+
+
+def test_set_value_replaces_a_flags_value_in_place_or_appends_it():
+    """A row that changes the micro-batch size changes its value where the command has it (every spelling given,
+    ``--flag=value`` too), the other flags in their places; a command without the flag gets it appended."""
+    from megatron_pipemesh.integration.command_flags import set_value
+
+    flags = ["--num-layers", "4", "--micro-batch-size", "2", "--bf16"]
+    assert set_value(flags, ["--micro-batch-size"], "8") == ["--num-layers", "4", "--micro-batch-size", "8", "--bf16"]
+    assert set_value(["--micro-batch-size=2", "--bf16"], ["--micro-batch-size"], "4") == [
+        "--micro-batch-size", "4", "--bf16"]
+    assert set_value(["--bf16"], ["--micro-batch-size"], "4") == ["--bf16", "--micro-batch-size", "4"]
+
+
+def test_a_row_without_a_pipeline_sets_pp_1_and_no_virtual_stage_or_group_flag():
+    """PP = 1 (stock, data parallel alone): PP 1 replaces the command's pipeline flags; the distributed optimizer
+    (sharding level optim) is added where the row takes it."""
+    user = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--lr", "1e-3"]
+    flags = replace_flags(user, REPLACED, stock_flags(StockSetting(1, 1, 8), 1, LayerSplit()))
+    assert flags == ["--lr", "1e-3", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    added = stock_flags(StockSetting(1, 1, 8, sharding="optim"), 1, LayerSplit())
+    assert added == ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                     "--use-distributed-optimizer"]

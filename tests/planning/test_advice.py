@@ -21,12 +21,14 @@ def problem(**changes) -> AdviceProblem:
 
 
 def test_layouts_keep_tp_in_a_node_and_whole_microbatches():
-    """TP divides the node and the heads; PP >= 2 and at most the layers; m = batch / (b x DP) >= p; max_tp caps TP."""
+    """TP divides the node and the heads; PP at most the layers, PP = 1 (no pipeline) included; m = batch / (b x DP)
+    >= p; max_tp caps TP."""
     layouts = parallel_layouts(problem(), CLUSTER)
     assert ParallelLayout(1, 4, 2) in layouts and ParallelLayout(2, 2, 2) in layouts
+    assert ParallelLayout(1, 1, 8) in layouts and ParallelLayout(2, 1, 4) in layouts
     for layout in layouts:
         assert layout.tp * layout.pp * layout.dp == 8 and CLUSTER.gpus_per_node % layout.tp == 0
-        assert layout.pp >= 2 and 32 // layout.dp >= layout.pp
+        assert layout.pp >= 1 and 32 // layout.dp >= layout.pp
     assert {l.tp for l in parallel_layouts(problem(max_tp=1), CLUSTER)} == {1}
     assert ParallelLayout(1, 8, 1) in layouts  # one stage per GPU: whole stages per node
 
@@ -192,3 +194,79 @@ def test_placement_flags_without_host_memory_recompute_only():
     runtime = fit_with_recompute(row.plan.config, costs, cluster.budget_bytes,
                                  PlannerOptions(activation_placement="auto", host_budget_bytes=0.0))
     assert runtime.fits and not any(r.host_placed for r in runtime.result.ranks)
+
+
+def test_micro_batch_sizes_divide_the_replica_batch_into_p_or_more_the_commands_first():
+    """Every size dividing the per-replica batch (global batch / DP) into at least p micro-batches, the command's own
+    first (it wins ties); none where DP does not divide the global batch; only the command's when switched off."""
+    assert adv.micro_batch_sizes(problem(), 4, 2) == [1, 2, 4]  # 16 sequences per replica, 4 or more micro-batches
+    assert adv.micro_batch_sizes(problem(), 1, 8) == [1, 2, 4]  # 4 per replica, no pipeline
+    two = problem(model=dataclasses.replace(MODEL, micro_batch_size=2))
+    assert adv.micro_batch_sizes(two, 2, 2) == [2, 1, 4, 8]
+    assert adv.micro_batch_sizes(problem(global_batch=12), 1, 8) == []
+    assert adv.micro_batch_sizes(problem(search_micro_batch_size=False), 4, 2) == [1]
+
+
+def test_candidates_without_a_pipeline_run_at_v1_and_add_the_distributed_optimizer_where_missing():
+    """PP = 1 candidates (stock only) have V = 1; without --use-distributed-optimizer each comes again priced with it
+    and flagged to add it (sharding level optim), and without the overlap flags once more with both added (and the
+    distributed optimizer); every candidate's bound is below its simulation, and candidates at other micro-batch
+    sizes carry theirs."""
+    p = problem(distributed_optimizer=False)
+    found = candidates(p, CLUSTER)
+    flat = [c for c in found if c.layout.pp == 1]
+    assert flat and all(c.vpp == 1 for c in flat)
+    assert {c.stock_sharding for c in flat} == {(None,), ("optim",)}
+    assert all(c.cluster.distributed_optimizer == (c.stock_sharding == ("optim",)) for c in flat)
+    assert {c.stock_sharding for c in candidates(problem(), CLUSTER) if c.layout.pp == 1} == {(None,)}
+    bare = problem(distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
+    ways = {(c.stock_sharding, c.added_flags, c.cluster.distributed_optimizer, c.cluster.overlap_grad_reduce,
+             c.cluster.overlap_param_gather) for c in candidates(bare, CLUSTER) if c.layout.pp == 1}
+    assert ways == {((None,), (), False, False, False), (("optim",), (), True, False, False),
+                    (("optim",), ("--overlap-grad-reduce", "--overlap-param-gather"), True, True, True)}
+    assert all(not c.added_flags for c in found if c.layout.pp > 1)
+    assert {c.micro_batch_size for c in found} == {None, 2, 4, 8, 16}
+    assert all(c.model.micro_batch_size == (c.micro_batch_size or 1) for c in found)
+    for c in flat[:6]:
+        result = adv._stock(c, p, CLUSTER)
+        assert result is not None and c.bound_s <= result.iteration_s * (1 + 1e-9)
+        assert result.setting.sharding == c.stock_sharding[0]
+
+
+FAST = dataclasses.replace(CLUSTER, nic_gbps=400.0, intra_node_gbps=2400.0)
+"""A network fast enough that the small model's data-parallel traffic costs less than a pipeline's bubble."""
+
+
+def test_no_pipeline_is_advised_where_it_is_best_and_a_pp1_command_is_confirmed():
+    """On a fast network a pipeline's bubble costs more than data parallelism's reduction: the best stock layout of a
+    PP = 4 command runs no pipeline; a PP = 1 command is priced as it is (its best_stock row is itself, and no
+    PipeMesh row: PipeMesh schedules a pipeline)."""
+    advice = advise(problem(), FAST)
+    best = advice.rows["best_layout_stock"]
+    assert best.layout.pp == 1 and best.vpp == 1 and "no pipeline" in best.describe()
+    assert best.iteration_s < advice.rows["user"].iteration_s
+    flat = problem(layout=ParallelLayout(1, 1, 8), vpp=1, stock=StockSetting(1, 1, 4))
+    confirmed = advise(flat, FAST)
+    user = confirmed.rows["user"]
+    assert user.layout.pp == 1 and user.describe() == "TP1 PP1 DP8 V=1: no pipeline, no recomputation"
+    assert confirmed.rows["best_stock"].iteration_s == pytest.approx(user.iteration_s, rel=1e-12)
+    assert confirmed.rows["pipemesh"] is None and any("runs no pipeline" in n for n in confirmed.notes)
+
+
+def test_a_micro_batch_size_the_profile_measured_faster_is_advised():
+    """A profile in which two sequences per micro-batch take no longer than one (a device the size-1 batch leaves
+    idle): the advised row changes the micro-batch size, says so, and is predicted faster than the command."""
+    from megatron_pipemesh.planning.profile import ComputePoint, Profile, shape_of
+
+    def point(mbs: int) -> ComputePoint:
+        return ComputePoint(tp=1, micro_batch_size=mbs, layer_forward_s=2e-3, layer_backward_s=4e-3,
+                            recompute_extra_s={}, layer_activation_bytes={"none": 2e6 * mbs},
+                            embedding_forward_s=1e-4, embedding_backward_s=1e-4, embedding_activation_bytes=1e4 * mbs,
+                            output_forward_s=1e-3, output_backward_s=2e-3, output_activation_bytes=1e5 * mbs)
+
+    measured = Profile(device_kind="cpu", device_name="test", torch_version="2.13", megatron_core_version="0.19.2",
+                       shape=shape_of(MODEL, "bf16"), compute=(point(1), point(2)), optimizer_s_per_param=None)
+    advice = advise(problem(profile=measured, max_tp=1), CLUSTER)
+    best = advice.best()
+    assert best.micro_batch_size in (2, 4, 8, 16) and f"mbs {best.micro_batch_size}" in best.describe()
+    assert best.iteration_s < advice.rows["user"].iteration_s and advice.rows["user"].micro_batch_size is None

@@ -139,3 +139,19 @@ def test_gloo_reduce_scatter_costs_an_all_reduce():
     assert gloo.first_stage_dp_s > nccl.first_stage_dp_s
     with pytest.raises(ValueError, match="collectives 'mpi' is not one of nccl, gloo"):
         ClusterSpec(collectives="mpi")
+
+
+def test_without_a_pipeline_a_tied_output_layer_is_the_embedding():
+    """PP = 1 with tied embeddings (Megatron's default): the one rank holds and reduces the word embedding once, the
+    output layer being that very weight; untied, the output layer is a weight of its own."""
+    from megatron_pipemesh.planning.clusters import flat_cluster
+
+    model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
+    cluster = flat_cluster(tp=1, dp=2, device_tflops=10.0, dp_gbps=1.0, p2p_gbps=1.0, distributed_optimizer=False)
+    config = ScheduleConfig.depth_first(1, 1, 2)
+    tied = analytic_costs(model, cluster, config)
+    untied = analytic_costs(dataclasses.replace(model, tied_embeddings=False), cluster, config)
+    own = (model.num_layers * model.layer_params() + model.embedding_params()) * 18
+    assert tied.static_bytes == (own,)
+    assert untied.static_bytes == (own + model.vocab_size * model.hidden_size * 18,)
+    assert tied.last_stage_dp_s == 0.0 < untied.last_stage_dp_s and tied.embedding_allreduce_s == 0.0

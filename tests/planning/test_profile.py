@@ -93,12 +93,32 @@ def test_the_profile_costs_reach_the_simulator_unchanged():
     assert engine.compute(0, first) == pytest.approx(layers * p.layer_forward_s + p.embedding_forward_s)
     assert engine.compute(1, last) == pytest.approx(layers * p.layer_backward_s + p.output_backward_s)
     assert engine.compute(1, Op(OpKind.FORWARD, 0, 0)) == pytest.approx(layers * p.layer_forward_s)
-    # Where the profile has no measurement (another micro-batch size), the costs stay analytic, and say so.
-    other = dataclasses.replace(MODEL, micro_batch_size=4)
-    assert costs_for(other, cluster(), config, profile=dataclasses.replace(measured, optimizer_s_per_param=None)) == \
-        costs_for(other, cluster(), config)
-    found, assumed = coverage(measured, 1, 4)
-    assert found == ["optimizer step"] and any("not measured at TP 1, micro-batch 4" in a for a in assumed)
+    # Where the profile has no measurement at the TP, the costs stay analytic, and say so.
+    wide = dataclasses.replace(cluster(), tp=2)
+    assert costs_for(MODEL, wide, config, profile=dataclasses.replace(measured, optimizer_s_per_param=None)) == \
+        costs_for(MODEL, wide, config)
+    found, assumed = coverage(measured, 2, 2)
+    assert found == ["optimizer step"] and any("not measured at TP 2, micro-batch 2" in a for a in assumed)
+
+
+def test_a_micro_batch_size_not_measured_is_scaled_from_the_nearest_measured():
+    """The advice prices micro-batch sizes the profile may not have measured: at such a size the analytic costs
+    (linear in the micro-batch size) calibrated at the nearest size measured (the largest below, else the smallest
+    above): that point's times and bytes times the ratio of the sizes; the report says which size it scaled."""
+    measured = profile(point(mbs=1, forward_ms=3.0), point(mbs=2))
+    config = ScheduleConfig.depth_first(2, 2, 4)
+    at = lambda b: costs_for(dataclasses.replace(MODEL, micro_batch_size=b), cluster(), config, profile=measured)
+    assert at(2).forward_s == pytest.approx(2 * 4e-3)  # measured at 2
+    assert at(1).forward_s == pytest.approx(2 * 3e-3)  # measured at 1
+    assert at(8).forward_s == pytest.approx(4 * at(2).forward_s)  # scaled from 2, the largest below
+    assert at(8).activation_bytes["selective"] == pytest.approx(4 * at(2).activation_bytes["selective"])
+    assert at(8).last_stage_backward_extra_s == pytest.approx(4 * 2.5e-3)
+    only_large = profile(point(mbs=4))
+    assert only_large.point_for(1, 2).layer_backward_s == pytest.approx(3e-3)  # the smallest above, halved
+    assert only_large.point_for(2, 2) is None
+    found, assumed = coverage(measured, 1, 8)
+    assert "layer forward/backward (scaled from micro-batch 2)" in found and "optimizer step" in found
+    assert not any(name.startswith("layer forward/backward") for name in assumed)
 
 
 def test_a_slower_measured_layer_raises_the_prediction_by_the_expected_amount():

@@ -182,3 +182,62 @@ def test_best_stock_offloads_only_with_a_host_limit_and_te():
     tiny = best_stock(TE, CLUSTER, pp, m, budget, host_limit=1.0)
     assert tiny.setting.offload is None and tiny.iteration_s == pytest.approx(without.iteration_s)
     assert best_stock(MODEL, CLUSTER, pp, m, budget, host_limit=64 * GB).setting.offload is None
+
+
+def _no_pipeline(model: ModelSpec, cluster: ClusterSpec, microbatches: int = 4):
+    """A PP = 1 setting evaluated, with its simulator costs: (result, forward, backward, reduction, optimizer)."""
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+    from megatron_pipemesh.schedule.ops import Op, OpKind
+
+    setting = StockSetting(1, 1, microbatches)
+    config = setting.config()
+    costs = analytic_costs(model, cluster, config)
+    engine = ScheduleCosts(config, costs)
+    f, b = (engine.compute(0, Op(kind, 0, 0)) for kind in (OpKind.FORWARD, OpKind.BACKWARD))
+    return evaluate(setting, model, cluster), f, b, engine.data_parallel(0, Op(OpKind.GRAD_SYNC, 0)), costs
+
+
+def test_without_a_pipeline_the_micro_batches_run_in_turn_and_the_reduction_follows():
+    """PP = 1 (Megatron's forward_backward_no_pipelining): m forwards and backwards in turn on the one rank, no
+    transfer, then the gradients' all-reduce (no --overlap-grad-reduce) and the optimizer step; its flags set PP = 1
+    and nothing else; its bound (no bubble) is below the simulation."""
+    from megatron_pipemesh.planning.bounds import bound_for
+    from megatron_pipemesh.planning.clusters import flat_cluster
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+
+    setting = StockSetting(1, 1, 4)
+    assert setting.schedule == "no_pipeline" and setting.flags() == ["--pipeline-model-parallel-size", "1"]
+    assert setting.describe() == "no pipeline, no recomputation"
+    assert schedule_options(1, 8, 4) == [(1, None)]
+    cluster = flat_cluster(tp=1, dp=2, device_tflops=10.0, dp_gbps=1.0, p2p_gbps=1.0, latency_us=0.0,
+                           distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
+    result, f, b, reduce, costs = _no_pipeline(MODEL, cluster)
+    assert reduce > 0 and costs.p2p_s == 0.0
+    assert result.iteration_s == pytest.approx(4 * (f + b) + reduce + costs.optimizer_s[0], rel=1e-9)
+    config = setting.config()
+    assert bound_for(config, ScheduleCosts(config, costs)).seconds <= result.iteration_s * (1 + 1e-9)
+
+
+def test_without_a_pipeline_overlapped_buckets_hide_all_but_one_under_the_last_backward():
+    """With --overlap-grad-reduce Megatron reduces the gradients of PP = 1 in buckets of 40M parameters (or 1M x DP)
+    as the last backward produces them: what follows that backward is the larger of one bucket's share and what the
+    backward cannot hide. A model within one bucket gains nothing (the one reduction follows the backward)."""
+    from megatron_pipemesh.planning.clusters import flat_cluster
+
+    big = ModelSpec(num_layers=4, hidden_size=4096, num_attention_heads=32, seq_length=1024)
+    fields = dict(tp=1, dp=2, device_tflops=100.0, dp_gbps=100.0, p2p_gbps=100.0, latency_us=0.0,
+                  distributed_optimizer=False, overlap_param_gather=False)
+    after, f, b, reduce, costs = _no_pipeline(big, flat_cluster(**fields, overlap_grad_reduce=False))
+    during, _, _, tail, bucketed = _no_pipeline(big, flat_cluster(**fields, overlap_grad_reduce=True))
+    n = bucketed.dp_buckets
+    assert n == -(-(costs.static_bytes[0] / 18) // 40e6) and n > 1
+    assert tail == pytest.approx(max(reduce / n, reduce - b * (n - 1) / n), rel=1e-9) and tail < reduce
+    assert during.iteration_s == pytest.approx(after.iteration_s - reduce + tail, rel=1e-9)
+    from megatron_pipemesh.planning.bounds import bound_for
+    from megatron_pipemesh.planning.costs import ScheduleCosts
+
+    config = StockSetting(1, 1, 4).config()
+    assert bound_for(config, ScheduleCosts(config, bucketed)).seconds <= during.iteration_s * (1 + 1e-9)
+    small = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256)
+    _, _, _, one, single = _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=True))
+    assert single.dp_buckets == 1 and one == _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=False))[3]
