@@ -187,3 +187,14 @@ def test_the_advice_prices_the_commands_own_overlap_flags(flags, overlap):
     assert problem.overlap == overlap
     spec = cluster.spec(1, 2, False, problem.distributed_optimizer, problem.overlap)
     assert (spec.overlap_grad_reduce, spec.overlap_param_gather) == overlap
+
+
+def test_jobs_1_and_2_give_the_same_rows():
+    """--jobs N runs the layout search on N worker processes: the same rows (flags, words, predictions, peaks), the
+    same counts of simulated candidates and notes as one process; only the time differs."""
+    rated = CLUSTER + ["--device-tflops", "0.05"]  # not this CPU's measured rate, which changes run to run
+    out = [advice_json(TINY, rated + ["--jobs", jobs]) for jobs in ("1", "2")]
+    for one in out:
+        del one["search_s"], one["search_cpu_s"]
+    assert out[0] == out[1]
+    assert out[0]["candidates"] > 10 and out[0]["simulated"]["stock"] > 2 and out[0]["search_complete"]
