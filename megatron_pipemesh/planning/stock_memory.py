@@ -154,6 +154,26 @@ LiveStates = List[set]
 program order passes through (:func:`live_states`)."""
 
 
+class LiveSet(set):
+    """One rank's live states (:data:`LiveStates`), with their front kept once computed: the states no other state
+    with the same kind in a backward covers (as many or more of every kind). With bytes >= 0 per chunk-micro-batch a
+    covered state never holds more (float products and sums are monotone), so the peak over the front is the peak
+    over every state, to the float; the front is a few states where the order passes through thousands."""
+
+    _front: Optional[List[tuple]] = None
+
+    def front(self) -> List[tuple]:
+        if self._front is None:
+            front: List[tuple] = []
+            for state in sorted(self, key=lambda item: (item[1], item[0]), reverse=True):
+                live, backward = state
+                if not any(other_backward == backward and all(a >= b for a, b in zip(other, live))
+                           for other, other_backward in front):
+                    front.append(state)
+            self._front = front
+        return self._front
+
+
 def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
     """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
     it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
@@ -163,7 +183,7 @@ def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Option
     for rank in range(config.pp):
         of_chunk = kinds.of_chunk[rank]
         live = [0] * len(kinds.chunks[rank])
-        states = set()
+        states = LiveSet()
         for op in schedule.programs[rank]:
             kind = op.kind
             if kind is OpKind.FORWARD:
@@ -184,6 +204,8 @@ def _peaks(counts: LiveStates, held: Sequence[Sequence[float]], transient: Seque
     for rank, states in enumerate(counts):
         sizes, extra = held[rank], transient[rank]
         base = in_flight[rank] if in_flight is not None else 0.0
+        if isinstance(states, LiveSet) and all(size >= 0 for size in sizes):
+            states = states.front()  # the same peak (LiveSet)
         out.append(max(sum(n * size for n, size in zip(live, sizes)) + (extra[backward] if backward >= 0 else 0.0) + base
                        for live, backward in states))
     return tuple(out)
