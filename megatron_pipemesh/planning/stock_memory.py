@@ -164,14 +164,35 @@ class LiveSet(set):
 
     def front(self) -> List[tuple]:
         if self._front is None:
+            by_backward: Dict[int, List[tuple]] = {}
+            for live, backward in self:
+                by_backward.setdefault(backward, []).append(live)
             front: List[tuple] = []
-            for state in sorted(self, key=lambda item: (item[1], item[0]), reverse=True):
-                live, backward = state
-                if not any(other_backward == backward and all(a >= b for a, b in zip(other, live))
-                           for other, other_backward in front):
-                    front.append(state)
+            for backward, lives in by_backward.items():
+                front += [(live, backward) for live in _uncovered(lives)]
             self._front = front
         return self._front
+
+
+def _uncovered(lives: List[tuple]) -> List[tuple]:
+    """The distinct count tuples no other one covers (as many or more of every kind). Sorted in decreasing order, a
+    tuple can only be covered by an earlier one; with two kinds, exactly when an earlier one has as many of the
+    second kind."""
+    ordered = sorted(set(lives), reverse=True)
+    if not ordered or len(ordered[0]) == 1:
+        return ordered[:1]
+    out: List[tuple] = []
+    if len(ordered[0]) == 2:
+        most = -1
+        for live in ordered:
+            if live[1] > most:
+                out.append(live)
+                most = live[1]
+        return out
+    for live in ordered:
+        if not any(all(a >= b for a, b in zip(other, live)) for other in out):
+            out.append(live)
+    return out
 
 
 def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
