@@ -465,6 +465,42 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
     return _plan_row("user", user, plan)
 
 
+class _UserLayout:
+    """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
+    rows): with ``jobs`` > 1 on two worker processes while the caller prices the user's command and bounds the
+    candidates, else when asked. The same functions either way, so the same rows."""
+
+    def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: _Candidate, pipemesh: bool, jobs: int):
+        from .pool import WorkerPool, jobs_here
+
+        self._args = (user, problem, cluster, virtual_sizes(problem.model, problem.layout.pp))
+        self._pipemesh = pipemesh
+        self._pool = WorkerPool(min(2 if pipemesh else 1, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
+        self._stock = self._plan = None
+        if self._pool is not None:
+            user, problem, cluster, vpps = self._args
+            self._stock = self._pool.submit(_stock, user, problem, cluster, float("inf"), vpps)
+            self._plan = self._pool.submit(_plan, user, cluster) if pipemesh else None
+
+    def __enter__(self) -> "_UserLayout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def stock(self) -> Optional[StockResult]:
+        if self._pool is not None:
+            return self._stock.result()
+        user, problem, cluster, vpps = self._args
+        return _stock(user, problem, cluster, vpps=vpps)
+
+    def plan(self) -> Optional[Plan]:
+        if not self._pipemesh:
+            return None
+        return self._plan.result() if self._pool is not None else _plan(self._args[0], self._args[2])
+
+
 Progress = Optional[Callable[[str], None]]
 """Where the search says what it is doing, one line at a time (the CLI's stderr); None: silent."""
 
@@ -577,30 +613,30 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     deadline_s = None if search_seconds is None else time.monotonic() + search_seconds
     rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
     notes: List[str] = []
-    rows["user"] = _user_row(problem, cluster)
-    _say(progress, rows["user"])
     user = _user_candidate(problem, cluster, problem.vpp)
-    stock = _stock(user, problem, cluster, vpps=virtual_sizes(problem.model, problem.layout.pp))
+    pipemesh_ok = problem.pipemesh_refused is None
+    with _UserLayout(problem, cluster, user, pipemesh_ok and problem.vpp >= 2, jobs) as own:
+        rows["user"] = _user_row(problem, cluster)
+        _say(progress, rows["user"])
+        found = candidates(problem, cluster)
+        stock, plan = own.stock(), own.plan()
     if stock is not None:
         rows["best_stock"] = _stock_row("best_stock", dataclasses.replace(user, vpp=stock.setting.vpp), stock, cluster)
         _say(progress, rows["best_stock"])
     else:
         notes.append(f"best_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU with "
                      f"{problem.layout.describe()}")
-    pipemesh_ok = problem.pipemesh_refused is None
     if not pipemesh_ok:
         notes.append(f"pipemesh, best_layout: {problem.pipemesh_refused}")
     elif problem.vpp < 2:
         notes.append("pipemesh: the command has no virtual stages (V = 1); PipeMesh needs V >= 2 (see best_layout)")
     else:
-        plan = _plan(user, cluster)
         if plan is not None:
             rows["pipemesh"] = _plan_row("pipemesh", user, plan)
             _say(progress, rows["pipemesh"])
         else:
             notes.append(f"pipemesh: no PipeMesh plan fits {cluster.device_memory_gb:g} GiB per GPU with "
                          f"{problem.layout.describe()} V={problem.vpp}")
-    found = candidates(problem, cluster)
     if progress is not None:
         progress(f"{len(found)} candidates (TP x PP x DP, V, layer split) whose weights fit, searched in the order of "
                  f"their bound" + (f" for up to {search_seconds:g} s" if search_seconds is not None else ""))
