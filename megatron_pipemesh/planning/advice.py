@@ -15,7 +15,8 @@ The search prices every candidate with the planner's own costs and simulator, an
   levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
   prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
   time limit, or the study's cap on candidates), it keeps the rows found and records the least bound left
-  (:class:`SearchLog`): no layout left unsearched runs faster than that.
+  (:class:`SearchLog`): no layout left unsearched runs faster than that. With ``jobs`` > 1 the loop runs on worker
+  processes (:mod:`.parallel_search`), and so do the user layout's rows, with the same rows to the float.
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
