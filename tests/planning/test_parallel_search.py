@@ -1,8 +1,6 @@
 """planning/parallel_search.py: the layout search on worker processes gives the sequential search's rows and counts,
 to the float; what it relies on (a larger incumbent finds the same row wherever the row beats the smaller); the
 time limit and the cap on worker processes; no nested pools."""
-import dataclasses
-
 import pytest
 
 from megatron_pipemesh.planning import advice as adv
@@ -112,7 +110,7 @@ def test_the_study_row_advice_is_the_same_in_a_worker():
     """The study's rows run in the shared pool: a row's advice there (one process) is the one computed here."""
     from megatron_pipemesh.study.study import COMMODITY, run_study
 
-    row = dataclasses.replace(COMMODITY[0])
+    row = COMMODITY[0]
     here = run_study([row], jobs=1)[0]
     there = run_study([row, row], jobs=2)
     for out in there:
