@@ -68,6 +68,9 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                              "of its side) and report the best rows found, with how much faster a layout left unsearched "
                              "could be at most (default: search until no layout can beat the rows; the rows of your "
                              "own layout are always priced)")
+    search.add_argument("--jobs", type=positive_int, default=None,
+                        help="worker processes for the layout search (default: the cores this process may use); the "
+                             "rows are the same for every number, only the time changes")
     search.add_argument("--quiet", action="store_true",
                         help="no progress lines on stderr (each row found, and every 10 s where the search is)")
     parser.add_argument("--profile", metavar="FILE", default=None,
@@ -358,6 +361,7 @@ def cmd_advice(argv: Sequence[str]) -> int:
     """``pipemesh plan --megatron-args ...`` from its words (after ``plan``)."""
     from ..planning.advice import advise
     from ..planning.planner import NoFeasiblePlan
+    from ..planning.pool import jobs_here
 
     own, tail = split_argv(argv)
     args = build_advice_parser().parse_args(own)
@@ -367,7 +371,8 @@ def cmd_advice(argv: Sequence[str]) -> int:
         progress("reading the command with Megatron's argument parser")
     user, problem, cluster, rate = problem_and_cluster(args, words)
     try:
-        advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress)
+        advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress,
+                        jobs=jobs_here(args.jobs))
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
     if problem.max_tp == 1:

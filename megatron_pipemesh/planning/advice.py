@@ -21,7 +21,8 @@ The search prices every candidate with the planner's own costs and simulator, an
   levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
   prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
   time limit, or the study's cap on candidates), it keeps the rows found and records the least bound left
-  (:class:`SearchLog`): no layout left unsearched runs faster than that.
+  (:class:`SearchLog`): no layout left unsearched runs faster than that. With ``jobs`` > 1 the loop runs on worker
+  processes (:mod:`.parallel_search`), and so do the user layout's rows, with the same rows to the float.
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
@@ -302,7 +303,8 @@ class Advice:
     seconds: float = 0.0
     """Wall time of the search."""
     cpu_seconds: float = 0.0
-    """CPU time of the search (this process): what it costs, however loaded the machine is."""
+    """CPU time of the search (this process and its worker processes): what it costs, however loaded the machine
+    is."""
 
     def best(self) -> Optional[AdviceRow]:
         """The fastest row that fits (ties: the earlier in :data:`ROWS`, the user's command first)."""
@@ -551,6 +553,42 @@ def _user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
     return _plan_row("user", user, plan)
 
 
+class _UserLayout:
+    """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
+    rows): with ``jobs`` > 1 on two worker processes while the caller prices the user's command and bounds the
+    candidates, else when asked. The same functions either way, so the same rows."""
+
+    def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: _Candidate, pipemesh: bool, jobs: int):
+        from .pool import WorkerPool, jobs_here
+
+        self._args = (user, problem, cluster, virtual_sizes(problem.model, problem.layout.pp))
+        self._pipemesh = pipemesh
+        self._pool = WorkerPool(min(2 if pipemesh else 1, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
+        self._stock = self._plan = None
+        if self._pool is not None:
+            user, problem, cluster, vpps = self._args
+            self._stock = self._pool.submit(_stock, user, problem, cluster, float("inf"), vpps)
+            self._plan = self._pool.submit(_plan, user, cluster) if pipemesh else None
+
+    def __enter__(self) -> "_UserLayout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def stock(self) -> Optional[StockResult]:
+        if self._pool is not None:
+            return self._stock.result()
+        user, problem, cluster, vpps = self._args
+        return _stock(user, problem, cluster, vpps=vpps)
+
+    def plan(self) -> Optional[Plan]:
+        if not self._pipemesh:
+            return None
+        return self._plan.result() if self._pool is not None else _plan(self._args[0], self._args[2])
+
+
 Progress = Optional[Callable[[str], None]]
 """Where the search says what it is doing, one line at a time (the CLI's stderr); None: silent."""
 
@@ -562,7 +600,8 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
                    best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
                    stock: bool = True, pm_incumbent_s: float = float("inf"), log: Optional[SearchLog] = None,
                    max_simulated: Optional[int] = None, time_up: TimeUp = None,
-                   progress: Progress = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                   progress: Progress = None, jobs: int = 1,
+                   deadline_s: Optional[float] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
     (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
     while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
@@ -571,8 +610,26 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
     Limits (None: none), each recorded in ``log`` with the least bound left: ``max_simulated`` stops a side after
     that many candidates; ``time_up`` (asked between candidates and between the simulations of one) stops both sides
     once it says the time has passed, abandoning the candidate in progress unless its side has no row yet. Either way
-    the rows are real plans, and no candidate left runs faster than that bound."""
+    the rows are real plans, and no candidate left runs faster than that bound. ``deadline_s`` (a
+    :func:`time.monotonic` instant) is the same limit as ``time_up`` given as the time it passes.
+
+    ``jobs`` > 1 (1 inside a worker, :func:`.pool.jobs_here`): the candidates are simulated on that many worker
+    processes (:mod:`.parallel_search`) with the same rows and counts as here, to the float, when no time limit stops
+    the search (``time_up`` cannot be sent to a worker: give ``deadline_s``)."""
     log = log if log is not None else SearchLog()
+    if deadline_s is not None and time_up is None:
+        time_up = lambda: time.monotonic() >= deadline_s  # noqa: E731
+    from .pool import jobs_here
+
+    jobs = jobs_here(jobs)
+    if jobs > 1 and len(found) > 1:
+        if deadline_s is None and time_up is not None:
+            raise ValueError("search_layouts: a time_up function cannot be sent to worker processes; give deadline_s "
+                             "(a time.monotonic() instant), or jobs=1")
+        from .parallel_search import search_parallel
+
+        return search_parallel(problem, cluster, found, best_pm, best_st, pipemesh, stock, pm_incumbent_s, log,
+                               max_simulated, deadline_s, progress, jobs)
     next_beat = [time.perf_counter() + HEARTBEAT_S]
 
     def beat(index: int, candidate: _Candidate) -> None:
@@ -632,27 +689,31 @@ def _say(progress: Progress, row: Optional[AdviceRow]) -> None:
 
 
 def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optional[float] = None,
-           progress: Progress = None) -> Advice:
+           progress: Progress = None, jobs: int = 1) -> Advice:
     """The five rows of the module docstring for ``problem`` on ``cluster``.
 
     ``search_seconds`` (None: no limit): from the start, the time after which the layout search stops (the rows of the
     user's layout are always priced); a note then says how much faster a layout left unsearched could be, at most.
     ``progress`` hears each row found and, every :data:`HEARTBEAT_S` (between simulations), where the layout search
-    is."""
-    started, cpu_started = time.perf_counter(), time.process_time()
+    is. ``jobs``: worker processes for the layout search (:func:`search_layouts`; the same rows for every number
+    when the search is complete)."""
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
+    deadline_s = None if search_seconds is None else time.monotonic() + search_seconds
     rows: Dict[str, Optional[AdviceRow]] = dict.fromkeys(ROWS)
     notes: List[str] = []
-    rows["user"] = _user_row(problem, cluster)
-    _say(progress, rows["user"])
     user = _user_candidate(problem, cluster, problem.vpp)
-    stock = _stock(user, problem, cluster, vpps=virtual_sizes(problem.model, problem.layout.pp))
+    pipemesh_ok = problem.pipemesh_refused is None
+    with _UserLayout(problem, cluster, user, pipemesh_ok and problem.vpp >= 2, jobs) as own:
+        rows["user"] = _user_row(problem, cluster)
+        _say(progress, rows["user"])
+        found = candidates(problem, cluster)
+        stock, plan = own.stock(), own.plan()
     if stock is not None:
         rows["best_stock"] = _stock_row("best_stock", dataclasses.replace(user, vpp=stock.setting.vpp), stock, cluster)
         _say(progress, rows["best_stock"])
     else:
         notes.append(f"best_stock: no stock setting fits {cluster.device_memory_gb:g} GiB per GPU with "
                      f"{problem.layout.describe()}")
-    pipemesh_ok = problem.pipemesh_refused is None
     if not pipemesh_ok:
         notes.append(f"pipemesh, best_layout: {problem.pipemesh_refused}")
     elif problem.layout.pp == 1:
@@ -660,22 +721,19 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     elif problem.vpp < 2:
         notes.append("pipemesh: the command has no virtual stages (V = 1); PipeMesh needs V >= 2 (see best_layout)")
     else:
-        plan = _plan(user, cluster)
         if plan is not None:
             rows["pipemesh"] = _plan_row("pipemesh", user, plan)
             _say(progress, rows["pipemesh"])
         else:
             notes.append(f"pipemesh: no PipeMesh plan fits {cluster.device_memory_gb:g} GiB per GPU with "
                          f"{problem.layout.describe()} V={problem.vpp}")
-    found = candidates(problem, cluster)
     if progress is not None:
         progress(f"{len(found)} candidates (TP x PP x DP, V, layer split) whose weights fit, searched in the order of "
                  f"their bound" + (f" for up to {search_seconds:g} s" if search_seconds is not None else ""))
     log = SearchLog()
     best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
                                       rows["best_stock"], pipemesh=pipemesh_ok, log=log, progress=progress,
-                                      time_up=None if search_seconds is None else
-                                      lambda: time.perf_counter() >= started + search_seconds)
+                                      deadline_s=deadline_s, jobs=jobs)
     if pipemesh_ok:
         rows["best_layout"] = dataclasses.replace(best_pm, name="best_layout") if best_pm else None
         if best_pm is None and not any(c.vpp >= 2 for c in found):
@@ -694,7 +752,15 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
                      f"candidates (the least bounds first); the rest run no faster than {log.unsearched_bound_s:.3f} s"
                      + (", so a layout left unsearched is at most " + " and ".join(gains) if gains else "")
                      + "; a longer --search-seconds searches further")
-    return Advice(rows, notes, len(found), log, time.perf_counter() - started, time.process_time() - cpu_started)
+    return Advice(rows, notes, len(found), log, time.perf_counter() - started, _cpu_seconds() - cpu_started)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its workers that have ended (a search's pool ends with the search)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def tokens_per_s(problem: AdviceProblem, row: AdviceRow) -> float:

@@ -154,6 +154,47 @@ LiveStates = List[set]
 program order passes through (:func:`live_states`)."""
 
 
+class LiveSet(set):
+    """One rank's live states (:data:`LiveStates`), with their front kept once computed: the states no other state
+    with the same kind in a backward covers (as many or more of every kind). With bytes >= 0 per chunk-micro-batch a
+    covered state never holds more (float products and sums are monotone), so the peak over the front is the peak
+    over every state, to the float; the front is a few states where the order passes through thousands."""
+
+    _front: Optional[List[tuple]] = None
+
+    def front(self) -> List[tuple]:
+        if self._front is None:
+            by_backward: Dict[int, List[tuple]] = {}
+            for live, backward in self:
+                by_backward.setdefault(backward, []).append(live)
+            front: List[tuple] = []
+            for backward, lives in by_backward.items():
+                front += [(live, backward) for live in _uncovered(lives)]
+            self._front = front
+        return self._front
+
+
+def _uncovered(lives: List[tuple]) -> List[tuple]:
+    """The distinct count tuples no other one covers (as many or more of every kind). Sorted in decreasing order, a
+    tuple can only be covered by an earlier one; with two kinds, exactly when an earlier one has as many of the
+    second kind."""
+    ordered = sorted(set(lives), reverse=True)
+    if not ordered or len(ordered[0]) == 1:
+        return ordered[:1]
+    out: List[tuple] = []
+    if len(ordered[0]) == 2:
+        most = -1
+        for live in ordered:
+            if live[1] > most:
+                out.append(live)
+                most = live[1]
+        return out
+    for live in ordered:
+        if not any(all(a >= b for a, b in zip(other, live)) for other in out):
+            out.append(live)
+    return out
+
+
 def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
     """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
     it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
@@ -163,7 +204,7 @@ def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Option
     for rank in range(config.pp):
         of_chunk = kinds.of_chunk[rank]
         live = [0] * len(kinds.chunks[rank])
-        states = set()
+        states = LiveSet()
         for op in schedule.programs[rank]:
             kind = op.kind
             if kind is OpKind.FORWARD:
@@ -184,6 +225,8 @@ def _peaks(counts: LiveStates, held: Sequence[Sequence[float]], transient: Seque
     for rank, states in enumerate(counts):
         sizes, extra = held[rank], transient[rank]
         base = in_flight[rank] if in_flight is not None else 0.0
+        if isinstance(states, LiveSet) and all(size >= 0 for size in sizes):
+            states = states.front()  # the same peak (LiveSet)
         out.append(max(sum(n * size for n, size in zip(live, sizes)) + (extra[backward] if backward >= 0 else 0.0) + base
                        for live, backward in states))
     return tuple(out)

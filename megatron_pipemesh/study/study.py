@@ -86,6 +86,7 @@ from ..planning.clusters import costs_for
 from ..planning.costs import GB, ClusterSpec, ModelSpec, ScheduleCosts, analytic_costs
 from ..planning.planner import NoFeasiblePlan, PlannerOptions, fit_with_recompute, plan_schedule
 from ..planning.planner_options import structured_options
+from ..planning.pool import WorkerPool, jobs_here
 from ..planning.sharding import ShardingModel, ShardingSpec, candidate_levels
 from ..planning.stock import STOCK_SHARDING, activation_budget, best_stock, default_stock
 from ..schedule.config import ScheduleConfig
@@ -376,10 +377,11 @@ def _plan_row(plan) -> Optional[dict]:
 
 
 def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool = False, jobs: int = 1) -> List[dict]:
-    """:func:`run_row` of every row, in order (``jobs`` worker processes; the rows are independent)."""
+    """:func:`run_row` of every row, in order (``jobs`` worker processes, :class:`..planning.pool.WorkerPool`; the rows
+    are independent, and each row's advice searches inside its row's worker)."""
+    jobs = jobs_here(jobs)
     if jobs <= 1 or len(rows) <= 1:
         return [run_row(row, sharding) for row in rows]
-    from concurrent.futures import ProcessPoolExecutor
 
     # Longest first, so that no worker is left with a long row while the others are idle: a row's search
     # grows with its micro-batches and its model (32 micro-batches cost 24-450 CPU-s a row, 16 at most 25).
@@ -388,8 +390,8 @@ def run_study(rows: Sequence[StudyRow] = COMMODITY + DATACENTRE, sharding: bool 
         return model.num_layers * model.layer_params()
 
     order = sorted(range(len(rows)), key=lambda i: (-rows[i].microbatches, -size(rows[i]), i))
-    with ProcessPoolExecutor(min(jobs, len(rows))) as pool:
-        done = list(pool.map(run_row, [rows[i] for i in order], [sharding] * len(rows)))
+    with WorkerPool(min(jobs, len(rows))) as pool:
+        done = pool.map(run_row, [rows[i] for i in order], [sharding] * len(rows))
     out: List[dict] = [{}] * len(rows)
     for i, result in zip(order, done):
         out[i] = result
@@ -554,9 +556,7 @@ def cmd_study(args) -> int:
         rows = tuple(r for r in rows if args.only in r.describe())
     if args.limit:
         rows = rows[:args.limit]
-    import os
-
-    results = run_study(rows, args.sharding, args.jobs or os.cpu_count() or 1)
+    results = run_study(rows, args.sharding, jobs_here(args.jobs))
     if args.json:
         print(json.dumps(results, indent=1))
     else:

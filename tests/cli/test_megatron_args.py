@@ -207,3 +207,14 @@ def test_a_command_without_a_pipeline_is_priced_and_its_rows_name_their_micro_ba
             continue
         assert row["flags"].count("--pipeline-model-parallel-size") == 1 and row["flags"].count("--micro-batch-size") == 1
         assert row["flags"][row["flags"].index("--micro-batch-size") + 1] == str(row["micro_batch_size"]), name
+
+
+def test_jobs_1_and_2_give_the_same_rows():
+    """--jobs N runs the layout search on N worker processes: the same rows (flags, words, predictions, peaks), the
+    same counts of simulated candidates and notes as one process; only the time differs."""
+    rated = CLUSTER + ["--device-tflops", "0.05"]  # not this CPU's measured rate, which changes run to run
+    out = [advice_json(TINY, rated + ["--jobs", jobs]) for jobs in ("1", "2")]
+    for one in out:
+        del one["search_s"], one["search_cpu_s"]
+    assert out[0] == out[1]
+    assert out[0]["candidates"] > 10 and out[0]["simulated"]["stock"] > 2 and out[0]["search_complete"]

@@ -241,3 +241,29 @@ def test_without_a_pipeline_overlapped_buckets_hide_all_but_one_under_the_last_b
     small = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256)
     _, _, _, one, single = _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=True))
     assert single.dp_buckets == 1 and one == _no_pipeline(small, flat_cluster(**fields, overlap_grad_reduce=False))[3]
+
+
+def test_the_peak_over_the_front_of_the_live_states_is_the_peak_over_all_of_them():
+    """The peaks are taken over the live states no other state covers (stock_memory.LiveSet): the same peak to the
+    float as over every state for any bytes >= 0 (checked on interleaved orders and random bytes), a few states out
+    of dozens; with a negative size (never an activation's) every state is used."""
+    import random
+
+    from megatron_pipemesh.planning.stock_memory import ChunkKinds, _peaks
+
+    rng = random.Random(7)
+    for pp, vpp, m, g in ((2, 2, 8, 4), (4, 2, 32, 8), (4, 2, 64, 64), (2, 4, 48, 16)):
+        config = StockSetting(pp, vpp, m, g).config()
+        kinds = ChunkKinds.of(config)
+        counts = live_states(config, lower(config, lowering_for(analytic_costs(MODEL, CLUSTER, config))), kinds)
+        every = [set(states) for states in counts]
+        assert all(len(states.front()) < len(states) for states in counts[:1])
+        for _ in range(30):
+            held = [[rng.choice((0.0, rng.random() * 1e9, rng.randint(1, 10 ** 12) * 1.0)) for _ in k]
+                    for k in kinds.chunks]
+            transient = [[rng.random() * 1e9 for _ in k] for k in kinds.chunks]
+            flight = [rng.random() * 1e8 for _ in kinds.chunks]
+            assert _peaks(counts, held, transient, flight) == _peaks(every, held, transient, flight)
+        negative = [[-1.0] + [1.0] * (len(k) - 1) for k in kinds.chunks]
+        zero = [[0.0] * len(k) for k in kinds.chunks]
+        assert _peaks(counts, negative, zero) == _peaks(every, negative, zero)

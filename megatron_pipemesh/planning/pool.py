@@ -1,0 +1,82 @@
+"""Worker processes for the planner's searches: the advice's layout search (:mod:`.parallel_search`) and the study's
+rows (:func:`..study.study.run_study`) start their workers here, so both start them the same way and never nest.
+
+Workers are forked: they inherit what the parent already imported (the CLI has imported megatron-core for its parser;
+forking after that import is fine on Linux CPU), so none imports anything again. A worker never starts workers of its
+own: inside one, :func:`jobs_here` is 1, so a study row's advice searches in its row's worker.
+
+Each pool may carry a small board of shared numbers (:attr:`WorkerPool.board`), written by the parent and read by the
+workers while they run (the layout search publishes there the times that let a worker drop a candidate early).
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, Callable, Iterable, List, Optional, Sequence
+
+_in_worker = False
+_board: Optional[Sequence[float]] = None
+
+
+def _start_worker(board) -> None:
+    global _in_worker, _board
+    _in_worker = True
+    _board = board
+
+
+def in_worker() -> bool:
+    """True inside a worker of a :class:`WorkerPool`."""
+    return _in_worker
+
+
+def board() -> Optional[Sequence[float]]:
+    """Inside a worker: its pool's shared numbers (None without a board, or outside a worker)."""
+    return _board
+
+
+def default_jobs() -> int:
+    """The cores this process may run on (a ``taskset`` narrows them), else the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def jobs_here(jobs: Optional[int]) -> int:
+    """The worker processes a search may start: ``jobs`` (None or 0: :func:`default_jobs`), and 1 inside a worker."""
+    if _in_worker:
+        return 1
+    return max(1, jobs or default_jobs())
+
+
+class WorkerPool:
+    """``jobs`` forked worker processes (a context manager); ``board_size`` shared numbers in :attr:`board`."""
+
+    def __init__(self, jobs: int, board_size: int = 0):
+        if jobs < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got jobs={jobs}")
+        context = multiprocessing.get_context("fork")
+        self.board = context.RawArray("d", board_size) if board_size else None
+        """Numbers the parent writes and its workers read (:func:`board` in a worker); None without a board."""
+        self._executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_start_worker,
+                                             initargs=(self.board,))
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the tasks not started, wait for those running, end the workers."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        return self._executor.submit(fn, *args)
+
+    def map(self, fn: Callable, *iterables: Iterable) -> List:
+        """``fn`` over the items, in their order."""
+        return list(self._executor.map(fn, *iterables))
