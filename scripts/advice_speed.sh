@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIPEMESH=${PIPEMESH:-.venv/bin/pipemesh}
-JOBS=("${@:-1 2}")
+if [ $# -gt 0 ]; then JOBS=("$@"); else JOBS=(1 2); fi
 # README "What should I run?": GPT-1.3B TP1 PP4 DP4 on 16 single-GPU A10G VMs at 6.25 Gbit/s, 48 GiB host memory.
 GPT_1_3B=(--nodes 16 --gpus-per-node 1 --nic-gbps 6.25 --gpu A10G --host-memory-gb 48
   --megatron-args "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 64 --bf16 --use-distributed-optimizer --pipeline-model-parallel-size 4 --transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --train-iters 1000 --lr 1e-4")
@@ -15,7 +15,7 @@ GPT_1_3B=(--nodes 16 --gpus-per-node 1 --nic-gbps 6.25 --gpu A10G --host-memory-
 # micro-batch 1, bf16, distributed optimizer) as TP8 PP8 V=2 on 32 nodes x 8 L40S at 100 Gbit/s, 64 GiB host memory.
 GPT_70B=(--nodes 32 --gpus-per-node 8 --nic-gbps 100 --gpu L40S --host-memory-gb 64
   --megatron-args "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 --swiglu --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 512 --bf16 --use-distributed-optimizer --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --train-iters 1000 --lr 1e-4")
-for jobs in ${JOBS[@]}; do
+for jobs in "${JOBS[@]}"; do
   for name in 1.3b 70b; do
     if [ -n "${ONLY:-}" ] && [ "$ONLY" != "$name" ]; then continue; fi
     if [ "$name" = 1.3b ]; then args=("${GPT_1_3B[@]}"); else args=("${GPT_70B[@]}"); fi

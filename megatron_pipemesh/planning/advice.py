@@ -49,6 +49,7 @@ from .layout import LayerSplit, split_candidates
 from .memory import MEMORY_MARGIN
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
 from .planner_options import structured_options
+from .pool import board
 from .profile import Profile
 from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, StockSetting, activation_budget, best_stock, evaluate, uniform_plan
@@ -629,7 +630,7 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
         from .parallel_search import search_parallel
 
         return search_parallel(problem, cluster, found, best_pm, best_st, pipemesh, stock, pm_incumbent_s, log,
-                               max_simulated, deadline_s, progress, jobs)
+                               max_simulated, deadline_s, progress, jobs, run_side, _say, HEARTBEAT_S)
     next_beat = [time.perf_counter() + HEARTBEAT_S]
 
     def beat(index: int, candidate: _Candidate) -> None:
@@ -681,6 +682,37 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
             log.stop("search_seconds", candidate.bound_s)
             break
     return best_pm, best_st
+
+
+def run_side(problem: AdviceProblem, cluster: AdviceCluster, candidate: _Candidate, side: str, incumbent_s: float,
+             deadline_s: Optional[float], may_stop: bool) -> Tuple[str, Optional[AdviceRow]]:
+    """One task, in a worker: ``side`` of ``candidate`` searched below ``incumbent_s``. Returns ('done', its row or
+    None when nothing fits or beats the incumbent), ('pruned', None) when the board's limit for the side fell to the
+    candidate's bound or below, or ('time_up', None) when ``deadline_s`` (a :func:`time.monotonic` instant) passed
+    and ``may_stop``."""
+    slot = ("pipemesh", "stock").index(side)  # the board's slots (:data:`.parallel_search.SIDES`)
+    why: List[str] = []
+
+    def time_up() -> bool:
+        shared = board()
+        if shared is not None and candidate.bound_s >= shared[slot]:
+            why.append("pruned")
+            return True
+        if may_stop and deadline_s is not None and time.monotonic() >= deadline_s:
+            why.append("time_up")
+            return True
+        return False
+
+    try:
+        if side == "pipemesh":
+            plan = _plan(candidate, cluster, incumbent_s, time_up)
+            return "done", None if plan is None else _plan_row("best_layout", candidate, plan)
+        result = _stock(candidate, problem, cluster, incumbent_s, time_up=time_up)
+        if result is None or not result.iteration_s < incumbent_s:
+            return "done", None
+        return "done", _stock_row("best_layout_stock", candidate, result, cluster)
+    except SearchTimeUp:
+        return why[-1], None
 
 
 def _say(progress: Progress, row: Optional[AdviceRow]) -> None:

@@ -31,10 +31,12 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .advice import (HEARTBEAT_S, AdviceCluster, AdviceProblem, AdviceRow, Progress, SearchLog, _Candidate, _plan,
-                     _plan_row, _say, _stock, _stock_row)
-from .pool import WorkerPool, board
-from .simulator import SearchTimeUp
+from typing import Any, Callable
+
+from .pool import WorkerPool
+
+AdviceProblem = AdviceCluster = AdviceRow = SearchLog = _Candidate = Any
+"""The advice's types (:mod:`.advice`, which calls this module with its own pieces: it is not imported here)."""
 
 SIDES = ("pipemesh", "stock")
 """The two sides, in the order the sequential search simulates them within a candidate (and their board slots)."""
@@ -42,43 +44,14 @@ SIDES = ("pipemesh", "stock")
 INF = float("inf")
 
 
-def run_side(problem: AdviceProblem, cluster: AdviceCluster, candidate: _Candidate, side: str, incumbent_s: float,
-             deadline_s: Optional[float], may_stop: bool) -> Tuple[str, Optional[AdviceRow]]:
-    """One task, in a worker: ``side`` of ``candidate`` searched below ``incumbent_s``. Returns ('done', its row or
-    None when nothing fits or beats the incumbent), ('pruned', None) when the board's limit for the side fell to the
-    candidate's bound or below, or ('time_up', None) when ``deadline_s`` (a :func:`time.monotonic` instant) passed
-    and ``may_stop``."""
-    slot = SIDES.index(side)
-    why: List[str] = []
-
-    def time_up() -> bool:
-        shared = board()
-        if shared is not None and candidate.bound_s >= shared[slot]:
-            why.append("pruned")
-            return True
-        if may_stop and deadline_s is not None and time.monotonic() >= deadline_s:
-            why.append("time_up")
-            return True
-        return False
-
-    try:
-        if side == "pipemesh":
-            plan = _plan(candidate, cluster, incumbent_s, time_up)
-            return "done", None if plan is None else _plan_row("best_layout", candidate, plan)
-        result = _stock(candidate, problem, cluster, incumbent_s, time_up=time_up)
-        if result is None or not result.iteration_s < incumbent_s:
-            return "done", None
-        return "done", _stock_row("best_layout_stock", candidate, result, cluster)
-    except SearchTimeUp:
-        return why[-1], None
-
-
 def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
                     best_pm: Optional[AdviceRow], best_st: Optional[AdviceRow], pipemesh: bool, stock: bool,
                     pm_incumbent_s: float, log: SearchLog, max_simulated: Optional[int], deadline_s: Optional[float],
-                    progress: Progress, jobs: int) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                    progress, jobs: int, run_side: Callable, say: Callable,
+                    heartbeat_s: float) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """:func:`.advice.search_layouts` on ``jobs`` workers (module docstring); the same arguments, with the time limit
-    as ``deadline_s``, a :func:`time.monotonic` instant (None: none)."""
+    as ``deadline_s``, a :func:`time.monotonic` instant (None: none), and the advice's own pieces: ``run_side`` (one
+    task in a worker, :func:`.advice.run_side`), ``say`` (a row found, to ``progress``) and ``heartbeat_s``."""
     best = {"pipemesh": best_pm, "stock": best_st}
     searched = {"pipemesh": pipemesh, "stock": stock}
 
@@ -102,7 +75,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
     running: Dict[Future, Tuple[int, str]] = {}
     next_submit, reduced = 0, 0
     submitting, out_of_time, done = True, False, False
-    next_beat = time.perf_counter() + HEARTBEAT_S
+    next_beat = time.perf_counter() + heartbeat_s
 
     with WorkerPool(jobs, board_size=len(SIDES)) as pool:
         shared = pool.board
@@ -166,7 +139,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                                              f"{limits[side]}")
                     if row is not None and row.iteration_s < limits[side]:
                         best[side] = row
-                        _say(progress, row)
+                        say(progress, row)
                 for side in SIDES:
                     results.pop((reduced, side), None)
                 reduced += 1
@@ -192,6 +165,6 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                     for index, side in sorted(running.values())) + "".join(
                     f", best {name} {row.iteration_s:.3f} s"
                     for name, row in (("PipeMesh", best["pipemesh"]), ("stock", best["stock"])) if row is not None))
-                next_beat = time.perf_counter() + HEARTBEAT_S
+                next_beat = time.perf_counter() + heartbeat_s
         publish()  # done: every task still running drops at its next simulation
     return best["pipemesh"], best["stock"]

@@ -7,7 +7,7 @@ from megatron_pipemesh.planning import advice as adv
 from megatron_pipemesh.planning import pool
 from megatron_pipemesh.planning.advice import ROWS, AdviceCluster, AdviceProblem, ParallelLayout, advise, candidates
 from megatron_pipemesh.planning.costs import ModelSpec
-from megatron_pipemesh.planning.parallel_search import run_side
+from megatron_pipemesh.planning.advice import run_side
 from megatron_pipemesh.planning.stock import StockSetting
 
 # 16 layers on 4 nodes of 4 GPUs, 64 sequences: dozens of candidates, of which the search simulates several per side,
