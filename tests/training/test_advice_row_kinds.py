@@ -13,12 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megatron_harness as h  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-# tests/training/test_pretrain_gpt.py's TINY_GPT on mock data at PP=2, V=2, micro-batch 2, dropout 0, two iterations.
-TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-        "--eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 --seed 1234 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 257 --hidden-dropout 0 --attention-dropout 0 "
-        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
+from tests.training.test_advice_rows import TINY  # noqa: E402  (the tiny GPT of the advice-row tests)
 CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "0.25"]
 
 
