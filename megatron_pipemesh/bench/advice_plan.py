@@ -126,9 +126,8 @@ def stock_simulation(row, problem, cluster):
     """The :class:`~..planning.simulator.SimulationResult` of a stock row on its layout's cluster."""
     from ..planning.advice import OVERLAP_FLAGS
     from ..planning.clusters import costs_for
-    from ..planning.simulator import megatron_lowering, simulate
+    from ..planning.simulator import megatron_schedule, simulate
     from ..planning.stock import model_for, sharding_model, uniform_plan
-    from ..schedule.lower import lower
 
     setting = row.stock
     config = setting.config()
@@ -140,8 +139,7 @@ def stock_simulation(row, problem, cluster):
                                 micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,
                       levels=(setting.recompute.level,))
-    lowering = megatron_lowering(costs, config)
     sharding = sharding_model(setting, model, spec)
-    schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
-    return simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding=sharding)
+    return simulate(config, costs, uniform_plan(config, setting.recompute.level),
+                    megatron_schedule(config, costs, sharding), sharding=sharding)
 

@@ -43,11 +43,10 @@ from typing import Dict, List, Optional, Sequence
 
 from ..planning.clusters import bench_network_cluster
 from ..planning.costs import REDUCE_SCATTER_STEPS, ClusterSpec, OpCosts
-from ..planning.simulator import lowering_for, megatron_lowering, simulate
+from ..planning.simulator import megatron_schedule, simulate
 from ..planning.topology import topology
 from ..schedule.config import ScheduleConfig
 from ..schedule.levers import BASIC_LEVERS
-from ..schedule.lower import lower
 from .runner import PADDED_VOCAB, ModelSetup, ParallelConfig
 
 COLLECTIVES = "gloo"
@@ -170,8 +169,7 @@ def predict_iteration_ms(model: ModelSetup, config: ParallelConfig, sched: Sched
     costs = measured_costs(model, config, sched, compute, bytes_per_s, latency_s, link_share, sharding is not None,
                            per_rank)
     shards = sharding_model(model, config, sharding, bytes_per_s, link_share, per_rank) if sharding else None
-    lowering = megatron_lowering(costs, sched) if megatron_p2p else lowering_for(costs)
-    result = simulate(sched, costs, schedule=lower(sched, shards.lowering(lowering) if shards else lowering),
+    result = simulate(sched, costs, schedule=megatron_schedule(sched, costs, shards) if megatron_p2p else None,
                       sharding=shards)
     fb = result.iteration_s
     return {"forward_backward_ms": fb * 1e3, "iteration_ms": fb * 1e3 + compute.overhead_ms,

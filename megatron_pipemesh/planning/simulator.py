@@ -142,6 +142,13 @@ def megatron_lowering(costs: OpCosts, config: ScheduleConfig) -> LoweringOptions
                                notices_behind_data=shared and costs.megatron_send_wait == "posted")
 
 
+def megatron_schedule(config: ScheduleConfig, costs: OpCosts, sharding=None) -> LoweredSchedule:
+    """The lowered schedule of a stock Megatron row (:func:`megatron_lowering`), with ``sharding``'s ops (a
+    :class:`.sharding.ShardingModel`) where given."""
+    lowering = megatron_lowering(costs, config)
+    return lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+
+
 def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
     """Pinned bytes the runtime's pool takes for a rank's host copies (``(time, +bytes)`` when a chunk-micro-batch's
     activations reach the host, ``(time, -bytes)`` when they leave): each takes one block of its bytes rounded up

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import LoweredSchedule, lower
+from ..schedule.lower import LoweredSchedule
 from ..schedule.ops import Op, OpKind
 from .bounds import virtual_sizes
 from .clusters import costs_for
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
 from .profile import Profile
-from .simulator import DeadlineExceeded, TimeUp, check_time, megatron_lowering, simulate
+from .simulator import DeadlineExceeded, TimeUp, check_time, megatron_schedule, simulate
 from .stock_memory import (FSDP_MODELS, Budget, ChunkKinds, MegatronFsdpSharding, OffloadModel, live_states,
                            model_for, order_peaks, per_rank, sharding_model, uniform_plan)
 from .stock_options import (OFFLOAD_FRACTIONS, STOCK_SHARDING, StockOffload, StockRecompute, StockSetting,
@@ -75,7 +75,7 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
     if setting.offload is not None:
         if sharding is not None or offload is None:
             raise ValueError("stock offloading is modelled with the distributed optimizer only and needs its OffloadModel")
-        schedule = schedule or lower(config, megatron_lowering(costs, config))
+        schedule = schedule or megatron_schedule(config, costs)
         result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, deadline_s=deadline_s)
         adapter = ScheduleCosts(config, costs)
         kinds = ChunkKinds.of(config, adapter)
@@ -84,8 +84,7 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
                            offload.device_peaks(counts, kinds, adapter, setting.recompute.level, setting.offload),
                            tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, kinds, setting.offload))
     if schedule is None:
-        lowering = megatron_lowering(costs, config)
-        schedule = lower(config, sharding.lowering(lowering) if sharding is not None else lowering)
+        schedule = megatron_schedule(config, costs, sharding)
     result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, sharding, deadline_s)
     if sharding is None:
         return StockResult(setting, result.iteration_s, tuple(r.peak_activation_bytes for r in result.ranks),
@@ -190,7 +189,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in options], profile)
         config = probe.config()
-        schedule = lower(config, megatron_lowering(costs, config))
+        schedule = megatron_schedule(config, costs)
         peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
         offload, offloads = None, []
         if host_limit is not None and model.layer_spec == "te":
@@ -228,7 +227,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             bounds = (tuple((compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
                       if shard is not None else ())
             out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
-                               costs, schedule if shard is None else lower(config, shard.lowering(megatron_lowering(costs, config))),
+                               costs, schedule if shard is None else megatron_schedule(config, costs, shard),
                                bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level), shard,
                                bounds, offload if first.offload is not None else None, without))
     return out
@@ -338,7 +337,7 @@ def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in ladder])
         config = probe.config()
-        schedule = lower(config, megatron_lowering(costs, config))
+        schedule = megatron_schedule(config, costs)
         peaks = order_peaks(config, costs, [o.level for o in ladder], schedule)
         limits = per_rank(budget, pp)
         fitting = next((o for o in ladder if all(peak <= limit for peak, limit in zip(peaks[o.level], limits))), None)

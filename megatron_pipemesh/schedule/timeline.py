@@ -539,9 +539,9 @@ class _Engine:
                     wake(rank)
                 start_host(lane, rank)
 
-        def post(key: int, channel: int) -> None:
-            """The receive ``key`` is posted as its sender sees it: its transfer may start."""
-            posted[key] = clock[0] if posted[key] is None else posted[key]
+        def post(key: int, channel: int, at: float) -> None:
+            """The receive ``key`` is posted as its sender sees it, at ``at``: its transfer may start."""
+            posted[key] = at
             if send_waiters and send_wait == "posted":
                 wake_sender(key)
             start_channel(channel)
@@ -553,7 +553,7 @@ class _Engine:
                 notice_left[key] -= 1
                 if notice_left[key] == 0:
                     del notice_left[key]
-                    post(key, its_channel)
+                    post(key, its_channel, clock[0])
 
         def hold(rank: int, resume_at: int, end: float) -> None:
             """The rank's stream is busy until ``end``; it resumes there at instruction ``resume_at``."""
@@ -657,10 +657,7 @@ class _Engine:
                         for c in ahead:
                             notices[c].append((ins[1], ins[2]))
                     else:
-                        posted[ins[1]] = now
-                        if send_waiters and send_wait == "posted":
-                            wake_sender(ins[1])
-                        start_channel(ins[2])
+                        post(ins[1], ins[2], now)
                 elif what == _SEND_OP:
                     queues[ins[2]].append((ins[1], now, ins[3]))
                     if sends_hold:
