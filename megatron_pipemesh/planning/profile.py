@@ -300,7 +300,7 @@ class Profile:
     compute: Tuple[ComputePoint, ...] = ()
     """One point per (TP, micro-batch size) measured."""
     optimizer_s_per_param: Optional[float] = None
-    """The optimizer step's seconds per local parameter."""
+    """Seconds per local parameter of Megatron's optimizer each iteration: zeroing the gradients and its step()."""
     host_link_gbps: Optional[float] = None
     """Pinned device-host copy rate, Gbit/s per direction (CUDA only; None: not measured)."""
     network: Optional[NetworkProfile] = None
