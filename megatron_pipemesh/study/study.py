@@ -292,7 +292,8 @@ def run_row(row: StudyRow, sharding: bool = False) -> dict:
 
 
 ADVICE_CANDIDATES = 1
-"""(layout, V, split) candidates the study's advice simulates at most per row, the least bound first: each costs
+"""(layout, micro-batch size, V, split) candidates the study's advice simulates at most per row and side (PipeMesh,
+stock), the least bound first: each costs
 seconds (1.3B) to half a minute (13B at PP16 and 64 micro-batches), the bound leaves dozens below the incumbent on
 the large rows, and the commodity study must stay within 20 minutes with two jobs (with 3, the GPT-13B TP2 40 GB row's
 advice took 87 CPU-seconds, its whole row 123). The least-bound candidate was the full search's best on the GPT-1.3B
@@ -313,28 +314,32 @@ def advice_cluster(row: StudyRow) -> AdviceCluster:
 
 
 def advice_best_layout(row: StudyRow, model: ModelSpec, cluster: ClusterSpec, plan) -> Optional[dict]:
-    """The advice's ``best_layout`` for ``row`` (PipeMesh over every TP x PP x DP of its GPUs, V and layer split;
-    :func:`..planning.advice.search_layouts`, PipeMesh's side only), started from ``plan``, PipeMesh's plan for the
-    row's own layout (an even split, so one of the advice's candidates): only a candidate whose bound is below its time
-    is simulated, :data:`ADVICE_CANDIDATES` at most. None if no PipeMesh plan fits anywhere."""
+    """What the advice (``pipemesh plan --megatron-args``) finds for ``row``'s GPUs: the faster of PipeMesh's and
+    stock's best over every TP x PP x DP (PP = 1 for stock), micro-batch size, V and layer split
+    (:func:`..planning.advice.search_layouts`), PipeMesh started from ``plan``, its plan for the row's own layout
+    (an even split at the row's micro-batch size, so one of the candidates): only a candidate whose bound is below a
+    side's best time is simulated for it, :data:`ADVICE_CANDIDATES` at most per side. None if nothing fits anywhere."""
     problem = AdviceProblem(model, ParallelLayout(row.tp, row.pp, row.dp), plan.config.vpp if plan else 1,
                             row.global_batch, None, sequence_parallel=row.sequence_parallel, distributed_optimizer=True,
-                            grad_reduce_in_bf16=row.grad_reduce_in_bf16, search_micro_batch_size=False)
+                            grad_reduce_in_bf16=row.grad_reduce_in_bf16)
     advice = advice_cluster(row)
     log = SearchLog()
-    best, _ = search_layouts(problem, advice, candidates(problem, advice), stock=False,
-                             pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), log=log,
-                             max_simulated=ADVICE_CANDIDATES)
-    complete = {"advice_simulated": log.simulated["pipemesh"], "advice_complete": log.stopped_by is None}
-    if best is not None:
-        return {**complete, "layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp,
-                "dp": best.layout.dp,
-                "vpp": best.vpp, "stage_layers": list(best.stage_layers), "describe": best.describe(),
-                "iteration_s": best.iteration_s}
+    found = search_layouts(problem, advice, candidates(problem, advice),
+                           pm_incumbent_s=plan.result.iteration_s if plan else float("inf"), log=log,
+                           max_simulated=ADVICE_CANDIDATES)
+    complete = {"advice_simulated": log.simulated["pipemesh"] + log.simulated["stock"],
+                "advice_complete": log.stopped_by is None}
+    rows = [found_row for found_row in found if found_row is not None and found_row.fits]
+    best = min(rows, key=lambda found_row: found_row.iteration_s) if rows else None
+    if best is not None and (plan is None or best.iteration_s < plan.result.iteration_s):
+        return {**complete, "kind": "stock" if best.stock is not None else "pipemesh",
+                "layout": best.layout.describe(), "tp": best.layout.tp, "pp": best.layout.pp, "dp": best.layout.dp,
+                "vpp": best.vpp, "micro_batch_size": best.micro_batch_size or model.micro_batch_size,
+                "stage_layers": list(best.stage_layers), "describe": best.describe(), "iteration_s": best.iteration_s}
     if plan is None:
         return None
-    return {**complete, "layout": problem.layout.describe(), "tp": row.tp, "pp": row.pp, "dp": row.dp,
-            "vpp": plan.config.vpp,
+    return {**complete, "kind": "pipemesh", "layout": problem.layout.describe(), "tp": row.tp, "pp": row.pp,
+            "dp": row.dp, "vpp": plan.config.vpp, "micro_batch_size": model.micro_batch_size,
             "stage_layers": list(model.stage_layers(row.pp, plan.config.vpp)),
             "describe": f"the row's layout: {plan.config.group_flags()}", "iteration_s": plan.result.iteration_s}
 
