@@ -28,8 +28,9 @@ Per row:
   memory) with free pipeline and data-parallel communication and the planner's placement (the host
   link keeps its cost), best over V;
 * ``ratio_to_best_stock`` = best stock time / PipeMesh time; ``fraction_of_limit`` = limit / PipeMesh;
-* commodity rows: ``advice_best_layout``, what ``pipemesh plan --megatron-args`` would advise (PipeMesh over every
-  TP x PP x DP of the row's GPUs, V and layer split: :func:`..planning.advice.search_layouts`), and
+* commodity rows: ``advice_best_layout``, what ``pipemesh plan --megatron-args`` would advise (PipeMesh or stock
+  over every TP x PP x DP of the row's GPUs, micro-batch size, V and layer split:
+  :func:`..planning.advice.search_layouts`), and
   ``advice_ratio_to_default`` = ``default``'s time / its time (median, min, max in the summary);
 * ``tight_bound_s``: the least iteration of any exact synchronous schedule of the layout with the same costs,
   memory ignored (:func:`..planning.bounds.iteration_lower_bound`, best over V; also ``bound``), and
@@ -455,8 +456,8 @@ def _against_default_and_bound(rows: Sequence[dict], name: str) -> Dict[str, flo
 
 
 def _advice_summary(commodity: Sequence[dict]) -> Dict[str, float]:
-    """Median and range over the commodity rows of ``advice_ratio_to_default``: the advice's best layout with PipeMesh
-    against Megatron's default command for the row's layout."""
+    """Median and range over the commodity rows of ``advice_ratio_to_default``: the advice's best row against
+    Megatron's default command for the row's layout."""
     ratios = [r["advice_ratio_to_default"] for r in commodity if r.get("advice_ratio_to_default")]
     return {"median_advice_ratio_to_default_commodity": _median(ratios),
             "min_advice_ratio_to_default_commodity": min(ratios) if ratios else math.nan,
