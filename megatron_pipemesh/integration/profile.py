@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import platform
 import statistics
@@ -463,10 +464,16 @@ def _optimizer_s_per_param(args, build, timer: _Timer, settings: ProfileSettings
     from ..schedule.levers import DEVICE
 
     model, config = build(_level_args(args, str(DEVICE)), pre=True, post=True)
-    wrapped = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
-    optimizer_config, overrides = get_megatron_optimizer_config(args)
-    optimizer = get_megatron_optimizer(optimizer_config, [wrapped], config_overrides=overrides,
-                                       use_gloo_process_groups=getattr(args, "use_gloo_process_groups", True))
+    megatron_log = logging.getLogger("megatron.core")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.WARNING)  # DDP and the optimizer log their buckets and config at INFO
+    try:
+        wrapped = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
+        optimizer_config, overrides = get_megatron_optimizer_config(args)
+        optimizer = get_megatron_optimizer(optimizer_config, [wrapped], config_overrides=overrides,
+                                           use_gloo_process_groups=getattr(args, "use_gloo_process_groups", True))
+    finally:
+        megatron_log.setLevel(level)
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(settings.seed)
     grads = [torch.randn(p.shape, generator=generator).mul_(1e-3) for p in params]

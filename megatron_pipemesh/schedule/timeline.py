@@ -73,11 +73,12 @@ class DeadlockError(ScheduleError):
 
 
 class DeadlineExceeded(Exception):
-    """The simulated clock passed the deadline given to :func:`execute`: the iteration ends after it (no event of
-    an iteration comes after the last end of a rank's compute, collective or final collective)."""
+    """The iteration is known to end after the deadline given to :func:`execute`: the simulated clock passed it (no
+    event of an iteration comes after the last end of a rank's compute, collective or final collective), or a rank's
+    compute left, run back to back from the start of its current op, ends after it. ``clock``: that time."""
 
     def __init__(self, deadline: float, clock: float):
-        super().__init__(f"the simulated clock reached {clock!r} s, past the deadline of {deadline!r} s")
+        super().__init__(f"the iteration ends at {clock!r} s or later, past the deadline of {deadline!r} s")
         self.deadline, self.clock = deadline, clock
 
 
@@ -405,6 +406,20 @@ class _Engine:
         heap: List[tuple] = []
         seq = [0]
         clock = [0.0]
+        deadline = self.deadline
+        # With a deadline, per rank and instruction: the compute seconds of its compute ops from there on (one core
+        # each); a rank's ops run one after another, so its end is at least an op's start plus that.
+        left: Optional[List[List[float]]] = None
+        cut = deadline + 1e-9 * abs(deadline)  # sums in another order may round past a schedule ending exactly then
+        if deadline < _INF:
+            left = []
+            for rank, program in enumerate(code):
+                suffix, total = [0.0] * (len(program) + 1), 0.0
+                for i in range(len(program) - 1, -1, -1):
+                    if program[i][0] == _COMPUTE_OP:
+                        total += compute_cost(rank, program[i][1])
+                    suffix[i] = total
+                left.append(suffix)
 
         def launch(token: tuple, seconds: float, route) -> None:
             """Start a transfer now: on the shared network when it has a route, else for its own duration."""
@@ -628,6 +643,8 @@ class _Engine:
                             data_ready, waited_on = reduce_end, "reduce"
                             comm_part = reduce_end - now
                     start = data_ready if data_ready > now else now
+                    if left is not None and start + left[rank][i] > cut:
+                        raise DeadlineExceeded(deadline, start + left[rank][i])
                     if 0.0 > comm_part:
                         comm_part = 0.0
                     if start - now < comm_part:
@@ -694,7 +711,6 @@ class _Engine:
             if i == n and finals:
                 try_finals()
 
-        deadline = self.deadline
         for rank in range(p):
             step(rank)
         while True:

@@ -321,7 +321,9 @@ def test_shared_cores_do_at_most_their_capacity_and_never_speed_a_rank_up(cores,
                                                     (4, 2, 8, 2, True, 2)])
 def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host, cores):
     """Shared NIC, data parallelism, host copies, shared cores: with the deadline at the iteration's end the simulation
-    is the same event for event; a deadline before the last event stops it with DeadlineExceeded."""
+    is the same event for event; a deadline before the last event stops it with DeadlineExceeded. A deadline below
+    half of every rank's compute stops it at the first op, from the compute left (the clock would pass it later)."""
+    from megatron_pipemesh.planning.costs import ScheduleCosts
     from megatron_pipemesh.planning.simulator import DeadlineExceeded
 
     model = ModelSpec(num_layers=pp * vpp * 2, hidden_size=512, num_attention_heads=8, seq_length=512)
@@ -338,6 +340,11 @@ def test_a_deadline_stops_only_schedules_that_end_after_it(pp, vpp, m, dp, host,
     last_event = max(e.end for r in range(pp) for e in full.timeline.compute[r])
     with pytest.raises(DeadlineExceeded, match="past the deadline"):
         simulate(config, costs, plan, deadline_s=last_event * (1 - 1e-9))
+    adapter = ScheduleCosts(config, costs, plan)
+    least = min(sum(adapter.compute(r, e.op) for e in full.timeline.compute[r]) for r in range(pp))
+    with pytest.raises(DeadlineExceeded) as stopped:
+        simulate(config, costs, plan, deadline_s=least / 2)
+    assert stopped.value.clock >= least * (1 - 1e-9)
 
 
 def test_without_the_overlap_flags_the_data_parallel_syncs_are_exposed():
