@@ -42,8 +42,7 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
                        devices_per_node=devices_per_node or PLANNING_CLUSTER.devices_per_node,
                        host_link_gbps=DEFAULT_HOST_LINK_GBPS if host_link_gbps is None else host_link_gbps,
                        host_copies_on_compute=host_copies_on_compute, collectives=collectives,
-                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                       nic_burst_bytes=nic_burst_bytes)
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
 
 
 def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, link_gbps: float,
@@ -65,7 +64,8 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                        intra_node_gbps=intra_node_gbps, nic_via_host=nic_via_host,
                        host_copies_on_compute=host_copies_on_compute, collectives=collectives,
                        shared_cores=shared_cores, pinned_cores=pinned_cores,
-                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                       nic_burst_bytes=nic_burst_bytes)
 
 
 def bench_network_cluster(dp: int, gbps: float, per_rank: bool, collectives: str, **fields) -> ClusterSpec:
