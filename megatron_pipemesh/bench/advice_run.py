@@ -30,7 +30,7 @@ RUN_FLAGS = ("--train-iters", "--train-samples", "--log-interval", "--timing-log
 """Flags of a row that the measurement replaces: the iterations, Megatron's per-rank timers every iteration, no
 evaluation and no checkpoints."""
 
-ADVICE_WARMUP, ADVICE_ITERS = 1, 3
+ADVICE_WARMUP, ADVICE_ITERS, ADVICE_REPEATS = 1, 3, 1
 """Default iterations of each row's run with ``--advice``: warm-up (not counted), then measured."""
 
 ADVICE_CONFLICTS = (("quick", "--quick"), ("network_check", "--network-check"), ("configs", "--configs"),
@@ -76,6 +76,9 @@ class AdviceSetup:
     iters: int
     cores: int
     memory_gb: float
+    repeats: int = ADVICE_REPEATS
+    """Runs of every row, round-robin (the rows' order each round), their measured iterations pooled: a drift of
+    the machine's speed reaches every row alike."""
 
 
 def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> AdviceSetup:
@@ -107,11 +110,13 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
         raise UsageError(f"{MEGATRON_ARGS}: the quoted flags do not split as a shell would ({error})") from error
     warmup = args.warmup if args.warmup is not None else ADVICE_WARMUP
     iters = args.iters if args.iters is not None else ADVICE_ITERS
+    repeats = args.repeats if args.repeats is not None else ADVICE_REPEATS
     for flag, value, example, positive in (("--warmup", warmup, "1", False), ("--iters", iters, "3", True),
+                                           ("--repeats", repeats, "2", True),
                                            ("--device-tflops", args.device_tflops, "0.05", True),
                                            ("--mfu", args.mfu, f"{MFU:g}", True), ("--timeout", args.timeout, "600", True)):
         check_number(flag, value, example, positive=positive, required=True)
-    for flag, value in (("--warmup", warmup), ("--iters", iters)):
+    for flag, value in (("--warmup", warmup), ("--iters", iters), ("--repeats", repeats)):
         if int(value) != value:
             raise UsageError(f"{flag} {value} is invalid: it must be a whole number. Example: {flag} 2")
     if args.mfu > 1:
@@ -144,7 +149,7 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
     settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps, device_tflops=args.device_tflops, mfu=args.mfu,
                                    device_memory_gb=memory_gb / args.nproc, profile=args.profile, shared_cores=shared,
                                    pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)))
-    return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb)
+    return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb, int(repeats))
 
 
 def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> int:
@@ -226,8 +231,9 @@ def _present(advice: dict) -> List[str]:
 
 
 def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[Dict[str, dict]]:
-    """Every distinct row's run (rows with the same flags share one), in the shaped namespace when there is one:
-    name -> {returncode, log, iterations (parsed, past the warm-up), wall_s, error, same_run_as}."""
+    """Every distinct row's runs (rows with the same flags share them), ``setup.repeats`` rounds of every row in
+    turn, in the shaped namespace when there is one: name -> {returncode, log, logs, iterations (parsed, past the
+    warm-up, of every round), wall_s, error, same_run_as}. A row whose run fails is not run again."""
     from .logparse import parse_log
     from .netns import ShapedNamespace
     from .runner import TRAIN_MODULE, error_excerpt, launch_command, run_env, run_once, threads_per_rank
@@ -239,33 +245,45 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
     first_of: Dict[tuple, str] = {}
     try:
         enter_namespace(namespace)
-        for index, name in enumerate(names, 1):
-            row = advice["rows"][name]
-            flags = run_flags(row["flags"], setup.warmup, setup.iters)
-            key = tuple(flags)
-            if key in first_of:
-                runs[name] = {**runs[first_of[key]], "same_run_as": first_of[key]}
-                log(f"[{index}/{len(names)}] {name}: the same flags as {first_of[key]}, measured once")
-                continue
-            first_of[key] = name
-            world = setup.settings.nproc
-            threads, _ = threads_per_rank(world, setup.cores)
-            cores = rank_cores(row["pp"], row["dp"] * row["tp"], setup.cores, bool(args.pin_cores))
-            env = run_env(threads, cores=cores)
-            env.pop("PIPEMESH_BENCH_ACTIVATION_METER", None)  # times only: no saved-tensor hooks in the runs
-            cmd = launch_command(world, flags, namespace.prefix() if namespace else [],
-                                 rank_namespaces=namespace.rank_namespaces if namespace else None,
-                                 master_port=29500 + (index + os.getpid()) % 1000, target=TRAIN_MODULE)
-            log_path = os.path.join(out_dir, "logs", f"{name}.log")
-            code, wall, _, text = run_once(cmd, env, log_path, args.timeout, sample_memory=False)
-            parsed = parse_log(text)
-            iterations = parsed.measured(setup.warmup)
-            runs[name] = {"returncode": code, "log": log_path, "wall_s": wall, "iterations": iterations,
-                          "error": "" if code == 0 else f"exit {code}: {error_excerpt(text, 4)}", "same_run_as": None,
-                          "cores": cores}
-            times = sorted(it.elapsed_ms for it in iterations)
-            log(f"[{index}/{len(names)}] {name}: " + (f"{statistics.median(times):.0f} ms/iteration, {wall:.0f} s"
-                                                       if code == 0 and times else f"FAILED ({runs[name]['error'][:300]})"))
+        for round_ in range(1, setup.repeats + 1):
+            for index, name in enumerate(names, 1):
+                row = advice["rows"][name]
+                flags = run_flags(row["flags"], setup.warmup, setup.iters)
+                key = tuple(flags)
+                if first_of.setdefault(key, name) != name:
+                    if round_ == 1:
+                        log(f"[{index}/{len(names)}] {name}: the same flags as {first_of[key]}, measured once")
+                    continue
+                if name in runs and runs[name]["returncode"] != 0:
+                    continue
+                world = setup.settings.nproc
+                threads, _ = threads_per_rank(world, setup.cores)
+                cores = rank_cores(row["pp"], row["dp"] * row["tp"], setup.cores, bool(args.pin_cores))
+                env = run_env(threads, cores=cores)
+                env.pop("PIPEMESH_BENCH_ACTIVATION_METER", None)  # times only: no saved-tensor hooks in the runs
+                cmd = launch_command(world, flags, namespace.prefix() if namespace else [],
+                                     rank_namespaces=namespace.rank_namespaces if namespace else None,
+                                     master_port=29500 + (round_ * len(names) + index + os.getpid()) % 1000,
+                                     target=TRAIN_MODULE)
+                log_path = os.path.join(out_dir, "logs", f"{name}.log" if round_ == 1 else f"{name}.{round_}.log")
+                code, wall, _, text = run_once(cmd, env, log_path, args.timeout, sample_memory=False)
+                iterations = parse_log(text).measured(setup.warmup)
+                run = runs.setdefault(name, {"returncode": 0, "log": log_path, "logs": [], "wall_s": 0.0,
+                                             "iterations": [], "error": "", "same_run_as": None, "cores": cores})
+                run["logs"].append(log_path)
+                run["wall_s"] += wall
+                run["iterations"] += iterations
+                if code != 0:
+                    run.update(returncode=code, error=f"exit {code}: {error_excerpt(text, 4)}")
+                times = sorted(it.elapsed_ms for it in iterations)
+                progress = f" (round {round_} of {setup.repeats})" if setup.repeats > 1 else ""
+                log(f"[{index}/{len(names)}] {name}{progress}: "
+                    + (f"{statistics.median(times):.0f} ms/iteration, {wall:.0f} s" if code == 0 and times
+                       else f"FAILED ({run['error'][:300]})"))
+        for name in names:
+            row_flags = tuple(run_flags(advice["rows"][name]["flags"], setup.warmup, setup.iters))
+            if first_of[row_flags] != name:
+                runs[name] = {**runs[first_of[row_flags]], "same_run_as": first_of[row_flags]}
     except KeyboardInterrupt:
         log("pipemesh bench --advice: interrupted" + ("; the namespace is removed" if namespace else ""))
         return None
@@ -321,7 +339,7 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                    "memory_gb_per_rank": settings.device_memory_gb, "shared_cores": settings.shared_cores,
                    "pinned_cores": settings.pinned_cores},
         "profile": settings.profile, "advisor_flags": list(advisor_flags),
-        "warmup_iters": setup.warmup, "measured_iters": setup.iters, "out_dir": out_dir,
+        "warmup_iters": setup.warmup, "measured_iters": setup.iters, "repeats": setup.repeats, "out_dir": out_dir,
         "advised": advised,
         "advised_measured_ratio_to_user": by_name[advised]["measured_ratio_to_user"] if advised in by_name else None,
         "advised_predicted_ratio_to_user": by_name[advised]["predicted_ratio_to_user"] if advised in by_name else None,
@@ -344,7 +362,9 @@ def format_advice(document: dict) -> str:
              + ("; compute and activations from the profile " + document["profile"] if document["profile"] else
                 f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank "
                 "(analytic, --no-profile)")
-             + f"; {document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations (median)"]
+             + f"; {document['warmup_iters']} warm-up + {document['measured_iters']} measured iterations"
+             + (f" x {document['repeats']} rounds, every row in turn" if document.get("repeats", 1) > 1 else "")
+             + " (median)"]
     if document["ranks_share_cores"]:
         pinned = any(cores is not None for cores in document["pinned"])
         lines.append(f"note: {document['nproc']} ranks share {document['cores']} cores: "

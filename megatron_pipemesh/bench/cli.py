@@ -85,7 +85,8 @@ def _add_mode_args(p) -> None:
                         "the per-rank network, and print predicted against measured iteration time per row, the "
                         "advised row's measured speed-up, and the cost that differs where a prediction misses by "
                         "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile or --no-profile, --warmup "
-                        "(default 1), --iters (default 3), --device-tflops, --mfu, --pin-cores, --json, --out-dir")
+                        "(default 1), --iters (default 3), --repeats (rounds of every row in turn, default 1), --device-tflops, "
+                        "--mfu, --pin-cores, --json, --out-dir")
     advice = p.add_argument_group("--advice")
     advice.add_argument("--megatron-args", metavar='"FLAGS"', default=None,
                         help="with --advice: the flags of your pretrain_gpt.py command, in one quoted string")
@@ -129,7 +130,8 @@ def _add_run_args(run) -> None:
     run.add_argument("--pin-cores", action="store_true",
                      help="pin the ranks of pipeline stage s to core s %% cores (with more ranks than cores: a waiting "
                           "stage's core is not lent to another stage)")
-    run.add_argument("--repeats", type=int, default=None, help="runs per schedule and variant, round-robin (default 3)")
+    run.add_argument("--repeats", type=int, default=None, help="runs per schedule and variant, round-robin (default 3); with --advice: "
+                     "rounds of every row in turn, their iterations pooled (default 1)")
     run.add_argument("--warmup", type=int, default=None, help="iterations excluded from the statistics (default 2)")
     run.add_argument("--iters", type=int, default=None, help="measured iterations per run (default 6)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed (default 600)")

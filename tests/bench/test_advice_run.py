@@ -218,6 +218,40 @@ def test_more_ranks_than_cores_plan_for_ranks_sharing_the_cores(nproc, pin, shar
     assert setup.settings.device_tflops == 0.05
 
 
+def test_repeats_run_every_row_in_turn_and_pool_their_iterations(monkeypatch, tmp_path):
+    """--repeats 3: rounds of every distinct row in the rows' order (a row with another row's flags runs once per
+    round under that row), each round's measured iterations pooled; a row that fails is not run again; --repeats 0
+    is refused naming the flag."""
+    from megatron_pipemesh.bench import runner
+
+    advice = {"rows": {name: {"flags": ["--seed", str(seed)], "pp": 1, "dp": 2, "tp": 1}
+                       for name, seed in (("user", 1), ("best_stock", 1), ("best_layout", 2), ("best_layout_stock", 3))}}
+    order = []
+
+    def fake_run(cmd, env, log_path, timeout, sample_memory=False):
+        seed = cmd[cmd.index("--seed") + 1]
+        order.append(seed)
+        elapsed = 1000.0 * len(order)
+        text = "".join(f" iteration {i}/ 3 | elapsed time per iteration (ms): {elapsed + i:.1f} |\n" for i in (1, 2, 3))
+        return (1 if seed == "3" else 0), 1.0, None, text
+
+    monkeypatch.setattr(runner, "run_once", fake_run)
+    argv = ["bench", "--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--repeats", "3",
+            "--warmup", "1", "--iters", "2"]
+    args = bench_cli.build_parser().parse_args(argv)
+    setup = advice_run.resolve_advice(args, {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
+    assert setup.repeats == 3
+    runs = advice_run.run_rows(args, setup, advice, str(tmp_path))
+    assert order == ["1", "2", "3", "1", "2", "1", "2"]  # the failed row ran once
+    assert [it.iteration for it in runs["user"]["iterations"]] == [2, 3, 2, 3, 2, 3]
+    assert [it.elapsed_ms for it in runs["best_layout"]["iterations"]] == [2002.0, 2003.0, 5002.0, 5003.0, 7002.0, 7003.0]
+    assert runs["best_stock"]["same_run_as"] == "user" and len(runs["user"]["logs"]) == 3
+    assert runs["best_layout_stock"]["returncode"] == 1 and len(runs["best_layout_stock"]["logs"]) == 1
+    with pytest.raises(UsageError, match="--repeats"):
+        advice_run.resolve_advice(bench_cli.build_parser().parse_args(argv[:-6] + ["--repeats", "0"]),
+                                  {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
+
+
 def test_the_advisor_and_the_stock_rows_share_the_cores(monkeypatch):
     """The advisor's cluster carries the shared cores (so does every layout's ClusterSpec, the stock rows' simulation
     included), and 4 ranks on 2 cores are predicted slower than 4 ranks with a core each (at a fast NIC, where compute
