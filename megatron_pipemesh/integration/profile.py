@@ -19,7 +19,8 @@ micro-batch size 1, 2, 4, ... up to the command's:
 * on CUDA, the pinned host link (device-to-host and back, the slower).
 
 Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, rank 0
-measures all of the above (the others wait), then every rank times the links between them
+measures the layers (the others wait), every rank the optimizer at once (Megatron's DDP and optimizer take part in
+collectives over the job's groups; rank 0's time is kept), then every rank times the links between them
 (:mod:`.profile_links`: p2p, collectives, flows sharing a NIC) and rank 0 returns the profile. One process measures no
 network: the plan keeps ``--nic-gbps`` and ``--intra-node-gbps``.
 
@@ -313,11 +314,10 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     stop = _start_process_group(cuda) if launch is None else join_job(launch, cuda)
     network = None
     try:
-        compute, optimizer_s, host_gbps, failure = [], None, None, None
+        compute, host_gbps, failure = [], None, None
         if lead:
             try:
-                compute, optimizer_s, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda,
-                                                           say, notes)
+                compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
             except BaseException as error:
                 failure = f"{type(error).__name__}: {error}"
                 if launch is not None:
@@ -325,6 +325,10 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
                 raise
         if launch is not None:
             share_failure(launch, failure)
+        # Every rank: building Megatron's DDP and optimizer takes part in collectives over the job's groups.
+        optimizer_s = _optimizer_s_per_param(args, run.model.layer_spec, settings, cuda)
+        say(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
+        if launch is not None:
             sizes = message_sizes(model_spec.micro_batch_size, model_spec.seq_length, model_spec.hidden_size,
                                   model_spec.dtype_bytes, "cuda" if cuda else "cpu", settings.bucket_bytes)
             network, link_notes = measure_network(launch, sizes, settings.warmup, settings.repeats, cuda, say)
@@ -348,12 +352,30 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         notes=tuple(notes))
 
 
-def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: bool, progress: Progress,
-             notes: List[str]):
+def _gpt(level_args, run_spec: str, settings: ProfileSettings, cuda: bool, pre: bool, post: bool):
+    """(Megatron's ``GPTModel`` of ``level_args`` on this device, its ``TransformerConfig``): a middle stage, or with
+    ``pre`` / ``post`` the embedding / the output layer and loss."""
     import torch
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.training.argument_utils import core_transformer_config_from_args
+
+    torch.manual_seed(settings.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    config = core_transformer_config_from_args(level_args)
+    model = GPTModel(config=config, transformer_layer_spec=_layer_spec(level_args, run_spec == "te" and _te_importable()),
+                     vocab_size=level_args.padded_vocab_size,
+                     max_sequence_length=level_args.max_position_embeddings, pre_process=pre, post_process=post,
+                     parallel_output=True,
+                     share_embeddings_and_output_weights=not level_args.untie_embeddings_and_output_weights,
+                     position_embedding_type=level_args.position_embedding_type,
+                     rotary_percent=level_args.rotary_percent, rotary_base=level_args.rotary_base)
+    return model.to(torch.device("cuda" if cuda else "cpu")), config
+
+
+def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: bool, progress: Progress,
+             notes: List[str]):
+    import torch
 
     from ..planning.costs import planning_levels
     from ..schedule.levers import DEVICE
@@ -362,17 +384,7 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
     timer = _Timer(cuda)
 
     def build(level_args, pre: bool, post: bool):
-        torch.manual_seed(settings.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
-        config = core_transformer_config_from_args(level_args)
-        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(level_args, run_spec == "te" and _te_importable()),
-                         vocab_size=level_args.padded_vocab_size,
-                         max_sequence_length=level_args.max_position_embeddings, pre_process=pre, post_process=post,
-                         parallel_output=True,
-                         share_embeddings_and_output_weights=not level_args.untie_embeddings_and_output_weights,
-                         position_embedding_type=level_args.position_embedding_type,
-                         rotary_percent=level_args.rotary_percent, rotary_base=level_args.rotary_base)
-        return model.to(device), config
+        return _gpt(level_args, run_spec, settings, cuda, pre, post)
 
     layer_models = {}
     for level in planning_levels(model_spec):
@@ -394,12 +406,10 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
         except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break
-    optimizer_s = _optimizer_s_per_param(args, build, timer, settings)
-    progress(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
     host_gbps = _host_link_gbps(settings) if cuda else None
     if host_gbps is not None:
         progress(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction)")
-    return points, optimizer_s, host_gbps
+    return points, host_gbps
 
 
 def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: _Timer,
@@ -450,12 +460,15 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
     return point
 
 
-def _optimizer_s_per_param(args, build, timer: _Timer, settings: ProfileSettings) -> float:
+def _optimizer_s_per_param(args, run_spec: str, settings: ProfileSettings, cuda: bool) -> float:
     """Seconds per parameter of what Megatron's ``train_step`` spends on the optimizer of the command, over a
     one-layer model with its embedding and output layer (the tensors of a stage) wrapped in Megatron's DDP: zeroing
     the gradient buffers and the optimizer's gradients, then ``get_megatron_optimizer``'s ``step()`` with the
     command's flags (the gradient norm and clipping, Adam's step, the fp32 main copy of 16-bit weights). torch's
-    Adam alone measured 1.9 ns per parameter where Megatron's step took 3-4 here."""
+    Adam alone measured 1.9 ns per parameter where Megatron's step took 3-4 here. Without the distributed optimizer:
+    its step over a shard costs the same per parameter (the planner divides the parameters by DP), and its gather
+    is data-parallel traffic, priced apart. Launched on several ranks every rank measures at once (Megatron's groups
+    span the job), rank 0's time is kept."""
     import torch
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
@@ -463,7 +476,10 @@ def _optimizer_s_per_param(args, build, timer: _Timer, settings: ProfileSettings
 
     from ..schedule.levers import DEVICE
 
-    model, config = build(_level_args(args, str(DEVICE)), pre=True, post=True)
+    timer = _Timer(cuda)
+    args = copy.copy(args)
+    args.use_distributed_optimizer = False
+    model, config = _gpt(_level_args(args, str(DEVICE)), run_spec, settings, cuda, pre=True, post=True)
     megatron_log = logging.getLogger("megatron.core")
     level = megatron_log.level
     megatron_log.setLevel(logging.WARNING)  # DDP and the optimizer log their buckets and config at INFO
