@@ -242,17 +242,19 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
     names = _present(advice)
     namespace = ShapedNamespace(setup.shaping, ranks=setup.settings.nproc) if setup.shaping else None
     runs: Dict[str, dict] = {}
+    flags_of = {name: run_flags(advice["rows"][name]["flags"], setup.warmup, setup.iters) for name in names}
     first_of: Dict[tuple, str] = {}
+    for name in names:
+        first_of.setdefault(tuple(flags_of[name]), name)
     try:
         enter_namespace(namespace)
         for round_ in range(1, setup.repeats + 1):
             for index, name in enumerate(names, 1):
-                row = advice["rows"][name]
-                flags = run_flags(row["flags"], setup.warmup, setup.iters)
-                key = tuple(flags)
-                if first_of.setdefault(key, name) != name:
+                row, flags = advice["rows"][name], flags_of[name]
+                first = first_of[tuple(flags)]
+                if first != name:
                     if round_ == 1:
-                        log(f"[{index}/{len(names)}] {name}: the same flags as {first_of[key]}, measured once")
+                        log(f"[{index}/{len(names)}] {name}: the same flags as {first}, measured once")
                     continue
                 if name in runs and runs[name]["returncode"] != 0:
                     continue
@@ -281,9 +283,9 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
                     + (f"{statistics.median(times):.0f} ms/iteration, {wall:.0f} s" if code == 0 and times
                        else f"FAILED ({run['error'][:300]})"))
         for name in names:
-            row_flags = tuple(run_flags(advice["rows"][name]["flags"], setup.warmup, setup.iters))
-            if first_of[row_flags] != name:
-                runs[name] = {**runs[first_of[row_flags]], "same_run_as": first_of[row_flags]}
+            first = first_of[tuple(flags_of[name])]
+            if first != name:
+                runs[name] = {**runs[first], "same_run_as": first}
     except KeyboardInterrupt:
         log("pipemesh bench --advice: interrupted" + ("; the namespace is removed" if namespace else ""))
         return None
