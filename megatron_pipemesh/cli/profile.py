@@ -66,7 +66,7 @@ def table(profile: Profile, name: str = "") -> str:
         levels = sorted({level for point in profile.compute for level in point.recompute_extra_s})
         header = (f"{'TP':>3} {'mbs':>4} {'layer F ms':>10} {'layer B ms':>10} {'keeps MiB':>9} "
                   + "".join(f" {'+' + level:>{max(10, len(level) + 1)}}" for level in levels)
-                  + f" {'emb F+B ms':>11} {'out F+B ms':>11}")
+                  + f" {'emb F+B ms':>11} {'out F+B ms':>11} {'batch ms':>8}")
         lines += ["", header, "-" * len(header)]
         for point in profile.compute:
             lines.append(
@@ -75,9 +75,10 @@ def table(profile: Profile, name: str = "") -> str:
                 + "".join(f" {point.recompute_extra_s.get(level, float('nan')) * 1e3:>{max(10, len(level) + 1)}.3f}"
                           for level in levels)
                 + f" {(point.embedding_forward_s + point.embedding_backward_s) * 1e3:>11.3f}"
-                + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}")
+                + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}"
+                + (f" {point.batch_s * 1e3:>8.3f}" if point.batch_s is not None else f" {'-':>8}"))
         lines.append("(+level: the extra backward ms of that recomputation per layer; keeps: bytes one layer keeps "
-                     "for its backward)")
+                     "for its backward; batch: the data loader per micro-batch, first and last stage)")
         lines.append("activation bytes per layer: " + "; ".join(
             f"mbs {point.micro_batch_size}: " + ", ".join(f"{level} {value / 2**20:.3f} MiB"
                                                           for level, value in point.layer_activation_bytes.items())

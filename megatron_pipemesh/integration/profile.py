@@ -14,6 +14,8 @@ micro-batch size 1, 2, 4, ... up to the command's:
   (``compute_language_model_loss``), forward and backward;
 * the bytes each keeps for its backward: the runtime's saved-tensor meter
   (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded);
+* the data loader per micro-batch (:mod:`.profile_batch`: the command's dataset and loader workers, the training
+  entry's ``get_batch``; one process only, as Megatron's dataset builder synchronises every rank of a job);
 * the optimizer per parameter: Megatron's own (``get_megatron_optimizer`` with the command's flags over a one-layer
   model in Megatron's DDP), zeroing the gradients and its ``step()``, as ``train_step`` runs them;
 * on CUDA, the pinned host link (device-to-host and back, the slower).
@@ -31,7 +33,10 @@ training. TP > 1 is not measured (it needs CUDA and a process group per rank).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
+import io
 import logging
 import os
 import platform
@@ -318,6 +323,12 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         if lead:
             try:
                 compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
+                if launch is None:
+                    compute = _with_batch_times(args, compute, settings, say, notes)
+                else:  # rank 0 alone would wait in the builder's barrier for ranks that do not build
+                    notes.append("the data loader is not measured when launched on several ranks (Megatron's "
+                                 "dataset builder synchronises every rank of the job): run pipemesh profile as one "
+                                 "process to measure it; plans price it at 0")
             except BaseException as error:
                 failure = f"{type(error).__name__}: {error}"
                 if launch is not None:
@@ -412,6 +423,38 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
     return points, host_gbps
 
 
+@contextlib.contextmanager
+def _megatron_quiet():
+    """Megatron's INFO logs and prints kept out of the profile's progress and table while it builds its parts."""
+    megatron_log = logging.getLogger("megatron.core")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        megatron_log.setLevel(level)
+
+
+def _with_batch_times(args, points: List[ComputePoint], settings: ProfileSettings, progress: Progress,
+                      notes: List[str]) -> List[ComputePoint]:
+    """``points`` with the data loader's time per batch (:mod:`.profile_batch`), each batch taken after a pause of
+    one layer's forward and backward; where the command's data path cannot be built here, the points unchanged and a
+    note saying so."""
+    from .profile_batch import measure_batch_s
+
+    pauses = {point.micro_batch_size: point.layer_forward_s + point.layer_backward_s for point in points}
+    try:
+        with _megatron_quiet():
+            batch = measure_batch_s(args, pauses, settings.warmup, settings.repeats)
+    except Exception as error:  # the user's data path, tokenizer or loader: whatever it raises, the plan must say
+        notes.append(f"the data loader was not measured ({type(error).__name__}: {error}); plans price it at 0")
+        return points
+    for size, seconds in batch.items():
+        progress(f"micro-batch {size}: data loader {seconds * 1e3:.2f} ms per batch")
+    return [dataclasses.replace(point, batch_s=batch[point.micro_batch_size]) for point in points]
+
+
 def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: _Timer,
            settings: ProfileSettings, excluded, progress: Progress) -> ComputePoint:
     import torch
@@ -480,16 +523,11 @@ def _optimizer_s_per_param(args, run_spec: str, settings: ProfileSettings, cuda:
     args = copy.copy(args)
     args.use_distributed_optimizer = False
     model, config = _gpt(_level_args(args, str(DEVICE)), run_spec, settings, cuda, pre=True, post=True)
-    megatron_log = logging.getLogger("megatron.core")
-    level = megatron_log.level
-    megatron_log.setLevel(logging.WARNING)  # DDP and the optimizer log their buckets and config at INFO
-    try:
+    with _megatron_quiet():  # DDP and the optimizer log their buckets and config at INFO
         wrapped = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
         optimizer_config, overrides = get_megatron_optimizer_config(args)
         optimizer = get_megatron_optimizer(optimizer_config, [wrapped], config_overrides=overrides,
                                            use_gloo_process_groups=getattr(args, "use_gloo_process_groups", True))
-    finally:
-        megatron_log.setLevel(level)
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(settings.seed)
     grads = [torch.randn(p.shape, generator=generator).mul_(1e-3) for p in params]

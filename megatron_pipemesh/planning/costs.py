@@ -308,6 +308,9 @@ class OpCosts:
     """Extra backward time on stage 0 when measured (a profile); None: twice ``first_stage_extra_s``."""
     last_stage_backward_extra_s: Optional[float] = None
     """Extra backward time on the last stage when measured (a profile); None: twice ``last_stage_extra_s``."""
+    batch_s: float = 0.0
+    """Forward time the first and the last stage spend per micro-batch taking the batch from the data loader (once
+    where one stage is both; a profile measures it, 0 otherwise)."""
     activation_bytes: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(BASIC_LEVERS, 0.0))
     """Activation bytes one chunk-micro-batch keeps alive until its backward, per recompute level."""
     first_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
@@ -578,7 +581,7 @@ class ScheduleCosts:
         tp = (c.first_stage_tp_s[side] if first else 0.0) + (c.last_stage_tp_s[side] if last else 0.0)
         scale = self._stages[rank][op.chunk].scale
         if op.kind is OpKind.FORWARD:
-            return c.forward_s * scale + extra + tp
+            return c.forward_s * scale + extra + tp + (c.batch_s if first or last else 0.0)
         first_back = 2 * c.first_stage_extra_s if c.first_stage_backward_extra_s is None else c.first_stage_backward_extra_s
         last_back = 2 * c.last_stage_extra_s if c.last_stage_backward_extra_s is None else c.last_stage_backward_extra_s
         return c.backward_s * scale + (first_back if first else 0.0) + (last_back if last else 0.0) + tp

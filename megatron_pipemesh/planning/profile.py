@@ -116,6 +116,9 @@ class ComputePoint:
     """Their backward, seconds."""
     output_activation_bytes: float
     """Bytes they keep for the backward."""
+    batch_s: Optional[float] = None
+    """What the first and the last pipeline stage spend per micro-batch taking the batch from the command's data
+    loader onto the device (the training entry's ``get_batch``), seconds; None: not measured."""
 
 
 P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
@@ -340,6 +343,7 @@ class Profile:
         if near is None:
             return None
         ratio = micro_batch_size / near.micro_batch_size
+        # batch_s stays as measured: taking a batch costs about the same at every size (3.5-3.6 ms at 1 and 2 here)
         return dataclasses.replace(
             near, micro_batch_size=micro_batch_size, layer_forward_s=near.layer_forward_s * ratio,
             layer_backward_s=near.layer_backward_s * ratio,
@@ -429,7 +433,7 @@ def mismatch(profile: Profile, model: ModelSpec, dtype: str, device_kind: Option
 
 
 COST_NAMES = ("layer forward/backward", "recompute extras", "embedding", "output layer + loss", "activation bytes",
-              "optimizer step")
+              "data loader", "optimizer step")
 """The costs a profile can give, in the order :func:`coverage` names them."""
 
 
@@ -445,12 +449,17 @@ def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int,
     point = profile.point(tp, micro_batch_size)
     near = profile.nearest(tp, micro_batch_size) if point is None else None
     measured = list(COST_NAMES[:5]) if point is not None else []
+    if point is not None and point.batch_s is not None:
+        measured.append("data loader")
     if profile.optimizer_s_per_param is not None:
         measured.append("optimizer step")
     assumed = [name for name in COST_NAMES if name not in measured]
     if near is not None:  # the analytic costs calibrated at the nearest size measured
         measured = [f"{name} (scaled from micro-batch {near.micro_batch_size})" for name in COST_NAMES[:5]] + measured
         assumed = [name for name in assumed if name not in COST_NAMES[:5]]
+        if near.batch_s is not None:
+            measured.insert(5, f"data loader (as at micro-batch {near.micro_batch_size})")
+            assumed.remove("data loader")
     elif point is None:
         assumed = [f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})" if name in COST_NAMES[:5]
                    else name for name in assumed]
@@ -498,6 +507,8 @@ def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: C
             first_stage_extra_s=point.embedding_forward_s, first_stage_backward_extra_s=point.embedding_backward_s,
             last_stage_extra_s=point.output_forward_s, last_stage_backward_extra_s=point.output_backward_s,
             stages=stages)
+        if point.batch_s is not None:
+            changes["batch_s"] = point.batch_s
     if profile.optimizer_s_per_param is not None and cluster.optimizer_step:
         # A rank's optimizer shard, from the parameters its static bytes count.
         shard = [static / _bytes_per_param(cluster) / (cluster.dp if cluster.distributed_optimizer else 1)

@@ -47,10 +47,13 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     assert profile.compute[1].layer_activation_bytes["none"] == pytest.approx(
         2 * profile.compute[0].layer_activation_bytes["none"], rel=0.05)
     assert profile.optimizer_s_per_param > 0 and any("TP > 1" in note for note in profile.notes)
+    # the mock data's loader, timed at every size
+    assert all(point.batch_s > 0 for point in profile.compute)
     assert "pipemesh profile [" in done.stderr and "micro-batch 2: layer forward" in done.stderr
+    assert "micro-batch 4: data loader" in done.stderr and "> building train" not in done.stdout + done.stderr
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0, err
-    assert "hidden 64" in out and "optimizer step" in out and out in done.stdout
+    assert "hidden 64" in out and "optimizer step" in out and "batch ms" in out and out in done.stdout
     assert profile.network is None and "network: not measured (one process)" in out
 
 
@@ -62,6 +65,7 @@ def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(
     assert code == 0, err
     report = json.loads(out)["profile"]
     assert "layer forward/backward" in report["measured"]["1"] and "optimizer step" in report["measured"]["1"]
+    assert "data loader" in report["measured"]["1"]
     assert "NIC 0.1 Gbit/s (--nic-gbps, given)" in report["assumed"]["1"]
     assert "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)" in report["assumed"]["1"]
     for key, found in report["measured"].items():  # rows at another micro-batch size: 1, 2 and 4 were measured
@@ -71,3 +75,21 @@ def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(
     assert code == 2 and out == ""
     assert err.strip() == (f"pipemesh plan: error: {path} was measured for hidden 64, this command has hidden 128: "
                            "re-run pipemesh profile with this command")
+
+
+def test_a_data_path_that_cannot_be_read_here_leaves_the_loader_unmeasured_and_says_why(tmp_path):
+    """The command's --data-path does not exist on this machine: the layers are still measured, the data loader is
+    not, and a note says why (the dataset builder's own message) and that plans price it at 0."""
+    path = tmp_path / "profile.json"
+    command = SMALL.replace("--mock-data", "--data-path /nonexistent/corpus_text_document")
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", command,
+                           "--output", str(path), "--repeats", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = load(str(path))
+    assert profile.compute and all(point.batch_s is None for point in profile.compute)
+    note = [note for note in profile.notes if note.startswith("the data loader was not measured")]
+    assert len(note) == 1 and "/nonexistent/corpus_text_document" in note[0] and note[0].endswith("plans price it at 0")
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", command, "--profile", str(path), "--json"])
+    assert code == 0, err
+    assert "data loader" in json.loads(out)["profile"]["assumed"]["1"]

@@ -101,6 +101,26 @@ def test_the_profile_costs_reach_the_simulator_unchanged():
     assert found == ["optimizer step"] and any("not measured at TP 2, micro-batch 2" in a for a in assumed)
 
 
+def test_the_data_loaders_time_is_taken_once_per_micro_batch_by_the_first_and_the_last_stage():
+    """A measured batch time adds to the forward of the first and the last stage's chunks (interleaved: rank 0's
+    chunk 0 and the last rank's last chunk, not the chunks between), once where one stage is both (no pipeline); a
+    size not measured takes the nearest size's batch time unscaled; the report names it measured or assumed."""
+    measured = profile(dataclasses.replace(point(), batch_s=3e-3), point(mbs=1))
+    config = ScheduleConfig.depth_first(2, 2, 4)  # V = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    engine = ScheduleCosts(config, costs_for(MODEL, cluster(), config, profile=measured))
+    plain = ScheduleCosts(config, costs_for(MODEL, cluster(), config, profile=profile(point(), point(mbs=1))))
+    forward = lambda costs, rank, chunk: costs.compute(rank, Op(OpKind.FORWARD, chunk, 0))
+    assert [forward(engine, r, c) - forward(plain, r, c) for r, c in ((0, 0), (1, 0), (0, 1), (1, 1))] == \
+        pytest.approx([3e-3, 0.0, 0.0, 3e-3])
+    assert engine.compute(0, Op(OpKind.BACKWARD, 0, 0)) == plain.compute(0, Op(OpKind.BACKWARD, 0, 0))
+    alone = ScheduleConfig.depth_first(1, 1, 4)
+    one = lambda p: ScheduleCosts(alone, costs_for(MODEL, cluster(), alone, profile=p)).compute(0, Op(OpKind.FORWARD, 0, 0))
+    assert one(measured) - one(profile(point(), point(mbs=1))) == pytest.approx(3e-3)
+    assert measured.point_for(1, 8).batch_s == 3e-3
+    assert "data loader" in coverage(measured, 1, 2)[0] and "data loader" in coverage(measured, 1, 1)[1]
+    assert "data loader (as at micro-batch 2)" in coverage(measured, 1, 8)[0]
+
+
 def test_a_micro_batch_size_not_measured_is_scaled_from_the_nearest_measured():
     """The advice prices micro-batch sizes the profile may not have measured: at such a size the analytic costs
     (linear in the micro-batch size) calibrated at the nearest size measured (the largest below, else the smallest
