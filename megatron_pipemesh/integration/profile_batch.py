@@ -1,7 +1,7 @@
 """``pipemesh profile``: what the first and the last pipeline stage spend per micro-batch taking the batch from the
 command's data loader.
 
-The command's own data path is built as the training entry point builds it (:mod:`..training.pretrain_gpt`: the
+The command's own data path is built as the training entry point builds it (:mod:`.gpt_data`: the
 dataset of ``--mock-data`` or ``--data-path``, Megatron's sampler and ``--num-workers`` loader workers) and its
 ``get_batch`` is timed: waiting for the next batch, moving it to the device, the masks and positions. In training
 the workers prepare batches while the stage computes; here each batch is taken after a pause as long as one layer's
@@ -32,7 +32,7 @@ def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int
     from megatron.training import global_vars
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 
-    from ..training.pretrain_gpt import get_batch, train_valid_test_datasets_provider
+    from .gpt_data import get_batch, train_valid_test_datasets_provider
 
     repeats = max(repeats, MIN_REPEATS)
     found = {}
