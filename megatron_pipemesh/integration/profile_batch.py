@@ -41,7 +41,7 @@ def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int
         for size, pause in sorted(pauses.items()):
             sized = copy.copy(args)
             sized.micro_batch_size = size
-            global_vars._GLOBAL_ARGS = sized  # what get_args() gives the data path and get_batch
+            global_vars.set_args(sized)  # what get_args() gives the data path and get_batch
             samples = (warmup + repeats + 4) * size
             train, _, _ = train_valid_test_datasets_provider([samples, size, size])
             with warnings.catch_warnings():  # pin_memory without a GPU: nothing the user's run needs to hear
@@ -57,5 +57,5 @@ def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int
             del batches, loader  # the workers stop with their iterator
             found[size] = statistics.median(seconds[warmup:])
     finally:
-        global_vars._GLOBAL_ARGS = before
+        global_vars.set_args(before)
     return found
