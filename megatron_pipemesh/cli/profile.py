@@ -16,6 +16,7 @@ import time
 from typing import List, Sequence
 
 from ..integration.profile import ProfileSettings
+from ..planning.costs import STAGE_KINDS
 from ..planning.profile import Profile, ProfileError, load
 from .common import UsageError, positive_int, positive_number
 from .megatron_args import MEGATRON_ARGS, _megatron_words, split_argv
@@ -66,7 +67,7 @@ def table(profile: Profile, name: str = "") -> str:
         levels = sorted({level for point in profile.compute for level in point.recompute_extra_s})
         header = (f"{'TP':>3} {'mbs':>4} {'layer F ms':>10} {'layer B ms':>10} {'keeps MiB':>9} "
                   + "".join(f" {'+' + level:>{max(10, len(level) + 1)}}" for level in levels)
-                  + f" {'emb F+B ms':>11} {'out F+B ms':>11} {'batch ms':>8}")
+                  + f" {'emb F+B ms':>11} {'out F+B ms':>11} {'batch ms':>8} {'step F+B ms o/f/m/l':>23}")
         lines += ["", header, "-" * len(header)]
         for point in profile.compute:
             lines.append(
@@ -76,9 +77,11 @@ def table(profile: Profile, name: str = "") -> str:
                           for level in levels)
                 + f" {(point.embedding_forward_s + point.embedding_backward_s) * 1e3:>11.3f}"
                 + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}"
-                + (f" {point.batch_s * 1e3:>8.3f}" if point.batch_s is not None else f" {'-':>8}"))
+                + (f" {point.batch_s * 1e3:>8.3f}" if point.batch_s is not None else f" {'-':>8}")
+                + f" {_step_cell(point):>23}")
         lines.append("(+level: the extra backward ms of that recomputation per layer; keeps: bytes one layer keeps "
-                     "for its backward; batch: the data loader per micro-batch, first and last stage)")
+                     "for its backward; batch: the data loader per micro-batch, first and last stage; step: Megatron's "
+                     "schedule step beyond those, per chunk-micro-batch on the only/first/middle/last stage)")
         lines.append("activation bytes per layer: " + "; ".join(
             f"mbs {point.micro_batch_size}: " + ", ".join(f"{level} {value / 2**20:.3f} MiB"
                                                           for level, value in point.layer_activation_bytes.items())
@@ -93,6 +96,13 @@ def table(profile: Profile, name: str = "") -> str:
                      + ", ".join(f"{key} {value:.6f}" for key, value in profile.run_times.items()))
     lines += [f"note: {note}" for note in profile.notes]
     return "\n".join(lines)
+
+
+def _step_cell(point) -> str:
+    """The schedule step's forward + backward ms per :data:`STAGE_KINDS`, '/'-separated; '-' where not measured."""
+    if point.step_forward_s is None:
+        return "-"
+    return "/".join(f"{(point.step_forward_s[kind] + point.step_backward_s[kind]) * 1e3:.2f}" for kind in STAGE_KINDS)
 
 
 def _network_lines(profile: Profile) -> List[str]:

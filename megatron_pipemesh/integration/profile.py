@@ -417,6 +417,7 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
         except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break
+    points = _with_step_overhead(args, points, build, timer, device, settings, progress)
     host_gbps = _host_link_gbps(settings) if cuda else None
     if host_gbps is not None:
         progress(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction)")
@@ -453,6 +454,38 @@ def _with_batch_times(args, points: List[ComputePoint], settings: ProfileSetting
     for size, seconds in batch.items():
         progress(f"micro-batch {size}: data loader {seconds * 1e3:.2f} ms per batch")
     return [dataclasses.replace(point, batch_s=batch[point.micro_batch_size]) for point in points]
+
+
+def _one_layer_chunks(args, build) -> Dict[str, Tuple[object, object]]:
+    """Per :data:`..planning.costs.STAGE_KINDS`: a one-layer chunk of that kind built by ``build`` (``(model,
+    config)``, the embedding on the first / only, the output layer on the last / only), with ``main_grad``s."""
+    from ..planning.costs import STAGE_KINDS
+
+    chunks = {}
+    for kind in STAGE_KINDS:
+        model, config = build(_level_args(args, "none"), pre=kind in ("only", "first"), post=kind in ("only", "last"))
+        _with_main_grads(model)
+        chunks[kind] = (model, config)
+    return chunks
+
+
+def _with_step_overhead(args, points: List[ComputePoint], build, timer: _Timer, device, settings: ProfileSettings,
+                        progress: Progress) -> List[ComputePoint]:
+    """``points`` with what Megatron's schedule step spends beyond their pieces on each kind of chunk
+    (:mod:`.profile_steps`), timed on one-layer models of each kind."""
+    from .profile_steps import measure_step_overhead
+
+    models = _one_layer_chunks(args, build)
+    with _megatron_quiet():
+        overhead = measure_step_overhead(args, models, points, timer, device, settings.warmup, settings.repeats)
+    out = []
+    for point in points:
+        found = overhead[point.micro_batch_size]
+        progress(f"micro-batch {point.micro_batch_size}: schedule step beyond the pieces (forward + backward) "
+                 + ", ".join(f"{kind} {(f + b) * 1e3:.2f} ms" for kind, (f, b) in found.items()))
+        out.append(dataclasses.replace(point, step_forward_s={kind: f for kind, (f, _) in found.items()},
+                                       step_backward_s={kind: b for kind, (_, b) in found.items()}))
+    return out
 
 
 def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: _Timer,

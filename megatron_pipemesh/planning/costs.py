@@ -58,6 +58,17 @@ DDP_BUCKET_PARAMS = 40_000_000
 GB = 1024 ** 3
 
 
+STAGE_KINDS = ("only", "first", "middle", "last")
+"""Kinds of pipeline chunk whose schedule step costs differ: the only stage (no pipeline: embedding, loss and the
+whole batch), the first (embedding), a middle one, the last (output layer and loss)."""
+
+
+def stage_kind(first: bool, last: bool) -> str:
+    """The :data:`STAGE_KINDS` name of a chunk on the first and/or the last pipeline stage."""
+    return "only" if first and last else "first" if first else "last" if last else "middle"
+
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """GPT model shape (Megatron argument names in brackets)."""
@@ -311,6 +322,11 @@ class OpCosts:
     batch_s: float = 0.0
     """Forward time the first and the last stage spend per micro-batch taking the batch from the data loader (once
     where one stage is both; a profile measures it, 0 otherwise)."""
+    step_forward_s: Dict[str, float] = field(default_factory=dict)
+    """Forward time Megatron's schedule step spends per chunk-micro-batch beyond the layers, embedding and output
+    layer, per kind of chunk (:data:`STAGE_KINDS`; a profile measures it, 0 otherwise)."""
+    step_backward_s: Dict[str, float] = field(default_factory=dict)
+    """The same for the backward."""
     activation_bytes: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(BASIC_LEVERS, 0.0))
     """Activation bytes one chunk-micro-batch keeps alive until its backward, per recompute level."""
     first_stage_activation_bytes: Dict[str, float] = field(default_factory=dict)
@@ -580,11 +596,14 @@ class ScheduleCosts:
         side = 0 if op.kind is OpKind.FORWARD else 1
         tp = (c.first_stage_tp_s[side] if first else 0.0) + (c.last_stage_tp_s[side] if last else 0.0)
         scale = self._stages[rank][op.chunk].scale
+        kind = stage_kind(first, last)
         if op.kind is OpKind.FORWARD:
-            return c.forward_s * scale + extra + tp + (c.batch_s if first or last else 0.0)
+            return (c.forward_s * scale + extra + tp + (c.batch_s if first or last else 0.0)
+                    + c.step_forward_s.get(kind, 0.0))
         first_back = 2 * c.first_stage_extra_s if c.first_stage_backward_extra_s is None else c.first_stage_backward_extra_s
         last_back = 2 * c.last_stage_extra_s if c.last_stage_backward_extra_s is None else c.last_stage_backward_extra_s
-        return c.backward_s * scale + (first_back if first else 0.0) + (last_back if last else 0.0) + tp
+        return (c.backward_s * scale + (first_back if first else 0.0) + (last_back if last else 0.0) + tp
+                + c.step_backward_s.get(kind, 0.0))
 
     def transfer(self, src: int, dst: int, op: Op) -> Tuple[float, float]:
         c = self.costs

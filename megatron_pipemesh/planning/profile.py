@@ -119,6 +119,12 @@ class ComputePoint:
     batch_s: Optional[float] = None
     """What the first and the last pipeline stage spend per micro-batch taking the batch from the command's data
     loader onto the device (the training entry's ``get_batch``), seconds; None: not measured."""
+    step_forward_s: Optional[Dict[str, float]] = None
+    """Per :data:`.costs.STAGE_KINDS`: what Megatron's schedule step (its ``forward_step`` around the training entry's) spends
+    per chunk-micro-batch beyond the layers, the embedding and the output layer with the loss, seconds; None: not
+    measured."""
+    step_backward_s: Optional[Dict[str, float]] = None
+    """The same for its ``backward_step``."""
 
 
 P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
@@ -343,7 +349,8 @@ class Profile:
         if near is None:
             return None
         ratio = micro_batch_size / near.micro_batch_size
-        # batch_s stays as measured: taking a batch costs about the same at every size (2.6-2.9 ms at 1-8 here)
+        # batch_s and the schedule step stay as measured: taking a batch costs about the same at every size (2.6-2.9
+        # ms at 1-8 here), and the step's own work is mostly per call
         return dataclasses.replace(
             near, micro_batch_size=micro_batch_size, layer_forward_s=near.layer_forward_s * ratio,
             layer_backward_s=near.layer_backward_s * ratio,
@@ -433,7 +440,7 @@ def mismatch(profile: Profile, model: ModelSpec, dtype: str, device_kind: Option
 
 
 COST_NAMES = ("layer forward/backward", "recompute extras", "embedding", "output layer + loss", "activation bytes",
-              "data loader", "optimizer step")
+              "data loader", "schedule step", "optimizer step")
 """The costs a profile can give, in the order :func:`coverage` names them."""
 
 
@@ -447,22 +454,24 @@ def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int,
     if profile is None:
         return link_measured, list(COST_NAMES) + link_assumed
     point = profile.point(tp, micro_batch_size)
-    near = profile.nearest(tp, micro_batch_size) if point is None else None
-    measured = list(COST_NAMES[:5]) if point is not None else []
-    if point is not None and point.batch_s is not None:
-        measured.append("data loader")
-    if profile.optimizer_s_per_param is not None:
-        measured.append("optimizer step")
-    assumed = [name for name in COST_NAMES if name not in measured]
-    if near is not None:  # the analytic costs calibrated at the nearest size measured
-        measured = [f"{name} (scaled from micro-batch {near.micro_batch_size})" for name in COST_NAMES[:5]] + measured
-        assumed = [name for name in assumed if name not in COST_NAMES[:5]]
-        if near.batch_s is not None:
-            measured.insert(5, f"data loader (as at micro-batch {near.micro_batch_size})")
-            assumed.remove("data loader")
-    elif point is None:
-        assumed = [f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})" if name in COST_NAMES[:5]
-                   else name for name in assumed]
+    near = profile.nearest(tp, micro_batch_size) if point is None else None  # the analytic costs calibrated there
+    source = point or near
+    measured, assumed = [], []
+    for name in COST_NAMES:
+        per_layer = name in COST_NAMES[:5]
+        if name == "optimizer step":
+            have = profile.optimizer_s_per_param is not None
+        elif source is None:
+            have = False
+        else:
+            have = per_layer or {"data loader": source.batch_s, "schedule step": source.step_forward_s}[name] is not None
+        if not have:
+            assumed.append(f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})"
+                           if per_layer and source is None else name)
+        elif near is not None and name != "optimizer step":
+            measured.append(f"{name} ({'scaled from' if per_layer else 'as at'} micro-batch {near.micro_batch_size})")
+        else:
+            measured.append(name)
     return measured + link_measured, assumed + link_assumed
 
 
@@ -509,6 +518,8 @@ def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: C
             stages=stages)
         if point.batch_s is not None:
             changes["batch_s"] = point.batch_s
+        if point.step_forward_s is not None:
+            changes.update(step_forward_s=dict(point.step_forward_s), step_backward_s=dict(point.step_backward_s))
     if profile.optimizer_s_per_param is not None and cluster.optimizer_step:
         # A rank's optimizer shard, from the parameters its static bytes count.
         shard = [static / _bytes_per_param(cluster) / (cluster.dp if cluster.distributed_optimizer else 1)

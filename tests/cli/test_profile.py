@@ -49,11 +49,16 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     assert profile.optimizer_s_per_param > 0 and any("TP > 1" in note for note in profile.notes)
     # the mock data's loader, timed at every size
     assert all(point.batch_s > 0 for point in profile.compute)
+    # the schedule step beyond the pieces, on every kind of chunk, never below 0
+    assert all(set(point.step_forward_s) == set(point.step_backward_s) == {"only", "first", "middle", "last"}
+               and min(point.step_forward_s.values()) >= 0 for point in profile.compute)
+    assert "micro-batch 4: schedule step beyond the pieces" in done.stderr
     assert "pipemesh profile [" in done.stderr and "micro-batch 2: layer forward" in done.stderr
     assert "micro-batch 4: data loader" in done.stderr and "> building train" not in done.stdout + done.stderr
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0, err
     assert "hidden 64" in out and "optimizer step" in out and "batch ms" in out and out in done.stdout
+    assert "step F+B ms o/f/m/l" in out
     assert profile.network is None and "network: not measured (one process)" in out
 
 
@@ -65,7 +70,7 @@ def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(
     assert code == 0, err
     report = json.loads(out)["profile"]
     assert "layer forward/backward" in report["measured"]["1"] and "optimizer step" in report["measured"]["1"]
-    assert "data loader" in report["measured"]["1"]
+    assert "data loader" in report["measured"]["1"] and "schedule step" in report["measured"]["1"]
     assert "NIC 0.1 Gbit/s (--nic-gbps, given)" in report["assumed"]["1"]
     assert "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)" in report["assumed"]["1"]
     for key, found in report["measured"].items():  # rows at another micro-batch size: 1, 2 and 4 were measured

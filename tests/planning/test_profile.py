@@ -121,6 +121,31 @@ def test_the_data_loaders_time_is_taken_once_per_micro_batch_by_the_first_and_th
     assert "data loader (as at micro-batch 2)" in coverage(measured, 1, 8)[0]
 
 
+def test_the_schedule_steps_own_time_lands_on_each_chunk_by_its_kind():
+    """The schedule step's time beyond the pieces adds to every chunk-micro-batch by the kind of its stage: the
+    first stage's chunk the 'first' time, the last stage's the 'last', the chunks between the 'middle' (interleaved:
+    rank 0's chunk 1 and rank 1's chunk 0), the chunk of a run without pipeline the 'only'; forward and backward
+    apart; a size not measured keeps the nearest size's times unscaled; the report names it measured."""
+    forward = {"only": 4e-3, "first": 1e-3, "middle": 2e-4, "last": 3e-3}
+    backward = {"only": 5e-4, "first": 2e-4, "middle": 1e-4, "last": 1e-3}
+    measured = profile(dataclasses.replace(point(), step_forward_s=forward, step_backward_s=backward), point(mbs=1))
+    plain_profile = profile(point(), point(mbs=1))
+    config = ScheduleConfig.depth_first(2, 2, 4)  # V = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    engine = ScheduleCosts(config, costs_for(MODEL, cluster(), config, profile=measured))
+    plain = ScheduleCosts(config, costs_for(MODEL, cluster(), config, profile=plain_profile))
+    for kind, expected in ((OpKind.FORWARD, forward), (OpKind.BACKWARD, backward)):
+        added = [engine.compute(r, Op(kind, c, 0)) - plain.compute(r, Op(kind, c, 0))
+                 for r, c in ((0, 0), (1, 0), (0, 1), (1, 1))]
+        assert added == pytest.approx([expected["first"], expected["middle"], expected["middle"], expected["last"]])
+    alone = ScheduleConfig.depth_first(1, 1, 4)
+    one = lambda p, kind: ScheduleCosts(alone, costs_for(MODEL, cluster(), alone, profile=p)).compute(0, Op(kind, 0, 0))
+    assert one(measured, OpKind.FORWARD) - one(plain_profile, OpKind.FORWARD) == pytest.approx(forward["only"])
+    assert one(measured, OpKind.BACKWARD) - one(plain_profile, OpKind.BACKWARD) == pytest.approx(backward["only"])
+    assert measured.point_for(1, 8).step_forward_s == forward
+    assert "schedule step" in coverage(measured, 1, 2)[0] and "schedule step" in coverage(measured, 1, 1)[1]
+    assert "schedule step (as at micro-batch 2)" in coverage(measured, 1, 8)[0]
+
+
 def test_a_micro_batch_size_not_measured_is_scaled_from_the_nearest_measured():
     """The advice prices micro-batch sizes the profile may not have measured: at such a size the analytic costs
     (linear in the micro-batch size) calibrated at the nearest size measured (the largest below, else the smallest

@@ -1,0 +1,82 @@
+"""`integration/profile_steps.py`: each kind of chunk takes its stage's path through the forward step, and what the
+schedule step spends beyond the pieces is the step's time less theirs, never below 0."""
+import dataclasses
+
+import pytest
+
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 257")
+
+
+@pytest.fixture
+def megatron():
+    """Megatron's args of TINY as ``pipemesh profile`` builds them, with a one-rank process group."""
+    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
+
+    prepare_megatron_import()
+    import torch
+
+    from megatron_pipemesh.integration import profile
+    from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
+    from megatron_pipemesh.integration.megatron_command import read_command
+
+    apply_cpu_compat()
+    torch.set_num_threads(1)
+    run = read_command(profile._as_run_here(TINY.split(), False), world_size=1)
+    args = profile._single_rank_args(run.args)
+    args.padded_vocab_size = run.model.vocab_size
+    stop = profile._start_process_group(False)
+    try:
+        yield args
+    finally:
+        stop()
+
+
+def test_each_kind_takes_its_stages_path_through_get_batch_and_the_state_is_restored(megatron):
+    """A middle chunk takes no batch (its iterator is not touched), the first and the last take one; afterwards
+    Megatron's parallel state reads the process group again (one stage)."""
+    from megatron.core import parallel_state
+
+    from megatron_pipemesh.integration.gpt_data import get_batch
+    from megatron_pipemesh.integration.profile_steps import _as_stage, _batch, _training_globals
+
+    import torch
+
+    batch = _batch(megatron, 2, torch.device("cpu"))
+    with _training_globals(megatron):
+        with _as_stage("middle"):
+            assert get_batch(iter(())) == (None,) * 5
+        for kind in ("first", "last", "only"):
+            with _as_stage(kind):
+                tokens = get_batch(iter((batch,)))[0]
+                assert tokens is not None and tuple(tokens.shape) == (2, 32), kind
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 1
+    assert parallel_state.get_pipeline_model_parallel_rank() == 0
+
+
+def test_the_overhead_is_the_steps_time_less_the_pieces_and_never_negative(megatron):
+    """With pieces of 0 s the whole step is left (positive on every kind, the last's loss above a middle chunk's
+    bare layer); with pieces longer than any step nothing is left (0, not below)."""
+    import torch
+
+    from megatron_pipemesh.integration import profile
+    from megatron_pipemesh.integration.profile_steps import measure_step_overhead
+    from megatron_pipemesh.planning.costs import STAGE_KINDS
+    from megatron_pipemesh.planning.profile import ComputePoint
+
+    settings = profile.ProfileSettings()
+    models = profile._one_layer_chunks(megatron, lambda args, pre, post: profile._gpt(args, "local", settings, False,
+                                                                                       pre, post))
+    zero = ComputePoint(tp=1, micro_batch_size=2, layer_forward_s=0.0, layer_backward_s=0.0, recompute_extra_s={},
+                        layer_activation_bytes={}, embedding_forward_s=0.0, embedding_backward_s=0.0,
+                        embedding_activation_bytes=0.0, output_forward_s=0.0, output_backward_s=0.0,
+                        output_activation_bytes=0.0)
+    timer = profile._Timer(False)
+    whole = measure_step_overhead(megatron, models, [zero], timer, torch.device("cpu"), 1, 3)[2]
+    assert set(whole) == set(STAGE_KINDS)
+    assert all(forward > 0 and backward > 0 for forward, backward in whole.values())
+    assert sum(whole["last"]) > sum(whole["middle"])
+    long = dataclasses.replace(zero, layer_forward_s=1.0, layer_backward_s=1.0)
+    assert measure_step_overhead(megatron, models, [long], timer, torch.device("cpu"), 1, 3)[2] == \
+        dict.fromkeys(STAGE_KINDS, (0.0, 0.0))
