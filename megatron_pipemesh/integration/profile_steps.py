@@ -92,9 +92,9 @@ def _pieces(point: ComputePoint, kind: str) -> Tuple[float, float]:
 def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], points: Sequence[ComputePoint],
                           timer, device, warmup: int, repeats: int) -> Dict[int, Dict[str, Tuple[float, float]]]:
     """Per micro-batch size of ``points``, per kind of ``models`` (kind -> (a one-layer ``GPTModel`` of that kind
-    on ``device``, its ``TransformerConfig``)), timed with ``timer`` (the profile's): (forward, backward) seconds of Megatron's schedule step beyond the point's pieces,
-    never below 0 (the step runs the pieces and more; below 0 is the timer's noise). The kinds take turns in every
-    round, so a drift of the machine's speed reaches them alike."""
+    on ``device``, its ``TransformerConfig``)), timed with the profile's ``timer``: (forward, backward) seconds of
+    Megatron's schedule step beyond the point's pieces, never below 0 (the step runs the pieces and more; below 0 is
+    the timer's noise). The kinds take turns in every round, so a drift of the machine's speed reaches them alike."""
     import torch
     from megatron.core.pipeline_parallel import schedules
     from megatron.training import global_vars
@@ -111,12 +111,14 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
                 config.timers = global_vars.get_timers()
             batch = _batch(sized, b, device)
             hidden = torch.randn(sized.seq_length, b, sized.hidden_size, generator=torch.Generator().manual_seed(b))
+            dtype = next(iter(models.values()))[1].params_dtype
+            hidden = hidden.to(device=device, dtype=dtype)  # what a stage receives
             samples = {kind: ([], []) for kind in models}
             for call in range(warmup + repeats):
                 for kind, (model, config) in models.items():
                     with _as_stage(kind):
                         forward_s, backward_s = _one_step(schedules, forward_step, model, config, kind, batch,
-                                                          hidden.to(device=device, dtype=config.params_dtype), timer)
+                                                          hidden, timer)
                     if call >= warmup:
                         samples[kind][0].append(forward_s)
                         samples[kind][1].append(backward_s)

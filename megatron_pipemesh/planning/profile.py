@@ -120,9 +120,9 @@ class ComputePoint:
     """What the first and the last pipeline stage spend per micro-batch taking the batch from the command's data
     loader onto the device (the training entry's ``get_batch``), seconds; None: not measured."""
     step_forward_s: Optional[Dict[str, float]] = None
-    """Per :data:`.costs.STAGE_KINDS`: what Megatron's schedule step (its ``forward_step`` around the training entry's) spends
-    per chunk-micro-batch beyond the layers, the embedding and the output layer with the loss, seconds; None: not
-    measured."""
+    """Per :data:`.costs.STAGE_KINDS`: what Megatron's schedule step (its ``forward_step`` around the training
+    entry's) spends per chunk-micro-batch beyond the layers, the embedding and the output layer with the loss,
+    seconds; None: not measured."""
     step_backward_s: Optional[Dict[str, float]] = None
     """The same for its ``backward_step``."""
 
@@ -464,7 +464,8 @@ def coverage(profile: Optional[Profile], tp: int, micro_batch_size: int,
         elif source is None:
             have = False
         else:
-            have = per_layer or {"data loader": source.batch_s, "schedule step": source.step_forward_s}[name] is not None
+            value = {"data loader": source.batch_s, "schedule step": source.step_forward_s}.get(name)
+            have = per_layer or value is not None
         if not have:
             assumed.append(f"{name} (not measured at TP {tp}, micro-batch {micro_batch_size})"
                            if per_layer and source is None else name)
