@@ -15,13 +15,15 @@ micro-batch size 1, 2, 4, ... up to the command's:
 * the bytes each keeps for its backward: the runtime's saved-tensor meter
   (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded);
 * the data loader per micro-batch (:mod:`.profile_batch`: the command's dataset and loader workers, the training
-  entry's ``get_batch``; one process only, as Megatron's dataset builder synchronises every rank of a job);
+  entry's ``get_batch``);
+* Megatron's schedule step beyond those pieces on each kind of chunk (:mod:`.profile_steps`);
 * the optimizer per parameter: Megatron's own (``get_megatron_optimizer`` with the command's flags over a one-layer
   model in Megatron's DDP), zeroing the gradients and its ``step()``, as ``train_step`` runs them;
 * on CUDA, the pinned host link (device-to-host and back, the slower).
 
 Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, rank 0
-measures the layers (the others wait), every rank the optimizer at once (Megatron's DDP and optimizer take part in
+measures the layers and, in a one-process child (Megatron's dataset builder synchronises every rank of a job), the
+data loader (the others wait), every rank the optimizer at once (Megatron's DDP and optimizer take part in
 collectives over the job's groups; rank 0's time is kept), then every rank times the links between them
 (:mod:`.profile_links`: p2p, collectives, flows sharing a NIC) and rank 0 returns the profile. One process measures no
 network: the plan keeps ``--nic-gbps`` and ``--intra-node-gbps``.
@@ -278,6 +280,22 @@ def _start_process_group(cuda: bool) -> Callable[[], None]:
     return stop
 
 
+def command_args(words: Sequence[str], cuda: bool):
+    """(Megatron's args of the command ``words`` for one process on this machine, the command as the planner reads
+    it, as it runs here): both read as ``pipemesh plan --megatron-args`` reads them. CommandError for what the
+    profile cannot measure."""
+    from .megatron_command import CommandError, read_command
+
+    tp, pp, cp = _parallel_sizes(words)
+    planned = read_command(list(words), world_size=tp * pp * cp)  # the command as the planner reads it
+    run = read_command(_as_run_here(list(words), cuda), world_size=tp * pp * cp)  # as it runs on this machine
+    if getattr(run.args, "num_experts", None) or getattr(run.args, "spec", None):
+        raise CommandError("pipemesh profile measures dense GPT layers: --num-experts and --spec are not supported")
+    args = _single_rank_args(run.args)
+    args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
+    return args, planned, run
+
+
 def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSettings(),
                     progress: Progress = lambda line: None) -> Optional[Profile]:
     """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them).
@@ -290,19 +308,12 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     import torch
 
     from .cpu_compat import apply_cpu_compat
-    from .megatron_command import CommandError, read_command
 
     cuda = torch.cuda.is_available()
     if not cuda:
         apply_cpu_compat()
         torch.set_num_threads(1)  # one thread per rank, as the ranks will run
-    tp, pp, cp = _parallel_sizes(words)
-    planned = read_command(list(words), world_size=tp * pp * cp)  # the command as the planner reads it
-    run = read_command(_as_run_here(list(words), cuda), world_size=tp * pp * cp)  # as it runs on this machine
-    if getattr(run.args, "num_experts", None) or getattr(run.args, "spec", None):
-        raise CommandError("pipemesh profile measures dense GPT layers: --num-experts and --spec are not supported")
-    args = _single_rank_args(run.args)
-    args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
+    args, planned, run = command_args(words, cuda)
     model_spec = planned.model
     lead = launch is None or launch.rank == 0
     say = progress if lead else (lambda line: None)
@@ -323,12 +334,10 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         if lead:
             try:
                 compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
-                if launch is None:
-                    compute = _with_batch_times(args, compute, settings, say, notes)
-                else:  # rank 0 alone would wait in the builder's barrier for ranks that do not build
-                    notes.append("the data loader is not measured when launched on several ranks (Megatron's "
-                                 "dataset builder synchronises every rank of the job): run pipemesh profile as one "
-                                 "process to measure it; plans price it at 0")
+                # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
+                # times the loader in a one-process child of its own.
+                compute = _with_batch_times(args, compute, settings, say, notes,
+                                            apart=None if launch is None else (list(words), launch.local_rank))
             except BaseException as error:
                 failure = f"{type(error).__name__}: {error}"
                 if launch is not None:
@@ -438,16 +447,20 @@ def _megatron_quiet():
 
 
 def _with_batch_times(args, points: List[ComputePoint], settings: ProfileSettings, progress: Progress,
-                      notes: List[str]) -> List[ComputePoint]:
+                      notes: List[str], apart: Optional[Tuple[List[str], int]] = None) -> List[ComputePoint]:
     """``points`` with the data loader's time per batch (:mod:`.profile_batch`), each batch taken after a pause of
-    one layer's forward and backward; where the command's data path cannot be built here, the points unchanged and a
-    note saying so."""
-    from .profile_batch import measure_batch_s
+    one layer's forward and backward, in this process or, with ``apart`` (the command's words, this rank's device),
+    in a one-process child; where the command's data path cannot be built here, the points unchanged and a note
+    saying so."""
+    from .profile_batch import measure_batch_s, measure_batch_s_apart
 
     pauses = {point.micro_batch_size: point.layer_forward_s + point.layer_backward_s for point in points}
     try:
-        with _megatron_quiet():
-            batch = measure_batch_s(args, pauses, settings.warmup, settings.repeats)
+        if apart is not None:
+            batch = measure_batch_s_apart(apart[0], pauses, settings.warmup, settings.repeats, device=apart[1])
+        else:
+            with _megatron_quiet():
+                batch = measure_batch_s(args, pauses, settings.warmup, settings.repeats)
     except Exception as error:  # the user's data path, tokenizer or loader: whatever it raises, the plan must say
         notes.append(f"the data loader was not measured ({type(error).__name__}: {error}); plans price it at 0")
         return points

@@ -9,20 +9,39 @@ forward and backward at that micro-batch size (at least :data:`MIN_PAUSE_S`), so
 process itself spends, not how fast the workers produce. Megatron's runs show it as the ``batch-generator`` timer,
 inside ``forward-compute``: 3-4 ms per micro-batch on this CPU with the default two workers, a fifth of the compute
 of a hidden-128 GPT.
+
+Launched on several ranks, the builder's barriers span the whole job, so rank 0 times the loader in a child process of
+its own (:func:`measure_batch_s_apart`: one process, its own one-rank process group, rank 0's device), while the
+other ranks wait.
 """
 from __future__ import annotations
 
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Sequence
 
 MIN_PAUSE_S = 0.005
 """The least pause between two batches (the workers' head start)."""
 
 MIN_REPEATS = 15
 """Batches timed at least (the median kept): one batch's hand-over from a worker varies by tens of percent."""
+
+CHILD_TIMEOUT_S = 600.0
+"""The most :func:`measure_batch_s_apart` waits for its child (building a large dataset's indexes takes minutes)."""
+
+CHILD_MODULE = "megatron_pipemesh.integration.profile_batch_child"
+"""The child's entry (a module of its own: it reads the command as the profile does, and the profile imports this
+one)."""
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")
+"""The launcher's variables the child must not see: it is one process, not a rank of the job."""
 
 
 def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int) -> Dict[int, float]:
@@ -59,3 +78,27 @@ def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int
     finally:
         global_vars.set_args(before)
     return found
+
+
+def measure_batch_s_apart(words: Sequence[str], pauses: Mapping[int, float], warmup: int, repeats: int,
+                          device: int = 0) -> Dict[int, float]:
+    """:func:`measure_batch_s` of the command ``words`` in a child process of its own (one rank, CUDA device
+    ``device`` where there is CUDA). Raises RuntimeError with the child's error where it fails."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+    request = json.dumps({"words": list(words), "pauses": {str(k): v for k, v in pauses.items()}, "warmup": warmup,
+                          "repeats": repeats})
+    try:
+        done = subprocess.run([sys.executable, "-m", CHILD_MODULE], input=request, capture_output=True, text=True,
+                              env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timing the data loader took over {CHILD_TIMEOUT_S:g} s") from None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    answer = json.loads(lines[-1]) if lines else {}
+    if "seconds" not in answer:
+        errors = [line for line in done.stderr.splitlines() if line.strip()]
+        raise RuntimeError(answer.get("error") or (errors[-1] if errors else f"the child exited {done.returncode}"))
+    return {int(size): float(seconds) for size, seconds in answer["seconds"].items()}
+
