@@ -53,6 +53,8 @@ class AdviceBenchSettings:
     shared by the ranks computing at the moment; None: a core per rank."""
     pinned_cores: bool = False
     """With ``shared_cores``: each pipeline rank's ranks pinned to core (pipeline rank % cores) [--pin-cores]."""
+    nic_burst_bytes: float = 0.0
+    """The token-bucket burst of every emulated NIC direction (tc tbf [--burst]); 0: none (--unshaped)."""
 
 
 def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
@@ -99,7 +101,8 @@ def plan_advice(parsed, settings: AdviceBenchSettings):
 
     argv, (user, problem, cluster, rate) = parsed
     cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo",
-                                  shared_cores=settings.shared_cores, pinned_cores=settings.pinned_cores)
+                                  shared_cores=settings.shared_cores, pinned_cores=settings.pinned_cores,
+                                  nic_burst_bytes=settings.nic_burst_bytes)
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
     try:
         advice = advise(problem, cluster)

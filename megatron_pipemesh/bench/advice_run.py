@@ -148,7 +148,8 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
     shared = cores if args.nproc > cores else None
     settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps, device_tflops=args.device_tflops, mfu=args.mfu,
                                    device_memory_gb=memory_gb / args.nproc, profile=args.profile, shared_cores=shared,
-                                   pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)))
+                                   pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)),
+                                   nic_burst_bytes=shaping.burst_bytes if shaping is not None else 0.0)
     return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb, int(repeats))
 
 
@@ -336,7 +337,7 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
         "ranks_share_cores": settings.nproc > setup.cores, "pinned": [r["cores"] for r in rows],
         "network": {"shaped": shaping is not None, "rate_mbit": shaping.rate_mbit if shaping else None,
                     "per_rank": True, "nic_queue": shaping.nic_queue if shaping else None,
-                    "planned_nic_gbps": settings.nic_gbps},
+                    "planned_nic_gbps": settings.nic_gbps, "planned_burst_bytes": settings.nic_burst_bytes},
         "device": {"tflops_per_rank": settings.device_tflops, "mfu": settings.mfu,
                    "memory_gb_per_rank": settings.device_memory_gb, "shared_cores": settings.shared_cores,
                    "pinned_cores": settings.pinned_cores},
@@ -359,7 +360,9 @@ def format_advice(document: dict) -> str:
     net = document["network"]
     lines = [f"pipemesh bench --advice: {document['nproc']} ranks, one single-GPU node each; network: "
              + (f"{net['rate_mbit']:g} Mbit/s per rank each way ({net['nic_queue']} share), planned at "
-                f"{1e3 * net['planned_nic_gbps']:.1f} Mbit/s payload" if net["shaped"]
+                f"{1e3 * net['planned_nic_gbps']:.1f} Mbit/s payload"
+                + (f" with the {net['planned_burst_bytes'] / 1024:g} KiB token-bucket burst"
+                   if net.get("planned_burst_bytes") else "") if net["shaped"]
                 else f"unshaped loopback, planned at {net['planned_nic_gbps']:g} Gbit/s")
              + ("; compute and activations from the profile " + document["profile"] if document["profile"] else
                 f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank "

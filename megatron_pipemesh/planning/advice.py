@@ -93,6 +93,8 @@ class AdviceCluster:
     pinned_cores: bool = False
     """With ``shared_cores``: each pipeline rank's ranks pinned to one core (``pipemesh bench --pin-cores``);
     :attr:`.costs.ClusterSpec.pinned_cores`."""
+    nic_burst_bytes: float = 0.0
+    """The NICs' token-bucket burst (``pipemesh bench --advice``'s emulated NICs); :attr:`.costs.ClusterSpec.nic_burst_bytes`."""
 
     @property
     def gpus(self) -> int:
@@ -115,7 +117,7 @@ class AdviceCluster:
                            mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
                            collectives=self.collectives, shared_cores=self.shared_cores,
                            pinned_cores=self.pinned_cores, overlap_grad_reduce=overlap[0],
-                           overlap_param_gather=overlap[1])
+                           overlap_param_gather=overlap[1], nic_burst_bytes=self.nic_burst_bytes)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Notation for one V: stage s = c*p + r runs on rank r (chunk c); f_s, b_s its for
 recomputation (tensor-parallel collectives included); h(s, s') the transfer between the stages' ranks alone
 (plus its latency); G the parameter gather of rank 0's chunk 0, R_rc the gradient reduction of rank r's chunk
 c, E the tied embedding's all-reduce after the backward, o_r rank r's optimizer step; every transfer at its
-lone time (sharing only slows it). An exact synchronous schedule needs at least:
+lone time (sharing only slows it), less the burst of the NICs' token buckets where they have one (each transfer
+passes at most that at once). An exact synchronous schedule needs at least:
 
 * **the stage-0 chain, for every rank r**: rank 0's chunk-0 gather before any forward (stage 0's first
   forward waits for it), then the fill (rank r's first op is a forward of stage c*p + r, which needs that
@@ -92,15 +93,19 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
         """Transfer from stage s to stage t alone, with its latency (0 on one rank)."""
         if s % p == t % p:
             return 0.0
-        busy, latency = plain.transfer(s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
+        busy, latency = _p2p_alone(plain, s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
         return busy + latency
 
+    links = plain.links()
+    dp_burst = [_burst_s(links, links.dp_route(r) if links is not None else None) for r in range(p)]
     step = [c.optimizer_s[r] if r < len(c.optimizer_s) else 0.0 for r in range(p)]
-    gathers = [[plain.data_parallel(r, Op(OpKind.PARAM_SYNC, k)) if c.dp_gather_s > 0 else 0.0 for k in range(vpp)]
-               for r in range(p)]
-    reductions = [[plain.data_parallel(r, Op(OpKind.GRAD_SYNC, k)) for k in range(vpp)] for r in range(p)]
+    gathers = [[max(0.0, plain.data_parallel(r, Op(OpKind.PARAM_SYNC, k)) - dp_burst[r]) if c.dp_gather_s > 0 else 0.0
+                for k in range(vpp)] for r in range(p)]
+    reductions = [[max(0.0, plain.data_parallel(r, Op(OpKind.GRAD_SYNC, k)) - dp_burst[r]) for k in range(vpp)]
+                  for r in range(p)]
     finals = plain.final_collectives()
-    final_s = {r: max(t[2] for t in final.transfers) + final.latency_s for final in finals for r in final.ranks}
+    final_s = {r: max(max(0.0, t[2] - _burst_s(links, links.embedding_route(t[0], t[1]) if links is not None else None))
+                      for t in final.transfers) + final.latency_s for final in finals for r in final.ranks}
     gather0, reduce0, embed = gathers[0][0], reductions[0][0], final_s.get(0, 0.0)
 
     # Reductions after the last stage's last forward (T_last): stage 0's m forwards then one chain, or the
@@ -141,6 +146,21 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
     return IterationBound(max(chain, data_parallel, links), vpp, chain, data_parallel, links)
 
 
+def _burst_s(links, route) -> float:
+    """What a token bucket on ``route`` can save a flow at most (0 without: :meth:`.topology.Topology.burst_s`)."""
+    burst_s = getattr(links, "burst_s", None)
+    return burst_s(route) if callable(burst_s) else 0.0
+
+
+def _p2p_alone(costs: ScheduleCosts, src: int, dst: int, op: Op):
+    """(busy, latency) of a pipeline transfer alone, less what the NICs' token buckets may pass at once."""
+    busy, latency = costs.transfer(src, dst, op)
+    links = costs.links()
+    if links is not None:
+        busy = max(0.0, busy - _burst_s(links, links.p2p_route(src, dst)))
+    return busy, latency
+
+
 def _fed_span(config: ScheduleConfig, costs: ScheduleCosts, f: Sequence[float], b: Sequence[float], r: int) -> float:
     """From rank r's first op to its last, at least the time its input channels take to deliver: n inputs on
     one FIFO channel arrive at least n-1 transfers apart; the first forward input comes before any op, and
@@ -154,11 +174,11 @@ def _fed_span(config: ScheduleConfig, costs: ScheduleCosts, f: Sequence[float], 
     span = 0.0
     fed = [s for s in mine if s >= 1]  # stages whose forward input comes from rank r-1
     if fed:
-        busy, _ = costs.transfer((r - 1) % p, r, Op(OpKind.FORWARD, 0, 0))
+        busy, _ = _p2p_alone(costs, (r - 1) % p, r, Op(OpKind.FORWARD, 0, 0))
         span = (m * len(fed) - 1) * busy + min(f[s] + b[s] for s in fed)
     fed = [s for s in mine if s <= stages - 2]  # stages whose backward input comes from rank r+1
     if fed:
-        busy, _ = costs.transfer((r + 1) % p, r, Op(OpKind.BACKWARD, 0, 0))
+        busy, _ = _p2p_alone(costs, (r + 1) % p, r, Op(OpKind.BACKWARD, 0, 0))
         span = max(span, min(f[s] for s in fed) + (m * len(fed) - 1) * busy + min(b[s] for s in fed))
     return span
 
@@ -175,7 +195,8 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
     for s in range(stages):
         for t, direction in ((s + 1, "F"), (s - 1, "B")):
             if 0 <= t < stages and s % p != t % p:
-                busy, _ = costs.transfer(s % p, t % p, Op(OpKind.FORWARD if direction == "F" else OpKind.BACKWARD, s // p, 0))
+                busy, _ = _p2p_alone(costs, s % p, t % p, Op(OpKind.FORWARD if direction == "F" else OpKind.BACKWARD,
+                                                              s // p, 0))
                 key = (s % p, t % p, direction)
                 channel[key] = channel.get(key, 0.0) + m * busy
                 sends.append((s % p, t % p, m * busy))
@@ -197,7 +218,8 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
         carry(links.dp_route(r), sum(gathers[r]) + sum(reductions[r]))
     for final in finals:
         for src, dst, seconds, _ in final.transfers:
-            carry(links.embedding_route(src, dst), seconds)
+            route = links.embedding_route(src, dst)
+            carry(route, max(0.0, seconds - _burst_s(links, route)))
     compute_route = getattr(links, "compute_route", None)
     for r in range(p) if callable(compute_route) else ():
         route = compute_route(r)

@@ -227,6 +227,10 @@ class ClusterSpec:
     pinned_cores: bool = False
     """With ``shared_cores``: the ranks of pipeline rank r are pinned to core r % ``shared_cores`` (``pipemesh bench
     --pin-cores``), so they share that core only, with the other pipeline ranks pinned there."""
+    nic_burst_bytes: float = 0.0
+    """Bytes each NIC direction passes at once after it idles: a token bucket's burst (the bench's emulated NICs, tc
+    tbf: 256 KiB), refilled at the NIC's rate while it carries nothing (:class:`.network.FairShareNetwork`). 0: a NIC
+    at line rate, as real ones are."""
 
     def __post_init__(self):
         if self.collectives not in REDUCE_SCATTER_STEPS:
@@ -236,6 +240,8 @@ class ClusterSpec:
                              "number >= 1 (None: every rank computes on a device of its own)")
         if self.pinned_cores and self.shared_cores is None:
             raise ValueError("pinned_cores=True needs shared_cores: the cores the pipeline ranks are pinned to")
+        if not self.nic_burst_bytes >= 0:
+            raise ValueError(f"nic_burst_bytes={self.nic_burst_bytes!r} is invalid: bytes >= 0 (0: no burst)")
 
 
 MEGATRON_SEND_WAIT = {"nccl": "none", "gloo": "posted"}

@@ -158,11 +158,19 @@ class FairShareNetwork:
     of components), and only the flows whose pace changes get a new end. Starts and ends at one instant are rated
     together, when the clock next moves."""
 
-    def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None):
+    def __init__(self, capacity: Sequence[float], cache: Optional[RateCache] = None,
+                 burst: Optional[Sequence[float]] = None):
         if any(not c > 0 for c in capacity):
             raise ValueError(f"every resource needs a capacity > 0 bytes/s, got {list(capacity)}")
+        if burst is not None and (len(burst) != len(capacity) or any(not b >= 0 for b in burst)):
+            raise ValueError(f"burst needs one value >= 0 bytes per resource ({len(capacity)}), got {list(burst)}")
         self.capacity = tuple(float(c) for c in capacity)
         self.now = 0.0
+        # Token buckets (tc tbf): a resource holds up to its burst in tokens, refilled at its capacity while it carries
+        # nothing; a flow starting where every resource it crosses holds tokens passes that many bytes at once.
+        self._burst = tuple(float(b) for b in burst) if burst is not None and any(burst) else None
+        self._tokens = list(self._burst) if self._burst is not None else []
+        self._idle_since = [0.0] * len(self.capacity)
         self._cache = RateCache() if cache is None else cache
         self._routes = self._cache.routes
         self._flows: Dict[Hashable, _Active] = {}
@@ -200,6 +208,8 @@ class FairShareNetwork:
                 if not 0 <= r < len(self.capacity):
                     raise ValueError(f"route {route} names resource {r}; the network has {len(self.capacity)}")
             rid = self._cache.route_id(route)
+        if self._burst is not None:
+            work_s = self._spend_tokens(route, work_s)
         flow = _Active(token, rid, float(work_s), self.now)
         self._flows[token] = flow
         self._of_route.setdefault(rid, {})[token] = flow
@@ -220,6 +230,22 @@ class FairShareNetwork:
             self._fresh.append(flow)
             self._touched.extend(r for r, _ in route.demands)
             self._dirty = True
+
+    def _spend_tokens(self, route: Route, work_s: float) -> float:
+        """The work left of a flow starting now on ``route`` once its first bytes pass on the tokens of the buckets
+        it crosses (the least over them, per device-level flow: a resource without a bucket passes none)."""
+        burst, tokens, load = self._burst, self._tokens, self._load
+        for r, _ in route.demands:
+            if not load[r] and tokens[r] < burst[r]:  # idle since it last carried a flow: refilled at its capacity
+                tokens[r] = min(burst[r], tokens[r] + (self.now - self._idle_since[r]) * self.capacity[r])
+                self._idle_since[r] = self.now
+        free = min(tokens[r] / w for r, w in route.demands)
+        if not free > 0:
+            return work_s
+        free = min(free, work_s * route.lone_bytes_per_s)
+        for r, w in route.demands:
+            tokens[r] -= free * w
+        return work_s - free / route.lone_bytes_per_s
 
     def next_time(self) -> float:
         """When the next flow ends (inf: none runs)."""
@@ -265,6 +291,8 @@ class FairShareNetwork:
                 if load[r]:  # others cross a resource it freed: their rates may rise
                     self._touched.append(r)
                     self._dirty = True
+                else:  # idle from now: its bucket refills
+                    self._idle_since[r] = t
             done.append(token)
         return t, done
 

@@ -12,7 +12,7 @@ Resources (each direction its own, full duplex):
 
 * ``nic-out n`` / ``nic-in n`` (``nic_gbps``): a node's NIC, shared by every transfer leaving / entering the
   node: pipeline sends to a stage on another node, data-parallel ring hops across nodes, the tied
-  embedding's all-reduce. One per group of pipeline ranks on one node (a node holds several stages when
+  embedding's all-reduce; with ``nic_burst_bytes``, a token bucket of that burst. One per group of pipeline ranks on one node (a node holds several stages when
   t*d divides into it; otherwise a stage spans several alike nodes, and one stands for them all).
 * Without a NIC (``nic_gbps`` None) those transfers run on links of their own, ``p2p a->b`` per directed
   pipeline link (``p2p_gbps``) and ``dp r`` per rank (``dp_gbps``): nothing else shares them.
@@ -83,6 +83,9 @@ class Topology:
     rank computes on a device of its own."""
     rates: RateCache = field(default_factory=RateCache, compare=False, repr=False)
     """The fair-share rates of every mix of routes met so far, shared by the networks of this topology."""
+    burst: Tuple[float, ...] = ()
+    """Bytes of each resource's token-bucket burst (:attr:`.costs.ClusterSpec.nic_burst_bytes` on the NICs);
+    empty: none has one."""
 
     def p2p_route(self, src: int, dst: int) -> Route:
         try:
@@ -105,7 +108,14 @@ class Topology:
         return self.compute[rank] if self.compute else None
 
     def new_network(self) -> FairShareNetwork:
-        return FairShareNetwork(self.capacity, self.rates)
+        return FairShareNetwork(self.capacity, self.rates, self.burst or None)
+
+    def burst_s(self, route: Optional[Route]) -> float:
+        """The most a flow on ``route`` can save from the token buckets it crosses (seconds at its lone rate): the
+        least burst over its resources, per device-level flow; 0 when one has none."""
+        if route is None or not self.burst:
+            return 0.0
+        return min(self.burst[r] / w for r, w in route.demands) / route.lone_bytes_per_s
 
     def p2p_speedup(self, src: int, dst: int) -> float:
         """How much faster a lone send runs on link (src, dst) than on the slowest pipeline link."""
@@ -123,15 +133,17 @@ class _Builder:
     def __init__(self) -> None:
         self.names: List[str] = []
         self.capacity: List[float] = []
+        self.burst: List[float] = []
         self._index: Dict[str, int] = {}
 
-    def __call__(self, name: str, gbps: float) -> int:
+    def __call__(self, name: str, gbps: float, burst: float = 0.0) -> int:
         if name not in self._index:
             if not gbps > 0:
                 raise ValueError(f"link {name}: rate must be > 0 Gbit/s, got {gbps}")
             self._index[name] = len(self.names)
             self.names.append(name)
             self.capacity.append(gbps * GBIT)
+            self.burst.append(float(burst))
         return self._index[name]
 
     def cores(self, name: str, cores: float) -> int:
@@ -141,6 +153,7 @@ class _Builder:
             self._index[name] = len(self.names)
             self.names.append(name)
             self.capacity.append(float(cores))
+            self.burst.append(0.0)
         return self._index[name]
 
 
@@ -182,8 +195,9 @@ def topology(cluster, pp: int) -> Topology:
                 for a, b in across:
                     out[a // node] = out.get(a // node, 0) + 1
                     into[b // node] = into.get(b // node, 0) + 1
-                demands += [(add(f"nic-out {nic_group(src)}", cluster.nic_gbps), max(out.values())),
-                            (add(f"nic-in {nic_group(dst)}", cluster.nic_gbps), max(into.values()))]
+                burst = cluster.nic_burst_bytes
+                demands += [(add(f"nic-out {nic_group(src)}", cluster.nic_gbps, burst), max(out.values())),
+                            (add(f"nic-in {nic_group(dst)}", cluster.nic_gbps, burst), max(into.values()))]
                 if cluster.nic_via_host:
                     demands += [(add(f"d2h {src}", cluster.host_link_gbps), 1), (add(f"h2d {dst}", cluster.host_link_gbps), 1)]
             else:
@@ -231,4 +245,4 @@ def topology(cluster, pp: int) -> Topology:
                                         (add.cores(f"threads {r}", per_stage), per_stage)], add.capacity)
                             for r in range(pp))
     return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, slowest,
-                    compute)
+                    compute, burst=tuple(add.burst) if any(add.burst) else ())

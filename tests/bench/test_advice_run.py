@@ -252,6 +252,26 @@ def test_repeats_run_every_row_in_turn_and_pool_their_iterations(monkeypatch, tm
                                   {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
 
 
+def test_the_emulated_nics_burst_is_planned_for(monkeypatch):
+    """The shaped network's tbf burst reaches the advisor's cluster (every layout's ClusterSpec); unshaped, none."""
+    import megatron_pipemesh.planning.advice as advice_module
+    from megatron_pipemesh.bench.netns import MIN_BURST_BYTES, Shaping
+
+    argv = ["bench", "--advice", "--megatron-args", TINY, "--nproc", "2", "--rate", "100mbit"]
+    setup = advice_run.resolve_advice(bench_cli.build_parser().parse_args(argv), {"cores": 2, "memory_gb": 8.0},
+                                      lambda rate: Shaping(rate), "100mbit")
+    assert setup.settings.nic_burst_bytes == MIN_BURST_BYTES
+    unshaped = advice_run.resolve_advice(bench_cli.build_parser().parse_args(argv[:-2] + ["--unshaped"]),
+                                         {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
+    assert unshaped.settings.nic_burst_bytes == 0.0
+    seen = []
+    advise = advice_module.advise
+    monkeypatch.setattr(advice_module, "advise",
+                        lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
+    plan(shlex.split(TINY), dataclasses.replace(SETTINGS, nic_burst_bytes=MIN_BURST_BYTES))
+    assert seen[-1].spec(1, 2, False, False).nic_burst_bytes == MIN_BURST_BYTES
+
+
 def test_the_advisor_and_the_stock_rows_share_the_cores(monkeypatch):
     """The advisor's cluster carries the shared cores (so does every layout's ClusterSpec, the stock rows' simulation
     included), and 4 ranks on 2 cores are predicted slower than 4 ranks with a core each (at a fast NIC, where compute

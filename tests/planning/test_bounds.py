@@ -78,6 +78,27 @@ def test_no_schedule_beats_the_tight_bound():
     assert simulated >= 500
 
 
+def test_with_token_buckets_on_the_nics_no_schedule_beats_the_bound():
+    """The NICs with a burst as large as a pipeline transfer (the bench's tc tbf): transfers after an idle gap pass
+    at once, every schedule gets faster, and none beats its V's bound, which prices each transfer less the burst."""
+    rng = random.Random(5)
+    for gbps in (0.5, 5.0):
+        plain = dataclasses.replace(cluster_at(gbps), nic_via_host=False)  # host links have no bucket
+        burst = MODEL.seq_length * MODEL.hidden_size * MODEL.micro_batch_size * MODEL.dtype_bytes
+        cluster = dataclasses.replace(plain, nic_burst_bytes=burst)
+        for pp in (2, 4):
+            faster = 0
+            for config in schedules(rng, pp, 8):
+                costs = analytic_costs(MODEL, cluster, config)
+                result = simulate(config, costs)
+                bound = bound_for(config, ScheduleCosts(config, costs))
+                assert result.iteration_s >= bound.seconds * (1 - 1e-9), (gbps, config, bound)
+                without = simulate(config, analytic_costs(MODEL, plain, config)).iteration_s
+                assert result.iteration_s <= without * (1 + 1e-9)
+                faster += result.iteration_s < without * (1 - 1e-3)
+            assert faster, (gbps, pp)
+
+
 def test_bottleneck_follows_the_network():
     """At a slow rate every need is mostly communication, within 5% of each other; at a fast one the stage-0
     chain (mostly compute) sets the bound; the bound is the least over V."""

@@ -63,6 +63,29 @@ def test_network_reports_ends_in_order_and_lone_work_exactly():
         net.advance(0.1)
 
 
+def test_a_token_bucket_passes_its_burst_at_once_and_refills_while_idle():
+    """A NIC direction of 100 B/s with a 200-byte bucket (tc tbf): a 500-byte flow on a full bucket takes (500 -
+    200) / 100 = 3 s; the next, started at once, finds it empty (5 s); after 1 s idle it holds 100 bytes (4 s). A
+    route crossing a resource without a bucket passes nothing at once; a flow of weight 2 spends twice its bytes."""
+    net = FairShareNetwork([100.0, 100.0, 100.0], burst=[200.0, 200.0, 0.0])
+    nic, both, plain = (make_route([(0, 1)], net.capacity), make_route([(0, 1), (2, 1)], net.capacity),
+                        make_route([(1, 2)], net.capacity))
+    net.start("a", nic, 5.0)
+    assert net.pop() == (pytest.approx(3.0), ["a"])
+    net.start("b", nic, 5.0)
+    assert net.pop() == (pytest.approx(8.0), ["b"])
+    net.advance(9.0)
+    net.start("c", nic, 5.0)
+    assert net.pop() == (pytest.approx(13.0), ["c"])
+    net.advance(20.0)
+    net.start("d", both, 5.0)  # resource 2 has no bucket
+    assert net.pop() == (pytest.approx(25.0), ["d"])
+    net.start("e", plain, 4.0)  # 200 bytes per device flow at 50 B/s; the 200-byte bucket passes 100 of each at once
+    assert net.pop() == (pytest.approx(27.0), ["e"])
+    with pytest.raises(ValueError, match="one value >= 0 bytes per resource"):
+        FairShareNetwork([100.0], burst=[1.0, 2.0])
+
+
 def test_ring_allreduce_steps():
     steps = ring_allreduce_flows([3, 5, 7], 300.0)
     assert len(steps) == 4 and all(len(step) == 3 for step in steps)
