@@ -168,7 +168,8 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     parsed = advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (a given profile match it)
     if setup.settings.profile is None and not args.no_profile:
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
-            setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"))))
+            setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
+                                                 min(setup.settings.nproc, setup.cores))))
         parsed = with_profile(parsed, setup.settings)
     if setup.settings.shared_cores is not None:
         log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores: the predictions run each rank's compute "
@@ -211,14 +212,16 @@ def profiled_micro_batch(words: Sequence[str]) -> int:
     return min(largest, known.global_batch_size) if known.global_batch_size else largest
 
 
-def profile_here(words: Sequence[str], path: str) -> str:
-    """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs) into ``path``."""
+def profile_here(words: Sequence[str], path: str, computing: int = 1) -> str:
+    """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs, with ``computing``
+    cores computing at once, as the ranks will) into ``path``."""
     from ..integration.megatron_command import CommandError
     from ..integration.profile import ProfileSettings, measure_profile
 
     log(f"pipemesh bench --advice: profiling the command on this machine into {path}")
     try:
-        profile = measure_profile(list(words), ProfileSettings(max_micro_batch=profiled_micro_batch(words)),
+        profile = measure_profile(list(words), ProfileSettings(max_micro_batch=profiled_micro_batch(words),
+                                                               ranks_per_node=computing),
                                   progress=lambda line: log(f"  {line}"))
     except CommandError as error:
         raise UsageError(f"--megatron-args: {error}") from error

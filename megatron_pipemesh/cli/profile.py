@@ -46,6 +46,9 @@ def build_profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mib", type=positive_number, default=None,
                         help="launched on several ranks (torchrun): the larger message the links are timed with, MiB "
                              "(default 40 with CUDA, 4 without; the smaller is one micro-batch's activation)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=ProfileSettings.ranks_per_node,
+                        help="CPU: the ranks that will compute at once on this machine; the compute is timed with "
+                             "that many cores computing, as they will (default 1: the other cores idle)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -167,7 +170,8 @@ def cmd_profile(argv: Sequence[str]) -> int:
     try:
         profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
                                                          max_micro_batch=args.max_micro_batch_size,
-                                                         bucket_bytes=bucket), progress=say)
+                                                         bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
+                                   progress=say)
     except CommandError as error:
         raise UsageError(str(error)) from error
     if profile is None:  # a rank other than 0 of a multi-rank launch: rank 0 writes the file

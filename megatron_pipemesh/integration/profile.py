@@ -69,6 +69,10 @@ class ProfileSettings:
     """Seed of the weights and inputs."""
     bucket_bytes: Optional[int] = None
     """The larger message the links are timed with (None: :data:`.profile_links.BUCKET_BYTES` of the device)."""
+    ranks_per_node: int = 1
+    """On CPU: the ranks that will compute at once on this machine; the compute is timed with that many cores
+    computing (the others run the command's layer, :mod:`.profile_siblings`), at most the cores this process may
+    use. Ignored on CUDA (each rank computes on a device of its own)."""
 
 
 def micro_batch_sizes(largest: int) -> List[int]:
@@ -280,6 +284,27 @@ def _start_process_group(cuda: bool) -> Callable[[], None]:
     return stop
 
 
+@contextlib.contextmanager
+def _siblings(words: Sequence[str], settings: ProfileSettings, cuda: bool, progress: Progress, notes: List[str]):
+    """On CPU with :attr:`ProfileSettings.ranks_per_node` > 1: the block runs with that many cores computing
+    (:func:`.profile_siblings.busy_siblings`), noted where fewer cores are allowed; else as it is. Yields the cores
+    computing."""
+    from .profile_siblings import busy_siblings
+
+    wanted = settings.ranks_per_node - 1
+    if cuda or wanted < 1:
+        if cuda and wanted >= 1:
+            notes.append("--ranks-per-node is for CPU runs: each rank computes on a device of its own here")
+        yield 1
+        return
+    with busy_siblings(words, wanted) as cores:
+        if len(cores) < wanted:
+            notes.append(f"timed with {len(cores) + 1} cores computing, not {wanted + 1} (--ranks-per-node): this "
+                         f"process may use {len(cores) + 1}")
+        progress(f"timing with {len(cores)} other core(s) computing the command's layer ({', '.join(map(str, cores))})")
+        yield len(cores) + 1
+
+
 def command_args(words: Sequence[str], cuda: bool):
     """(Megatron's args of the command ``words`` for one process on this machine, the command as the planner reads
     it, as it runs here): both read as ``pipemesh plan --megatron-args`` reads them. CommandError for what the
@@ -330,14 +355,15 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     stop = _start_process_group(cuda) if launch is None else join_job(launch, cuda)
     network = None
     try:
-        compute, host_gbps, failure = [], None, None
+        compute, host_gbps, failure, computing = [], None, None, 1
         if lead:
             try:
-                compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
-                # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
-                # times the loader in a one-process child of its own.
-                compute = _with_batch_times(args, compute, settings, say, notes,
-                                            apart=None if launch is None else (list(words), launch.local_rank))
+                with _siblings(words, settings, cuda, say, notes) as computing:
+                    compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
+                    # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
+                    # times the loader in a one-process child of its own.
+                    compute = _with_batch_times(args, compute, settings, say, notes,
+                                                apart=None if launch is None else (list(words), launch.local_rank))
             except BaseException as error:
                 failure = f"{type(error).__name__}: {error}"
                 if launch is not None:
@@ -365,6 +391,7 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         shape=shape_of(model_spec, dtype_name(planned.args)), compute=tuple(compute),
         optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps, network=network,
         method={"timer": "CUDA events" if cuda else "wall clock", "threads": None if cuda else 1,
+                "cores_computing": None if cuda else computing,
                 "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
                 "activation_meter": ("CUDA allocator after the forward, less its output" if cuda else
                                      "saved-tensor meter (parameters excluded)"),

@@ -22,7 +22,8 @@ def measured(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
-                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-micro-batch-size", "4"],
+                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-micro-batch-size", "4",
+                           "--ranks-per-node", "2"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return path, done
@@ -47,6 +48,8 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     assert profile.compute[1].layer_activation_bytes["none"] == pytest.approx(
         2 * profile.compute[0].layer_activation_bytes["none"], rel=0.05)
     assert profile.optimizer_s_per_param > 0 and any("TP > 1" in note for note in profile.notes)
+    # timed with a second core computing the command's layer, as two ranks will run (where this machine has two)
+    assert profile.method["cores_computing"] == min(2, len(os.sched_getaffinity(0)))
     # the mock data's loader, timed at every size
     assert all(point.batch_s > 0 for point in profile.compute)
     # the schedule step beyond the pieces, on every kind of chunk, never below 0
