@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Iterator, List, Sequence
 
@@ -43,16 +44,17 @@ def busy_siblings(words: Sequence[str], count: int) -> Iterator[List[int]]:
         return
     os.sched_setaffinity(0, {allowed[0]})
     children: List[subprocess.Popen] = []
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in cores]  # a pipe nobody reads would fill and stop a sibling
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        for core in cores:
-            child = subprocess.Popen([sys.executable, "-m", SIBLING_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        for core, log in zip(cores, logs):
+            child = subprocess.Popen([sys.executable, "-m", SIBLING_MODULE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             children.append(child)
             child.stdin.write(json.dumps({"words": list(words), "core": core}) + "\n")
             child.stdin.flush()
-        for core, child in zip(cores, children):
-            _await_ready(child, core)
+        for core, child, log in zip(cores, children, logs):
+            _await_ready(child, core, log)
         yield cores
     finally:
         for child in children:
@@ -64,11 +66,14 @@ def busy_siblings(words: Sequence[str], count: int) -> Iterator[List[int]]:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        for log in logs:
+            log.close()
         os.sched_setaffinity(0, set(allowed))
 
 
-def _await_ready(child: subprocess.Popen, core: int) -> None:
-    """Wait for ``child``'s ``ready`` line; RuntimeError with its last error line if it ends or takes too long."""
+def _await_ready(child: subprocess.Popen, core: int, log) -> None:
+    """Wait for ``child``'s ``ready`` line; RuntimeError with the last line of its ``log`` (its stderr) if it ends or
+    takes too long."""
     answered, ready = threading.Event(), []
 
     def read() -> None:  # Megatron may print before it; the line is the sign (end of output: it exited)
@@ -83,8 +88,9 @@ def _await_ready(child: subprocess.Popen, core: int) -> None:
         return
     started = child.poll() is None
     child.kill()
-    _, err = child.communicate()
-    errors = [text for text in err.splitlines() if text.strip()]
+    child.wait()
+    log.seek(0)
+    errors = [text for text in log.read().splitlines() if text.strip()]
     why = errors[-1] if errors else (f"it did not start within {READY_TIMEOUT_S:g} s" if started else "it exited")
     raise RuntimeError(f"the sibling computing on core {core} failed: {why}")
 

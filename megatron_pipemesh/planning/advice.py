@@ -94,7 +94,8 @@ class AdviceCluster:
     """With ``shared_cores``: each pipeline rank's ranks pinned to one core (``pipemesh bench --pin-cores``);
     :attr:`.costs.ClusterSpec.pinned_cores`."""
     nic_burst_bytes: float = 0.0
-    """The NICs' token-bucket burst (``pipemesh bench --advice``'s emulated NICs); :attr:`.costs.ClusterSpec.nic_burst_bytes`."""
+    """The NICs' token-bucket burst (``pipemesh bench --advice``'s emulated NICs);
+    :attr:`.costs.ClusterSpec.nic_burst_bytes`."""
 
     @property
     def gpus(self) -> int:

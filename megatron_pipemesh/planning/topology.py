@@ -12,8 +12,9 @@ Resources (each direction its own, full duplex):
 
 * ``nic-out n`` / ``nic-in n`` (``nic_gbps``): a node's NIC, shared by every transfer leaving / entering the
   node: pipeline sends to a stage on another node, data-parallel ring hops across nodes, the tied
-  embedding's all-reduce; with ``nic_burst_bytes``, a token bucket of that burst. One per group of pipeline ranks on one node (a node holds several stages when
-  t*d divides into it; otherwise a stage spans several alike nodes, and one stands for them all).
+  embedding's all-reduce; with ``nic_burst_bytes``, a token bucket of that burst. One per group of pipeline ranks on
+  one node (a node holds several stages when t*d divides into it; otherwise a stage spans several alike nodes, and one
+  stands for them all).
 * Without a NIC (``nic_gbps`` None) those transfers run on links of their own, ``p2p a->b`` per directed
   pipeline link (``p2p_gbps``) and ``dp r`` per rank (``dp_gbps``): nothing else shares them.
 * ``intra-out r`` / ``intra-in r`` (``intra_node_gbps``): a device's link to the other devices of its node, for
