@@ -5,9 +5,9 @@ Every schedule, stock or PipeMesh's executor, runs a chunk-micro-batch through M
 and ``schedules.backward_step``; the forward runs the training entry's forward step (:mod:`.gpt_step`: its
 ``get_batch``, the model's forward wrapper, the loss function with its report) and the schedule's own work around it
 (the input tensor, the loss scaling, the timers, freeing the output). Timed here on a one-layer chunk of each
-:data:`STAGE_KINDS`, the pieces' times are taken off: what is left is that work. On a hidden-128 GPT on this CPU it
-was 0.5 ms per micro-batch on a middle chunk and 2-4 ms on the first and the last, against 4 ms for a layer's forward
-and backward: priced nowhere, runs measured a quarter more compute than the pieces summed. At hidden 512 it is within
+:data:`STAGE_KINDS`, the pieces' times are taken off: what is left is that work. On a hidden-128 GPT on this CPU the profile
+measured 0-0.6 ms per micro-batch on a middle chunk and 0.5-1.6 ms on the others, against 4.2 ms for a layer's forward
+and backward; unpriced, that GPT's runs were 30-37% over their prediction. At hidden 512 it is within
 the timer's noise of 0.
 
 The batches are already in memory (the loader's own time is :mod:`.profile_batch`'s). Megatron's parallel state is
