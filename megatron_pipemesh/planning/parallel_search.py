@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .pool import WorkerPool
 
-AdviceProblem = AdviceCluster = AdviceRow = SearchLog = _Candidate = Any
+AdviceProblem = AdviceCluster = AdviceRow = SearchLog = Candidate = Any
 """The advice's types (:mod:`.advice`, which calls this module with its own pieces: it is not imported here)."""
 
 SIDES = ("pipemesh", "stock")
@@ -44,7 +44,7 @@ SIDES = ("pipemesh", "stock")
 INF = float("inf")
 
 
-def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[_Candidate],
+def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[Candidate],
                     best_pm: Optional[AdviceRow], best_st: Optional[AdviceRow], pipemesh: bool, stock: bool,
                     pm_incumbent_s: float, log: SearchLog, max_simulated: Optional[int], deadline_s: Optional[float],
                     progress, jobs: int, run_side: Callable, say: Callable,
@@ -66,7 +66,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
     def capped(side: str) -> bool:
         return max_simulated is not None and log.simulated[side] >= max_simulated
 
-    def wanted(candidate: _Candidate, side: str, side_limit: float) -> bool:
+    def wanted(candidate: Candidate, side: str, side_limit: float) -> bool:
         return (side == "stock" or candidate.vpp >= 2) and candidate.bound_s < side_limit
 
     # Every real time seen so far per side: a limit at or above the sequential search's at any later candidate.

@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 from megatron_pipemesh.planning import advice as adv
+from megatron_pipemesh.planning import advice_search as search
 from megatron_pipemesh.planning.advice import (AdviceCluster, AdviceProblem, ParallelLayout, advise, candidates,
                                                parallel_layouts)
 from megatron_pipemesh.planning.costs import ModelSpec
@@ -45,10 +46,10 @@ def _exhaustive(p: AdviceProblem, cluster: AdviceCluster):
     pm, st = float("inf"), float("inf")
     for c in candidates(p, cluster):
         if c.vpp >= 2:
-            plan = adv._plan(c, cluster)
+            plan = search.plan_candidate(c, cluster)
             if plan is not None and plan.fits:
                 pm = min(pm, plan.result.iteration_s)
-        result = adv._stock(c, p, cluster)
+        result = search.stock_candidate(c, p, cluster)
         if result is not None:
             st = min(st, result.iteration_s)
     return pm, st
@@ -137,7 +138,7 @@ def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     found = candidates(p, CLUSTER)
     full_log = adv.SearchLog()
     best_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=full_log)
-    monkeypatch.setattr(adv, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(search, "HEARTBEAT_S", 0.0)
     capped, lines = adv.SearchLog(), []
     first_pm, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=capped, max_simulated=1,
                                      progress=lines.append)
@@ -175,7 +176,7 @@ def test_time_up_inside_a_layout_drops_it_once_its_side_has_a_row(full):
     asked, log = [], adv.SearchLog()
     best, _ = adv.search_layouts(p, CLUSTER, found, stock=False, log=log, time_up=stop_at_second_ask(asked))
     assert len(asked) == 2 and log.simulated["pipemesh"] == 1 and log.unsearched_bound_s == found[1].bound_s
-    assert best is not None and best.plan.result.iteration_s == adv._plan(found[0], CLUSTER).result.iteration_s
+    assert best is not None and best.plan.result.iteration_s == search.plan_candidate(found[0], CLUSTER).result.iteration_s
 
 
 def test_placement_flags_without_host_memory_recompute_only():
@@ -228,7 +229,7 @@ def test_candidates_without_a_pipeline_run_at_v1_and_add_the_distributed_optimiz
     assert {c.micro_batch_size for c in found} == {None, 2, 4, 8, 16}
     assert all(c.model.micro_batch_size == (c.micro_batch_size or 1) for c in found)
     for c in flat[:6]:
-        result = adv._stock(c, p, CLUSTER)
+        result = search.stock_candidate(c, p, CLUSTER)
         assert result is not None and c.bound_s <= result.iteration_s * (1 + 1e-9)
         assert result.setting.sharding == c.stock_sharding[0]
 

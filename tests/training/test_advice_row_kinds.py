@@ -22,18 +22,19 @@ def _rows():
     flags of a PipeMesh row at PP 2, V 2 and micro-batch 1)."""
     from megatron_pipemesh.cli.megatron_args import build_advice_parser, problem_and_cluster, row_flags
     from megatron_pipemesh.planning import advice as adv
+    from megatron_pipemesh.planning import advice_search as search
 
     args = build_advice_parser().parse_args(CLUSTER + ["--megatron-args", TINY])
     user, problem, cluster, rate = problem_and_cluster(args, shlex.split(TINY))
     found = adv.candidates(problem, cluster)
     flat = next(c for c in found if c.layout.pp == 1 and c.micro_batch_size == 4 and c.stock_sharding == ("optim",)
                 and c.added_flags == adv.OVERLAP_FLAGS)
-    stock = adv._stock(flat, problem, cluster)
+    stock = search.stock_candidate(flat, problem, cluster)
     piped = next(c for c in found if c.layout.pp == 2 and c.vpp == 2 and c.micro_batch_size == 1 and c.split.even)
-    plan = adv._plan(piped, cluster)
+    plan = search.plan_candidate(piped, cluster)
     assert stock is not None and plan is not None
-    return (row_flags(user, adv._stock_row("best_layout_stock", flat, stock, cluster), problem, cluster, rate),
-            row_flags(user, adv._plan_row("best_layout", piped, plan), problem, cluster, rate))
+    return (row_flags(user, search.stock_row("best_layout_stock", flat, stock, cluster), problem, cluster, rate),
+            row_flags(user, search.plan_row("best_layout", piped, plan), problem, cluster, rate))
 
 
 def _losses(flags):

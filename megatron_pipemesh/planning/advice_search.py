@@ -1,0 +1,285 @@
+"""The advice's search (:mod:`.advice`): PipeMesh's plan and stock's best setting for one candidate, the rows they
+make, the user's own layout, and the layout search over the candidates in order of their bound.
+
+Pure: no torch, no Megatron.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..schedule.config import ScheduleConfigError
+from ..schedule.levers import RECOMPUTE_ONLY
+from .advice_candidates import Candidate
+from .advice_rows import AdviceCluster, AdviceProblem, AdviceRow, SearchLog
+from .bounds import virtual_sizes
+from .clusters import costs_for
+from .costs import GB
+from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
+from .planner_options import structured_options
+from .pool import board
+from .simulator import SearchTimeUp, TimeUp, simulate
+from .stock import StockResult, activation_budget, best_stock, evaluate, uniform_plan
+
+
+FIT_LIMIT = 3
+"""Group lists fitted to the memory per (layout, V, split) at most, the fastest without memory levers first
+(:attr:`.planner.PlannerOptions.fit_limit`). Fitting re-simulates a candidate once per recomputation or placement
+round; with every list that may win fitted, one GPT-13B candidate of 16 ranks and 64 micro-batches took minutes.
+The lists are simulated without levers first, so the three fitted are the three that are fastest before memory."""
+
+
+def search_options(pp: int, microbatches: int, host_budget_bytes: Optional[float]) -> PlannerOptions:
+    """PipeMesh's search for the advice: the structured group family (:func:`.planner_options.structured_options`),
+    with host placement when host memory is given (recomputation only otherwise), fitting at most
+    :data:`FIT_LIMIT` lists per candidate."""
+    placement = "auto" if host_budget_bytes is not None else RECOMPUTE_ONLY
+    return structured_options(pp, microbatches, placement, host_budget_bytes, FIT_LIMIT)
+
+
+def host_bytes(cluster: AdviceCluster) -> Optional[float]:
+    return None if cluster.host_memory_gb is None else cluster.host_memory_gb * GB
+
+
+def plan_candidate(candidate: Candidate, cluster: AdviceCluster, incumbent_s: float = float("inf"),
+          time_up: TimeUp = None) -> Optional[Plan]:
+    """PipeMesh's best plan for one candidate (None: nothing fits or beats ``incumbent_s``; :class:`SearchTimeUp`
+    when ``time_up`` says so)."""
+    model, spec = candidate.model, candidate.cluster
+    try:
+        plan, _ = plan_schedule(candidate.layout.pp, candidate.vpp, candidate.microbatches,
+                                lambda config: costs_for(model, spec, config, profile=candidate.profile),
+                                cluster.budget_bytes,
+                                search_options(candidate.layout.pp, candidate.microbatches, host_bytes(cluster)),
+                                incumbent_s=incumbent_s, time_up=time_up)
+    except (NoFeasiblePlan, ScheduleConfigError):
+        return None
+    return plan if plan.result.iteration_s < incumbent_s else None
+
+
+def stock_candidate(candidate: Candidate, problem: AdviceProblem, cluster: AdviceCluster,
+           incumbent_s: float = float("inf"), vpps: Optional[Sequence[int]] = None,
+           time_up: TimeUp = None) -> Optional[StockResult]:
+    """Stock's best setting for one candidate's layout and split, at its V (or ``vpps``)."""
+    budget = activation_budget(candidate.model, candidate.cluster, candidate.layout.pp, cluster.budget_bytes,
+                               candidate.vpp)
+    host = host_bytes(cluster) if candidate.model.layer_spec == "te" else None
+    return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
+                      problem.grad_reduce_in_bf16, sharding=candidate.stock_sharding, host_limit=host,
+                      vpps=vpps or (candidate.vpp,),
+                      incumbent_s=incumbent_s, time_up=time_up, profile=candidate.profile)
+
+
+def stock_row(name: str, candidate: Candidate, result: StockResult, cluster: AdviceCluster) -> AdviceRow:
+    setting = result.setting
+    config = setting.config()
+    peaks = tuple(a + s for a, s in zip(result.peak_activation_bytes, result.static_bytes))
+    costs = costs_for(candidate.model, candidate.cluster, config, profile=candidate.profile,
+                      levels=(setting.recompute.level,))
+    compute = tuple(r.busy_s for r in simulate(config, costs, uniform_plan(config, setting.recompute.level)).ranks)
+    layers = candidate.model.stage_layers(setting.pp, setting.vpp)
+    return AdviceRow(name, candidate.layout, setting.vpp, candidate.split, layers, setting.microbatches,
+                     result.iteration_s, peaks, all(p <= cluster.budget_bytes for p in peaks), compute, stock=setting,
+                     micro_batch_size=candidate.micro_batch_size, added_flags=candidate.added_flags)
+
+
+def plan_row(name: str, candidate: Candidate, plan: Plan) -> AdviceRow:
+    config = plan.config
+    return AdviceRow(name, candidate.layout, config.vpp, candidate.split,
+                     candidate.model.stage_layers(config.pp, config.vpp), config.microbatches, plan.result.iteration_s,
+                     tuple(r.peak_memory_bytes for r in plan.result.ranks), plan.fits,
+                     tuple(r.busy_s for r in plan.result.ranks), plan=plan, micro_batch_size=candidate.micro_batch_size)
+
+
+def user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> Candidate:
+    layout = problem.layout
+    spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
+                        problem.overlap)
+    return Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0,
+                      problem.profile)
+
+
+def user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
+    """The command as it is: its stock setting simulated, or its PipeMesh groups (fitted to the memory as the runtime's
+    start-up planner fits them)."""
+    user = user_candidate(problem, cluster, problem.vpp)
+    if problem.stock is not None:
+        budget = activation_budget(user.model, user.cluster, user.layout.pp, cluster.budget_bytes, problem.vpp)
+        return stock_row("user", user, evaluate(problem.stock, user.model, user.cluster, budget, problem.profile),
+                          cluster)
+    if problem.pipemesh is None:  # --forward-groups auto: what its planner finds (the same search as ours)
+        plan = plan_candidate(user, cluster)
+        if plan is None:
+            raise NoFeasiblePlan(f"the command's --forward-groups auto finds no plan that fits "
+                                 f"{cluster.device_memory_gb:g} GiB per GPU")
+        return plan_row("user", user, plan)
+    costs = costs_for(user.model, user.cluster, problem.pipemesh, profile=problem.profile)
+    plan = fit_with_recompute(problem.pipemesh, costs, cluster.budget_bytes,
+                              search_options(user.layout.pp, user.microbatches, host_bytes(cluster)))
+    return plan_row("user", user, plan)
+
+
+class UserLayout:
+    """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
+    rows): with ``jobs`` > 1 on two worker processes while the caller prices the user's command and bounds the
+    candidates, else when asked. The same functions either way, so the same rows."""
+
+    def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: Candidate, pipemesh: bool, jobs: int):
+        from .pool import WorkerPool, jobs_here
+
+        self._args = (user, problem, cluster, virtual_sizes(problem.model, problem.layout.pp))
+        self._pipemesh = pipemesh
+        self._pool = WorkerPool(min(2 if pipemesh else 1, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
+        self._stock = self._plan = None
+        if self._pool is not None:
+            user, problem, cluster, vpps = self._args
+            self._stock = self._pool.submit(stock_candidate, user, problem, cluster, float("inf"), vpps)
+            self._plan = self._pool.submit(plan_candidate, user, cluster) if pipemesh else None
+
+    def __enter__(self) -> "UserLayout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def stock(self) -> Optional[StockResult]:
+        if self._pool is not None:
+            return self._stock.result()
+        user, problem, cluster, vpps = self._args
+        return stock_candidate(user, problem, cluster, vpps=vpps)
+
+    def plan(self) -> Optional[Plan]:
+        if not self._pipemesh:
+            return None
+        return self._plan.result() if self._pool is not None else plan_candidate(self._args[0], self._args[2])
+
+
+Progress = Optional[Callable[[str], None]]
+"""Where the search says what it is doing, one line at a time (the CLI's stderr); None: silent."""
+
+HEARTBEAT_S = 10.0
+"""Seconds between the layout search's progress lines when no row improves."""
+
+
+def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[Candidate],
+                   best_pm: Optional[AdviceRow] = None, best_st: Optional[AdviceRow] = None, pipemesh: bool = True,
+                   stock: bool = True, pm_incumbent_s: float = float("inf"), log: Optional[SearchLog] = None,
+                   max_simulated: Optional[int] = None, time_up: TimeUp = None,
+                   progress: Progress = None, jobs: int = 1,
+                   deadline_s: Optional[float] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+    """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
+    (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
+    while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
+    not searched (``pipemesh`` / ``stock`` False) keeps its given row. ``log`` records what was simulated.
+
+    Limits (None: none), each recorded in ``log`` with the least bound left: ``max_simulated`` stops a side after
+    that many candidates; ``time_up`` (asked between candidates and between the simulations of one) stops both sides
+    once it says the time has passed, abandoning the candidate in progress unless its side has no row yet. Either way
+    the rows are real plans, and no candidate left runs faster than that bound. ``deadline_s`` (a
+    :func:`time.monotonic` instant) is the same limit as ``time_up`` given as the time it passes.
+
+    ``jobs`` > 1 (1 inside a worker, :func:`.pool.jobs_here`): the candidates are simulated on that many worker
+    processes (:mod:`.parallel_search`) with the same rows and counts as here, to the float, when no time limit stops
+    the search (``time_up`` cannot be sent to a worker: give ``deadline_s``)."""
+    log = log if log is not None else SearchLog()
+    if deadline_s is not None and time_up is None:
+        time_up = lambda: time.monotonic() >= deadline_s  # noqa: E731
+    from .pool import jobs_here
+
+    jobs = jobs_here(jobs)
+    if jobs > 1 and len(found) > 1:
+        if deadline_s is None and time_up is not None:
+            raise ValueError("search_layouts: a time_up function cannot be sent to worker processes; give deadline_s "
+                             "(a time.monotonic() instant), or jobs=1")
+        from .parallel_search import search_parallel
+
+        return search_parallel(problem, cluster, found, best_pm, best_st, pipemesh, stock, pm_incumbent_s, log,
+                               max_simulated, deadline_s, progress, jobs, run_side, say_row, HEARTBEAT_S)
+    next_beat = [time.perf_counter() + HEARTBEAT_S]
+
+    def beat(index: int, candidate: Candidate) -> None:
+        now = time.perf_counter()
+        if progress is not None and now >= next_beat[0]:
+            progress(f"{index} of {len(found)} candidates done; now {candidate.describe()} (bound "
+                     f"{candidate.bound_s:.3f} s)" + "".join(
+                         f", best {name} {row.iteration_s:.3f} s"
+                         for name, row in (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
+            next_beat[0] = now + HEARTBEAT_S
+
+    def asker(index: int, candidate: Candidate, may_stop: bool) -> Callable[[], bool]:
+        """Asked before each simulation inside a candidate: progress when due; time up only if ``may_stop``."""
+        def ask() -> bool:
+            beat(index, candidate)
+            return may_stop and time_up is not None and time_up()
+        return ask
+
+    for index, candidate in enumerate(found):
+        pm_limit = min(best_pm.iteration_s if best_pm else float("inf"), pm_incumbent_s) if pipemesh else -float("inf")
+        st_limit = (best_st.iteration_s if best_st else float("inf")) if stock else -float("inf")
+        if max_simulated is not None:  # a capped side stops at the first candidate it would have simulated
+            if log.simulated["pipemesh"] >= max_simulated and candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+                log.stop("max_simulated", candidate.bound_s)
+                pm_limit = -float("inf")
+            if log.simulated["stock"] >= max_simulated and candidate.bound_s < st_limit:
+                log.stop("max_simulated", candidate.bound_s)
+                st_limit = -float("inf")
+        if candidate.bound_s >= max(pm_limit, st_limit):
+            break  # sorted by bound: no later candidate beats either side
+        if time_up is not None and time_up():
+            log.stop("search_seconds", candidate.bound_s)
+            break
+        beat(index, candidate)
+        try:
+            if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
+                log.simulated["pipemesh"] += 1
+                plan = plan_candidate(candidate, cluster, pm_limit, asker(index, candidate, best_pm is not None))
+                if plan is not None:
+                    best_pm = plan_row("best_layout", candidate, plan)
+                    say_row(progress, best_pm)
+            if candidate.bound_s < st_limit:
+                log.simulated["stock"] += 1
+                result = stock_candidate(candidate, problem, cluster, st_limit, time_up=asker(index, candidate, best_st is not None))
+                if result is not None and result.iteration_s < st_limit:
+                    best_st = stock_row("best_layout_stock", candidate, result, cluster)
+                    say_row(progress, best_st)
+        except SearchTimeUp:
+            log.stop("search_seconds", candidate.bound_s)
+            break
+    return best_pm, best_st
+
+
+def run_side(problem: AdviceProblem, cluster: AdviceCluster, candidate: Candidate, side: str, incumbent_s: float,
+             deadline_s: Optional[float], may_stop: bool) -> Tuple[str, Optional[AdviceRow]]:
+    """One task, in a worker: ``side`` of ``candidate`` searched below ``incumbent_s``. Returns ('done', its row or
+    None when nothing fits or beats the incumbent), ('pruned', None) when the board's limit for the side fell to the
+    candidate's bound or below, or ('time_up', None) when ``deadline_s`` (a :func:`time.monotonic` instant) passed
+    and ``may_stop``."""
+    slot = ("pipemesh", "stock").index(side)  # the board's slots (:data:`.parallel_search.SIDES`)
+    why: List[str] = []
+
+    def time_up() -> bool:
+        shared = board()
+        if shared is not None and candidate.bound_s >= shared[slot]:
+            why.append("pruned")
+            return True
+        if may_stop and deadline_s is not None and time.monotonic() >= deadline_s:
+            why.append("time_up")
+            return True
+        return False
+
+    try:
+        if side == "pipemesh":
+            plan = plan_candidate(candidate, cluster, incumbent_s, time_up)
+            return "done", None if plan is None else plan_row("best_layout", candidate, plan)
+        result = stock_candidate(candidate, problem, cluster, incumbent_s, time_up=time_up)
+        if result is None or not result.iteration_s < incumbent_s:
+            return "done", None
+        return "done", stock_row("best_layout_stock", candidate, result, cluster)
+    except SearchTimeUp:
+        return why[-1], None
+
+
+def say_row(progress: Progress, row: Optional[AdviceRow]) -> None:
+    if progress is not None and row is not None:
+        progress(f"{row.name}: {row.iteration_s:.3f} s{'' if row.fits else ' (does not fit)'}, {row.describe()}")
