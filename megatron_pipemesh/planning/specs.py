@@ -1,0 +1,203 @@
+"""The model and the cluster the costs are priced for (:mod:`.costs`): :class:`ModelSpec` (a GPT's shape, read from
+Megatron's flags) and :class:`ClusterSpec` (devices and links).
+
+Pure: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
+from .layout import LayerSplit
+
+GB = 1024 ** 3
+
+
+REDUCE_SCATTER_STEPS = {"nccl": 1, "gloo": 2}
+"""Ring passes of a reduce-scatter over n ranks, each moving (n-1)/n of the payload per rank. NCCL's ring
+reduce-scatter is one pass. torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor``
+all-reduces the whole buffer and keeps this rank's shard (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``),
+so it costs an all-reduce, two passes (measured: 8 MB over 2 ranks at 80 Mbit/s each, 0.84 s for both)."""
+
+
+def reduce_scatter_steps(cluster: "ClusterSpec") -> int:
+    """Ring passes of one reduce-scatter on ``cluster``'s collectives (:data:`REDUCE_SCATTER_STEPS`)."""
+    return REDUCE_SCATTER_STEPS[cluster.collectives]
+
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """GPT model shape (Megatron argument names in brackets)."""
+
+    num_layers: int = 24
+    """Transformer layers [--num-layers], placed on the p*V stages by ``layer_split``."""
+    hidden_size: int = 2048
+    """Hidden size h [--hidden-size]."""
+    num_attention_heads: int = 16
+    """Attention heads a [--num-attention-heads]."""
+    seq_length: int = 2048
+    """Sequence length s [--seq-length]."""
+    micro_batch_size: int = 1
+    """Micro-batch size b [--micro-batch-size]."""
+    vocab_size: int = 50304
+    """Padded vocabulary size (embedding and output layer)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size; default 4h."""
+    dtype_bytes: int = 2
+    """Bytes per parameter/activation element in compute (2 for bf16/fp16, 4 for fp32)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element in the data-parallel reduction (Megatron keeps fp32 main grads;
+    2 with --grad-reduce-in-bf16)."""
+    hidden_dropout: float = 0.1
+    """Megatron's --hidden-dropout (dropout masks are kept for the backward)."""
+    attention_dropout: float = 0.1
+    """Megatron's --attention-dropout."""
+    dropout_mask_bytes: Optional[int] = 1
+    """Bytes per dropout-mask element: 1 with CUDA's ``native_dropout`` (bool mask); None = the compute dtype,
+    as on CPU, where ``torch.dropout`` keeps its scaled noise tensor."""
+    layer_spec: str = "local"
+    """Layer implementation: 'local' (get_gpt_layer_local_spec, unfused attention with s*s scores) or
+    'te' (Transformer Engine, --transformer-impl transformer_engine: flash/fused attention, fused norms)."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention [--group-query-attention --num-query-groups]; None = a."""
+    swiglu: bool = False
+    """Gated SwiGLU MLP [--swiglu]: fc1 is h x 2f."""
+    bias_activation_fusion: bool = False
+    """Fused bias+activation kernel [--bias-swiglu-fusion / --bias-gelu-fusion]; matters for the local
+    spec's SwiGLU (the unfused product saves silu(gate) too)."""
+    position_embedding: str = "learned_absolute"
+    """[--position-embedding-type] 'learned_absolute' (an s x h table, int64 position ids) or 'rope'."""
+    linear_bias: bool = True
+    """Linear layers with biases (Megatron's default; False with --disable-bias-linear). Bias parameters are
+    counted either way (they are small); with biases the MLP cannot be recomputed per module."""
+    tied_embeddings: bool = True
+    """The output layer shares the word embedding (Megatron's default; False with
+    --untie-embeddings-and-output-weights): with pipeline parallelism the last stage holds a copy whose
+    gradient is all-reduced with stage 0's after the backward."""
+    layer_split: LayerSplit = LayerSplit()
+    """Which stage holds which layers [--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers,
+    --account-for-embedding/loss-in-pipeline-split]; default: evenly."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def stage_layers(self, pp: int, vpp: int) -> Tuple[int, ...]:
+        """Transformer layers of every stage s = c*p + r on p x V stages (:meth:`.layout.LayerSplit.stage_layers`:
+        a LayoutError names the flag where Megatron would refuse the split)."""
+        return self.layer_split.stage_layers(self.num_layers, pp, vpp)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: h * g / a."""
+        return self.hidden_size * (self.num_query_groups or self.num_attention_heads) // self.num_attention_heads
+
+    @property
+    def fc1_width(self) -> int:
+        return (2 if self.swiglu else 1) * self.ffn
+
+    def layer_params(self) -> int:
+        h, f, kv = self.hidden_size, self.ffn, self.kv_width
+        attention = h * (h + 2 * kv) + h * h + (h + 2 * kv) + h  # qkv, proj, their biases
+        mlp = h * self.fc1_width + f * h + self.fc1_width + h  # fc1, fc2, their biases
+        return attention + mlp + 4 * h  # two norms (weight and bias)
+
+    def layer_forward_flops(self) -> float:
+        """Forward FLOPs of one layer for one micro-batch (2 per multiply-add)."""
+        s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
+        return (2 * b * s * h * (h + 2 * self.kv_width) + 2 * b * s * h * h + 4 * b * s * s * h
+                + self.mlp_forward_flops())
+
+    def mlp_forward_flops(self) -> float:
+        return 2 * self.seq_length * self.micro_batch_size * self.hidden_size * (self.fc1_width + self.ffn)
+
+    def embedding_params(self) -> int:
+        position = self.seq_length * self.hidden_size if self.position_embedding == "learned_absolute" else 0
+        return self.vocab_size * self.hidden_size + position
+
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and links."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    dp: int = 1
+    """Data-parallel size d."""
+    device_tflops: float = 312.0
+    """Peak dense TFLOP/s of one device in the compute dtype."""
+    mfu: float = MFU
+    """Fraction of peak actually reached by the layers."""
+    device_memory_gb: float = 80.0
+    """Memory per device (GiB)."""
+    dp_gbps: float = 25.0
+    """Bandwidth of the data-parallel collectives per device (Gbit/s)."""
+    p2p_gbps: float = 25.0
+    """Bandwidth of a pipeline link (Gbit/s)."""
+    latency_us: float = 30.0
+    """Latency of one transfer / collective step (microseconds)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (activations and transfers split over TP)."""
+    distributed_optimizer: bool = True
+    """Megatron distributed optimizer: grads reduce-scattered, params all-gathered, optimizer sharded."""
+    overlap_grad_reduce: bool = True
+    """[--overlap-grad-reduce] each chunk's gradients reduce during the backward, once its last backward ran; False:
+    Megatron's ``finalize_model_grads`` reduces them all after the last backward, exposed."""
+    overlap_param_gather: bool = True
+    """[--overlap-param-gather] with the distributed optimizer, each chunk's parameters gather before its first
+    forward; False: the optimizer step gathers them, exposed."""
+    memory_gbs: float = 1500.0
+    """Device memory bandwidth (GB/s): memory-bound work (norm recomputation, the optimizer step)."""
+    devices_per_node: int = 8
+    """Devices sharing one node's NIC (Megatron's rank order: TP fastest, then DP, then PP)."""
+    nic_gbps: Optional[float] = None
+    """Bandwidth of one node's network interface per direction (Gbit/s), shared max-min fairly by every
+    data-parallel ring, pipeline link and embedding all-reduce that leaves (enters) the node, a lone transfer
+    getting all of it; ``dp_gbps`` / ``p2p_gbps`` then play no part in them. None = no shared NIC: each
+    pipeline link runs at ``p2p_gbps`` and each rank's data-parallel ring at ``dp_gbps``, on links of their own."""
+    optimizer_step: bool = True
+    """Count the optimizer step (Adam, memory-bound: ~36 bytes moved per local parameter)."""
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    """Device-host copy bandwidth of one device per direction (Gbit/s): offloaded activations."""
+    intra_node_gbps: Optional[float] = None
+    """Per-device bandwidth of a data-parallel ring, pipeline link or tensor-parallel group that stays inside
+    one node (PCIe or NVLink, Gbit/s), shared by the transfers of a device; None = the same as ``dp_gbps`` /
+    ``p2p_gbps`` (one rate everywhere; tensor parallelism at ``dp_gbps``)."""
+    nic_via_host: bool = False
+    """Network traffic is staged through host memory (no GPUDirect RDMA, as on commodity clouds): every
+    transfer over the NIC also crosses the sending device's host link device-to-host and the receiving
+    device's host-to-device, shared with its activation copies."""
+    host_copies_on_compute: bool = False
+    """Activation copies to and from the host run on the rank's compute stream (CPU ranks: the runtime's copy is a
+    memcpy on the rank's own thread), so an OFFLOAD / RELOAD holds up the rank's compute for its whole duration;
+    False: they run on copy streams of their own (CUDA), overlapping compute."""
+    collectives: str = "nccl"
+    """Library of the data-parallel collectives, which decides what a reduce-scatter costs
+    (:func:`reduce_scatter_steps`): ``nccl`` (GPUs) or ``gloo`` (CPU ranks)."""
+    shared_cores: Optional[int] = None
+    """Every rank runs on one host with this many CPU cores, one thread each, and the cores go fairly to the ranks
+    computing at the moment (the OS's processor sharing: a rank waiting in a pipeline bubble lends its core), so a
+    compute op (and a host copy on the compute stream) runs at min(1, cores / ranks computing) of its one-core speed
+    (:mod:`.topology`'s ``cpu`` resources). The bench's emulated cluster when its ranks outnumber the cores; None:
+    every rank computes on a device of its own, at its full speed."""
+    pinned_cores: bool = False
+    """With ``shared_cores``: the ranks of pipeline rank r are pinned to core r % ``shared_cores`` (``pipemesh bench
+    --pin-cores``), so they share that core only, with the other pipeline ranks pinned there."""
+    nic_burst_bytes: float = 0.0
+    """Bytes each NIC direction passes at once after it idles: a token bucket's burst (the bench's emulated NICs, tc
+    tbf: 256 KiB), refilled at the NIC's rate while it carries nothing (:class:`.network.FairShareNetwork`). 0: a NIC
+    at line rate, as real ones are."""
+
+    def __post_init__(self):
+        if self.collectives not in REDUCE_SCATTER_STEPS:
+            raise ValueError(f"collectives {self.collectives!r} is not one of {', '.join(REDUCE_SCATTER_STEPS)}")
+        if self.shared_cores is not None and (int(self.shared_cores) != self.shared_cores or self.shared_cores < 1):
+            raise ValueError(f"shared_cores={self.shared_cores!r} is invalid: the CPU cores the ranks share, a whole "
+                             "number >= 1 (None: every rank computes on a device of its own)")
+        if self.pinned_cores and self.shared_cores is None:
+            raise ValueError("pinned_cores=True needs shared_cores: the cores the pipeline ranks are pinned to")
+        if not self.nic_burst_bytes >= 0:
+            raise ValueError(f"nic_burst_bytes={self.nic_burst_bytes!r} is invalid: bytes >= 0 (0: no burst)")
