@@ -158,6 +158,8 @@ class OpCosts:
     """Bytes a level's recomputation re-creates during the chunk's backward (on top of what it kept)."""
     static_bytes: Tuple[float, ...] = ()
     """Weights + grads + optimizer state per pipeline rank."""
+    rank_params: Tuple[float, ...] = ()
+    """Parameters per pipeline rank (its share over TP; empty where the costs were given directly)."""
     first_stage_dp_s: float = 0.0
     """Extra data-parallel time (reduction + gather) of stage 0's chunk: the embedding parameters."""
     last_stage_dp_s: float = 0.0
@@ -188,9 +190,10 @@ class OpCosts:
     """The tied embedding's gradient all-reduce between stage 0 and the last stage after the backward: seconds
     of its transfer each way alone (0: untied, or one stage); its two ring steps add ``latency_s`` each."""
     tp_forward_s: float = 0.0
-    """Of ``forward_s``: the tensor-parallel collectives (information; also repeated by full recomputation)."""
+    """Of ``forward_s``: the tensor- and context-parallel collectives (what a measured layer does not include; also
+    repeated by full recomputation)."""
     tp_backward_s: float = 0.0
-    """Of ``backward_s``: the tensor-parallel collectives (information)."""
+    """Of ``backward_s``: the tensor- and context-parallel collectives."""
     first_stage_tp_s: Tuple[float, float] = (0.0, 0.0)
     """(forward, backward) tensor-parallel collectives of stage 0's embedding, on top of its chunk's."""
     last_stage_tp_s: Tuple[float, float] = (0.0, 0.0)
@@ -211,8 +214,9 @@ class OpCosts:
 
 
 def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
-    """What the activation model (:mod:`.memory`) needs of ``model`` on ``cluster`` (CUDA: fp32 norm statistics)."""
-    return ActivationShape(seq_length=model.seq_length, micro_batch_size=model.micro_batch_size,
+    """What the activation model (:mod:`.memory`) needs of ``model`` on ``cluster`` (CUDA: fp32 norm statistics): a
+    rank's slice of s/CP tokens under context parallelism (with ``allgather`` it saves every slice's keys and values)."""
+    return ActivationShape(seq_length=model.seq_length // cluster.cp, micro_batch_size=model.micro_batch_size,
                            hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                            vocab_size=model.vocab_size, ffn_hidden_size=model.ffn_hidden_size,
                            dtype_bytes=model.dtype_bytes, tp=cluster.tp, sequence_parallel=cluster.sequence_parallel,
@@ -221,25 +225,74 @@ def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
                            attention_mask=model.layer_spec == "local",
                            position_embedding=model.position_embedding, layer_spec=model.layer_spec,
                            num_query_groups=model.num_query_groups, swiglu=model.swiglu,
-                           bias_activation_fusion=model.bias_activation_fusion)
+                           bias_activation_fusion=model.bias_activation_fusion, fp8=model.fp8,
+                           gathered_kv=cluster.cp if cluster.cp_comm == "allgather" else 1)
 
 
 def _tp_unit_s(model: ModelSpec, cluster: ClusterSpec, links: Topology) -> float:
     """One all-reduce's worth of a layer's s*b*h activations over the TP group (SP: an all-gather and a
-    reduce-scatter of the full tensor cost the same); latency only where the group crosses the NIC."""
+    reduce-scatter of the full tensor cost the same; a rank's s/CP tokens under CP); latency only where the group
+    crosses the NIC."""
     t = cluster.tp
     if t <= 1:
         return 0.0
-    unit = 2 * (t - 1) / t * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes / (
-        links.tp_gbps * GBIT)
+    tokens = model.seq_length // cluster.cp * model.micro_batch_size
+    unit = 2 * (t - 1) / t * tokens * model.hidden_size * model.dtype_bytes / (links.tp_gbps * GBIT)
     if t > cluster.devices_per_node:
         unit += 2 * (t - 1) * cluster.latency_us * 1e-6
     return unit
 
 
+def gemm_flops_per_s(model: ModelSpec, cluster: ClusterSpec) -> float:
+    """FLOP/s of the linear layers' GEMMs: the device's FP8 rate with :attr:`ModelSpec.fp8`, else its 16-bit rate
+    (both at the cluster's MFU)."""
+    peak = cluster.fp8_tflops if model.fp8 and cluster.fp8_tflops else cluster.device_tflops
+    return peak * 1e12 * cluster.mfu
+
+
+def layer_forward_s(model: ModelSpec, cluster: ClusterSpec) -> float:
+    """Forward compute of one layer on one rank for one micro-batch (collectives apart): its GEMMs at
+    :func:`gemm_flops_per_s`, the attention core (flash or unfused, 16-bit) at the 16-bit rate, over TP x CP (each CP
+    rank runs a 1/CP slice of the tokens, and Megatron's load-balanced causal split gives it 1/CP of the attention)."""
+    attention = 4 * model.micro_batch_size * model.seq_length ** 2 * model.hidden_size
+    gemms = model.layer_forward_flops() - attention
+    split = cluster.tp * cluster.cp
+    return (gemms / gemm_flops_per_s(model, cluster)
+            + attention / (cluster.device_tflops * 1e12 * cluster.mfu)) / split
+
+
+def cp_exchange_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, attention_fwd_s: float) -> Tuple[float, float]:
+    """(forward, backward) seconds one layer's context-parallel exchange adds to a rank's compute stream for one
+    micro-batch (``attention_fwd_s``: the rank's attention core forward), on the CP group's link
+    (:attr:`.topology.Topology.cp_gbps`) alone:
+
+    * ``p2p``: a ring of CP - 1 steps, each passing a slice's keys and values (2 x s/CP x b x kv / TP elements) to the
+      next rank while the attention of the slice in hand runs; a step waits for whichever is longer. The backward
+      passes the keys and values and their gradients (twice the bytes) beside twice the compute;
+    * ``a2a``: all-to-alls of q, k, v before the attention and of its output after it, (CP - 1)/CP of each rank's
+      (s/CP x b x (2h + 2kv) / TP) elements, exposed; the same in the backward;
+    * ``allgather``: the keys and values gathered before the attention ((CP - 1)/CP of s x b x 2kv / TP elements),
+      their gradients reduce-scattered in the backward, exposed."""
+    c = cluster.cp
+    if c <= 1:
+        return 0.0, 0.0
+    rate = links.cp_gbps * GBIT
+    s, b, h, d, t = model.seq_length, model.micro_batch_size, model.hidden_size, model.dtype_bytes, cluster.tp
+    latency = cluster.latency_us * 1e-6
+    if cluster.cp_comm == "p2p":
+        step = 2 * s / c * b * model.kv_width / t * d / rate + latency
+        attention_step = attention_fwd_s / c
+        return (c - 1) * max(step - attention_step, 0.0), (c - 1) * max(2 * step - 2 * attention_step, 0.0)
+    if cluster.cp_comm == "a2a":
+        moved = (c - 1) / c * s / c * b * (2 * h + 2 * model.kv_width) / t * d / rate + 2 * latency
+        return moved, moved
+    gathered = (c - 1) / c * s * b * 2 * model.kv_width / t * d / rate + latency
+    return gathered, gathered
+
+
 def _dp_sync_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: float) -> Tuple[float, float]:
-    """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP."""
-    d = cluster.dp
+    """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP x CP."""
+    d = cluster.dp_cp
     if d <= 1:
         return 0.0, 0.0
     dp_route = links.dp_route(0)
@@ -252,11 +305,13 @@ def _dp_sync_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: 
 
 
 def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, stage_layers: Sequence[int],
-                uneven: bool) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    """(weights + grads + optimizer bytes, optimizer-step seconds) per pipeline rank."""
-    t, d = cluster.tp, cluster.dp
+                uneven: bool) -> Tuple[Tuple[float, ...], Tuple[float, ...], Tuple[float, ...]]:
+    """(weights + grads + optimizer bytes, optimizer-step seconds, parameters) per pipeline rank. With FP8, Transformer
+    Engine caches each linear layer's weight in FP8 and its transpose for the backward across the micro-batches of an
+    iteration: 2 bytes more per layer parameter."""
+    t, d = cluster.tp, cluster.dp_cp
     chunk_params = max(stage_layers) * model.layer_params() / t
-    static, optimizer = [], []
+    static, optimizer, counts = [], [], []
     bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
     for rank in range(config.pp):
         rank_layers = sum(stage_layers[c * config.pp + rank] for c in range(config.vpp))
@@ -265,11 +320,13 @@ def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, 
             params += model.embedding_params() / t
         if rank == config.pp - 1 and not (config.pp == 1 and model.tied_embeddings):
             params += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
-        static.append(params * bytes_per_param)
+        counts.append(params)
+        fp8_cache = 2 * rank_layers * model.layer_params() / t if model.fp8 else 0.0
+        static.append(params * bytes_per_param + fp8_cache)
         # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
         shard = params / d if cluster.distributed_optimizer else params
         optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
-    return tuple(static), tuple(optimizer)
+    return tuple(static), tuple(optimizer), tuple(counts)
 
 
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
@@ -278,17 +335,19 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     recompute times for every lever in ``levels`` (:class:`.levers.Lever` or its name)."""
     stage_layers = model.stage_layers(config.pp, config.vpp)
     layers = max(stage_layers)  # the chunk the scalar fields describe; the other stages scale it
-    s, b, h, t = model.seq_length, model.micro_batch_size, model.hidden_size, cluster.tp
-    flops_per_s = cluster.device_tflops * 1e12 * cluster.mfu
-    forward = layers * model.layer_forward_flops() / t / flops_per_s
-    attention_core_fwd = 4 * b * s * s * h / t / flops_per_s
-    head_fwd = 2 * b * s * h * model.vocab_size / t / flops_per_s
+    s, b, h, t, c = model.seq_length, model.micro_batch_size, model.hidden_size, cluster.tp, cluster.cp
+    flops_per_s = cluster.device_tflops * 1e12 * cluster.mfu  # 16-bit: attention core, output layer
+    forward = layers * layer_forward_s(model, cluster)
+    attention_core_fwd = 4 * b * s * s * h / (t * c) / flops_per_s
+    head_fwd = 2 * b * s * h * model.vocab_size / (t * c) / flops_per_s
     sp = t if cluster.sequence_parallel else 1
-    act_elems = s * b * h / sp
+    act_elems = s * b * h / (sp * c)
     links = topology(cluster, config.pp)
     p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s if config.pp > 1 else 0.0
     tp_unit = _tp_unit_s(model, cluster, links)
-    tp_layer = 2 * tp_unit  # per layer and direction: after attention and after the MLP (forward), their inputs' grads
+    cp_forward, cp_backward = cp_exchange_s(model, cluster, links, attention_core_fwd)
+    # per layer and direction: after attention and after the MLP (forward), their inputs' grads; CP's exchange
+    tp_layer = 2 * tp_unit
     first_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (tp_unit, 0.0)
     last_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (0.0, tp_unit)
     reduce, gather = _dp_sync_s(model, cluster, links, layers * model.layer_params() / t)
@@ -307,14 +366,16 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
 
     def recompute_s(count: int) -> Dict[str, float]:
         """Extra backward seconds of each level for a chunk of ``count`` layers (its forward: as ``forward_s``)."""
-        chunk_forward = count * model.layer_forward_flops() / t / flops_per_s + count * tp_layer
+        chunk_forward = count * (layer_forward_s(model, cluster) + tp_layer + cp_forward)
         return {level: level.recompute_seconds(count, chunk_forward, module_s) if count else 0.0 for level in levels}
 
     middle = {level: activation_bytes(shape, layers, level) for level in levels}
     first = {level: activation_bytes(shape, layers, level, first_stage=True) - middle[level] for level in levels}
     last = {level: activation_bytes(shape, layers, level, last_stage=True) - middle[level] for level in levels}
     # Recomputing the MLP repeats its row-parallel all-reduce (SP: its all-gather and reduce-scatter) too.
-    module_s = {"core_attn": attention_core_fwd, "mlp": model.mlp_forward_flops() / t / flops_per_s + tp_unit,
+    # Recomputing the attention core repeats its context-parallel exchange.
+    module_s = {"core_attn": attention_core_fwd + cp_forward,
+                "mlp": model.mlp_forward_flops() / (t * c) / gemm_flops_per_s(model, cluster) + tp_unit,
                 # Norms are memory-bound: read the input, write the output, twice per layer.
                 "layernorm": 0.0 if model.layer_spec == "te" else 2 * 2 * act_elems * model.dtype_bytes / (cluster.memory_gbs * 1e9)}
 
@@ -324,12 +385,11 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                                    recompute_s(count), {level: transient_bytes(shape, count, level) for level in levels})
                  for count in set(stage_layers)}
         stages = tuple(kinds[count] for count in stage_layers)
-    static, optimizer = _rank_state(model, cluster, config, stage_layers, bool(stages))
+    static, optimizer, params = _rank_state(model, cluster, config, stage_layers, bool(stages))
     buckets = 1
-    if config.pp == 1 and cluster.overlap_grad_reduce and cluster.dp > 1:
-        params = static[0] / (6 + 12 / cluster.dp if cluster.distributed_optimizer else 18)
-        buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * cluster.dp)))
-    tp_forward = tp_backward = layers * tp_layer
+    if config.pp == 1 and cluster.overlap_grad_reduce and cluster.dp_cp > 1:
+        buckets = max(1, math.ceil(params[0] / max(DDP_BUCKET_PARAMS, 1_000_000 * cluster.dp_cp)))
+    tp_forward, tp_backward = layers * (tp_layer + cp_forward), layers * (tp_layer + cp_backward)
     return OpCosts(
         forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
         dp_gather_s=gather, latency_s=cluster.latency_us * 1e-6, first_stage_extra_s=0.0, last_stage_extra_s=head_fwd,
@@ -337,7 +397,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         recompute_s=recompute_s(layers),
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=optimizer,
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=static, host_link_gbps=cluster.host_link_gbps,
+        static_bytes=static, rank_params=params, host_link_gbps=cluster.host_link_gbps,
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         megatron_send_wait=MEGATRON_SEND_WAIT[cluster.collectives],
         grad_reduce_overlapped=cluster.overlap_grad_reduce, param_gather_overlapped=cluster.overlap_param_gather,

@@ -159,6 +159,12 @@ class ActivationShape:
     """[--bias-swiglu-fusion / --bias-gelu-fusion] With SwiGLU on the local spec, the fused kernel saves
     only its input (2f) and the product (f, the fc2 input); unfused, the chunk/silu/product chain saves
     2f more per layer (measured with megatron-core 0.19.2 on CPU). TE always fuses."""
+    fp8: bool = False
+    """Transformer Engine's FP8 linears [--fp8-format] save their inputs quantized: 1 byte per element of the two
+    norm outputs, the context and the fc2 input."""
+    gathered_kv: int = 1
+    """Copies of the rank's keys and values the attention saves: CP with ``--cp-comm-type allgather`` saves every
+    slice's (CP); 1 otherwise."""
 
     def __post_init__(self) -> None:
         if self.layer_spec not in ("local", "te"):
@@ -190,22 +196,24 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
     mask = shape.dropout_mask_bytes or d
     # The layer input and the attention-block output (norm inputs, checkpoint inputs of 'layernorm').
     kept = 2 * sbh / sp * d
+    linear_in = 1 if shape.fp8 else d  # bytes of a linear layer's saved input
     if local and kv < sbh:
         # Local spec, GQA: a reshape copies q, k and v are repeated to a heads (all saved); recomputing
         # core_attn keeps the q copy and the q/k/v storage (h + 2kv) instead of the 3h it saved.
         kept += (2 * sbh + 2 * kv) / t * d + sbh / t * d
         gqa_repeat = (sbh - 2 * kv) / t * d
     else:
-        kept += (sbh + 2 * kv) / t * d + sbh / t * d  # q, k, v storage; linear_proj input (context)
+        # q, k, v storage (the gathered keys and values under CP's allgather); linear_proj input (context)
+        kept += (sbh + 2 * kv * shape.gathered_kv) / t * d + sbh / t * linear_in
         gqa_repeat = 0.0
     if shape.hidden_dropout > 0:
         kept += 2 * sbh / sp * mask  # dropout masks after attention and after the MLP
     if shape.position_embedding == "rope":
         kept += (sbh + kv) / t * d + 4 * s * (h // a) * d  # rotated q and k; cos/sin of q and k
-    norm = 2 * sbh / sp * d + 2 * 2 * s * b / sp * stat  # the two norm outputs (linear inputs) and mean/rstd
+    norm = 2 * sbh / sp * linear_in + 2 * 2 * s * b / sp * stat  # the two norm outputs (linear inputs), mean/rstd
     if not local:
         kept, norm = kept + norm, 0.0  # TE fuses the norms into LayerNormLinear: nothing to recompute
-    mlp = ((2 if shape.swiglu else 1) * f + f) * s * b / t * d  # fc1 output, activation output
+    mlp = ((2 if shape.swiglu else 1) * f * d + f * linear_in) * s * b / t  # fc1 output, activation (fc2 input)
     if shape.swiglu and local and not shape.bias_activation_fusion:
         # The unfused glu (chunk, silu, product) saves 2f more than the fused kernel (measured: 5f in all).
         mlp += 2 * f * s * b / t * d

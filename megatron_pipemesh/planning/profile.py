@@ -484,18 +484,14 @@ def _levels(measured: Mapping[str, float], analytic: Mapping[str, float], count:
             for level, value in analytic.items()}
 
 
-def _bytes_per_param(cluster: ClusterSpec) -> float:
-    """Weights + gradients + optimizer bytes per parameter (as :func:`.costs._rank_state` counts them)."""
-    return 6 + 12 / cluster.dp if cluster.distributed_optimizer else 18
-
-
 def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: ClusterSpec,
                   stage_layers: Sequence[int]) -> OpCosts:
     """``costs`` (analytic, for a schedule whose stages hold ``stage_layers``) with ``profile``'s measured times
     and bytes in place wherever it has them at the cluster's TP and the model's micro-batch size (a size it did not
     measure: :meth:`Profile.point_for`, calibrated at the nearest size measured); the tensor-parallel
     collectives, the links and the transient bytes stay analytic."""
-    point = profile.point_for(cluster.tp, model.micro_batch_size)
+    # Measured with the whole sequence on one rank: a CP slice's costs stay analytic.
+    point = profile.point_for(cluster.tp, model.micro_batch_size) if cluster.cp == 1 else None
     changes: Dict[str, object] = {}
     if point is not None:
         layers = max(stage_layers)
@@ -523,7 +519,6 @@ def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: C
             changes.update(step_forward_s=dict(point.step_forward_s), step_backward_s=dict(point.step_backward_s))
     if profile.optimizer_s_per_param is not None and cluster.optimizer_step:
         # A rank's optimizer shard, from the parameters its static bytes count.
-        shard = [static / _bytes_per_param(cluster) / (cluster.dp if cluster.distributed_optimizer else 1)
-                 for static in costs.static_bytes]
+        shard = [params / (cluster.dp_cp if cluster.distributed_optimizer else 1) for params in costs.rank_params]
         changes["optimizer_s"] = tuple(params * profile.optimizer_s_per_param for params in shard)
     return dataclasses.replace(costs, **changes) if changes else costs

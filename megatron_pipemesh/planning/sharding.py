@@ -318,7 +318,7 @@ def rank_splits(model, cluster, config: ScheduleConfig, spec: ShardingSpec) -> L
     """Weights/gradients/optimizer bytes of every pipeline rank under ``spec``."""
     if len(spec.levels) != config.vpp:
         raise ShardingError(f"{FLAG} gives {len(spec.levels)} levels for {config.vpp} virtual chunks")
-    shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
+    shard = shard_size(spec.scope, cluster.dp_cp, cluster.tp, cluster.devices_per_node)
     params = chunk_params(model, cluster, config)
     out = []
     for rank in range(config.pp):
@@ -352,8 +352,8 @@ class ShardedCosts(ScheduleCosts):
         super().__init__(config, costs, recompute)
         self.spec, self.model = spec, model
         self.params = chunk_params(model, cluster, config)
-        self.dp = cluster.dp
-        self.shard = shard_size(spec.scope, cluster.dp, cluster.tp, cluster.devices_per_node)
+        self.dp = cluster.dp_cp
+        self.shard = shard_size(spec.scope, cluster.dp_cp, cluster.tp, cluster.devices_per_node)
         route = topology(cluster, config.pp).dp_route(0)
         self.dp_gbps = route.lone_bytes_per_s / GBIT if route is not None else cluster.dp_gbps  # a ring's rate alone
         self.shard_gbps = (spec.intra_node_gbps or self.dp_gbps) if spec.scope == "node" else self.dp_gbps
@@ -396,8 +396,8 @@ class ShardingModel:
 
     def optimizer_seconds(self, seconds: Sequence[float]) -> List[float]:
         """The optimizer step per rank: with the node scope each rank steps a 1/s shard, not a 1/d one."""
-        shard = shard_size(self.spec.scope, self.cluster.dp, self.cluster.tp, self.cluster.devices_per_node)
-        return [t * self.cluster.dp / shard for t in seconds]
+        shard = shard_size(self.spec.scope, self.cluster.dp_cp, self.cluster.tp, self.cluster.devices_per_node)
+        return [t * self.cluster.dp_cp / shard for t in seconds]
 
     def memory_deltas(self, rank: int, timeline, splits: List[RankSplit]) -> List[Tuple[float, float]]:
         """(time, bytes) changes of ``rank``'s transient buffers: gathered weights from each GATHER's start

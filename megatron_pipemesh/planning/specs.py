@@ -21,6 +21,10 @@ all-reduces the whole buffer and keeps this rank's shard (``ProcessGroupGloo::re
 so it costs an all-reduce, two passes (measured: 8 MB over 2 ranks at 80 Mbit/s each, 0.84 s for both)."""
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+"""The --cp-comm-type values the costs price (``a2a+p2p``, hierarchical, is not priced)."""
+
+
 def reduce_scatter_steps(cluster: "ClusterSpec") -> int:
     """Ring passes of one reduce-scatter on ``cluster``'s collectives (:data:`REDUCE_SCATTER_STEPS`)."""
     return REDUCE_SCATTER_STEPS[cluster.collectives]
@@ -72,6 +76,13 @@ class ModelSpec:
     linear_bias: bool = True
     """Linear layers with biases (Megatron's default; False with --disable-bias-linear). Bias parameters are
     counted either way (they are small); with biases the MLP cannot be recomputed per module."""
+    normalization: str = "LayerNorm"
+    """[--normalization] 'LayerNorm' (a weight and a bias per norm) or 'RMSNorm' (a weight)."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table [--max-position-embeddings]; None: the sequence length."""
+    fp8: bool = False
+    """The linear layers' GEMMs run in FP8 through Transformer Engine [--fp8-format]: at the device's FP8 rate
+    (:attr:`ClusterSpec.fp8_tflops`), their saved inputs kept in 1 byte."""
     tied_embeddings: bool = True
     """The output layer shares the word embedding (Megatron's default; False with
     --untie-embeddings-and-output-weights): with pipeline parallelism the last stage holds a copy whose
@@ -102,7 +113,11 @@ class ModelSpec:
         h, f, kv = self.hidden_size, self.ffn, self.kv_width
         attention = h * (h + 2 * kv) + h * h + (h + 2 * kv) + h  # qkv, proj, their biases
         mlp = h * self.fc1_width + f * h + self.fc1_width + h  # fc1, fc2, their biases
-        return attention + mlp + 4 * h  # two norms (weight and bias)
+        return attention + mlp + 2 * self.norm_params()  # two norms
+
+    def norm_params(self) -> int:
+        """Parameters of one norm: a weight and a bias (LayerNorm), a weight (RMSNorm)."""
+        return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
 
     def layer_forward_flops(self) -> float:
         """Forward FLOPs of one layer for one micro-batch (2 per multiply-add)."""
@@ -114,7 +129,8 @@ class ModelSpec:
         return 2 * self.seq_length * self.micro_batch_size * self.hidden_size * (self.fc1_width + self.ffn)
 
     def embedding_params(self) -> int:
-        position = self.seq_length * self.hidden_size if self.position_embedding == "learned_absolute" else 0
+        rows = self.max_position_embeddings or self.seq_length
+        position = rows * self.hidden_size if self.position_embedding == "learned_absolute" else 0
         return self.vocab_size * self.hidden_size + position
 
 
@@ -126,7 +142,17 @@ class ClusterSpec:
     tp: int = 1
     """Tensor-parallel size."""
     dp: int = 1
-    """Data-parallel size d."""
+    """Data-parallel size d (the replicas the global batch is split over)."""
+    cp: int = 1
+    """Context-parallel size [--context-parallel-size]: each rank of a CP group runs a 1/CP slice of every sequence
+    (Megatron's rank order tp-cp-dp-pp: a CP group is CP consecutive blocks of TP ranks); gradients are reduced and
+    the distributed optimizer sharded over DP x CP (:attr:`dp_cp`)."""
+    cp_comm: str = "p2p"
+    """How the attention's keys and values cross the CP group [--cp-comm-type]: ``p2p`` (a ring, each step's transfer
+    under the previous step's attention), ``a2a`` (all-to-all of q, k, v and the output, exposed) or ``allgather``
+    (the keys and values gathered before the attention, their gradients reduce-scattered, exposed)."""
+    fp8_tflops: Optional[float] = None
+    """Dense FP8 peak TFLOP/s of one device (the linear layers' rate with :attr:`ModelSpec.fp8`); None: no FP8."""
     device_tflops: float = 312.0
     """Peak dense TFLOP/s of one device in the compute dtype."""
     mfu: float = MFU
@@ -191,7 +217,16 @@ class ClusterSpec:
     tbf: 256 KiB), refilled at the NIC's rate while it carries nothing (:class:`.network.FairShareNetwork`). 0: a NIC
     at line rate, as real ones are."""
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks a gradient is reduced over, and the distributed optimizer shards over: DP x CP."""
+        return self.dp * self.cp
+
     def __post_init__(self):
+        if self.cp_comm not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm {self.cp_comm!r} is not one of {', '.join(CP_COMM_TYPES)}")
+        if int(self.cp) != self.cp or self.cp < 1:
+            raise ValueError(f"cp={self.cp!r} is invalid: the context-parallel size, a whole number >= 1")
         if self.collectives not in REDUCE_SCATTER_STEPS:
             raise ValueError(f"collectives {self.collectives!r} is not one of {', '.join(REDUCE_SCATTER_STEPS)}")
         if self.shared_cores is not None and (int(self.shared_cores) != self.shared_cores or self.shared_cores < 1):

@@ -1,8 +1,10 @@
 """Where a pipeline replica's transfers run: resources (one direction of a link, with a capacity) and the
 route of every transfer the simulator models, from a :class:`.costs.ClusterSpec` and the pipeline size.
 
-Layout (Megatron's rank order tp-cp-ep-dp-pp): device g = r*t*d + k*t + tau for pipeline rank r,
-data-parallel rank k and tensor-parallel rank tau; its node is g // ``devices_per_node``. The simulator runs
+Layout (Megatron's rank order tp-cp-ep-dp-pp): device g = r*t*c*d + (k*c + j)*t + tau for pipeline rank r,
+data-parallel rank k, context-parallel rank j (c = CP) and tensor-parallel rank tau; its node is
+g // ``devices_per_node``. The data-parallel ring runs over the d*c ranks of a stage (Megatron reduces gradients over
+DP x CP). The simulator runs
 one pipeline replica, and every data-parallel replica and tensor-parallel rank runs the same program at the
 same time, so each transfer it simulates stands for that many device-level transfers: their number through
 a resource is the transfer's weight there (the NIC of a server holding one stage's 4 devices carries a
@@ -77,6 +79,8 @@ class Topology:
     """(src, dst) pipeline links whose devices share a node."""
     tp_gbps: float
     """Rate of one device's tensor-parallel collectives (Gbit/s)."""
+    cp_gbps: float
+    """Rate of one device's context-parallel exchange (Gbit/s), priced like :attr:`tp_gbps`."""
     slowest_p2p_bytes_per_s: float
     """Lone rate of the slowest pipeline link (bytes/s; inf with one stage)."""
     compute: Tuple[Route, ...] = ()
@@ -159,20 +163,32 @@ class _Builder:
 
 
 def _check_layout(cluster, pp: int) -> None:
-    per_stage, node = cluster.tp * cluster.dp, cluster.devices_per_node
+    per_stage, node = cluster.tp * cluster.dp_cp, cluster.devices_per_node
     if pp < 1 or node < 1:
         raise ValueError(f"pipeline size {pp} and devices per node {node} must be >= 1")
     if node % per_stage and per_stage % node:
-        raise ValueError(f"devices_per_node={node} and a stage's TP x DP = {per_stage} devices: one must divide the "
-                         f"other (whole stages per node, or whole nodes per stage), e.g. devices_per_node=8 with TP x DP "
-                         f"= 4 or 16")
+        raise ValueError(f"devices_per_node={node} and a stage's TP x CP x DP = {per_stage} devices: one must divide "
+                         f"the other (whole stages per node, or whole nodes per stage), e.g. devices_per_node=8 with "
+                         f"TP x CP x DP = 4 or 16")
+
+
+def _group_gbps(cluster, span: int) -> float:
+    """A device's rate in a collective group of consecutive devices spanning ``span`` devices (TP: t; CP: t x cp, its
+    members t apart): inside a node over the intra-node link, across nodes at a device's share of the NIC (every
+    device of the node exchanges at once)."""
+    node = cluster.devices_per_node
+    if span <= node:
+        return cluster.intra_node_gbps if cluster.intra_node_gbps is not None else cluster.dp_gbps
+    return cluster.nic_gbps / node if cluster.nic_gbps is not None else cluster.dp_gbps
 
 
 @lru_cache(maxsize=256)
 def topology(cluster, pp: int) -> Topology:
     """The :class:`Topology` of one pipeline replica of ``pp`` stages on ``cluster`` (a ClusterSpec)."""
     _check_layout(cluster, pp)
-    t, d, node = cluster.tp, cluster.dp, cluster.devices_per_node
+    # A stage's DP x CP ranks (Megatron's order tp-cp-dp-pp: index k*cp + c) are alike here: the gradients are
+    # reduced over all of them, and each carries its own pipeline transfers.
+    t, d, node = cluster.tp, cluster.dp_cp, cluster.devices_per_node
     per_stage = t * d
     add = _Builder()
 
@@ -230,10 +246,7 @@ def topology(cluster, pp: int) -> Topology:
         dp.append(route(hops, r, r, (f"dp {r}", cluster.dp_gbps)))
     d2h = tuple(make_route([(add(f"d2h {r}", cluster.host_link_gbps), 1)], add.capacity) for r in range(pp))
     h2d = tuple(make_route([(add(f"h2d {r}", cluster.host_link_gbps), 1)], add.capacity) for r in range(pp))
-    if t <= node:  # TP fastest: a TP group of t <= devices_per_node devices lies in one node
-        tp = cluster.intra_node_gbps if cluster.intra_node_gbps is not None else cluster.dp_gbps
-    else:
-        tp = cluster.nic_gbps / node if cluster.nic_gbps is not None else cluster.dp_gbps
+    tp, cp = _group_gbps(cluster, t), _group_gbps(cluster, t * cluster.cp)
     slowest = min((route.lone_bytes_per_s for route in p2p.values()), default=float("inf"))
     compute: Tuple[Route, ...] = ()
     if cluster.shared_cores is not None:
@@ -245,5 +258,5 @@ def topology(cluster, pp: int) -> Topology:
             compute = tuple(make_route([(add.cores("cores", cores), per_stage),
                                         (add.cores(f"threads {r}", per_stage), per_stage)], add.capacity)
                             for r in range(pp))
-    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, slowest,
+    return Topology(tuple(add.names), tuple(add.capacity), p2p, tuple(dp), d2h, h2d, frozenset(inside), tp, cp, slowest,
                     compute, burst=tuple(add.burst) if any(add.burst) else ())
