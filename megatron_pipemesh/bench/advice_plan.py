@@ -137,7 +137,8 @@ def stock_simulation(row, problem, cluster):
     # The row's own micro-batch size and optimizer (a row without a pipeline may add the distributed optimizer).
     spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel,
                         problem.distributed_optimizer or setting.sharding is not None,
-                        tuple(on or flag in row.added_flags for on, flag in zip(problem.overlap, OVERLAP_FLAGS)))
+                        tuple(on or flag in row.added_flags for on, flag in zip(problem.overlap, OVERLAP_FLAGS)),
+                        row.layout.cp, problem.cp_comm)
     model = dataclasses.replace(problem.model_for(row.layout.tp, row.split),
                                 micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,

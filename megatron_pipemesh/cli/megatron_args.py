@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..planning.costs import GB
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU
-from ..planning.devices import DeviceRate, rate_for
+from ..planning.devices import Device, DeviceRate, rate_for
 from ..planning.profile import LinkRate
 from .common import UsageError, positive_int, positive_number
 
@@ -43,14 +43,19 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                               "unless --profile measured it (pipemesh profile on two or more nodes); given, it wins")
     cluster.add_argument("--intra-node-gbps", type=positive_number, default=None,
                          help=f"per-GPU bandwidth between the GPUs of a node, Gbit/s (default: --profile's measurement, "
-                              f"else {DEFAULT_INTRA_NODE_GBPS:g}: PCIe; NVLink ~2400)")
+                              f"else --gpu's link (NVLink 4: 3600, PCIe Gen4: 256), else {DEFAULT_INTRA_NODE_GBPS:g})")
     cluster.add_argument("--gpu", metavar="MODEL", default=None,
-                         help="GPU model (peak TFLOP/s and memory from the known table, e.g. A10G, L4, A100-40GB, H100)")
+                         help="GPU model and form factor (peak TFLOP/s, FP8, memory and the link between a server's "
+                              "GPUs from the known table, e.g. A10G, L4, L40S, 'A100 SXM 40GB', 'H100 SXM', "
+                              "'H100 PCIe'; a family name alone is its SXM board, said in the output)")
     cluster.add_argument("--device-memory-gb", type=positive_number, default=None,
                          help="memory of one GPU, GiB (default: --gpu's); one of the two is required")
     cluster.add_argument("--device-tflops", type=positive_number, default=None,
                          help="dense 16-bit peak TFLOP/s of one GPU (default: --gpu's; without either, this machine's "
                               "measured matmul rate, said in the output)")
+    cluster.add_argument("--device-fp8-tflops", type=positive_number, default=None,
+                         help="dense FP8 peak TFLOP/s of one GPU, for a command with --fp8-format (default: --gpu's; "
+                              "a GPU without FP8 refuses such a command)")
     cluster.add_argument("--mfu", type=positive_number, default=None,
                          help=f"fraction of the peak the layers reach (default {MFU:g}; 1 for a measured rate)")
     cluster.add_argument("--host-memory-gb", type=positive_number, default=None,
@@ -104,13 +109,17 @@ def wants_advice(argv: Sequence[str]) -> bool:
     return tail is not None or any(w == MEGATRON_ARGS or w.startswith(MEGATRON_ARGS + "=") for w in own)
 
 
-def _device(args) -> Tuple[float, DeviceRate]:
-    """(device memory GiB, compute rate) from --gpu / --device-memory-gb / --device-tflops / --mfu, checked."""
-    from ..planning.devices import find_device, known_names
+def _device(args) -> Tuple[float, DeviceRate, Optional[Device]]:
+    """(device memory GiB, compute rate, the --gpu model) from --gpu / --device-memory-gb / --device-tflops /
+    --device-fp8-tflops / --mfu, checked."""
+    from ..planning.devices import DeviceError, find_device, known_names
 
     device = None
     if args.gpu is not None:
-        device = find_device(args.gpu)
+        try:
+            device = find_device(args.gpu)
+        except DeviceError as error:
+            raise UsageError(str(error)) from error
         if device is None:
             raise UsageError(f"--gpu {args.gpu}: not a known GPU model ({known_names()}). Give --device-memory-gb and "
                              "--device-tflops instead, e.g. --device-memory-gb 24 --device-tflops 125")
@@ -123,10 +132,11 @@ def _device(args) -> Tuple[float, DeviceRate]:
     from ..runtime.cpu_rate import measured_cpu_tflops
 
     rate = rate_for(args.device_tflops, "--device-tflops", device, MFU if args.mfu is None else args.mfu,
-                    measured_cpu_tflops, 1.0 if args.mfu is None else args.mfu, device_flag="--gpu")
+                    measured_cpu_tflops, 1.0 if args.mfu is None else args.mfu, device_flag="--gpu",
+                    fp8_tflops=args.device_fp8_tflops)
     if not rate.given:
         rate = dataclasses.replace(rate, source=f"{rate.source} on this machine (no --device-tflops or --gpu given)")
-    return memory, rate
+    return memory, rate, device
 
 
 def _megatron_words(args, tail: Optional[List[str]]) -> List[str]:
@@ -152,11 +162,20 @@ def link_rates(args, profile) -> Dict[str, LinkRate]:
     ``profile`` measured, else the flag's default; without either, --nic-gbps is required (exit 2)."""
     from ..planning.profile import chosen_rate
 
+    from ..planning.devices import DeviceError, find_device
+
     network = profile.network if profile is not None else None
+    try:
+        device = find_device(args.gpu) if args.gpu else None
+    except DeviceError:
+        device = None  # _device refuses the name
+    intra, origin = DEFAULT_INTRA_NODE_GBPS, ""  # the flag's own default (PCIe)
+    if device is not None:
+        intra, origin = device.intra_node_gbps, f"the device table: {device.name}'s {device.interconnect}"
     rates = {
         "nic": chosen_rate("NIC", "--nic-gbps", args.nic_gbps, network.nic_gbps if network else None, None),
         "intra_node": chosen_rate("intra-node link", "--intra-node-gbps", args.intra_node_gbps,
-                                  network.intra_node_gbps if network else None, DEFAULT_INTRA_NODE_GBPS),
+                                  network.intra_node_gbps if network else None, intra, origin),
         "host_link": chosen_rate("host link", "--host-link-gbps", args.host_link_gbps,
                                  profile.host_link_gbps if profile is not None else None, DEFAULT_HOST_LINK_GBPS)}
     if rates["nic"].gbps is None:
@@ -170,20 +189,27 @@ def link_rates(args, profile) -> Dict[str, LinkRate]:
 def problem_and_cluster(args, words: Sequence[str]):
     """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``; the
     problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`), the cluster the link
-    rates :func:`link_rates` chooses."""
+    rates :func:`link_rates` chooses. A command the advice cannot price right in kind (:mod:`..planning.flag_inventory`),
+    or whose launcher asks for another cluster, is refused in one line."""
     from ..integration.command_flags import flag_name
     from ..integration.megatron_command import CommandError, read_command
     from ..planning.advice import AdviceCluster, AdviceProblem, ParallelLayout
+    from ..planning.flag_inventory import refusal
+    from ..runtime.unsupported import unsupported_message
     from ..schedule.config import ScheduleConfig
 
     if args.profile is None:
         link_rates(args, None)  # without a profile, --nic-gbps is required: say so before anything else
-    memory, rate = _device(args)
+    memory, rate, device = _device(args)
     gpus = args.nodes * args.gpus_per_node
     try:
         user = read_command(list(words), world_size=gpus)
     except CommandError as error:
         raise UsageError(str(error)) from error
+    refused = refusal(user.changed) or user.launch.disagreement(args.nodes, args.gpus_per_node)
+    if refused:
+        raise UsageError(f"{MEGATRON_ARGS}: {refused}")
+    _check_fp8(user, rate, device)
     if user.pp == 1 and user.pipemesh:
         raise UsageError(f"{MEGATRON_ARGS}: --pipeline-schedule pipemesh with --pipeline-model-parallel-size 1: "
                          "PipeMesh schedules a pipeline; give --pipeline-model-parallel-size 2 or more, or drop "
@@ -198,8 +224,9 @@ def problem_and_cluster(args, words: Sequence[str]):
     if user.pipemesh and list(a.forward_groups or []) != ["auto"]:
         pipemesh = ScheduleConfig(user.pp, user.vpp, user.microbatches, tuple(a.forward_groups or ()),
                                   tuple(a.backward_groups or ()))
+    vocab = user.vocabulary
     problem = AdviceProblem(
-        model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp), vpp=user.vpp,
+        model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp, user.cp), vpp=user.vpp,
         global_batch=user.global_batch_size, stock=None if user.pipemesh else user.stock, pipemesh=pipemesh,
         sequence_parallel=user.sequence_parallel, distributed_optimizer=user.distributed_optimizer,
         overlap_grad_reduce=bool(getattr(a, "overlap_grad_reduce", False)),
@@ -208,19 +235,40 @@ def problem_and_cluster(args, words: Sequence[str]):
         # Megatron requires --overlap-p2p-communication (its default) for V > 1 at PP = 2; its validate_args turns the
         # option off for a V = 1 command, so the user's own flag says whether rows may interleave.
         interleaving_at_two=NO_P2P_OVERLAP_FLAG not in (flag_name(word) for word in user.flags),
-        vocab_multiple=getattr(a, "make_vocab_size_divisible_by", 128) or 1,
-        vocab_size=getattr(a, "vocab_size", None),
+        pipemesh_refused=unsupported_message(a),
+        vocab_multiple=(getattr(a, "make_vocab_size_divisible_by", 128) or 1) if getattr(a, "pad_vocab_size", True) else 1,
+        vocab_size=None if vocab.padded is not None else vocab.size,
         # Costs measured on this CPU mean the rows run here, where megatron-core cannot run TP > 1.
         max_tp=None if rate.given else 1,
-        profile=profile)
+        profile=profile, cp_comm=user.cp_comm,
+        # Context parallelism runs in Transformer Engine's attention only, which needs a GPU.
+        context_parallel=user.model.layer_spec == "te" and rate.given)
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=links["nic"].gbps,
                             intra_node_gbps=links["intra_node"].gbps, device_memory_gb=memory,
                             device_tflops=rate.tflops, mfu=rate.mfu, host_memory_gb=args.host_memory_gb,
                             host_link_gbps=links["host_link"].gbps,
                             nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given,
                             collectives="gloo" if not rate.given or getattr(a, "distributed_backend", None) == "gloo"
-                            else "nccl")
+                            else "nccl", fp8_tflops=rate.fp8_tflops)
     return user, problem, cluster, rate
+
+
+def _check_fp8(user, rate: DeviceRate, device) -> None:
+    """An FP8 command is refused where the GPU has no FP8 (as Transformer Engine refuses it) or its recipe needs
+    another GPU, and where no FP8 rate is known to price it with."""
+    if not user.model.fp8:
+        return
+    recipe = getattr(user.args, "fp8_recipe", "delayed")
+    if device is not None and device.fp8_tflops is None:
+        raise UsageError(f"{MEGATRON_ARGS}: --fp8-format {user.args.fp8}: the {device.name} has no FP8 tensor cores "
+                         "(Transformer Engine refuses FP8 there); drop --fp8-format, or plan for a GPU with FP8 "
+                         "(H100, H200, L40S, L40, L4, RTX 4090)")
+    if device is not None and recipe not in device.fp8_recipes:
+        raise UsageError(f"{MEGATRON_ARGS}: --fp8-recipe {recipe} needs Blackwell's tensor cores, which the "
+                         f"{device.name} does not have; use --fp8-recipe delayed or tensorwise")
+    if rate.fp8_tflops is None:
+        raise UsageError(f"{MEGATRON_ARGS}: --fp8-format {user.args.fp8}: no FP8 rate to price it with; give --gpu "
+                         "(a GPU with FP8) or --device-fp8-tflops")
 
 
 def row_flags(user, row, problem, cluster, rate) -> List[str]:
@@ -235,9 +283,9 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
         off_device = row.plan.recompute_share > 0 or any(r.host_placed for r in row.plan.result.ranks)
         new = pipemesh_flags(row.plan.config, row.layout.tp, row.split, problem.grad_reduce_in_bf16,
                              cluster.budget_bytes / GB if off_device else None, cluster.host_memory_gb,
-                             rate.tflops if rate.given else None)
+                             rate.tflops if rate.given else None, cp=row.layout.cp)
     else:
-        new = stock_flags(row.stock, row.layout.tp, row.split)
+        new = stock_flags(row.stock, row.layout.tp, row.split, cp=row.layout.cp)
     flags = replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new + list(row.added_flags))
     if row.micro_batch_size is not None:  # its value replaced where the command has it, the rest in place
         names = expand_aliases((MICRO_BATCH_FLAG,), option_aliases((MICRO_BATCH_FLAG,)))
@@ -245,9 +293,41 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
     return flags
 
 
-def report(user, problem, cluster, rate, advice) -> Dict:
-    """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags)."""
+def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
+    """What the advice assumed and where each came from ({'what', 'value', 'source'}): the compute rate, the GPU the
+    name chose, the link rates, the vocabulary and the memory budget."""
+    from ..planning.devices import DeviceError, chosen_form, find_device
+
+    out = [{"what": "compute", "value": rate.source.split(" (")[0] + (f" at MFU {rate.mfu:g}" if rate.given else ""),
+            "source": "--device-tflops" if args.device_tflops else "the device table" if rate.given else
+            rate.source}]
+    if user.model.fp8 and rate.fp8_tflops:
+        out.append({"what": "FP8 linears", "value": f"{rate.fp8_tflops:g} TFLOP/s peak at MFU {rate.mfu:g}",
+                    "source": "--device-fp8-tflops" if args.device_fp8_tflops else "the device table"})
+    try:
+        device = find_device(args.gpu) if args.gpu else None
+    except DeviceError:
+        device = None
+    if device is not None:
+        out.append({"what": "GPU", "value": device.name, "source": chosen_form(args.gpu, device) or f"--gpu {args.gpu}"})
+    for rate_of in link_rates(args, problem.profile).values():
+        out.append({"what": rate_of.name, "value": f"{rate_of.gbps:.4g} Gbit/s", "source": rate_of.origin_text()})
+    vocab = user.vocabulary
+    padded = problem.model_for(problem.layout.tp, problem.model.layer_split).vocab_size
+    out.append({"what": "vocabulary", "value": f"{padded} rows at TP {problem.layout.tp} ({vocab.size} tokens, padded "
+                "as Megatron pads)",
+                "source": vocab.source})
+    memory = "--device-memory-gb" if args.device_memory_gb else f"the device table ({device.name})" if device else "?"
+    out.append({"what": "device memory", "value": f"{cluster.device_memory_gb:g} GiB per GPU, plans within "
+                f"{cluster.budget_bytes / GB:.2f} GiB (10% kept free)", "source": memory})
+    return out
+
+
+def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = ()) -> Dict:
+    """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags), the flags of the
+    command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
     from ..planning.advice import ROWS, tokens_per_s
+    from ..planning.flag_inventory import unpriced
 
     user_row = advice.rows["user"]
     rows: Dict[str, Optional[dict]] = {}
@@ -257,10 +337,12 @@ def report(user, problem, cluster, rate, advice) -> Dict:
             rows[name] = None
             continue
         flags = row_flags(user, row, problem, cluster, rate)
+        # A PipeMesh row runs through PipeMesh's entry point: a stock pretrain_gpt.py would ignore its schedule.
+        program = user.launch.pipemesh_words() if row.plan is not None else user.launch.words
         rows[name] = {
-            "flags": flags, "command": shlex.join(list(user.launcher) + flags),
+            "flags": flags, "command": shlex.join(list(program) + flags),
             "schedule": row.schedule, "describe": row.describe(),
-            "tp": row.layout.tp, "pp": row.layout.pp, "dp": row.layout.dp, "vpp": row.vpp,
+            "tp": row.layout.tp, "cp": row.layout.cp, "pp": row.layout.pp, "dp": row.layout.dp, "vpp": row.vpp,
             "stage_layers": list(row.stage_layers), "microbatches": row.microbatches,
             "micro_batch_size": row.micro_batch_size or problem.model.micro_batch_size,
             "micro_batch_size_changed": row.micro_batch_size is not None,
@@ -270,6 +352,8 @@ def report(user, problem, cluster, rate, advice) -> Dict:
             "compute_s_per_rank": list(row.compute_s), "keeps_user_layout": row.keeps(user_row)}
     best = advice.best()
     return {"rows": rows, "run": best.name if best else None,
+            "unpriced": [item.to_dict() for item in unpriced(user.changed, user.not_priced_here)],
+            "assumed": list(assumed),
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
             "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.search.simulated),
             "search_complete": advice.search.stopped_by is None, "unsearched_bound_s": advice.search.unsearched_bound_s,
@@ -304,6 +388,11 @@ def text(out: Dict) -> str:
         for tp in profile["measured"]:
             lines.append(f"profile {profile['file']} ({profile['device']}), rows at TP {tp}: measured "
                          f"{', '.join(profile['measured'][tp]) or 'nothing'}; assumed {', '.join(profile['assumed'][tp])}")
+    for item in out.get("assumed", ()):
+        lines.append(f"assumed: {item['what']} {item['value']} ({item['source']})")
+    for item in out.get("unpriced", ()):
+        lines.append(f"not priced: {(item['flag'] + ' ' + item['value']).strip()}: {item['effect']}; the rows are "
+                     "priced without it")
     for note in out["notes"]:
         lines.append(f"note: {note}")
     if out["run"] is None:
@@ -379,7 +468,12 @@ def cmd_advice(argv: Sequence[str]) -> int:
         advice.notes.append("layouts with TP = 1 only: the costs are this machine's CPU, and megatron-core cannot run "
                             "TP > 1 without CUDA (its validate_args reads the GPU's architecture); give --gpu or "
                             "--device-tflops to plan for GPUs")
-    out = report(user, problem, cluster, rate, advice)
+    intra = link_rates(args, problem.profile)["intra_node"]
+    if (intra.source == "default" and (not intra.origin or "PCIe" in intra.origin)
+            and any(row is not None and row.layout.tp > 1 for row in advice.rows.values())):
+        advice.notes.append(f"rows with TP > 1 price its collectives over PCIe ({intra.gbps:g} Gbit/s per GPU); give "
+                            "--intra-node-gbps, or --gpu with its form factor, where NVLink joins the GPUs")
+    out = report(user, problem, cluster, rate, advice, assumptions(args, user, problem, cluster, rate))
     if problem.profile is not None:
         out["profile"] = profile_report(args.profile, problem, out, link_rates(args, problem.profile))
     print(json.dumps(out, indent=1) if args.json else text(out))

@@ -37,6 +37,7 @@ from ..schedule.config import ScheduleConfig
 from ..schedule.plan import RunPlan
 from .host_memory import check_plan_fits_host, host_share
 from .measured import Replanning
+from .vocabulary import vocabulary
 
 
 def _device_defaults(args) -> Tuple[Optional[Device], Optional[float]]:
@@ -53,8 +54,9 @@ def _device_defaults(args) -> Tuple[Optional[Device], Optional[float]]:
 
 
 def layer_spec_fields(args) -> dict:
-    """ModelSpec's layer-spec fields from Megatron's args (issue 12 point 5): Transformer Engine
-    (flash attention), GQA, SwiGLU, RoPE, bf16 gradient reduction, dropout, linear biases."""
+    """ModelSpec's layer-spec fields from Megatron's args: Transformer Engine (flash attention), GQA, SwiGLU, RoPE, bf16
+    gradient reduction, dropout, linear biases, the norm, the learned position table's rows, FP8 linears, and
+    whether the output layer shares the embedding."""
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     return {"layer_spec": "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local",
             "num_query_groups": groups, "swiglu": bool(getattr(args, "swiglu", False)),
@@ -65,7 +67,11 @@ def layer_spec_fields(args) -> dict:
             "grad_bytes": 2 if getattr(args, "grad_reduce_in_bf16", False) else 4,
             "hidden_dropout": float(getattr(args, "hidden_dropout", 0.1)),
             "attention_dropout": float(getattr(args, "attention_dropout", 0.1)),
-            "linear_bias": bool(getattr(args, "add_bias_linear", True))}
+            "linear_bias": bool(getattr(args, "add_bias_linear", True)),
+            "normalization": getattr(args, "normalization", "LayerNorm") or "LayerNorm",
+            "max_position_embeddings": getattr(args, "max_position_embeddings", None),
+            "fp8": bool(getattr(args, "fp8", None)),
+            "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False)}
 
 
 def layer_split(args) -> LayerSplit:
@@ -151,14 +157,11 @@ def megatron_planner_options(args, settings: Optional[PipeMeshConfig] = None) ->
 
 
 def padded_vocab_size(args) -> int:
-    """The vocabulary Megatron's output layer has: padded only when Megatron builds the tokenizer, after argument
-    validation (megatron/training/tokenizer: _vocab_size_with_padding), so padded here the same way; GPT-2's 50304
-    when the command names no size (a BPE tokenizer's file)."""
-    vocab = getattr(args, "padded_vocab_size", None)
-    if vocab is None and getattr(args, "vocab_size", None):
-        multiple = (getattr(args, "make_vocab_size_divisible_by", 128) or 1) * args.tensor_model_parallel_size
-        vocab = -(-args.vocab_size // multiple) * multiple
-    return vocab or 50304
+    """The vocabulary Megatron's output layer has (:mod:`.vocabulary`: the size its tokenizer gives, padded per TP as
+    Megatron pads it after argument validation; GPT-2's where nothing names a size)."""
+    return vocabulary(args).padded_for(args.tensor_model_parallel_size,
+                                       getattr(args, "make_vocab_size_divisible_by", 128) or 1,
+                                       bool(getattr(args, "pad_vocab_size", True)))
 
 
 def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None, settings: Optional[PipeMeshConfig] = None,

@@ -16,15 +16,20 @@ import functools
 import io
 import linecache
 import os
-import shlex
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..planning.costs import ModelSpec
+from ..planning.flag_inventory import SetFlag
 from ..planning.layout import LayoutError
+from ..planning.memory import OFFLOAD_MODULES
+from ..planning.specs import CP_COMM_TYPES
 from ..planning.stock import StockRecompute, StockSetting
+from ..planning.stock_options import StockOffload
+from .launcher import Launch, split_launch
+from .vocabulary import Vocabulary, vocabulary
 
 
 class CommandError(ValueError):
@@ -32,14 +37,12 @@ class CommandError(ValueError):
 
 
 def split_command(command: Union[str, Sequence[str]]) -> Tuple[List[str], List[str]]:
-    """(launcher and script, the training script's flags) of ``command`` (a shell string or a list): the flags are
-    what follows the script (``pretrain_gpt.py``, after any launcher such as ``torchrun --nproc-per-node 8``), or,
-    without a script, the command from its first flag on."""
-    words = shlex.split(command) if isinstance(command, str) else list(command)
-    script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
-    first = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("-")),
-                                                        len(words))
-    return words[:first], words[first:]
+    """(launcher and program, the training script's flags) of ``command`` (a shell string or a list): the flags are
+    what follows the program (``pretrain_gpt.py``, ``-m module`` or PipeMesh's entry point, after any launcher such
+    as ``torchrun --nproc-per-node 8``), or, without a program, the command from its first flag on
+    (:func:`.launcher.split_launch`)."""
+    launch = split_launch(command)
+    return list(launch.words), list(launch.flags)
 
 
 def split_flags(command: Union[str, Sequence[str]]) -> List[str]:
@@ -104,6 +107,31 @@ def _without_local_gpu(arguments):
 
 def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
     """Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view); CommandError otherwise."""
+    return parse_command(flags, world_size)[0]
+
+
+def changed_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     flags: Sequence[str]) -> Dict[str, SetFlag]:
+    """dest -> its setting, for every argument ``flags`` parsed (before validation) into a value other than the
+    parser's default, in the order of the parser's actions; each named by the option string the command used."""
+    used = {word.split("=", 1)[0] for word in flags if word.startswith("-")}
+    out: Dict[str, SetFlag] = {}
+    for action in parser._actions:
+        if action.dest in out or action.dest == "help" or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if value == action.default:
+            continue
+        option = next((o for o in action.option_strings if o in used), None)
+        if option is None:
+            continue  # another action of the same dest set it
+        out[action.dest] = SetFlag(action.dest, option, value)
+    return out
+
+
+def parse_command(flags: Sequence[str], world_size: int) -> Tuple[argparse.Namespace, Dict[str, SetFlag]]:
+    """(Megatron's validated args for ``flags`` on ``world_size`` ranks (rank 0's view), the settings the command
+    changes from Megatron's defaults: :func:`changed_settings`); CommandError otherwise."""
     parser = megatron_parser()  # first: it prepares megatron's import
     from megatron.training import arguments
 
@@ -112,6 +140,7 @@ def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Na
             args, unknown = parser.parse_known_args(list(flags))
     except SystemExit:
         raise CommandError(f"Megatron's argument parser rejects the command: {err.getvalue().strip().splitlines()[-1]}")
+    changed = changed_settings(parser, args, flags)
     named = [word for word in unknown if word.startswith("-")]
     if named or unknown:
         raise CommandError(f"--megatron-args: Megatron does not know {' '.join(named or unknown)} (megatron-core's "
@@ -127,7 +156,7 @@ def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Na
     except (AssertionError, ValueError, RuntimeError, TypeError) as error:
         raise CommandError(f"Megatron's validate_args rejects the command on {world_size} GPUs: "
                            f"{str(error) or failed_check(error)}") from error
-    return args
+    return args, changed
 
 
 def failed_check(error: BaseException) -> str:
@@ -195,6 +224,19 @@ class UserCommand:
     """GPUs the command was validated for."""
     args: object = None
     """Megatron's validated namespace (what the recommendations' flags are checked against)."""
+    cp: int = 1
+    """Context-parallel size."""
+    cp_comm: str = "p2p"
+    """How the context-parallel exchange runs (``--cp-comm-type``, as the costs price it)."""
+    changed: Dict[str, SetFlag] = field(default_factory=dict)
+    """The settings the command changes from Megatron's defaults (:func:`changed_settings`)."""
+    not_priced_here: Dict[str, str] = field(default_factory=dict)
+    """dest -> what it would change, for flags the inventory prices in general but not with this command's value
+    (e.g. an offloading of modules the costs do not model)."""
+    vocabulary: Optional[Vocabulary] = None
+    """The vocabulary before padding and where its size came from."""
+    launch: Optional[Launch] = None
+    """The command split at its program (:func:`.launcher.split_launch`)."""
 
     @property
     def vpp(self) -> int:
@@ -212,32 +254,71 @@ def _recompute(args) -> StockRecompute:
     return StockRecompute()
 
 
+def _offload(args, not_priced: Dict[str, str]) -> Optional[StockOffload]:
+    """The command's fine-grained activation offloading as the costs price it (Megatron's attention modules), or
+    None (off; other modules are named as not priced)."""
+    if not getattr(args, "fine_grained_activation_offloading", False):
+        return None
+    modules = tuple(getattr(args, "offload_modules", None) or ())
+    if set(modules) != set(OFFLOAD_MODULES):
+        not_priced["offload_modules"] = (f"offloading {' '.join(modules) or 'no modules'}: the costs model "
+                                         f"--offload-modules {' '.join(OFFLOAD_MODULES)} only (priced without offloading)")
+        return None
+    return StockOffload(float(getattr(args, "activation_offload_fraction", 1.0) or 1.0))
+
+
+def _cp_comm(args, not_priced: Dict[str, str]) -> str:
+    """The command's --cp-comm-type as the costs price it (one type for every layer)."""
+    kinds = list(getattr(args, "cp_comm_type", None) or ["p2p"])
+    if (args.context_parallel_size or 1) > 1 and (len(set(kinds)) > 1 or kinds[0] not in CP_COMM_TYPES):
+        not_priced["cp_comm_type"] = (f"context-parallel exchange {' '.join(kinds)}: priced as "
+                                      f"{kinds[0] if kinds[0] in CP_COMM_TYPES else 'p2p'} for every layer")
+    return kinds[0] if kinds[0] in CP_COMM_TYPES else "p2p"
+
+
 def read_command(command: Union[str, Sequence[str]], world_size: int,
                  dropout_mask_bytes: Optional[int] = 1) -> UserCommand:
     """Parse and validate ``command`` for ``world_size`` GPUs and describe what it runs (``dropout_mask_bytes``:
     CUDA keeps one byte per dropout mask element)."""
-    from .auto_plan import layer_spec_fields, layer_split, padded_vocab_size
+    from .auto_plan import layer_spec_fields, layer_split
     from .flags import microbatches_per_iteration
 
-    launcher, flags = split_command(command)
-    args = parse_megatron_command(flags, world_size)
+    launch = split_launch(command)
+    launcher, flags = launch.words, launch.flags
+    args, changed = parse_command(flags, world_size)
     pp, m = args.pipeline_model_parallel_size, microbatches_per_iteration(args)
     vpp = args.virtual_pipeline_model_parallel_size or 1
+    cp = args.context_parallel_size or 1
+    spec = layer_spec_fields(args)
+    if cp > 1 and spec["layer_spec"] != "te":
+        raise CommandError(f"--context-parallel-size {cp} with --transformer-impl local: megatron-core's local "
+                           "attention asserts context_parallel_size == 1 (only Transformer Engine's attention runs "
+                           "context parallelism); use --transformer-impl transformer_engine")
+    if spec["fp8"] and spec["layer_spec"] != "te":
+        raise CommandError(f"--fp8-format {args.fp8} with --transformer-impl local: FP8 runs through Transformer "
+                           "Engine's linear layers; use --transformer-impl transformer_engine")
     try:
         split = layer_split(args)
         split.stage_layers(args.num_layers, pp, vpp)  # what Megatron would refuse or fail to build, named now
     except LayoutError as error:
         raise CommandError(f"--megatron-args: {error}") from error
+    vocab = vocabulary(args)
+    not_priced: Dict[str, str] = {}
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                      micro_batch_size=args.micro_batch_size, vocab_size=padded_vocab_size(args),
+                      micro_batch_size=args.micro_batch_size,
+                      vocab_size=vocab.padded_for(args.tensor_model_parallel_size,
+                                                  getattr(args, "make_vocab_size_divisible_by", 128) or 1,
+                                                  bool(getattr(args, "pad_vocab_size", True))),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
                       dtype_bytes=2 if (args.bf16 or args.fp16) else 4, dropout_mask_bytes=dropout_mask_bytes,
-                      layer_split=split, **layer_spec_fields(args))
+                      layer_split=split, **spec)
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     stock = StockSetting(pp, vpp, m, group if vpp > 1 and group != pp else None, _recompute(args),
-                         bool(getattr(args, "grad_reduce_in_bf16", False)))
+                         bool(getattr(args, "grad_reduce_in_bf16", False)), offload=_offload(args, not_priced))
     return UserCommand(tuple(flags), tuple(launcher), model, args.tensor_model_parallel_size, pp, args.data_parallel_size,
                        m, stock, getattr(args, "pipeline_schedule", "default") == "pipemesh",
                        bool(args.use_distributed_optimizer), bool(args.sequence_parallel),
-                       bool(getattr(args, "grad_reduce_in_bf16", False)), args.global_batch_size, world_size, args)
+                       bool(getattr(args, "grad_reduce_in_bf16", False)), args.global_batch_size, world_size, args,
+                       cp=cp, cp_comm=_cp_comm(args, not_priced), changed=changed, not_priced_here=not_priced,
+                       vocabulary=vocab, launch=launch)

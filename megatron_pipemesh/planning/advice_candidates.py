@@ -25,7 +25,7 @@ class Candidate:
     """One (layout, V, split) with its lower bound."""
 
     layout: ParallelLayout
-    """TP x PP x DP."""
+    """TP x CP x PP x DP."""
     vpp: int
     """Virtual stages per rank V."""
     split: LayerSplit
@@ -53,8 +53,18 @@ class Candidate:
                 + (f" mbs {self.micro_batch_size}" if self.micro_batch_size is not None else ""))
 
 
+def context_sizes(problem: AdviceProblem, cluster: AdviceCluster, tp: int) -> List[int]:
+    """The CP sizes a layout at ``tp`` may use: 1, and where the model's attention runs context parallelism
+    (:attr:`AdviceProblem.context_parallel`), every CP with TP x CP inside a node whose sequence splits into 2 x CP
+    chunks (Megatron's load-balanced causal split)."""
+    if not problem.context_parallel:
+        return [1]
+    room = cluster.gpus_per_node // tp
+    return [cp for cp in range(1, room + 1) if room % cp == 0 and problem.model.seq_length % (2 * cp) == 0]
+
+
 def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[ParallelLayout]:
-    """Every TP x PP x DP of the cluster's GPUs the search prices (module docstring)."""
+    """Every TP x CP x PP x DP of the cluster's GPUs the search prices (module docstring)."""
     model = problem.model
     out = []
     for tp in range(1, min(cluster.gpus_per_node, problem.max_tp or cluster.gpus_per_node) + 1):
@@ -62,16 +72,17 @@ def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[Par
             continue
         if model.num_attention_heads % tp or (model.num_query_groups or model.num_attention_heads) % tp or model.ffn % tp:
             continue
-        for pp in range(1, cluster.gpus // tp + 1):
-            if (cluster.gpus // tp) % pp or pp > model.num_layers:
-                continue
-            dp = cluster.gpus // (tp * pp)
-            per_stage = tp * dp
-            if cluster.gpus_per_node % per_stage and per_stage % cluster.gpus_per_node:
-                continue  # neither whole stages per node nor whole nodes per stage (not modelled)
-            if not micro_batch_sizes(problem, pp, dp):
-                continue
-            out.append(ParallelLayout(tp, pp, dp))
+        for cp in context_sizes(problem, cluster, tp):
+            for pp in range(1, cluster.gpus // (tp * cp) + 1):
+                if (cluster.gpus // (tp * cp)) % pp or pp > model.num_layers:
+                    continue
+                dp = cluster.gpus // (tp * cp * pp)
+                per_stage = tp * cp * dp
+                if cluster.gpus_per_node % per_stage and per_stage % cluster.gpus_per_node:
+                    continue  # neither whole stages per node nor whole nodes per stage (not modelled)
+                if not micro_batch_sizes(problem, pp, dp):
+                    continue
+                out.append(ParallelLayout(tp, pp, dp, cp))
     return out
 
 
@@ -146,7 +157,8 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[Candidate
     own = problem.model.micro_batch_size
     for layout in parallel_layouts(problem, cluster):
         for optimizer in optimizers(problem, layout):
-            spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, optimizer.distributed, optimizer.overlap)
+            spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, optimizer.distributed, optimizer.overlap,
+                                layout.cp, problem.cp_comm)
             for b in micro_batch_sizes(problem, layout.pp, layout.dp):
                 m = problem.microbatches(layout.dp, b)
                 for vpp in range(1, (problem.model.num_layers // layout.pp if layout.pp > 1 else 1) + 1):

@@ -61,6 +61,8 @@ class AdviceCluster:
     nic_burst_bytes: float = 0.0
     """The NICs' token-bucket burst (``pipemesh bench --advice``'s emulated NICs);
     :attr:`.costs.ClusterSpec.nic_burst_bytes`."""
+    fp8_tflops: Optional[float] = None
+    """Dense FP8 peak TFLOP/s of one GPU [--device-fp8-tflops, or --gpu's]; None: no FP8."""
 
     @property
     def gpus(self) -> int:
@@ -72,9 +74,9 @@ class AdviceCluster:
         return self.device_memory_gb * GB * (1 - MEMORY_MARGIN)
 
     def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool,
-             overlap: Tuple[bool, bool] = (True, True)) -> ClusterSpec:
+             overlap: Tuple[bool, bool] = (True, True), cp: int = 1, cp_comm: str = "p2p") -> ClusterSpec:
         """The planner's :class:`.costs.ClusterSpec` for one parallel layout; ``overlap``: the command's
-        (--overlap-grad-reduce, --overlap-param-gather)."""
+        (--overlap-grad-reduce, --overlap-param-gather); ``cp``, ``cp_comm``: its context parallelism."""
         return nic_cluster(tp=tp, dp=dp, devices_per_node=self.gpus_per_node, nic_gbps=self.nic_gbps,
                            link_gbps=self.nic_gbps, intra_node_gbps=self.intra_node_gbps,
                            device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
@@ -83,22 +85,29 @@ class AdviceCluster:
                            mfu=self.mfu, latency_us=self.latency_us, host_copies_on_compute=self.host_copies_on_compute,
                            collectives=self.collectives, shared_cores=self.shared_cores,
                            pinned_cores=self.pinned_cores, overlap_grad_reduce=overlap[0],
-                           overlap_param_gather=overlap[1], nic_burst_bytes=self.nic_burst_bytes)
+                           overlap_param_gather=overlap[1], nic_burst_bytes=self.nic_burst_bytes, cp=cp,
+                           cp_comm=cp_comm, fp8_tflops=self.fp8_tflops)
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the GPUs are split: tensor x pipeline x data parallel."""
+    """How the GPUs are split: tensor x context x pipeline x data parallel."""
 
     tp: int
     """Tensor-parallel size (inside a node)."""
     pp: int
     """Pipeline-parallel size."""
     dp: int
-    """Data-parallel size."""
+    """Data-parallel size (the replicas the global batch is split over)."""
+    cp: int = 1
+    """Context-parallel size (TP x CP inside a node in the search; the user's command may span nodes)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        return f"TP{self.tp}" + (f" CP{self.cp}" if self.cp > 1 else "") + f" PP{self.pp} DP{self.dp}"
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,10 @@ class AdviceProblem:
     costs take its measurements wherever it has them (:func:`.clusters.costs_for`)."""
     search_micro_batch_size: bool = True
     """The rows may change --micro-batch-size (:func:`micro_batch_sizes`); False: every row keeps the command's."""
+    cp_comm: str = "p2p"
+    """[--cp-comm-type] How a row's context-parallel exchange runs (the command's)."""
+    context_parallel: bool = False
+    """Rows may use context parallelism: the model's attention runs it (Transformer Engine's spec)."""
 
     def model_for(self, tp: int, split: LayerSplit) -> ModelSpec:
         """The model at tensor-parallel size ``tp`` (Megatron pads the vocabulary per TP) with ``split``."""

@@ -93,19 +93,16 @@ class Unpriced:
         return f"{self.flag} {self.value}".strip() + f": not priced ({self.effect})"
 
 
-def unpriced(set_flags: Mapping[str, SetFlag], priced_here: Mapping[str, str] = {}) -> List[Unpriced]:
-    """The not-priced flags among ``set_flags`` (dest -> its setting), in the command's order; ``priced_here``: dests
-    the caller prices for this command although the inventory does not (dest -> why), and not-priced dests it adds
-    (a dest the inventory prices in general but not with this command's value, e.g. an offloading flag set the
-    rows cannot model)."""
+def unpriced(set_flags: Mapping[str, SetFlag], for_this_command: Mapping[str, str] = {}) -> List[Unpriced]:
+    """The not-priced flags among ``set_flags`` (dest -> its setting), in the command's order. ``for_this_command``:
+    dests the inventory prices in general that the costs leave out with this command's value (dest -> what it would
+    change; e.g. an offloading of modules the costs do not model)."""
     out = []
     for dest, setting in set_flags.items():
         found = classify(dest)
-        if dest in priced_here:
-            if priced_here[dest]:  # priced in general, not with this value: say what it would change
-                out.append(Unpriced(setting.flag, _value(setting), priced_here[dest]))
-            continue
-        if found is not None and found[0] == "not_priced":
+        if dest in for_this_command:
+            out.append(Unpriced(setting.flag, _value(setting), for_this_command[dest]))
+        elif found is not None and found[0] == "not_priced":
             out.append(Unpriced(setting.flag, _value(setting), found[1]))
     return out
 

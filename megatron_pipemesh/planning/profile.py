@@ -265,10 +265,23 @@ class LinkRate:
     """'given' (the flag), 'measured' (the profile), 'default' (the flag's default) or 'missing'."""
     measured_gbps: Optional[float] = None
     """What the profile measured, also when the flag overrides it."""
+    origin: str = ""
+    """Where a default came from, when not the flag's own (e.g. the device table's interconnect)."""
 
     @property
     def measured(self) -> bool:
         return self.source == "measured"
+
+    def origin_text(self) -> str:
+        """Where the rate came from, without the rate."""
+        if self.source == "measured":
+            return "measured by the profile"
+        if self.source == "given":
+            also = f"; the profile measured {self.measured_gbps:.4g}" if self.measured_gbps is not None else ""
+            return f"{self.flag}{also}"
+        if self.source == "default":
+            return f"{self.origin}; {self.flag} to change" if self.origin else f"{self.flag} default"
+        return f"not measured and {self.flag} not given"
 
     def describe(self) -> str:
         if self.source == "measured":
@@ -277,20 +290,21 @@ class LinkRate:
             also = f"; the profile measured {self.measured_gbps:.4g}" if self.measured_gbps is not None else ""
             return f"{self.name} {self.gbps:.4g} Gbit/s ({self.flag}, given{also})"
         if self.source == "default":
-            return f"{self.name} {self.gbps:.4g} Gbit/s ({self.flag} default, not measured)"
+            where = f"{self.origin}; {self.flag} to change" if self.origin else f"{self.flag} default"
+            return f"{self.name} {self.gbps:.4g} Gbit/s ({where}, not measured)"
         return f"{self.name}: not measured and {self.flag} not given"
 
 
 def chosen_rate(name: str, flag: str, given: Optional[float], measured: Optional[float],
-                default: Optional[float]) -> LinkRate:
+                default: Optional[float], origin: str = "") -> LinkRate:
     """The rate of ``name`` a plan uses: the flag ``given`` wins, else what a profile ``measured``, else
-    ``default``."""
+    ``default`` (from ``origin`` where that is not the flag's own default)."""
     if given is not None:
         return LinkRate(name, flag, given, "given", measured)
     if measured is not None:
         return LinkRate(name, flag, measured, "measured", measured)
     if default is not None:
-        return LinkRate(name, flag, default, "default")
+        return LinkRate(name, flag, default, "default", origin=origin)
     return LinkRate(name, flag, None, "missing")
 
 

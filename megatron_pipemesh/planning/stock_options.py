@@ -49,6 +49,7 @@ from .layout import VPP_FLAGS, LayerSplit
 from .memory import OFFLOAD_MODULES, selective_module_sets
 
 TP_FLAG = "--tensor-model-parallel-size"
+CP_FLAG = "--context-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
 VPP_FLAG = VPP_FLAGS[0]
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
@@ -264,15 +265,22 @@ def vpp_flags(vpp: int, split: Optional[LayerSplit] = None) -> List[str]:
     return [VPP_FLAG, str(vpp)]
 
 
-def stock_flags(setting: StockSetting, tp: Optional[int] = None, split: Optional[LayerSplit] = None) -> List[str]:
+def parallel_flags(tp: int, cp: int = 1) -> List[str]:
+    """A row's TP (always written) and CP (written where it is not 1) flags."""
+    return [TP_FLAG, str(tp)] + ([CP_FLAG, str(cp)] if cp > 1 else [])
+
+
+def stock_flags(setting: StockSetting, tp: Optional[int] = None, split: Optional[LayerSplit] = None,
+                cp: int = 1) -> List[str]:
     """Megatron's flags of a stock ``setting``: PP, V, the group size (interleaved only), recomputation, offloading,
     bf16 reduce (when the setting has it, i.e. the user asked) and the sharding level.
 
-    With the run's ``tp`` and layer ``split`` (a row of ``pipemesh plan --megatron-args``): TP first, the group size
+    With the run's ``tp`` (and ``cp``) and layer ``split`` (a row of ``pipemesh plan --megatron-args``): TP first, the
+    group size
     only where it is not Megatron's default p (so that a row that changes nothing reads as the user's command), no V
     where a layout sets it, and the split's flags last."""
     command = tp is not None
-    out = ([TP_FLAG, str(tp)] if command else []) + [PP_FLAG, str(setting.pp)] + vpp_flags(setting.vpp, split)
+    out = (parallel_flags(tp, cp) if command else []) + [PP_FLAG, str(setting.pp)] + vpp_flags(setting.vpp, split)
     if setting.vpp > 1 and not (command and setting.effective_group_size == setting.pp):
         out += [GROUP_FLAG, str(setting.effective_group_size)]
     out += setting.recompute.flags()

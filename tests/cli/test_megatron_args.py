@@ -218,3 +218,96 @@ def test_jobs_1_and_2_give_the_same_rows():
         del one["search_s"], one["search_cpu_s"]
     assert out[0] == out[1]
     assert out[0]["candidates"] > 10 and sum(out[0]["simulated"].values()) > 2 and out[0]["search_complete"]
+
+
+# Priced or refused, never silent -------------------------------------------------------------------------------
+
+H100_16 = ["--nodes", "2", "--gpus-per-node", "8", "--gpu", "H100", "--nic-gbps", "100", "--search-seconds", "20"]
+LLAMA_CP = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 16384 "
+            "--max-position-embeddings 16384 --micro-batch-size 1 --global-batch-size 32 --bf16 "
+            "--use-distributed-optimizer --context-parallel-size 2 --transformer-impl transformer_engine "
+            "--position-embedding-type rope --untie-embeddings-and-output-weights --normalization RMSNorm --swiglu "
+            "--disable-bias-linear --group-query-attention --num-query-groups 4 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 128256 --train-iters 10 --lr 1e-4")
+README_GPT = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings "
+              "2048 --micro-batch-size 1 --global-batch-size 64 --bf16 --use-distributed-optimizer "
+              "--pipeline-model-parallel-size 4 --transformer-impl local --mock-data --tokenizer-type NullTokenizer "
+              "--vocab-size 50257 --train-iters 1000 --lr 1e-4")
+A10G_16 = ["--nodes", "16", "--gpus-per-node", "1", "--nic-gbps", "6.25", "--gpu", "A10G", "--host-memory-gb", "48",
+           "--search-seconds", "20"]
+
+
+def _rows_are_their_commands(out, gpus):
+    """Every row's command, read by Megatron's parser for the cluster's GPUs, has the row's TP, CP, PP, DP, V and
+    micro-batch size; its description names CP where it is not 1; a PipeMesh row runs PipeMesh's entry point."""
+    from megatron_pipemesh.integration.megatron_command import read_command
+
+    for name, row in out["rows"].items():
+        if row is None:
+            continue
+        user = read_command(row["command"], world_size=gpus)
+        assert (user.tp, user.cp, user.pp, user.dp, user.vpp, user.model.micro_batch_size) == (
+            row["tp"], row["cp"], row["pp"], row["dp"], row["vpp"], row["micro_batch_size"]), name
+        assert ("CP" in row["describe"]) == (row["cp"] > 1), name
+        assert (row["schedule"] == "pipemesh") == user.launch.runs_pipemesh == user.pipemesh, name
+
+
+@pytest.mark.parametrize("flags, cluster", [(TINY, CLUSTER), (README_GPT, A10G_16), (LLAMA_CP, H100_16)],
+                         ids=["tiny", "readme-gpt-1.3b", "llama-cp2"])
+def test_every_rows_command_is_the_row(flags, cluster):
+    out = advice_json(flags, cluster)
+    gpus = int(cluster[1]) * int(cluster[3])
+    _rows_are_their_commands(out, gpus)
+
+
+def test_a_cp_command_prices_cp_and_fp8_prices_differently_or_is_refused():
+    out = advice_json(LLAMA_CP, H100_16)
+    user = out["rows"]["user"]
+    assert (user["tp"], user["cp"], user["dp"]) == (1, 2, 8) and "TP1 CP2 PP1 DP8" in user["describe"]
+    fp8 = advice_json(LLAMA_CP + " --fp8-format hybrid", H100_16)
+    assert fp8["rows"]["user"]["predicted_iteration_s"] < user["predicted_iteration_s"]
+    assert {"what": "FP8 linears", "value": "1979 TFLOP/s peak at MFU 0.45", "source": "the device table"} in fp8["assumed"]
+    code, _, err = run(["plan", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100", "--nic-gbps", "100",
+                        "--megatron-args", LLAMA_CP + " --fp8-format hybrid"])
+    assert code == 2 and "--fp8-format hybrid: the A100 SXM 80GB has no FP8 tensor cores" in err
+    assert err.count("\n") <= 2
+
+
+def test_every_assumed_rate_says_where_it_came_from(tiny):
+    out = advice_json(LLAMA_CP, H100_16)
+    assumed = {item["what"]: item for item in out["assumed"]}
+    assert set(assumed) >= {"compute", "GPU", "NIC", "intra-node link", "host link", "vocabulary", "device memory"}
+    assert assumed["intra-node link"]["value"] == "3600 Gbit/s"
+    assert "the device table: H100 SXM's NVLink 4 (SXM)" in assumed["intra-node link"]["source"]
+    assert assumed["GPU"]["source"].startswith("--gpu H100 is the H100 SXM")
+    assert assumed["vocabulary"]["source"] == "--vocab-size" and assumed["NIC"]["source"] == "--nic-gbps"
+    assert {item["what"] for item in tiny["assumed"]} >= {"compute", "NIC", "intra-node link", "vocabulary"}
+
+
+def test_a_flag_the_costs_leave_out_is_named_and_moe_is_refused():
+    out = advice_json(TINY + " --qk-layernorm --empty-unused-memory-level 1")
+    named = {item["flag"]: item for item in out["unpriced"]}
+    assert set(named) == {"--qk-layernorm", "--empty-unused-memory-level"}
+    assert named["--empty-unused-memory-level"]["value"] == "1" and named["--qk-layernorm"]["effect"]
+    code, text, _ = run(["plan"] + CLUSTER + ["--megatron-args", TINY + " --qk-layernorm"])
+    assert code == 0 and "not priced: --qk-layernorm: norms of the queries and keys" in text
+    code, _, err = run(["plan"] + CLUSTER + ["--megatron-args", TINY + " --num-experts 4"])
+    assert code == 2 and "--num-experts 4: mixture-of-experts layers" in err and err.count("\n") <= 2
+
+
+def test_a_cuda_graph_command_is_never_advised_pipemesh():
+    out = advice_json(README_GPT.replace("--transformer-impl local", "--transformer-impl transformer_engine")
+                      + " --cuda-graph-impl transformer_engine", A10G_16)
+    assert out["rows"]["pipemesh"] is None and out["rows"]["best_layout"] is None
+    assert any(note.startswith("pipemesh, best_layout: --cuda-graph-impl") for note in out["notes"])
+    assert all("--pipeline-schedule" not in row["flags"] for row in out["rows"].values() if row is not None)
+
+
+def test_a_launcher_for_another_cluster_is_refused_and_a_pipemesh_row_runs_the_entry_point():
+    code, _, err = run(["plan"] + CLUSTER + ["--megatron-args", "torchrun --nnodes 2 --nproc-per-node 4 "
+                                                                "pretrain_gpt.py " + TINY])
+    assert code == 2 and "runs 2 node(s), and --nodes is 1" in err
+    out = advice_json("torchrun --nproc-per-node 4 /m/pretrain_gpt.py " + TINY)
+    assert out["rows"]["pipemesh"]["command"].startswith(
+        "torchrun --nproc-per-node 4 -m megatron_pipemesh.training.pretrain_gpt --megatron-lm-script /m/pretrain_gpt.py ")
+    assert out["rows"]["best_stock"]["command"].startswith("torchrun --nproc-per-node 4 /m/pretrain_gpt.py ")

@@ -155,3 +155,91 @@ def test_without_a_pipeline_a_tied_output_layer_is_the_embedding():
     assert tied.static_bytes == (own,)
     assert untied.static_bytes == (own + model.vocab_size * model.hidden_size * 18,)
     assert tied.last_stage_dp_s == 0.0 < untied.last_stage_dp_s and tied.embedding_allreduce_s == 0.0
+
+
+# Context parallelism, FP8 and untied embeddings --------------------------------------------------------------
+
+LLAMA = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=16384, micro_batch_size=1,
+                  vocab_size=128256, ffn_hidden_size=5632, layer_spec="te", num_query_groups=4, swiglu=True,
+                  position_embedding="rope", linear_bias=False, normalization="RMSNorm", tied_embeddings=False,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _cp_cluster(cp: int, comm: str = "p2p", intra: float = 100.0) -> ClusterSpec:
+    return ClusterSpec(tp=1, dp=8 // cp, cp=cp, cp_comm=comm, device_tflops=989.0, mfu=0.45, devices_per_node=8,
+                       nic_gbps=100.0, intra_node_gbps=intra, dp_gbps=100.0, p2p_gbps=100.0)
+
+
+def test_a_cp_2_layout_prices_the_ring_exchange_by_hand():
+    """CP 2 inside a node (100 Gbit/s per GPU): each rank computes half the tokens and half the attention; the ring's
+    one step passes a slice's keys and values (2 x s/2 x b x kv x 2 bytes) beside the attention of the slice in hand,
+    so a layer's forward waits max(0, transfer - attention/2); the backward passes keys, values and their gradients
+    beside twice the attention."""
+    config = ScheduleConfig.depth_first(1, 1, 8)
+    flat, ring = analytic_costs(LLAMA, _cp_cluster(1), config), analytic_costs(LLAMA, _cp_cluster(2), config)
+    rate = 989e12 * 0.45
+    s, b, h, kv = 16384, 1, 2048, 2048 * 4 // 16
+    attention = 4 * b * s * s * h / 2 / rate  # per rank
+    step = 2 * (s / 2) * b * kv * 2 / (100e9 / 8) + 30e-6
+    exposed = max(step - attention / 2, 0.0)
+    assert exposed > 0  # the slow link: the transfer outlasts the attention
+    assert ring.tp_forward_s == pytest.approx(16 * exposed)
+    assert ring.tp_backward_s == pytest.approx(16 * max(2 * step - attention, 0.0))
+    # compute: half of everything per rank, the exchange on top
+    assert ring.forward_s - ring.tp_forward_s == pytest.approx((flat.forward_s - flat.tp_forward_s) / 2)
+    assert ring.last_stage_extra_s == pytest.approx(flat.last_stage_extra_s / 2)
+    # memory: a half-length slice per rank
+    assert ring.activation_bytes["none"] == pytest.approx(flat.activation_bytes["none"] / 2)
+    # gradients reduced over DP x CP = 8 ranks either way; the distributed optimizer shards over the same 8
+    assert ring.static_bytes == flat.static_bytes
+    # NVLink: the transfer hides under the attention
+    fast = analytic_costs(LLAMA, _cp_cluster(2, intra=3600.0), config)
+    assert fast.tp_forward_s == 0.0
+
+
+@pytest.mark.parametrize("comm", ["a2a", "allgather"])
+def test_cp_all_to_all_and_all_gather_are_exposed(comm):
+    config = ScheduleConfig.depth_first(1, 1, 8)
+    costs = analytic_costs(LLAMA, _cp_cluster(2, comm), config)
+    s, b, h, kv, rate = 16384, 1, 2048, 512, 100e9 / 8
+    if comm == "a2a":
+        per_layer = 0.5 * (s / 2) * b * (2 * h + 2 * kv) * 2 / rate + 60e-6
+    else:
+        per_layer = 0.5 * s * b * 2 * kv * 2 / rate + 30e-6
+    assert costs.tp_forward_s == pytest.approx(16 * per_layer)
+    assert costs.tp_backward_s == pytest.approx(16 * per_layer)
+    if comm == "allgather":  # every slice's keys and values saved
+        p2p = analytic_costs(LLAMA, _cp_cluster(2), config)
+        assert costs.activation_bytes["none"] - p2p.activation_bytes["none"] == pytest.approx(
+            16 * (s / 2) * b * 2 * kv * 2)
+
+
+def test_fp8_runs_the_gemms_at_the_fp8_rate_and_keeps_linear_inputs_in_a_byte():
+    config = ScheduleConfig.depth_first(2, 1, 8)
+    cluster = dataclasses.replace(_cp_cluster(1), fp8_tflops=1979.0)
+    bf16 = analytic_costs(LLAMA, cluster, config)
+    fp8 = analytic_costs(dataclasses.replace(LLAMA, fp8=True), cluster, config)
+    s, h, f = 16384, 2048, 5632
+    attention = 4 * s * s * h / (989e12 * 0.45)
+    gemms = (LLAMA.layer_forward_flops() - 4 * s * s * h)
+    assert bf16.forward_s == pytest.approx(8 * (gemms / (989e12 * 0.45) + attention))
+    assert fp8.forward_s == pytest.approx(8 * (gemms / (1979e12 * 0.45) + attention))
+    # the two norm outputs, the context and the fc2 input: one byte instead of two
+    assert bf16.activation_bytes["none"] - fp8.activation_bytes["none"] == pytest.approx(8 * s * (3 * h + f))
+    # Transformer Engine's FP8 weight and its transpose: two bytes more per layer parameter
+    assert fp8.static_bytes[0] - bf16.static_bytes[0] == pytest.approx(2 * 8 * LLAMA.layer_params())
+
+
+def test_untied_embeddings_have_no_embedding_all_reduce_and_their_own_output_layer():
+    config = ScheduleConfig.depth_first(2, 1, 8)
+    cluster = ClusterSpec(dp=1, devices_per_node=1, nic_gbps=0.1)
+    tied = analytic_costs(dataclasses.replace(LLAMA, tied_embeddings=True), cluster, config)
+    untied = analytic_costs(LLAMA, cluster, config)
+    assert tied.embedding_allreduce_s > 0 and untied.embedding_allreduce_s == 0.0
+    assert untied.static_bytes == tied.static_bytes  # the last stage holds an output layer either way (PP > 1)
+    flat = ScheduleConfig.depth_first(1, 1, 8)  # without a pipeline only the untied one has a second matrix
+    extra = analytic_costs(LLAMA, cluster, flat).static_bytes[0] - analytic_costs(
+        dataclasses.replace(LLAMA, tied_embeddings=True), cluster, flat).static_bytes[0]
+    assert extra == pytest.approx(128256 * 2048 * 18)
+    # RMSNorm: a weight per norm, no bias
+    assert LLAMA.layer_params() == dataclasses.replace(LLAMA, normalization="LayerNorm").layer_params() - 2 * 2048
