@@ -25,7 +25,7 @@ from ..config import PipeMeshConfig
 from ..planning.clusters import flat_cluster
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN, MFU
 from ..planning.costs import GB, ClusterSpec, ModelSpec
-from ..planning.devices import Device, DeviceRate, find_device, rate_for
+from ..planning.devices import Device, DeviceError, DeviceRate, find_device, rate_for
 from ..planning.layout import LayerSplit
 from ..planning.planner import NoFeasiblePlan, PlannerOptions
 from ..planning.planner_options import RECOMPUTE_ONLY
@@ -50,7 +50,11 @@ def _device_defaults(args) -> Tuple[Optional[Device], Optional[float]]:
         return None, None
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     free, _ = torch.cuda.mem_get_info(index)
-    return find_device(torch.cuda.get_device_name(index)), free / GB * (1 - MEMORY_MARGIN)
+    try:
+        device = find_device(torch.cuda.get_device_name(index))
+    except DeviceError:
+        device = None  # a name of two models alike: its peak is not known (--pipemesh-device-tflops)
+    return device, free / GB * (1 - MEMORY_MARGIN)
 
 
 def layer_spec_fields(args) -> dict:
@@ -184,8 +188,18 @@ def model_and_cluster(args, rate: DeviceRate, host_link: Optional[float] = None,
                            host_copies_on_compute=not _on_cuda(), collectives=collectives(args),
                            devices_per_node=ranks_per_node or settings.sharding.ranks_per_node,
                            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-                           overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
+                           overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+                           cp=getattr(args, "context_parallel_size", 1) or 1, cp_comm=priced_cp_comm(args),
+                           fp8_tflops=rate.fp8_tflops)
     return model, cluster
+
+
+def priced_cp_comm(args) -> str:
+    """The context-parallel exchange the costs price: the command's first --cp-comm-type where they price it."""
+    from ..planning.specs import CP_COMM_TYPES
+
+    kind = (getattr(args, "cp_comm_type", None) or ["p2p"])[0]
+    return kind if kind in CP_COMM_TYPES else "p2p"
 
 
 def device_rate(args, what: str, settings: Optional[PipeMeshConfig] = None) -> DeviceRate:

@@ -25,7 +25,6 @@ from ..planning.costs import ModelSpec
 from ..planning.flag_inventory import SetFlag
 from ..planning.layout import LayoutError
 from ..planning.memory import OFFLOAD_MODULES
-from ..planning.specs import CP_COMM_TYPES
 from ..planning.stock import StockRecompute, StockSetting
 from ..planning.stock_options import StockOffload
 from .launcher import Launch, split_launch
@@ -268,12 +267,14 @@ def _offload(args, not_priced: Dict[str, str]) -> Optional[StockOffload]:
 
 
 def _cp_comm(args, not_priced: Dict[str, str]) -> str:
-    """The command's --cp-comm-type as the costs price it (one type for every layer)."""
-    kinds = list(getattr(args, "cp_comm_type", None) or ["p2p"])
-    if (args.context_parallel_size or 1) > 1 and (len(set(kinds)) > 1 or kinds[0] not in CP_COMM_TYPES):
-        not_priced["cp_comm_type"] = (f"context-parallel exchange {' '.join(kinds)}: priced as "
-                                      f"{kinds[0] if kinds[0] in CP_COMM_TYPES else 'p2p'} for every layer")
-    return kinds[0] if kinds[0] in CP_COMM_TYPES else "p2p"
+    """The command's --cp-comm-type as the costs price it (:func:`.auto_plan.priced_cp_comm`), with a note where the
+    command's types (one per layer, or a hierarchical one) are not what is priced."""
+    from .auto_plan import priced_cp_comm
+
+    kinds, priced = list(getattr(args, "cp_comm_type", None) or ["p2p"]), priced_cp_comm(args)
+    if (args.context_parallel_size or 1) > 1 and set(kinds) != {priced}:
+        not_priced["cp_comm_type"] = f"context-parallel exchange {' '.join(kinds)}: priced as {priced} for every layer"
+    return priced
 
 
 def read_command(command: Union[str, Sequence[str]], world_size: int,

@@ -33,7 +33,8 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
                  device_memory_gb: float = PLANNING_CLUSTER.device_memory_gb,
                  latency_us: float = PLANNING_CLUSTER.latency_us, host_copies_on_compute: bool = False,
                  devices_per_node: Optional[int] = None, overlap_grad_reduce: bool = True,
-                 overlap_param_gather: bool = True) -> ClusterSpec:
+                 overlap_param_gather: bool = True, cp: int = 1, cp_comm: str = "p2p",
+                 fp8_tflops: Optional[float] = None) -> ClusterSpec:
     """A cluster whose data-parallel and pipeline links are given per device (no shared NIC); ``host_link_gbps``
     None: :data:`.defaults.DEFAULT_HOST_LINK_GBPS`; ``devices_per_node`` None: the planning default (8)."""
     return ClusterSpec(tp=tp, dp=dp, device_tflops=device_tflops, mfu=mfu, device_memory_gb=device_memory_gb,
@@ -42,7 +43,8 @@ def flat_cluster(*, tp: int, dp: int, device_tflops: float, mfu: float = MFU, dp
                        devices_per_node=devices_per_node or PLANNING_CLUSTER.devices_per_node,
                        host_link_gbps=DEFAULT_HOST_LINK_GBPS if host_link_gbps is None else host_link_gbps,
                        host_copies_on_compute=host_copies_on_compute, collectives=collectives,
-                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                       cp=cp, cp_comm=cp_comm, fp8_tflops=fp8_tflops)
 
 
 def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, link_gbps: float,
