@@ -273,7 +273,7 @@ def _worker_main(argv: Sequence[str]) -> None:
 # Worker side
 # ==================================================================================================
 def init_parallel(pp: int = 1, vp: Optional[int] = None, tp: int = 1, dp: Optional[int] = None,
-                  seed: int = 1234) -> None:
+                  seed: int = 1234, ep: int = 1) -> None:
     """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state.
 
     On a machine without CUDA this applies the CPU compatibility layer and uses gloo.
@@ -307,6 +307,7 @@ def init_parallel(pp: int = 1, vp: Optional[int] = None, tp: int = 1, dp: Option
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
+        expert_model_parallel_size=ep,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -329,6 +330,9 @@ class TinyGPT:
     loss_mask_density: float = 0.9
     #: extra TransformerConfig fields (e.g. {"overlap_p2p_comm": True, "batch_p2p_comm": False})
     config_overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: mixture-of-experts layers with this many experts (0: dense), top-``moe_topk`` routing, the all-to-all dispatcher
+    num_experts: int = 0
+    moe_topk: int = 2
 
 
 def _device():
@@ -373,6 +377,10 @@ def make_config(spec: TinyGPT, **overrides):
     )
     if vp is not None and vp > 1 and pp > 1:
         kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if spec.num_experts:
+        kw.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk, moe_token_dispatcher_type="alltoall",
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, add_bias_linear=False,
+                  expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
     kw.update(spec.config_overrides)
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -381,9 +389,11 @@ def make_config(spec: TinyGPT, **overrides):
 def global_param_name(chunk, local_name: str) -> str:
     """Name of ``local_name`` in ``chunk`` as it would be in the unsplit (PP=1) model.
 
-    ``decoder.layers.<i>.`` is rewritten to the layer's global index (``layer_number - 1``); the DDP
-    ``module.`` prefix is dropped.  Embedding / final norm / output layer names are already global.
+    ``decoder.layers.<i>.`` is rewritten to the layer's global index (``layer_number - 1``), an expert's local index
+    to its global one (this expert-parallel rank's experts follow the earlier ranks'); the DDP ``module.`` prefix is
+    dropped.  Embedding / final norm / output layer names are already global.
     """
+    from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
     name = local_name
@@ -394,6 +404,12 @@ def global_param_name(chunk, local_name: str) -> str:
         layers = get_attr_wrapped_model(chunk, "decoder").layers
         global_idx = layers[int(m.group(1))].layer_number - 1
         name = f"decoder.layers.{global_idx}.{m.group(2)}"
+    expert = re.match(r"(.*\.local_experts\.)(\d+)\.(.*)", name)
+    if expert:
+        config = get_attr_wrapped_model(chunk, "config")
+        local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        index = parallel_state.get_expert_model_parallel_rank() * local + int(expert.group(2))
+        name = f"{expert.group(1)}{index}.{expert.group(3)}"
     return name
 
 
@@ -438,7 +454,8 @@ def build_model(spec: TinyGPT, wrap_ddp: bool = False, overlap_grad_reduce: bool
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_experts or None,
+                                                            moe_grouped_gemm=False),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=pre,

@@ -295,6 +295,26 @@ def _provide_wgrad_kernels() -> None:
     layers._grad_accum_fusion_available = True
 
 
+def _moe_split_sizes_as_numpy() -> None:
+    """Item 15: the all-to-all token dispatcher moves its split sizes to the host with ``maybe_move_tensor_to_cpu(...,
+    as_numpy=True)`` (``transformer/moe/moe_utils.py:1169-1190``), which converts only a CUDA tensor; on CPU the
+    splits stay tensors and torch's ``all_to_all_single`` binding refuses them (it takes sequences of ints). The
+    token dispatcher's name for the function gets one that also converts a CPU tensor when asked for numpy."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_pipemesh_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) and not out.is_cuda else out
+
+    move._pipemesh_cpu = True
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 def _jit_warmup_only_for_fusions_in_use() -> None:
     """Item 13: ``set_jit_fusion_options`` (``training/initialize.py:473``, called from ``training.py:1117``) runs
     ``_warmup_jit_function`` (``initialize.py:497-551``), which ``torch.compile``s the fused bias+GeLU/SwiGLU and
@@ -400,6 +420,9 @@ def apply_cpu_compat() -> bool:
     # 14. Not Megatron's: torch's gloo runs a group's asynchronous collectives on two worker threads, which now and
     #     then corrupt the heap (torch 2.13, distributed_c10d._new_process_group_helper builds the group).
     set_gloo_worker_threads(GLOO_WORKER_THREADS)
+    # 15. MoE's all-to-all dispatcher hands its split sizes to all_to_all_single as they come back from the device
+    #     (moe_utils.py:1169-1190 makes numpy arrays of CUDA tensors only; token_dispatcher.py:930-945).
+    _moe_split_sizes_as_numpy()
 
     _ACTIVE = True
     return True
