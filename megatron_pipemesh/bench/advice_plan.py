@@ -138,7 +138,7 @@ def stock_simulation(row, problem, cluster):
     spec = cluster.spec(row.layout.tp, row.layout.dp, problem.sequence_parallel,
                         problem.distributed_optimizer or setting.sharding is not None,
                         tuple(on or flag in row.added_flags for on, flag in zip(problem.overlap, OVERLAP_FLAGS)),
-                        row.layout.cp, problem.cp_comm)
+                        row.layout.cp, problem.cp_comm, row.layout.ep, row.layout.etp)
     model = dataclasses.replace(problem.model_for(row.layout.tp, row.split),
                                 micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
     costs = costs_for(model_for(model, setting), spec, config, profile=problem.profile,

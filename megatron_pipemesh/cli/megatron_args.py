@@ -226,7 +226,8 @@ def problem_and_cluster(args, words: Sequence[str]):
                                   tuple(a.backward_groups or ()))
     vocab = user.vocabulary
     problem = AdviceProblem(
-        model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp, user.cp), vpp=user.vpp,
+        model=user.model, layout=ParallelLayout(user.tp, user.pp, user.dp, user.cp, user.ep,
+                                                None if user.etp == user.tp else user.etp), vpp=user.vpp,
         global_batch=user.global_batch_size, stock=None if user.pipemesh else user.stock, pipemesh=pipemesh,
         sequence_parallel=user.sequence_parallel, distributed_optimizer=user.distributed_optimizer,
         overlap_grad_reduce=bool(getattr(a, "overlap_grad_reduce", False)),
@@ -283,9 +284,10 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
         off_device = row.plan.recompute_share > 0 or any(r.host_placed for r in row.plan.result.ranks)
         new = pipemesh_flags(row.plan.config, row.layout.tp, row.split, problem.grad_reduce_in_bf16,
                              cluster.budget_bytes / GB if off_device else None, cluster.host_memory_gb,
-                             rate.tflops if rate.given else None, cp=row.layout.cp)
+                             rate.tflops if rate.given else None, cp=row.layout.cp, ep=row.layout.ep,
+                             etp=row.layout.etp)
     else:
-        new = stock_flags(row.stock, row.layout.tp, row.split, cp=row.layout.cp)
+        new = stock_flags(row.stock, row.layout.tp, row.split, cp=row.layout.cp, ep=row.layout.ep, etp=row.layout.etp)
     flags = replace_flags(user.flags, expand_aliases(REPLACED, option_aliases(REPLACED)), new + list(row.added_flags))
     if row.micro_batch_size is not None:  # its value replaced where the command has it, the rest in place
         names = expand_aliases((MICRO_BATCH_FLAG,), option_aliases((MICRO_BATCH_FLAG,)))
@@ -326,7 +328,7 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
 def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = ()) -> Dict:
     """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags), the flags of the
     command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
-    from ..planning.advice import ROWS, tokens_per_s
+    from ..planning.advice import ROWS, dispatch, tokens_per_s
     from ..planning.flag_inventory import unpriced
 
     user_row = advice.rows["user"]
@@ -343,6 +345,7 @@ def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str
             "flags": flags, "command": shlex.join(list(program) + flags),
             "schedule": row.schedule, "describe": row.describe(),
             "tp": row.layout.tp, "cp": row.layout.cp, "pp": row.layout.pp, "dp": row.layout.dp, "vpp": row.vpp,
+            "ep": row.layout.ep, "etp": row.layout.etp or row.layout.tp, "expert_dispatch": dispatch(problem, cluster, row),
             "stage_layers": list(row.stage_layers), "microbatches": row.microbatches,
             "micro_batch_size": row.micro_batch_size or problem.model.micro_batch_size,
             "micro_batch_size_changed": row.micro_batch_size is not None,
@@ -375,9 +378,14 @@ def text(out: Dict) -> str:
     header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
     lines += [header, "-" * len(header)]
     for name, row in ranked:
+        experts = row.get("expert_dispatch")
+        where = ""
+        if experts and experts["ep"] > 1:
+            where = (f"; EP{experts['ep']} {'across NICs' if experts['crosses_nic'] else 'inside a node'}: dispatch "
+                     f"{experts['forward_ms']:.2f} + {experts['backward_ms']:.2f} ms per MoE layer")
         lines.append(f"{name:<18} {row['predicted_iteration_s']:>9.3f} {row['tokens_per_s']:>10.0f} "
                      f"{max(row['peak_memory_gb']):>9.2f} {'yes' if row['fits'] else 'NO':>4} "
-                     f"{row['ratio_to_user']:>7.2f}  {row['describe']}")
+                     f"{row['ratio_to_user']:>7.2f}  {row['describe']}{where}")
     user = out["rows"]["user"]
     if not user["fits"]:
         fitting = ", ".join(name for name, row in ranked if row["fits"]) or "none"

@@ -1,7 +1,7 @@
 """A recommendation's ``pretrain_gpt.py`` flags: the user's own flags with only the ones the recommendation
 changes replaced (``pipemesh plan --megatron-args``).
 
-What a row may change: the tensor-, context- and pipeline-parallel sizes, V, Megatron's group size, its recomputation and
+What a row may change: the tensor-, context-, expert- and pipeline-parallel sizes, V, Megatron's group size, its recomputation and
 activation-offloading flags, the layer split, the PipeMesh schedule flags, the micro-batch size (:data:`MICRO_BATCH_FLAG`,
 replaced only where the row changes it) and, without a pipeline, the distributed optimizer (added where missing). Everything else the user wrote (data,
 optimizer, precision, ``--grad-reduce-in-bf16``, logging) stays as written and in place, so the command trains the
@@ -20,8 +20,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from ..config import recommended_flag_names
 from ..planning.layout import SPLIT_FLAGS, VPP_FLAGS, LayerSplit
-from ..planning.stock_options import (BF16_REDUCE_FLAG, CP_FLAG, GROUP_FLAG, PP_FLAG, TP_FLAG, parallel_flags,
-                                      stock_flags, vpp_flags)
+from ..planning.stock_options import (BF16_REDUCE_FLAG, CP_FLAG, EP_FLAG, ETP_FLAG, GROUP_FLAG, PP_FLAG, TP_FLAG,
+                                      parallel_flags, stock_flags, vpp_flags)
 from ..schedule.config import ScheduleConfig
 
 __all__ = ["REPLACED", "MICRO_BATCH_FLAG", "flag_name", "without", "replace_flags", "set_value", "expand_aliases", "split_flags", "stock_flags",
@@ -30,7 +30,7 @@ RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-modules", "--recomput
                    "--recompute-activations")
 OFFLOAD_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules", "--activation-offload-fraction")
 PIPEMESH_FLAGS = recommended_flag_names()
-REPLACED = (TP_FLAG, CP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
+REPLACED = (TP_FLAG, CP_FLAG, EP_FLAG, ETP_FLAG, PP_FLAG, *VPP_FLAGS, GROUP_FLAG, *RECOMPUTE_FLAGS, *OFFLOAD_FLAGS, *SPLIT_FLAGS,
             BF16_REDUCE_FLAG, *PIPEMESH_FLAGS)
 """Every flag a recommendation may set: the user's are dropped and the row's own written instead."""
 MICRO_BATCH_FLAG = "--micro-batch-size"
@@ -93,14 +93,15 @@ def split_flags(split: LayerSplit) -> List[str]:
 
 def pipemesh_flags(config: ScheduleConfig, tp: int, split: LayerSplit, grad_reduce_in_bf16: bool,
                    budget_gb: Optional[float] = None, host_memory_gb: Optional[float] = None,
-                   device_tflops: Optional[float] = None, cp: int = 1) -> List[str]:
+                   device_tflops: Optional[float] = None, cp: int = 1, ep: int = 1,
+                   etp: Optional[int] = None) -> List[str]:
     """The flags of a PipeMesh row: TP (and CP), PP, V, the split, ``--pipeline-schedule pipemesh`` and the groups. With
     ``budget_gb`` (the plan keeps some activations off the device: recomputed or on the host) also the runtime's
     placement flags, so that its start-up planner fits the same groups into the same budget:
     ``--pipemesh-activation-placement auto --pipemesh-memory-budget-gb B --pipemesh-host-memory-gb H`` (H = 0
     without host memory, so it recomputes only, as the advice did), and the device's TFLOP/s when the advice was given
     one (the runtime measures it otherwise)."""
-    out = parallel_flags(tp, cp) + [PP_FLAG, str(config.pp)] + vpp_flags(config.vpp, split) + split_flags(split)
+    out = parallel_flags(tp, cp, ep, etp) + [PP_FLAG, str(config.pp)] + vpp_flags(config.vpp, split) + split_flags(split)
     if grad_reduce_in_bf16:
         out.append(BF16_REDUCE_FLAG)
     out += ["--pipeline-schedule", "pipemesh", "--forward-groups", *map(str, config.forward_groups),

@@ -25,6 +25,7 @@ from ..planning.costs import ModelSpec
 from ..planning.flag_inventory import SetFlag
 from ..planning.layout import LayoutError
 from ..planning.memory import OFFLOAD_MODULES
+from ..planning.specs import MoeSpec
 from ..planning.stock import StockRecompute, StockSetting
 from ..planning.stock_options import StockOffload
 from .launcher import Launch, split_launch
@@ -89,19 +90,21 @@ def _option_aliases(flags: Tuple[str, ...]) -> Tuple[Tuple[str, Tuple[str, ...]]
 def _without_local_gpu(arguments):
     """Validate the command, not this machine: without CUDA here, megatron-core's validate_args would read the local
     GPU's architecture for TP > 1 or CP > 1 (``get_device_arch_version``, to demand CUDA_DEVICE_MAX_CONNECTIONS=1 of
-    the launch environment before Blackwell) and fail. Where it plans, it answers as a Blackwell-or-later GPU, which
-    has no such requirement; with CUDA the real answer stands."""
+    the launch environment before Blackwell) and its compute capability for ``--moe-grouped-gemm``
+    (``torch.cuda.get_device_capability``, arguments.py:1338-1340), and fail. Where it plans, it answers as a
+    Blackwell-or-later GPU, which has no such requirement; with CUDA the real answer stands."""
     import torch
 
     if torch.cuda.is_available():
         yield
         return
-    real = arguments.get_device_arch_version
+    real, capability = arguments.get_device_arch_version, torch.cuda.get_device_capability
     arguments.get_device_arch_version = lambda: 10
+    torch.cuda.get_device_capability = lambda device=None: (10, 0)
     try:
         yield
     finally:
-        arguments.get_device_arch_version = real
+        arguments.get_device_arch_version, torch.cuda.get_device_capability = real, capability
 
 
 def parse_megatron_command(flags: Sequence[str], world_size: int) -> argparse.Namespace:
@@ -225,6 +228,10 @@ class UserCommand:
     """Megatron's validated namespace (what the recommendations' flags are checked against)."""
     cp: int = 1
     """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+    etp: int = 1
+    """Expert tensor-parallel size (Megatron's default: TP)."""
     cp_comm: str = "p2p"
     """How the context-parallel exchange runs (``--cp-comm-type``, as the costs price it)."""
     changed: Dict[str, SetFlag] = field(default_factory=dict)
@@ -251,6 +258,26 @@ def _recompute(args) -> StockRecompute:
     if granularity == "full":
         return StockRecompute("full", method=args.recompute_method, num_layers=args.recompute_num_layers)
     return StockRecompute()
+
+
+def _moe(args) -> Optional[MoeSpec]:
+    """The command's mixture-of-experts layers (None: a dense GPT)."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return None
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):
+        pattern = tuple(int(x) for x in freq)
+    else:
+        pattern = () if freq == 1 else tuple(1 if i % freq == 0 else 0 for i in range(args.num_layers))
+    return MoeSpec(num_experts=experts, topk=args.moe_router_topk,
+                   ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+                   shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+                   shared_gate=bool(getattr(args, "moe_shared_expert_gate", False)), pattern=pattern,
+                   dispatcher=getattr(args, "moe_token_dispatcher_type", "alltoall") or "alltoall",
+                   capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+                   pad_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
+                   router_fp32=getattr(args, "moe_router_dtype", None) == "fp32")
 
 
 def _offload(args, not_priced: Dict[str, str]) -> Optional[StockOffload]:
@@ -298,6 +325,11 @@ def read_command(command: Union[str, Sequence[str]], world_size: int,
     if spec["fp8"] and spec["layer_spec"] != "te":
         raise CommandError(f"--fp8-format {args.fp8} with --transformer-impl local: FP8 runs through Transformer "
                            "Engine's linear layers; use --transformer-impl transformer_engine")
+    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+    if getattr(args, "num_experts", None) and spec["linear_bias"] and etp != 1:
+        raise CommandError(f"--num-experts with linear biases at expert tensor-parallel size {etp}: megatron-core's "
+                           "TransformerConfig asserts ETP == 1 for MoE biases; give --disable-bias-linear or "
+                           "--expert-tensor-parallel-size 1")
     try:
         split = layer_split(args)
         split.stage_layers(args.num_layers, pp, vpp)  # what Megatron would refuse or fail to build, named now
@@ -313,7 +345,7 @@ def read_command(command: Union[str, Sequence[str]], world_size: int,
                                                   bool(getattr(args, "pad_vocab_size", True))),
                       ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
                       dtype_bytes=2 if (args.bf16 or args.fp16) else 4, dropout_mask_bytes=dropout_mask_bytes,
-                      layer_split=split, **spec)
+                      layer_split=split, moe=_moe(args), **spec)
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     stock = StockSetting(pp, vpp, m, group if vpp > 1 and group != pp else None, _recompute(args),
                          bool(getattr(args, "grad_reduce_in_bf16", False)), offload=_offload(args, not_priced))
@@ -322,4 +354,6 @@ def read_command(command: Union[str, Sequence[str]], world_size: int,
                        bool(args.use_distributed_optimizer), bool(args.sequence_parallel),
                        bool(getattr(args, "grad_reduce_in_bf16", False)), args.global_batch_size, world_size, args,
                        cp=cp, cp_comm=_cp_comm(args, not_priced), changed=changed, not_priced_here=not_priced,
+                       ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                       etp=etp,
                        vocabulary=vocab, launch=launch)

@@ -38,6 +38,7 @@ import dataclasses
 import time
 from typing import Dict, List, Optional
 
+from .costs import ep_crosses_nic, ep_exchange_s
 from .advice_candidates import OVERLAP_FLAGS, Candidate, candidates, micro_batch_sizes, parallel_layouts
 from .advice_rows import (ROWS, Advice, AdviceCluster, AdviceProblem, AdviceRow, ParallelLayout, SearchLog,
                           tokens_per_s)
@@ -45,7 +46,7 @@ from .advice_search import (Progress, UserLayout, run_side, say_row, search_layo
                             user_row, plan_row, stock_row)
 
 __all__ = ["ROWS", "OVERLAP_FLAGS", "Advice", "AdviceCluster", "AdviceProblem", "AdviceRow", "Candidate",
-           "ParallelLayout", "SearchLog", "advise", "candidates", "micro_batch_sizes", "parallel_layouts", "run_side",
+           "ParallelLayout", "SearchLog", "advise", "candidates", "dispatch", "micro_batch_sizes", "parallel_layouts", "run_side",
            "search_layouts", "tokens_per_s"]
 
 
@@ -114,6 +115,22 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
                      + (", so a layout left unsearched is at most " + " and ".join(gains) if gains else "")
                      + "; a longer --search-seconds searches further")
     return Advice(rows, notes, len(found), log, time.perf_counter() - started, _cpu_seconds() - cpu_started)
+
+
+def dispatch(problem: AdviceProblem, cluster: AdviceCluster, row: AdviceRow) -> Optional[Dict[str, object]]:
+    """Where a MoE row's expert-parallel group runs and what its token dispatch costs per MoE layer and micro-batch
+    (None for a dense model): whether it crosses a NIC, and the forward and backward milliseconds it adds
+    (:func:`.costs.ep_exchange_s`)."""
+    if problem.model.moe is None:
+        return None
+    layout = row.layout
+    spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer, problem.overlap,
+                        layout.cp, problem.cp_comm, layout.ep, layout.etp)
+    model = dataclasses.replace(problem.model, micro_batch_size=row.micro_batch_size or problem.model.micro_batch_size)
+    forward, backward = ep_exchange_s(model, spec)
+    share = model.moe_fraction or 1.0
+    return {"ep": layout.ep, "crosses_nic": ep_crosses_nic(spec), "forward_ms": 1e3 * forward / share,
+            "backward_ms": 1e3 * backward / share}
 
 
 def _cpu_seconds() -> float:

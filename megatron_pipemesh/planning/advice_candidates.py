@@ -82,7 +82,27 @@ def parallel_layouts(problem: AdviceProblem, cluster: AdviceCluster) -> List[Par
                     continue  # neither whole stages per node nor whole nodes per stage (not modelled)
                 if not micro_batch_sizes(problem, pp, dp):
                     continue
-                out.append(ParallelLayout(tp, pp, dp, cp))
+                for ep, etp in expert_sizes(problem, tp, cp, dp):
+                    out.append(ParallelLayout(tp, pp, dp, cp, ep, etp))
+    return out
+
+
+def expert_sizes(problem: AdviceProblem, tp: int, cp: int, dp: int) -> List[Tuple[int, Optional[int]]]:
+    """(EP, ETP) a stage of TP x CP x DP ranks may split a MoE model's experts over: every EP dividing the experts
+    and, with ETP, the stage's ranks (Megatron's expert grid); ETP = TP (None) and, where TP > 1, ETP = 1. A dense
+    model: (1, None) only."""
+    moe = problem.model.moe
+    if moe is None:
+        return [(1, None)]
+    ranks = tp * cp * dp
+    out = []
+    # Megatron's MoE layer keeps linear biases only at ETP = 1 (TransformerConfig asserts it).
+    widths = [1] if tp > 1 and problem.model.linear_bias else [None, 1] if tp > 1 else [None]
+    for etp in widths:
+        width = etp or tp
+        out += [(ep, etp) for ep in range(1, moe.num_experts + 1)
+                if moe.num_experts % ep == 0 and ranks % (ep * width) == 0
+                and problem.model.expert_ffn % width == 0]
     return out
 
 
@@ -158,7 +178,7 @@ def candidates(problem: AdviceProblem, cluster: AdviceCluster) -> List[Candidate
     for layout in parallel_layouts(problem, cluster):
         for optimizer in optimizers(problem, layout):
             spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, optimizer.distributed, optimizer.overlap,
-                                layout.cp, problem.cp_comm)
+                                layout.cp, problem.cp_comm, layout.ep, layout.etp)
             for b in micro_batch_sizes(problem, layout.pp, layout.dp):
                 m = problem.microbatches(layout.dp, b)
                 for vpp in range(1, (problem.model.num_layers // layout.pp if layout.pp > 1 else 1) + 1):

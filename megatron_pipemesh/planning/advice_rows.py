@@ -74,9 +74,11 @@ class AdviceCluster:
         return self.device_memory_gb * GB * (1 - MEMORY_MARGIN)
 
     def spec(self, tp: int, dp: int, sequence_parallel: bool, distributed_optimizer: bool,
-             overlap: Tuple[bool, bool] = (True, True), cp: int = 1, cp_comm: str = "p2p") -> ClusterSpec:
+             overlap: Tuple[bool, bool] = (True, True), cp: int = 1, cp_comm: str = "p2p", ep: int = 1,
+             etp: Optional[int] = None) -> ClusterSpec:
         """The planner's :class:`.costs.ClusterSpec` for one parallel layout; ``overlap``: the command's
-        (--overlap-grad-reduce, --overlap-param-gather); ``cp``, ``cp_comm``: its context parallelism."""
+        (--overlap-grad-reduce, --overlap-param-gather); ``cp``, ``cp_comm``: its context parallelism; ``ep``, ``etp``:
+        its expert parallelism."""
         return nic_cluster(tp=tp, dp=dp, devices_per_node=self.gpus_per_node, nic_gbps=self.nic_gbps,
                            link_gbps=self.nic_gbps, intra_node_gbps=self.intra_node_gbps,
                            device_tflops=self.device_tflops, device_memory_gb=self.device_memory_gb,
@@ -86,7 +88,7 @@ class AdviceCluster:
                            collectives=self.collectives, shared_cores=self.shared_cores,
                            pinned_cores=self.pinned_cores, overlap_grad_reduce=overlap[0],
                            overlap_param_gather=overlap[1], nic_burst_bytes=self.nic_burst_bytes, cp=cp,
-                           cp_comm=cp_comm, fp8_tflops=self.fp8_tflops)
+                           cp_comm=cp_comm, fp8_tflops=self.fp8_tflops, ep=ep, etp=etp)
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,20 @@ class ParallelLayout:
     """Data-parallel size (the replicas the global batch is split over)."""
     cp: int = 1
     """Context-parallel size (TP x CP inside a node in the search; the user's command may span nodes)."""
+    ep: int = 1
+    """Expert-parallel size (a MoE model's experts split over EP ranks of a stage)."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size; None: TP (Megatron's default)."""
 
     @property
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
-        return f"TP{self.tp}" + (f" CP{self.cp}" if self.cp > 1 else "") + f" PP{self.pp} DP{self.dp}"
+        experts = ""
+        if self.ep > 1 or (self.etp or self.tp) != self.tp:
+            experts = f" EP{self.ep}" + (f" ETP{self.etp}" if (self.etp or self.tp) != self.tp else "")
+        return f"TP{self.tp}" + (f" CP{self.cp}" if self.cp > 1 else "") + f" PP{self.pp} DP{self.dp}" + experts
 
 
 @dataclass(frozen=True)

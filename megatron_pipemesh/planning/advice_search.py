@@ -94,7 +94,7 @@ def plan_row(name: str, candidate: Candidate, plan: Plan) -> AdviceRow:
 def user_candidate(problem: AdviceProblem, cluster: AdviceCluster, vpp: int) -> Candidate:
     layout = problem.layout
     spec = cluster.spec(layout.tp, layout.dp, problem.sequence_parallel, problem.distributed_optimizer,
-                        problem.overlap, layout.cp, problem.cp_comm)
+                        problem.overlap, layout.cp, problem.cp_comm, layout.ep, layout.etp)
     return Candidate(layout, vpp, problem.model.layer_split, problem.model, spec, problem.microbatches(layout.dp), 0.0,
                       problem.profile)
 

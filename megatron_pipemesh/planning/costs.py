@@ -47,7 +47,7 @@ from ..schedule.levers import BASIC_LEVERS, DEVICE, FULL, KEPT, Lever
 from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import FinalCollective
 from .defaults import DEFAULT_HOST_LINK_GBPS
-from .memory import ActivationShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
+from .memory import ActivationShape, MoeShape, activation_bytes, recomputable_modules, selective_levels, transient_bytes
 # ModelSpec and ClusterSpec live in .specs; the costs' importers take them from here too.
 from .specs import GB, REDUCE_SCATTER_STEPS, ClusterSpec, ModelSpec, reduce_scatter_steps  # noqa: F401
 from .topology import GBIT, Topology, topology
@@ -158,8 +158,9 @@ class OpCosts:
     """Bytes a level's recomputation re-creates during the chunk's backward (on top of what it kept)."""
     static_bytes: Tuple[float, ...] = ()
     """Weights + grads + optimizer state per pipeline rank."""
-    rank_params: Tuple[float, ...] = ()
-    """Parameters per pipeline rank (its share over TP; empty where the costs were given directly)."""
+    optimizer_params: Tuple[float, ...] = ()
+    """Per pipeline rank: the parameters its optimizer steps (its shard with the distributed optimizer; empty where
+    the costs were given directly)."""
     first_stage_dp_s: float = 0.0
     """Extra data-parallel time (reduction + gather) of stage 0's chunk: the embedding parameters."""
     last_stage_dp_s: float = 0.0
@@ -226,7 +227,16 @@ def activation_shape(model: ModelSpec, cluster: ClusterSpec) -> ActivationShape:
                            position_embedding=model.position_embedding, layer_spec=model.layer_spec,
                            num_query_groups=model.num_query_groups, swiglu=model.swiglu,
                            bias_activation_fusion=model.bias_activation_fusion, fp8=model.fp8,
-                           gathered_kv=cluster.cp if cluster.cp_comm == "allgather" else 1)
+                           gathered_kv=cluster.cp if cluster.cp_comm == "allgather" else 1, moe=_moe_shape(model))
+
+
+def _moe_shape(model: ModelSpec) -> Optional[MoeShape]:
+    m = model.moe
+    if m is None:
+        return None
+    gate = 2 if model.swiglu else 1
+    return MoeShape(model.moe_fraction, m.num_experts, m.topk, gate * model.expert_ffn, model.expert_ffn,
+                    gate * m.shared_ffn, m.shared_ffn, 4 if m.router_fp32 else model.dtype_bytes, m.routed_share)
 
 
 def _tp_unit_s(model: ModelSpec, cluster: ClusterSpec, links: Topology) -> float:
@@ -290,43 +300,89 @@ def cp_exchange_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, atten
     return gathered, gathered
 
 
-def _dp_sync_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: float) -> Tuple[float, float]:
-    """(gradient reduction, parameter gather) seconds of ``params`` parameters over DP x CP."""
-    d = cluster.dp_cp
-    if d <= 1:
+def _ring_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: float, ranks: int) -> Tuple[float, float]:
+    """(gradient reduction, parameter gather) seconds of ``params`` parameters over a ring of ``ranks``."""
+    if ranks <= 1 or not params:
         return 0.0, 0.0
     dp_route = links.dp_route(0)
     dp_bytes_per_s = dp_route.lone_bytes_per_s if dp_route is not None else cluster.dp_gbps * GBIT
     grads = params * model.grad_bytes / dp_bytes_per_s
     if cluster.distributed_optimizer:
-        return (reduce_scatter_steps(cluster) * (d - 1) / d * grads,
-                (d - 1) / d * params * model.dtype_bytes / dp_bytes_per_s)
-    return 2 * (d - 1) / d * grads, 0.0
+        return (reduce_scatter_steps(cluster) * (ranks - 1) / ranks * grads,
+                (ranks - 1) / ranks * params * model.dtype_bytes / dp_bytes_per_s)
+    return 2 * (ranks - 1) / ranks * grads, 0.0
+
+
+def _dp_sync_s(model: ModelSpec, cluster: ClusterSpec, links: Topology, params: float,
+               expert_params: float = 0.0) -> Tuple[float, float]:
+    """(gradient reduction, parameter gather) seconds of a chunk's ``params`` parameters over DP x CP and its routed
+    experts' ``expert_params`` over the expert data-parallel group (both on the rank's data-parallel link, one after
+    the other, as Megatron's DDP reduces its dense and expert buffers)."""
+    dense = _ring_s(model, cluster, links, params, cluster.dp_cp)
+    experts = _ring_s(model, cluster, links, expert_params, cluster.edp)
+    return dense[0] + experts[0], dense[1] + experts[1]
+
+
+def ep_exchange_s(model: ModelSpec, cluster: ClusterSpec) -> Tuple[float, float]:
+    """(forward, backward) seconds one layer's token dispatch and combine add to a rank's compute stream for one
+    micro-batch (times the MoE layers' share; 0 at EP = 1), exposed (without --overlap-moe-expert-parallel-comm).
+
+    A rank routes its T = s x b / CP tokens (/ TP under sequence parallelism) to k experts each, evenly over the EP ranks: ``alltoall`` sends (EP - 1)/EP of its T x k hidden states out and takes as many in,
+    to dispatch and again to combine; ``allgather`` gathers every EP rank's T hidden states and reduce-scatters the
+    outputs. The backward moves the same bytes. The EP group is EP blocks of ETP consecutive devices: the share to
+    peers in the node crosses the intra-node link, the rest leaves through the node's NIC, which every device of the
+    node loads at once; the longer of the two sets the time."""
+    m, ep = model.moe, cluster.ep
+    if m is None or ep <= 1:
+        return 0.0, 0.0
+    tokens = model.seq_length * model.micro_batch_size / (cluster.cp * (cluster.tp if cluster.sequence_parallel else 1))
+    hidden = model.hidden_size * model.dtype_bytes
+    per_peer = tokens * m.topk * hidden / ep if m.dispatcher != "allgather" else tokens * hidden
+    node = cluster.devices_per_node
+    inside = max(1, min(ep, node // cluster.expert_tp))  # EP ranks sharing this device's node
+    intra = cluster.intra_node_gbps if cluster.intra_node_gbps is not None else cluster.dp_gbps
+    nic = cluster.nic_gbps if cluster.nic_gbps is not None else cluster.dp_gbps
+    across = (ep - inside) * per_peer * (node if cluster.nic_gbps is not None else 1) / (nic * GBIT)
+    one = max((inside - 1) * per_peer / (intra * GBIT), across) + 2 * cluster.latency_us * 1e-6
+    return 2 * one * model.moe_fraction, 2 * one * model.moe_fraction
+
+
+def ep_crosses_nic(cluster: ClusterSpec) -> bool:
+    """Whether an EP group spans more than one node (its dispatch then leaves through the NIC)."""
+    return cluster.ep * cluster.expert_tp > cluster.devices_per_node
 
 
 def _rank_state(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig, stage_layers: Sequence[int],
                 uneven: bool) -> Tuple[Tuple[float, ...], Tuple[float, ...], Tuple[float, ...]]:
-    """(weights + grads + optimizer bytes, optimizer-step seconds, parameters) per pipeline rank. With FP8, Transformer
-    Engine caches each linear layer's weight in FP8 and its transpose for the backward across the micro-batches of an
-    iteration: 2 bytes more per layer parameter."""
-    t, d = cluster.tp, cluster.dp_cp
-    chunk_params = max(stage_layers) * model.layer_params() / t
-    static, optimizer, counts = [], [], []
-    bytes_per_param = 6 + 12 / d if cluster.distributed_optimizer else 18
+    """(weights + grads + optimizer bytes, optimizer-step seconds, parameters the rank's optimizer steps) per pipeline
+    rank. Dense parameters split over TP, with the distributed optimizer their state over DP x CP; routed experts split
+    over EP x ETP, their state over the expert data-parallel group. With FP8, Transformer Engine caches each linear
+    layer's weight in FP8 and its transpose for the backward across the micro-batches of an iteration: 2 bytes more
+    per layer parameter."""
+    t = cluster.tp
+    experts = cluster.ep * cluster.expert_tp
+
+    def bytes_per_param(ranks: int) -> float:
+        return 6 + 12 / ranks if cluster.distributed_optimizer else 18
+
+    static, optimizer, steps = [], [], []
     for rank in range(config.pp):
-        rank_layers = sum(stage_layers[c * config.pp + rank] for c in range(config.vpp))
-        params = rank_layers * model.layer_params() / t if uneven else config.vpp * chunk_params
+        rank_layers = (sum(stage_layers[c * config.pp + rank] for c in range(config.vpp)) if uneven
+                       else config.vpp * max(stage_layers))
+        dense = rank_layers * model.dense_layer_params() / t
+        expert = rank_layers * model.expert_layer_params() / experts
         if rank == 0:
-            params += model.embedding_params() / t
+            dense += model.embedding_params() / t
         if rank == config.pp - 1 and not (config.pp == 1 and model.tied_embeddings):
-            params += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
-        counts.append(params)
-        fp8_cache = 2 * rank_layers * model.layer_params() / t if model.fp8 else 0.0
-        static.append(params * bytes_per_param + fp8_cache)
+            dense += model.vocab_size * model.hidden_size / t  # the output layer (tied: the embedding's copy)
+        layer_weights = rank_layers * (model.dense_layer_params() / t + model.expert_layer_params() / experts)
+        fp8_cache = 2 * layer_weights if model.fp8 else 0.0
+        static.append(dense * bytes_per_param(cluster.dp_cp) + expert * bytes_per_param(cluster.edp) + fp8_cache)
         # Adam over this rank's optimizer shard: fp32 param, grad, m, v read and written (32 B) + bf16 copy (4 B).
-        shard = params / d if cluster.distributed_optimizer else params
+        shard = dense / cluster.dp_cp + expert / cluster.edp if cluster.distributed_optimizer else dense + expert
+        steps.append(shard)
         optimizer.append(shard * 36 / (cluster.memory_gbs * 1e9) if cluster.optimizer_step else 0.0)
-    return tuple(static), tuple(optimizer), tuple(counts)
+    return tuple(static), tuple(optimizer), tuple(steps)
 
 
 def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfig,
@@ -346,11 +402,14 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
     p2p = act_elems * model.dtype_bytes / links.slowest_p2p_bytes_per_s if config.pp > 1 else 0.0
     tp_unit = _tp_unit_s(model, cluster, links)
     cp_forward, cp_backward = cp_exchange_s(model, cluster, links, attention_core_fwd)
+    ep_forward, ep_backward = ep_exchange_s(model, cluster)
+    cp_forward, cp_backward = cp_forward + ep_forward, cp_backward + ep_backward  # both on the compute stream
     # per layer and direction: after attention and after the MLP (forward), their inputs' grads; CP's exchange
     tp_layer = 2 * tp_unit
     first_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (tp_unit, 0.0)
     last_tp = (tp_unit / 2, tp_unit / 2) if cluster.sequence_parallel else (0.0, tp_unit)
-    reduce, gather = _dp_sync_s(model, cluster, links, layers * model.layer_params() / t)
+    reduce, gather = _dp_sync_s(model, cluster, links, layers * model.dense_layer_params() / t,
+                                layers * model.expert_layer_params() / (cluster.ep * cluster.expert_tp))
     # The embedding (and position table) lives in stage 0's bucket, the output layer (or the tied embedding's
     # copy) in the last's.
     first_dp = sum(_dp_sync_s(model, cluster, links, model.embedding_params() / t))
@@ -385,10 +444,11 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
                                    recompute_s(count), {level: transient_bytes(shape, count, level) for level in levels})
                  for count in set(stage_layers)}
         stages = tuple(kinds[count] for count in stage_layers)
-    static, optimizer, params = _rank_state(model, cluster, config, stage_layers, bool(stages))
+    static, optimizer, shards = _rank_state(model, cluster, config, stage_layers, bool(stages))
     buckets = 1
     if config.pp == 1 and cluster.overlap_grad_reduce and cluster.dp_cp > 1:
-        buckets = max(1, math.ceil(params[0] / max(DDP_BUCKET_PARAMS, 1_000_000 * cluster.dp_cp)))
+        params = shards[0] * (cluster.dp_cp if cluster.distributed_optimizer else 1)
+        buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * cluster.dp_cp)))
     tp_forward, tp_backward = layers * (tp_layer + cp_forward), layers * (tp_layer + cp_backward)
     return OpCosts(
         forward_s=forward + tp_forward, backward_s=2 * forward + tp_backward, p2p_s=p2p, dp_reduce_s=reduce,
@@ -397,7 +457,7 @@ def analytic_costs(model: ModelSpec, cluster: ClusterSpec, config: ScheduleConfi
         recompute_s=recompute_s(layers),
         first_stage_dp_s=first_dp, last_stage_dp_s=last_dp, optimizer_s=optimizer,
         transient_bytes={level: transient_bytes(shape, layers, level) for level in levels},
-        static_bytes=static, rank_params=params, host_link_gbps=cluster.host_link_gbps,
+        static_bytes=static, optimizer_params=shards, host_link_gbps=cluster.host_link_gbps,
         host_copies_on_compute=cluster.host_copies_on_compute, network=links,
         megatron_send_wait=MEGATRON_SEND_WAIT[cluster.collectives],
         grad_reduce_overlapped=cluster.overlap_grad_reduce, param_gather_overlapped=cluster.overlap_param_gather,

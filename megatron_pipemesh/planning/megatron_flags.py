@@ -90,6 +90,23 @@ PRICED = {
     "fine_grained_activation_offloading": "activation offloading (StockOffload)",
     "offload_modules": "which inputs are offloaded (StockOffload; priced for Megatron's attention modules)",
     "activation_offload_fraction": "the share offloaded (StockOffload.fraction)",
+    # mixture-of-experts (ModelSpec.moe, ClusterSpec.ep / etp)
+    "num_experts": "mixture-of-experts layers: expert weights, routed compute, the token dispatch (ModelSpec.moe)",
+    "expert_model_parallel_size": "experts per rank, the dispatch's all-to-all over the EP group's links (ClusterSpec.ep)",
+    "expert_tensor_parallel_size": "expert weights per rank (ClusterSpec.etp)",
+    "moe_layer_freq": "which layers are MoE layers (MoeSpec.pattern)",
+    "moe_ffn_hidden_size": "the experts' MLP width (MoeSpec.ffn_hidden_size)",
+    "moe_shared_expert_intermediate_size": "shared experts' compute, weights and activations (MoeSpec.shared_ffn)",
+    "moe_shared_expert_gate": "the shared experts' gate weights (MoeSpec.shared_gate)",
+    "moe_router_topk": "experts per token: routed compute, activations and dispatched bytes (MoeSpec.topk)",
+    "moe_grouped_gemm": "the experts' GEMM kernels' time, measured by pipemesh profile",
+    "moe_token_dispatcher_type": "the dispatch's traffic: all-to-all or all-gather (MoeSpec.dispatcher; flex as all-to-all)",
+    "moe_expert_capacity_factor": "with padding to capacity, the experts' computed rows (MoeSpec.capacity_factor)",
+    "moe_pad_expert_input_to_capacity": "every expert computes its capacity (MoeSpec.pad_to_capacity)",
+    "moe_router_load_balancing_type": "the router's balancing loss, part of the router's time (measured by pipemesh profile)",
+    "moe_router_dtype": "the router's logits and probabilities kept in fp32 (MoeSpec.router_fp32)",
+    "moe_permute_fusion": "the token permutation's kernel time, measured by pipemesh profile",
+    "moe_router_fusion": "the router's kernel time, measured by pipemesh profile",
     # measured by pipemesh profile (analytic costs count FLOPs and bytes, which these do not change)
     "masked_softmax_fusion": "kernel time, measured by pipemesh profile (the layer is built with the command's flags)",
     "bias_gelu_fusion": "kernel time (profile) and, with the local spec's SwiGLU/GeLU, the bytes kept "
@@ -162,29 +179,12 @@ NOT_PRICED = {
     **{dest: "hyper-connections' setting (with --enable-mhc-connections)" for dest in (
         "mhc_init_gating_factor", "mhc_num_residual_streams", "mhc_recompute_layer_num", "mhc_sinkhorn_iterations")},
     "add_position_embedding": "legacy models' position embedding (GPTModel reads --position-embedding-type)",
-    # mixture-of-experts (each matters only with --num-experts, which is refused until MoE is priced)
-    "expert_model_parallel_size": "expert parallelism: expert weights per rank and the token all-to-all",
-    "expert_tensor_parallel_size": "expert tensor parallelism: expert weights per rank and its collectives",
+    # mixture-of-experts settings the costs leave out
     "expert_tensor_parallel_num_weight_shards": "expert weight sharding",
-    "moe_layer_freq": "which layers are MoE layers",
-    "moe_ffn_hidden_size": "the experts' MLP width",
-    "moe_shared_expert_intermediate_size": "shared experts' compute and weights",
-    "moe_shared_expert_gate": "a gate on the shared experts",
     "moe_shared_expert_overlap": "shared experts overlapped with the token dispatch",
-    "moe_router_topk": "experts per token: expert compute and dispatched tokens",
-    "moe_grouped_gemm": "the experts' GEMM kernels",
-    "moe_token_dispatcher_type": "how tokens reach their experts: all-to-all, all-gather or flex",
-    "moe_expert_capacity_factor": "tokens dropped above each expert's capacity",
     "moe_expert_rank_capacity_factor": "tokens dropped above each expert rank's capacity",
-    "moe_pad_expert_input_to_capacity": "expert inputs padded to capacity",
     "moe_token_drop_policy": "which tokens are dropped",
-    "moe_router_load_balancing_type": "the router's balancing loss or bias",
-    "moe_aux_loss_coeff": "the router's auxiliary loss",
-    "moe_z_loss_coeff": "the router's z-loss",
     "moe_layer_recompute": "MoE layers recomputed: less memory, more compute",
-    "moe_permute_fusion": "the token permutation's kernel",
-    "moe_router_fusion": "the router's kernel",
-    "moe_router_dtype": "the router's precision",
     "moe_router_score_function": "the router's score",
     "moe_router_pre_softmax": "the router's score",
     "moe_router_topk_scaling_factor": "the router's score",
@@ -399,8 +399,6 @@ NOT_PRICED = {
 }
 
 REFUSED = {
-    "num_experts": "mixture-of-experts layers (expert weights, the token all-to-all, routed compute) are not priced: "
-                   "the rows would be those of a dense model",
     "multi_latent_attention": "multi-latent attention's projections and cache are not priced: the rows would be those "
                               "of multi-head attention",
     "experimental_attention_variant": "this attention variant's compute and memory are not priced: the rows would be "
@@ -424,7 +422,7 @@ NO_COST = {
                                       "override_opt_param_scheduler start_weight_decay end_weight_decay "
                                       "use_checkpoint_opt_param_scheduler warmup weight_decay_incr_style weight_decay "
                                       "apply_wd_to_qk_layernorm no_weight_decay_cond_type freeze_all_layers",
-    "optimizer numerics": "adam_beta1 adam_beta2 adam_eps sgd_momentum lion_beta1 lion_beta2 qk_clip_alpha "
+    "optimizer numerics": "moe_aux_loss_coeff moe_z_loss_coeff adam_beta1 adam_beta2 adam_eps sgd_momentum lion_beta1 lion_beta2 qk_clip_alpha "
                           "qk_clip_threshold",
     "loss scaling": "loss_scale initial_loss_scale min_loss_scale loss_scale_window hysteresis",
     "numerics of the same work": "init_method_std embedding_init_method_std init_method_xavier_uniform "

@@ -119,6 +119,30 @@ def parse_level(level: str) -> Tuple[str, FrozenSet[str], int]:
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """A MoE layer's saved tensors, as the activation model needs them (:class:`.specs.MoeSpec`)."""
+
+    fraction: float
+    """The share of the layers that are MoE layers."""
+    experts: int
+    """Routed experts E."""
+    topk: int
+    """Experts per token k."""
+    fc1: int
+    """An expert's fc1 output width (2f with SwiGLU)."""
+    ffn: int
+    """An expert's activation (fc2 input) width f."""
+    shared_fc1: int = 0
+    """The shared experts' fc1 output width (0: none)."""
+    shared_ffn: int = 0
+    """The shared experts' activation width."""
+    router_bytes: int = 4
+    """Bytes of a router logit / probability."""
+    routed_share: float = 1.0
+    """Token-expert pairs computed per routed pair (the capacity factor when padded to capacity)."""
+
+
+@dataclass(frozen=True)
 class ActivationShape:
     """What the activation model needs to know about the model and its parallelism."""
 
@@ -165,6 +189,11 @@ class ActivationShape:
     gathered_kv: int = 1
     """Copies of the rank's keys and values the attention saves: CP with ``--cp-comm-type allgather`` saves every
     slice's (CP); 1 otherwise."""
+    moe: Optional[MoeShape] = None
+    """Mixture-of-experts layers (None: dense): a MoE layer keeps, per routed token-expert pair, the permuted input,
+    the expert's fc1 and activation outputs and its output (which the combine's probability gradient needs), and per
+    token the router's logits, probabilities and routing map; the shared experts as a dense MLP. Kept at every
+    selective level (PipeMesh plans ``mlp`` recomputation for dense layers only)."""
 
     def __post_init__(self) -> None:
         if self.layer_spec not in ("local", "te"):
@@ -217,6 +246,13 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
     if shape.swiglu and local and not shape.bias_activation_fusion:
         # The unfused glu (chunk, silu, product) saves 2f more than the fused kernel (measured: 5f in all).
         mlp += 2 * f * s * b / t * d
+    moe = 0.0
+    if shape.moe is not None:
+        m, tokens = shape.moe, s * b / sp
+        routed = tokens * m.topk * m.routed_share
+        moe = (routed * (2 * h + m.fc1 + m.ffn) * d + tokens * m.experts * (2 * m.router_bytes + 1)
+               + tokens * (m.shared_fc1 + m.shared_ffn) * d)
+        mlp, moe = mlp * (1 - m.fraction), moe * m.fraction
     if local:
         scores = a * s * s * b / t
         softmax = 4 if (shape.attention_softmax_in_fp32 or d == 4) else d
@@ -227,7 +263,7 @@ def _layer_terms(shape: ActivationShape) -> Dict[str, float]:
         attn += gqa_repeat
     else:
         attn = a * s * b / t * 4  # flash attention's fp32 log-sum-exp
-    return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn}
+    return {"kept": kept, "layernorm": norm, "mlp": mlp, "core_attn": attn, "moe": moe}
 
 
 OFFLOAD_MODULES = ("qkv_linear", "core_attn", "attn_proj")

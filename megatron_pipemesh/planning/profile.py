@@ -533,6 +533,5 @@ def apply_profile(costs: OpCosts, profile: Profile, model: ModelSpec, cluster: C
             changes.update(step_forward_s=dict(point.step_forward_s), step_backward_s=dict(point.step_backward_s))
     if profile.optimizer_s_per_param is not None and cluster.optimizer_step:
         # A rank's optimizer shard, from the parameters its static bytes count.
-        shard = [params / (cluster.dp_cp if cluster.distributed_optimizer else 1) for params in costs.rank_params]
-        changes["optimizer_s"] = tuple(params * profile.optimizer_s_per_param for params in shard)
+        changes["optimizer_s"] = tuple(params * profile.optimizer_s_per_param for params in costs.optimizer_params)
     return dataclasses.replace(costs, **changes) if changes else costs

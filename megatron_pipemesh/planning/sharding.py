@@ -230,8 +230,9 @@ class ShardingSpec:
 
 
 def chunk_params(model, cluster, config: ScheduleConfig) -> List[List[float]]:
-    """Parameters per device of every (rank, chunk): layers / TP, plus the embedding on stage 0 and
-    the untied output layer on the last stage (as :func:`.costs.analytic_costs` counts them)."""
+    """Parameters per device of every (rank, chunk): layers (dense over TP, routed experts over EP x ETP, each sharded
+    here over DP x CP), plus the embedding on stage 0 and the untied output layer on the last stage (as
+    :func:`.costs.analytic_costs` counts them)."""
     stages = config.pp * config.vpp
     layers = model.stage_layers(config.pp, config.vpp)
     t = cluster.tp
@@ -240,7 +241,7 @@ def chunk_params(model, cluster, config: ScheduleConfig) -> List[List[float]]:
         row = []
         for chunk in range(config.vpp):
             stage = config.stage(rank, chunk)
-            params = layers[stage] * model.layer_params() / t
+            params = layers[stage] * model.device_layer_params(cluster)
             if stage == 0:
                 params += model.embedding_params() / t
             if stage == stages - 1:

@@ -31,6 +31,55 @@ def reduce_scatter_steps(cluster: "ClusterSpec") -> int:
 
 
 
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""Megatron's token dispatchers (``flex``, DeepEP/HybridEP, is priced as ``alltoall``)."""
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts layers of a GPT (Megatron argument names in brackets)."""
+
+    num_experts: int
+    """Routed experts per MoE layer E [--num-experts]."""
+    topk: int = 2
+    """Experts each token is routed to k [--moe-router-topk]."""
+    ffn_hidden_size: Optional[int] = None
+    """An expert's MLP width [--moe-ffn-hidden-size]; None: the model's FFN."""
+    shared_ffn: int = 0
+    """The shared experts' total MLP width [--moe-shared-expert-intermediate-size]; 0: none."""
+    shared_gate: bool = False
+    """A gate on the shared experts [--moe-shared-expert-gate]."""
+    pattern: Tuple[int, ...] = ()
+    """1 for a MoE layer, 0 for a dense one, per layer [--moe-layer-freq]; (): every layer."""
+    dispatcher: str = "alltoall"
+    """How tokens reach their experts [--moe-token-dispatcher-type]: ``alltoall`` (the routed tokens' hidden states to
+    their expert's rank and back), ``allgather`` (every rank's tokens to every rank, the outputs reduce-scattered),
+    ``flex`` (priced as all-to-all)."""
+    capacity_factor: Optional[float] = None
+    """[--moe-expert-capacity-factor] Tokens above capacity x k x T / E per expert are dropped; None: none dropped."""
+    pad_to_capacity: bool = False
+    """[--moe-pad-expert-input-to-capacity] Every expert computes its full capacity."""
+    router_fp32: bool = False
+    """[--moe-router-dtype fp32] The router's logits and probabilities in fp32."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"--num-experts {self.num_experts} with --moe-router-topk {self.topk}: need 1 <= k <= E")
+        if self.dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"--moe-token-dispatcher-type {self.dispatcher}: one of {', '.join(MOE_DISPATCHERS)}")
+
+    def moe_fraction(self, num_layers: int) -> float:
+        """The share of the model's layers that are MoE layers."""
+        return sum(self.pattern) / len(self.pattern) if self.pattern else 1.0
+
+    @property
+    def routed_share(self) -> float:
+        """Token-expert pairs an expert computes per routed pair: the capacity factor with padding to capacity (every
+        expert computes cf x k x T / E rows), else 1 (balanced routing: the aux loss keeps the experts even; dropped
+        tokens are not subtracted)."""
+        return self.capacity_factor if self.pad_to_capacity and self.capacity_factor else 1.0
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """GPT model shape (Megatron argument names in brackets)."""
@@ -90,6 +139,9 @@ class ModelSpec:
     layer_split: LayerSplit = LayerSplit()
     """Which stage holds which layers [--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers,
     --account-for-embedding/loss-in-pipeline-split]; default: evenly."""
+    moe: Optional[MoeSpec] = None
+    """Mixture-of-experts layers [--num-experts ...]; None: a dense GPT. The per-layer terms below are averages over
+    the model's layers (a chunk is priced with the model's share of MoE layers)."""
 
     @property
     def ffn(self) -> int:
@@ -109,24 +161,81 @@ class ModelSpec:
     def fc1_width(self) -> int:
         return (2 if self.swiglu else 1) * self.ffn
 
-    def layer_params(self) -> int:
-        h, f, kv = self.hidden_size, self.ffn, self.kv_width
-        attention = h * (h + 2 * kv) + h * h + (h + 2 * kv) + h  # qkv, proj, their biases
-        mlp = h * self.fc1_width + f * h + self.fc1_width + h  # fc1, fc2, their biases
-        return attention + mlp + 2 * self.norm_params()  # two norms
+    def _bias(self, width: int) -> int:
+        return width if self.linear_bias else 0
+
+    def attention_params(self) -> int:
+        """QKV and output projections (and their biases)."""
+        h, kv = self.hidden_size, self.kv_width
+        return h * (h + 2 * kv) + h * h + self._bias(h + 2 * kv) + self._bias(h)
+
+    def mlp_params(self, width: int) -> int:
+        """An MLP of ``width`` (fc1 of 2 x width with SwiGLU, fc2; their biases)."""
+        fc1 = (2 if self.swiglu else 1) * width
+        return self.hidden_size * fc1 + width * self.hidden_size + self._bias(fc1) + self._bias(self.hidden_size)
+
+    @property
+    def moe_fraction(self) -> float:
+        """The share of layers that are MoE layers (0 for a dense GPT)."""
+        return self.moe.moe_fraction(self.num_layers) if self.moe is not None else 0.0
+
+    @property
+    def expert_ffn(self) -> int:
+        return (self.moe.ffn_hidden_size or self.ffn) if self.moe is not None else 0
+
+    def dense_layer_params(self) -> float:
+        """Parameters of a layer held by every expert-parallel rank (split over TP): attention, norms, the dense MLP of
+        a dense layer, the router, shared experts and their gate of a MoE layer; averaged over the layers."""
+        base = self.attention_params() + 2 * self.norm_params()
+        if self.moe is None:
+            return base + self.mlp_params(self.ffn)
+        f, m = self.moe_fraction, self.moe
+        moe = self.hidden_size * m.num_experts + self._bias(m.num_experts) + (
+            self.mlp_params(m.shared_ffn) if m.shared_ffn else 0) + (
+            self.hidden_size if m.shared_ffn and m.shared_gate else 0)
+        return base + (1 - f) * self.mlp_params(self.ffn) + f * moe
+
+    def expert_layer_params(self) -> float:
+        """Routed experts' parameters of a layer (split over EP x ETP), averaged over the layers."""
+        if self.moe is None:
+            return 0.0
+        return self.moe_fraction * self.moe.num_experts * self.mlp_params(self.expert_ffn)
+
+    def layer_params(self) -> float:
+        """All parameters of a layer (averaged over the layers of a MoE GPT)."""
+        return self.dense_layer_params() + self.expert_layer_params()
+
+    def device_layer_params(self, cluster: "ClusterSpec") -> float:
+        """A layer's parameters one device holds on ``cluster``: the dense ones over TP, the routed experts over
+        EP x ETP."""
+        return self.dense_layer_params() / cluster.tp + self.expert_layer_params() / (cluster.ep * cluster.expert_tp)
 
     def norm_params(self) -> int:
         """Parameters of one norm: a weight and a bias (LayerNorm), a weight (RMSNorm)."""
         return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
 
     def layer_forward_flops(self) -> float:
-        """Forward FLOPs of one layer for one micro-batch (2 per multiply-add)."""
+        """Forward FLOPs of one layer for one micro-batch (2 per multiply-add; a MoE GPT's averaged over its layers)."""
         s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
         return (2 * b * s * h * (h + 2 * self.kv_width) + 2 * b * s * h * h + 4 * b * s * s * h
-                + self.mlp_forward_flops())
+                + self.mlp_forward_flops() + self.moe_forward_flops())
+
+    def _mlp_flops(self, width: int, tokens: float) -> float:
+        return 2 * tokens * self.hidden_size * ((2 if self.swiglu else 1) * width + width)
 
     def mlp_forward_flops(self) -> float:
-        return 2 * self.seq_length * self.micro_batch_size * self.hidden_size * (self.fc1_width + self.ffn)
+        """The dense MLPs' forward FLOPs per layer (the dense layers' share of a MoE GPT)."""
+        return (1 - self.moe_fraction) * self._mlp_flops(self.ffn, self.seq_length * self.micro_batch_size)
+
+    def moe_forward_flops(self) -> float:
+        """A MoE layer's router, routed experts (each token through k experts) and shared experts, forward FLOPs per
+        layer (times the MoE layers' share)."""
+        if self.moe is None:
+            return 0.0
+        m, tokens = self.moe, self.seq_length * self.micro_batch_size
+        flops = 2 * tokens * self.hidden_size * m.num_experts + m.routed_share * self._mlp_flops(
+            self.expert_ffn, tokens * m.topk) + (self._mlp_flops(m.shared_ffn, tokens) if m.shared_ffn else 0.0)
+        return self.moe_fraction * flops
 
     def embedding_params(self) -> int:
         rows = self.max_position_embeddings or self.seq_length
@@ -153,6 +262,11 @@ class ClusterSpec:
     (the keys and values gathered before the attention, their gradients reduce-scattered, exposed)."""
     fp8_tflops: Optional[float] = None
     """Dense FP8 peak TFLOP/s of one device (the linear layers' rate with :attr:`ModelSpec.fp8`); None: no FP8."""
+    ep: int = 1
+    """Expert-parallel size [--expert-model-parallel-size]: a MoE layer's experts split over EP ranks (Megatron's expert
+    rank order etp-ep-edp-pp: an EP group is EP consecutive blocks of ETP ranks), tokens exchanged by the dispatcher."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size [--expert-tensor-parallel-size]; None: TP."""
     device_tflops: float = 312.0
     """Peak dense TFLOP/s of one device in the compute dtype."""
     mfu: float = MFU
@@ -222,9 +336,22 @@ class ClusterSpec:
         """Ranks a gradient is reduced over, and the distributed optimizer shards over: DP x CP."""
         return self.dp * self.cp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the ranks an expert's gradient is reduced (and its optimizer state sharded) over,
+        TP x CP x DP / (EP x ETP)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
     def __post_init__(self):
         if self.cp_comm not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm {self.cp_comm!r} is not one of {', '.join(CP_COMM_TYPES)}")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.expert_tp):
+            raise ValueError(f"ep={self.ep} x etp={self.expert_tp} must divide a stage's TP x CP x DP = "
+                             f"{self.tp * self.cp * self.dp} ranks (Megatron's expert grid)")
         if int(self.cp) != self.cp or self.cp < 1:
             raise ValueError(f"cp={self.cp!r} is invalid: the context-parallel size, a whole number >= 1")
         if self.collectives not in REDUCE_SCATTER_STEPS:

@@ -77,7 +77,7 @@ class MegatronFsdpSharding(ShardingModel):
     def unit_buffers(self) -> float:
         """Bytes one FSDP unit (a transformer layer) holds beyond its shard: gathered weights (ZeRO-3) and
         its whole gradient bucket."""
-        unit = self.model.layer_params() / self.cluster.tp
+        unit = self.model.device_layer_params(self.cluster)
         rest = 1 - 1 / self.cluster.dp_cp
         zero3 = shards_parameters(self.spec.levels[0])
         return unit * rest * (self.model.grad_bytes + (self.model.dtype_bytes if zero3 else 0))

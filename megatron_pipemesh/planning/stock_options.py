@@ -50,6 +50,8 @@ from .memory import OFFLOAD_MODULES, selective_module_sets
 
 TP_FLAG = "--tensor-model-parallel-size"
 CP_FLAG = "--context-parallel-size"
+EP_FLAG = "--expert-model-parallel-size"
+ETP_FLAG = "--expert-tensor-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
 VPP_FLAG = VPP_FLAGS[0]
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
@@ -265,13 +267,15 @@ def vpp_flags(vpp: int, split: Optional[LayerSplit] = None) -> List[str]:
     return [VPP_FLAG, str(vpp)]
 
 
-def parallel_flags(tp: int, cp: int = 1) -> List[str]:
-    """A row's TP (always written) and CP (written where it is not 1) flags."""
-    return [TP_FLAG, str(tp)] + ([CP_FLAG, str(cp)] if cp > 1 else [])
+def parallel_flags(tp: int, cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> List[str]:
+    """A row's TP (always written), CP and EP (written where they are not 1) and ETP (written where it is not TP)
+    flags."""
+    return ([TP_FLAG, str(tp)] + ([CP_FLAG, str(cp)] if cp > 1 else []) + ([EP_FLAG, str(ep)] if ep > 1 else [])
+            + ([ETP_FLAG, str(etp)] if etp is not None and etp != tp else []))
 
 
 def stock_flags(setting: StockSetting, tp: Optional[int] = None, split: Optional[LayerSplit] = None,
-                cp: int = 1) -> List[str]:
+                cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> List[str]:
     """Megatron's flags of a stock ``setting``: PP, V, the group size (interleaved only), recomputation, offloading,
     bf16 reduce (when the setting has it, i.e. the user asked) and the sharding level.
 
@@ -280,7 +284,7 @@ def stock_flags(setting: StockSetting, tp: Optional[int] = None, split: Optional
     only where it is not Megatron's default p (so that a row that changes nothing reads as the user's command), no V
     where a layout sets it, and the split's flags last."""
     command = tp is not None
-    out = (parallel_flags(tp, cp) if command else []) + [PP_FLAG, str(setting.pp)] + vpp_flags(setting.vpp, split)
+    out = (parallel_flags(tp, cp, ep, etp) if command else []) + [PP_FLAG, str(setting.pp)] + vpp_flags(setting.vpp, split)
     if setting.vpp > 1 and not (command and setting.effective_group_size == setting.pp):
         out += [GROUP_FLAG, str(setting.effective_group_size)]
     out += setting.recompute.flags()

@@ -284,15 +284,15 @@ def test_every_assumed_rate_says_where_it_came_from(tiny):
     assert {item["what"] for item in tiny["assumed"]} >= {"compute", "NIC", "intra-node link", "vocabulary"}
 
 
-def test_a_flag_the_costs_leave_out_is_named_and_moe_is_refused():
+def test_a_flag_the_costs_leave_out_is_named_and_mla_is_refused():
     out = advice_json(TINY + " --qk-layernorm --empty-unused-memory-level 1")
     named = {item["flag"]: item for item in out["unpriced"]}
     assert set(named) == {"--qk-layernorm", "--empty-unused-memory-level"}
     assert named["--empty-unused-memory-level"]["value"] == "1" and named["--qk-layernorm"]["effect"]
     code, text, _ = run(["plan"] + CLUSTER + ["--megatron-args", TINY + " --qk-layernorm"])
     assert code == 0 and "not priced: --qk-layernorm: norms of the queries and keys" in text
-    code, _, err = run(["plan"] + CLUSTER + ["--megatron-args", TINY + " --num-experts 4"])
-    assert code == 2 and "--num-experts 4: mixture-of-experts layers" in err and err.count("\n") <= 2
+    code, _, err = run(["plan"] + CLUSTER + ["--megatron-args", TINY + " --multi-latent-attention"])
+    assert code == 2 and "--multi-latent-attention: multi-latent attention" in err and err.count("\n") <= 2
 
 
 def test_a_cuda_graph_command_is_never_advised_pipemesh():

@@ -243,3 +243,31 @@ def test_untied_embeddings_have_no_embedding_all_reduce_and_their_own_output_lay
     assert extra == pytest.approx(128256 * 2048 * 18)
     # RMSNorm: a weight per norm, no bias
     assert LLAMA.layer_params() == dataclasses.replace(LLAMA, normalization="LayerNorm").layer_params() - 2 * 2048
+
+
+def test_the_expert_dispatch_by_hand_inside_a_node_and_across_nics():
+    """EP 8 at TP 1: a rank sends (EP - 1)/EP of its s x b x k hidden states to its peers, to dispatch and again to
+    combine. Inside one node of 8 GPUs (NVLink 3600 Gbit/s) the intra-node link carries it; with nodes of 4 GPUs half
+    of the peers are on another node and the node's four GPUs share its NIC."""
+    from megatron_pipemesh.planning.costs import ep_crosses_nic, ep_exchange_s
+    from megatron_pipemesh.planning.specs import MoeSpec
+
+    model = dataclasses.replace(LLAMA, seq_length=4096, moe=MoeSpec(num_experts=8, topk=2))
+    s, h, k = 4096, 2048, 2
+    per_peer = s * k * h * 2 / 8  # bytes to each EP peer
+    inside = ClusterSpec(tp=1, dp=8, ep=8, devices_per_node=8, nic_gbps=100.0, intra_node_gbps=3600.0)
+    one = 7 * per_peer / (3600e9 / 8) + 60e-6
+    assert ep_exchange_s(model, inside) == pytest.approx((2 * one, 2 * one))
+    assert not ep_crosses_nic(inside)
+    across = dataclasses.replace(inside, devices_per_node=4)
+    one = max(3 * per_peer / (3600e9 / 8), 4 * per_peer * 4 / (100e9 / 8)) + 60e-6
+    assert ep_exchange_s(model, across) == pytest.approx((2 * one, 2 * one)) and ep_crosses_nic(across)
+    # every second layer a MoE layer: half the dispatch per layer on average; EP 1: none
+    half = dataclasses.replace(model, moe=MoeSpec(num_experts=8, topk=2, pattern=(1, 0) * 8))
+    assert ep_exchange_s(half, across)[0] == pytest.approx(one)
+    assert ep_exchange_s(model, dataclasses.replace(inside, ep=1)) == (0.0, 0.0)
+    # the experts' weights split over EP; their gradients reduced over the expert data-parallel group (8 / 8 = 1)
+    config, plain = ScheduleConfig.depth_first(1, 1, 8), dataclasses.replace(inside, distributed_optimizer=False)
+    spread, whole = analytic_costs(model, plain, config), analytic_costs(model, dataclasses.replace(plain, ep=1), config)
+    assert whole.static_bytes[0] - spread.static_bytes[0] == pytest.approx(
+        16 * model.expert_layer_params() * (1 - 1 / 8) * 18)

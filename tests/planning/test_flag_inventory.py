@@ -64,6 +64,7 @@ def test_what_a_command_sets_is_priced_named_or_refused():
                                   "effect": megatron_flags.NOT_PRICED["tp_comm_overlap"]}
     assert found[2].value == "attn_norm" and found[2].effect == "offloading attn_norm: not modelled"
     assert refusal(changed) is None
-    moe = {"num_experts": SetFlag("num_experts", "--num-experts", 8)}
-    line = refusal(moe)
-    assert line.startswith("--num-experts 8: mixture-of-experts") and "\n" not in line
+    assert classify("num_experts")[0] == "priced"
+    mla = {"multi_latent_attention": SetFlag("multi_latent_attention", "--multi-latent-attention", True)}
+    line = refusal(mla)
+    assert line.startswith("--multi-latent-attention: multi-latent attention's projections") and "\n" not in line
