@@ -107,3 +107,59 @@ def test_a_plan_file_whose_host_placement_exceeds_the_share_is_refused_naming_th
     assert "MemAvailable 953.7 GiB / 8 ranks per node (SLURM_TASKS_PER_NODE)" in text and "--host-memory-gb 107.3" in text
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2")  # the same plan fits two ranks' shares
     assert check_pipemesh_args(_args(pipemesh_plan=str(path))).plan.host_blocks == {(1, 0): 32 << 30}
+
+
+def _slurm_tree(node, version: str, limits: dict, usages: dict, leaf: str):
+    """A Slurm-shaped cgroup tree under ``node``: this process in ``leaf``; ``limits`` / ``usages``: per directory
+    (relative to the hierarchy's root), the memory limit and usage files written there (others hold none, as
+    Slurm's task and user levels do)."""
+    if version == "v2":
+        (node / "cgroup").write_text(f"0::/{leaf}\n")
+        root, limit_name, usage_name, unlimited = node / "fs", "memory.max", "memory.current", "max"
+    else:
+        (node / "cgroup").write_text(f"5:cpuset:/\n4:memory:/{leaf}\n")
+        root, limit_name, usage_name, unlimited = node / "fs" / "memory", "memory.limit_in_bytes", \
+            "memory.usage_in_bytes", str(1 << 63 - 1)
+    parts = leaf.split("/")
+    for depth in range(len(parts) + 1):
+        directory = root.joinpath(*parts[:depth])
+        directory.mkdir(parents=True, exist_ok=True)
+        relative = "/".join(parts[:depth])
+        if depth:  # the root of a hierarchy has no limit file (v2) or an unlimited one
+            (directory / limit_name).write_text(f"{limits.get(relative, unlimited)}\n")
+            (directory / usage_name).write_text(f"{usages.get(relative, 0)}\n")
+    return root
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_slurms_job_limit_two_levels_above_the_task_caps_the_share(node, monkeypatch, version):
+    """Slurm (cgroup v2, task/cgroup): the task sits in .../job_7/step_0/user/task_3 and memory.max is set on the
+    job only; the task's own file reads 'max'. The job's headroom (64 GiB limit, 24 GiB charged) caps MemAvailable
+    (953 GiB), and 8 ranks share that: every rank's share is under the job's limit, never an eighth of the node."""
+    job = "system.slice/slurmstepd.scope/job_7"
+    leaf = f"{job}/step_0/user/task_3"
+    _slurm_tree(node, version, limits={job: 64 * GB}, usages={job: 24 * GB, f"{job}/step_0": 20 * GB,
+                                                              leaf: 2 * GB}, leaf=leaf)
+    monkeypatch.setattr(hm, "PROC_CGROUP", str(node / "cgroup"))
+    monkeypatch.setattr(hm, "CGROUP_ROOT", str(node / "fs"))
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8")
+    available, what = hm.available_bytes()
+    assert available == 40 * GB and job in what and "below MemAvailable" in what
+    share = hm.host_share()
+    assert share.bytes == pytest.approx(40 * GB / 8 * (1 - hm.MEMORY_MARGIN)) and 8 * share.bytes < 64 * GB
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_smallest_headroom_over_the_ancestors_wins(node, monkeypatch, version):
+    """Limits on the job and on the step: what counts is the smallest limit less usage over every level from the
+    task up to the root (here the job's 10 GiB left, though the step's limit is the smaller one)."""
+    job = "slurm/uid_1/job_9"
+    step = f"{job}/step_0"
+    leaf = f"{step}/task_0"
+    # job: 100 GiB limit, 90 charged (10 left); step: 60 GiB limit, 30 charged (30 left)
+    _slurm_tree(node, version, limits={job: 100 * GB, step: 60 * GB}, usages={job: 90 * GB, step: 30 * GB},
+                leaf=leaf)
+    monkeypatch.setattr(hm, "PROC_CGROUP", str(node / "cgroup"))
+    monkeypatch.setattr(hm, "CGROUP_ROOT", str(node / "fs"))
+    headroom, where = hm.cgroup_headroom()
+    assert headroom == 10 * GB and where.endswith(("job_9/memory.max", "job_9/memory.limit_in_bytes"))
