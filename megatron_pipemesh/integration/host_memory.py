@@ -245,13 +245,13 @@ def plan_host_bytes(plan) -> Optional[Tuple[float, int]]:
     return None
 
 
-def check_plan_fits_host(plan, what: str, share: Optional[HostShare]) -> None:
+def check_plan_fits_host(plan, what: str, share: Optional[HostShare], where: str = "this node") -> None:
     """Raise ValueError naming the numbers when ``plan``'s host placement needs more pinned memory on some rank
-    than this rank's ``share`` of the node (the plan was made for another machine or more memory)."""
+    than ``share`` (the share of each rank on ``where``; the plan was made for another machine or more memory)."""
     need = plan_host_bytes(plan)
     if need is None or share is None or need[0] <= share.bytes:
         return
     raise ValueError(f"{what} places activations on the host, which needs {need[0] / GB:.2f} GiB of pinned memory on "
-                     f"pipeline rank {need[1]}, but this node gives each rank {share.describe()}. Re-plan for this "
+                     f"pipeline rank {need[1]}, but {where} gives each rank {share.describe()}. Re-plan for this "
                      f"machine (`pipemesh plan ... --host-memory-gb {share.bytes / GB:.1f}`), run fewer ranks per node, "
                      "or free host memory")
