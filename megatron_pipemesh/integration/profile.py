@@ -12,8 +12,10 @@ micro-batch size 1, 2, 4, ... up to the command's:
   recomputation, configured by ``--recompute-granularity`` / ``--recompute-modules``): the extra over none;
 * the embedding (``GPTModel.embedding``) and the final norm, output layer and loss
   (``compute_language_model_loss``), forward and backward;
-* the bytes each keeps for its backward: the runtime's saved-tensor meter
-  (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded);
+* the bytes each keeps for its backward: on CPU the runtime's saved-tensor meter
+  (:class:`..runtime.memory.SavedTensorMeter`: storages autograd saves, parameters excluded); on CUDA the caching
+  allocator's count across the forward less its output, with the previous call's tensors freed before the first
+  reading (``scripts/gpu_check.py``'s ``profile`` check holds the two within 10% of each other);
 * the data loader per micro-batch (:mod:`.profile_batch`: the command's dataset and loader workers, the training
   entry's ``get_batch``);
 * Megatron's schedule step beyond those pieces on each kind of chunk (:mod:`.profile_steps`);
@@ -130,35 +132,50 @@ class _Timer:
         return out, time.perf_counter() - began
 
 
-def _forward_backward(forwards: Dict[str, Callable[[], object]], grad_of: Callable[[object], object], timer: _Timer,
+@dataclass(frozen=True)
+class Piece:
+    """One piece the profile times (a layer at a recompute level, the embedding, the output layer and loss)."""
+
+    forward: Callable[[], object]
+    """Makes the piece's input (a layer's received activation) and runs its forward; returns the output."""
+    release: Callable[[], None] = lambda: None
+    """Drops what the last call left referenced beyond its output and graph (a layer's input tensor, which holds
+    its gradient), so that freeing it cannot fall inside the next reading of the allocator."""
+
+
+def _forward_backward(pieces: Dict[str, Piece], grad_of: Callable[[object], object], timer: _Timer,
                       settings: ProfileSettings, meter_exclude) -> Dict[str, Tuple[float, float, int]]:
     """Per name: (median forward s, median backward s, bytes kept for the backward) of ``forward`` then
-    ``backward(grad)``. The forwards take turns in every round, so that a drift of the machine's speed (other
+    ``backward(grad)``. The pieces take turns in every round, so that a drift of the machine's speed (other
     processes, clocks) reaches them alike and their differences (a recomputation's extra) stay fair. The bytes kept:
     on CUDA what the allocator holds after the forward less its output (workspace and rounding included, as the
-    device will hold them); on CPU the saved-tensor meter's count."""
+    device will hold them), with everything of the call before freed ahead of the first reading; on CPU the
+    saved-tensor meter's count."""
     import torch
 
     from ..runtime.memory import SavedTensorMeter
 
-    samples: Dict[str, Tuple[List[float], List[float]]] = {name: ([], []) for name in forwards}
+    samples: Dict[str, Tuple[List[float], List[float]]] = {name: ([], []) for name in pieces}
     for call in range(settings.warmup + settings.repeats):
-        for name, forward in forwards.items():
-            out, forward_s = timer(forward)
+        for name, piece in pieces.items():
+            out, forward_s = timer(piece.forward)
             gradient = grad_of(out)
             _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
             if call >= settings.warmup:
                 samples[name][0].append(forward_s)
                 samples[name][1].append(backward_s)
+    out = gradient = None  # the last timed call's output and graph go before any reading
     found = {}
-    for name, forward in forwards.items():
+    for name, piece in pieces.items():
+        piece.release()
         meter = SavedTensorMeter(meter_exclude)
         allocated = _allocated_bytes()
         with meter.record(name):
-            out = forward()
+            out = piece.forward()
         kept = (_allocated_bytes() - allocated - _tensor_bytes(out) if allocated is not None
                 else meter.saved_bytes.get(name, 0))
         torch.autograd.backward(out, grad_of(out))
+        out = None  # with its graph (an output piece's input and that input's gradient hang on it)
         found[name] = (statistics.median(samples[name][0]), statistics.median(samples[name][1]), int(max(0, kept)))
     return found
 
@@ -539,12 +556,12 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
     def like(out):
         return torch.ones_like(out) * 1e-3
 
-    def layer_forward(model):
+    def layer(model) -> Piece:
         def forward():
             model.set_input_tensor(hidden.clone().requires_grad_(True))
             return model(input_ids=None, position_ids=None, attention_mask=mask)
-        return forward
-    times = _forward_backward({level: layer_forward(model) for level, (model, _) in layer_models.items()}, like,
+        return Piece(forward, release=lambda: model.set_input_tensor(None))
+    times = _forward_backward({level: layer(model) for level, (model, _) in layer_models.items()}, like,
                               timer, settings, excluded)
     none = times["none"]
     tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
@@ -552,14 +569,14 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
 
     def embedding_forward():
         return ends.embedding(input_ids=tokens, position_ids=positions)
-    embedding = _forward_backward({"embedding": embedding_forward}, like, timer, settings, excluded)["embedding"]
+    embedding = _forward_backward({"embedding": Piece(embedding_forward)}, like, timer, settings, excluded)["embedding"]
 
     def output_forward():
         x = hidden.clone().requires_grad_(True)
         weight = ends.shared_embedding_or_output_weight() if ends.share_embeddings_and_output_weights else None
         logits, _ = ends.output_layer(ends.decoder.final_layernorm(x), weight=weight)
         return ends.compute_language_model_loss(tokens, logits).float().mean()
-    output = _forward_backward({"output": output_forward}, lambda out: None, timer, settings, excluded)["output"]
+    output = _forward_backward({"output": Piece(output_forward)}, lambda out: None, timer, settings, excluded)["output"]
     point = ComputePoint(
         tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
         recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()

@@ -1,8 +1,95 @@
-"""`integration/profile.py`: how a profile measures what each op keeps for the backward (the end-to-end runs are in
+"""`integration/profile.py`: how a profile measures what each piece keeps for the backward (the end-to-end runs are in
 tests/cli/test_profile.py)."""
+import pytest
+
+from megatron_pipemesh.schedule.levers import BASIC_LEVERS
 
 
-def test_bytes_kept_come_from_the_allocator_on_cuda_and_the_meter_on_cpu():
+class FakeCudaAllocator:
+    """A stand-in of the CUDA caching allocator's ``memory_allocated`` on CPU: the bytes of every storage an op
+    made while inside (a dispatch mode sees every op of the forward and backward) that is still alive."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        allocator = self
+        self.live = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                allocator._saw(out)
+                return out
+
+        self.mode = Mode()
+        self.torch = torch
+
+    def _saw(self, out) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, self.torch.Tensor) and tensor.device.type == "cpu":
+                ref = StorageWeakRef(tensor.untyped_storage())
+                known = self.live.get(ref.cdata)
+                if known is None or known[0].expired():
+                    self.live[ref.cdata] = (ref, tensor.untyped_storage().nbytes())
+
+    def memory_allocated(self) -> int:
+        return sum(nbytes for ref, nbytes in self.live.values() if not ref.expired())
+
+
+def _layer_pieces(args, levels):
+    """The profile's layer models (one per recompute level) and its embedding + output model, with main_grads."""
+    from megatron_pipemesh.integration import profile
+
+    settings = profile.ProfileSettings(warmup=1, repeats=1)
+    layers = {str(level): profile._gpt(profile._level_args(args, str(level)), "local", settings, False, False, False)
+              for level in levels}
+    ends = profile._gpt(profile._level_args(args, "none"), "local", settings, False, True, True)
+    excluded = [t for model, _ in layers.values() for t in profile._with_main_grads(model)]
+    excluded += profile._with_main_grads(ends[0])
+    return settings, layers, ends[0], ends[1].params_dtype, excluded
+
+
+def test_bytes_kept_read_from_the_allocator_agree_with_the_saved_tensor_meter(megatron, monkeypatch):
+    """On CUDA the kept bytes are the allocator's count across the metered forward less its output. Nothing the
+    previous call left (its output and graph, a layer's input clone and that clone's gradient) may be freed inside
+    that window, or each layer reads about three activations low, full recomputation and the embedding clamp to 0
+    and the output layer reads two activations low. With the allocator's counters faked on CPU, every piece's
+    reading is the saved-tensor meter's within 5% (the meter counts what autograd saves; the allocator also the
+    forward's other kept bytes, none here beyond a few small vectors)."""
+    import torch
+
+    from megatron_pipemesh.integration import profile
+
+    settings, layers, ends, dtype, excluded = _layer_pieces(megatron, BASIC_LEVERS)
+    timer = profile._Timer(False)
+    cpu = torch.device("cpu")
+
+    def point():
+        return profile._point(2, megatron.seq_length, megatron.hidden_size, megatron.padded_vocab_size, layers,
+                              ends, dtype, cpu, timer, settings, excluded, lambda line: None)
+
+    metered = point()
+    fake = FakeCudaAllocator()
+    monkeypatch.setattr(profile, "_allocated_bytes", fake.memory_allocated)
+    with fake.mode:
+        allocated = point()
+    activation = 2 * megatron.seq_length * megatron.hidden_size * 4
+    assert metered.embedding_activation_bytes > 0 and metered.layer_activation_bytes["full"] >= activation
+    # The meter also counts the attention mask that full recomputation saves with the layer's input: a tensor of
+    # every call, made before the window, which the allocator rightly does not count (s x s bool).
+    mask = megatron.seq_length ** 2
+    for level in map(str, BASIC_LEVERS):
+        assert allocated.layer_activation_bytes[level] == pytest.approx(
+            metered.layer_activation_bytes[level] - (mask if level == "full" else 0), rel=0.05), level
+    assert allocated.embedding_activation_bytes == pytest.approx(metered.embedding_activation_bytes, rel=0.05)
+    assert allocated.output_activation_bytes == pytest.approx(metered.output_activation_bytes, rel=0.05)
+
+
+def test_bytes_of_an_output_are_summed_over_whatever_the_forward_returns():
     """Without CUDA there is no allocator reading (the meter counts); the output's bytes, taken off the allocator's
     count on CUDA, are summed over whatever the forward returns."""
     import torch

@@ -2,36 +2,6 @@
 schedule step spends beyond the pieces is the step's time less theirs, never below 0."""
 import dataclasses
 
-import pytest
-
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 257")
-
-
-@pytest.fixture
-def megatron():
-    """Megatron's args of TINY as ``pipemesh profile`` builds them, with a one-rank process group."""
-    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
-
-    prepare_megatron_import()
-    import torch
-
-    from megatron_pipemesh.integration import profile
-    from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
-    from megatron_pipemesh.integration.megatron_command import read_command
-
-    apply_cpu_compat()
-    torch.set_num_threads(1)
-    run = read_command(profile._as_run_here(TINY.split(), False), world_size=1)
-    args = profile._single_rank_args(run.args)
-    args.padded_vocab_size = run.model.vocab_size
-    stop = profile._start_process_group(False)
-    try:
-        yield args
-    finally:
-        stop()
-
 
 def test_each_kind_takes_its_stages_path_through_get_batch_and_the_state_is_restored(megatron):
     """A middle chunk takes no batch (its iterator is not touched), the first and the last take one; afterwards
