@@ -19,14 +19,16 @@ micro-batch size 1, 2, 4, ... up to the command's:
 * the data loader per micro-batch (:mod:`.profile_batch`: the command's dataset and loader workers, the training
   entry's ``get_batch``);
 * Megatron's schedule step beyond those pieces on each kind of chunk (:mod:`.profile_steps`);
-* the optimizer per parameter: Megatron's own (``get_megatron_optimizer`` with the command's flags over a one-layer
-  model in Megatron's DDP), zeroing the gradients and its ``step()``, as ``train_step`` runs them;
+* the optimizer per parameter: Megatron's own (``get_megatron_optimizer`` with the command's flags, the distributed
+  optimizer included, over a one-layer model in Megatron's DDP on groups of the rank alone), zeroing the gradients
+  and its ``step()``, as ``train_step`` runs them;
 * on CUDA, the pinned host link (device-to-host and back, the slower).
 
-Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, rank 0
-measures the layers and, in a one-process child (Megatron's dataset builder synchronises every rank of a job), the
-data loader (the others wait), every rank the optimizer at once (Megatron's DDP and optimizer take part in
-collectives over the job's groups; rank 0's time is kept), then every rank times the links between them
+Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, every rank
+measures the optimizer at once (Megatron's DDP and optimizer take part in collectives over the job's groups; rank 0's
+time is kept), then rank 0 measures the layers and, in a one-process child (Megatron's dataset builder synchronises
+every rank of a job), the data loader (the others wait; a failure on any rank stops every rank), then every rank
+times the links between them
 (:mod:`.profile_links`: p2p, collectives, flows sharing a NIC) and rank 0 returns the profile. One process measures no
 network: the plan keeps ``--nic-gbps`` and ``--intra-node-gbps``.
 
@@ -343,7 +345,7 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them).
     Launched on several ranks, every rank calls it and rank 0 gets the profile, the others None."""
     from .bootstrap import prepare_megatron_import
-    from .profile_links import join_job, launched, measure_network, message_sizes, share_failure
+    from .profile_links import join_job, launched, measure_network, message_sizes
 
     launch = launched()
     prepare_megatron_import()
@@ -356,6 +358,7 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         apply_cpu_compat()
         torch.set_num_threads(1)  # one thread per rank, as the ranks will run
     args, planned, run = command_args(words, cuda)
+    optimizer_config(args)  # refused here, before any process group or measurement, where Megatron refuses it
     model_spec = planned.model
     lead = launch is None or launch.rank == 0
     say = progress if lead else (lambda line: None)
@@ -372,25 +375,24 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     stop = _start_process_group(cuda) if launch is None else join_job(launch, cuda)
     network = None
     try:
-        compute, host_gbps, failure, computing = [], None, None, 1
-        if lead:
-            try:
-                with _siblings(words, settings, cuda, say, notes) as computing:
-                    compute, host_gbps = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
-                    # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
-                    # times the loader in a one-process child of its own.
-                    compute = _with_batch_times(args, compute, settings, say, notes,
-                                                apart=None if launch is None else (list(words), launch.local_rank))
-            except BaseException as error:
-                failure = f"{type(error).__name__}: {error}"
-                if launch is not None:
-                    share_failure(launch, failure)
-                raise
-        if launch is not None:
-            share_failure(launch, failure)
-        # Every rank: building Megatron's DDP and optimizer takes part in collectives over the job's groups.
-        optimizer_s = _optimizer_s_per_param(args, run.model.layer_spec, settings, cuda)
+        # Every rank, first: building Megatron's DDP and optimizer takes part in collectives over the job's groups,
+        # and a command whose optimizer cannot be built here fails before the minutes of the compute.
+        optimizer_s = _shared(launch, "the optimizer", lambda: _optimizer_s_per_param(args, run.model.layer_spec,
+                                                                                     settings, cuda))
         say(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
+        compute, host_gbps, computing = [], None, 1
+
+        def measure_compute():
+            with _siblings(words, settings, cuda, say, notes) as cores:
+                points, link = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
+                # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
+                # times the loader in a one-process child of its own.
+                return _with_batch_times(args, points, settings, say, notes,
+                                         apart=None if launch is None else (list(words), launch.local_rank)), link, cores
+
+        measured = _shared(launch, "the compute", measure_compute if lead else lambda: None)
+        if lead:
+            compute, host_gbps, computing = measured
         if launch is not None:
             sizes = message_sizes(model_spec.micro_batch_size, model_spec.seq_length, model_spec.hidden_size,
                                   model_spec.dtype_bytes, "cuda" if cuda else "cpu", settings.bucket_bytes)
@@ -414,6 +416,22 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
                                      "saved-tensor meter (parameters excluded)"),
                 "measured_layer_spec": run.model.layer_spec},
         notes=tuple(notes))
+
+
+def _shared(launch, what: str, measure: Callable[[], object]):
+    """``measure()`` on this rank; launched on several ranks, a failure on any rank stops every rank
+    (:func:`.profile_links.share_failure`) instead of leaving the others waiting in the next collective."""
+    from .profile_links import share_failure
+
+    if launch is None:
+        return measure()
+    try:
+        found = measure()
+    except BaseException as error:
+        share_failure(launch, f"{type(error).__name__}: {error}", what)
+        raise
+    share_failure(launch, None, what)
+    return found
 
 
 def _gpt(level_args, run_spec: str, settings: ProfileSettings, cuda: bool, pre: bool, post: bool):
@@ -593,31 +611,70 @@ def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device
     return point
 
 
+def _optimizer_args(args):
+    """``args`` for the optimizer measurement: the command's optimizer flags, on one instance of the distributed
+    optimizer where the command has several (the shard's step costs the same per parameter)."""
+    out = copy.copy(args)
+    out.num_distributed_optimizer_instances = 1
+    return out
+
+
+def optimizer_config(args):
+    """(Megatron's ``OptimizerConfig`` of the command, its overrides) as ``train_step`` builds them; CommandError
+    naming the cause where Megatron refuses it on this machine (``--use-precision-aware-optimizer`` needs
+    Transformer Engine's FusedAdam): checked before anything is measured, so no rank fails after the others
+    measured for minutes."""
+    from megatron.training.training import get_megatron_optimizer_config
+
+    from .megatron_command import CommandError
+
+    try:
+        with _megatron_quiet():
+            return get_megatron_optimizer_config(_optimizer_args(args))
+    except (AssertionError, RuntimeError, ValueError, ImportError) as error:
+        raise CommandError(f"pipemesh profile cannot build the command's optimizer on this machine, as Megatron's "
+                           f"train_step would: {error or type(error).__name__}") from error
+
+
+def _own_groups():
+    """Megatron's process groups for a model of this rank alone: every group of the collection Megatron would use
+    replaced by a one-rank group of this rank (every rank creates every one in the same order)."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    mine, _ = dist.new_subgroups(group_size=1)
+    mpu = ProcessGroupCollection.use_mpu_process_groups()
+    return ProcessGroupCollection(**{name: mine if isinstance(value, dist.ProcessGroup) else value
+                                     for name, value in vars(mpu).items()})
+
+
 def _optimizer_s_per_param(args, run_spec: str, settings: ProfileSettings, cuda: bool) -> float:
     """Seconds per parameter of what Megatron's ``train_step`` spends on the optimizer of the command, over a
     one-layer model with its embedding and output layer (the tensors of a stage) wrapped in Megatron's DDP: zeroing
     the gradient buffers and the optimizer's gradients, then ``get_megatron_optimizer``'s ``step()`` with the
-    command's flags (the gradient norm and clipping, Adam's step, the fp32 main copy of 16-bit weights). torch's
-    Adam alone measured 1.9 ns per parameter where Megatron's step took 3-4 here. Without the distributed optimizer:
-    its step over a shard costs the same per parameter (the planner divides the parameters by DP), and its gather
-    is data-parallel traffic, priced apart. Launched on several ranks every rank measures at once (Megatron's groups
-    span the job), rank 0's time is kept."""
+    command's flags (the distributed optimizer where the command has it, the gradient norm and clipping, Adam's step,
+    the fp32 main copy of 16-bit weights). torch's Adam alone measured 1.9 ns per parameter where Megatron's step
+    took 3-4 here. The model's groups are this rank's alone (:func:`_own_groups`): the distributed optimizer's shard
+    is then every parameter, its step's cost per parameter what a shard's is (the planner divides the parameters by
+    DP), and its gathers and reductions, data-parallel traffic priced apart, copy nothing. Launched on several ranks
+    every rank measures at once, rank 0's time is kept."""
     import torch
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+    from megatron.training.training import get_megatron_ddp_config
 
     from ..schedule.levers import DEVICE
 
     timer = _Timer(cuda)
-    args = copy.copy(args)
-    args.use_distributed_optimizer = False
+    args = _optimizer_args(args)
+    optimizer_config_, overrides = optimizer_config(args)
     model, config = _gpt(_level_args(args, str(DEVICE)), run_spec, settings, cuda, pre=True, post=True)
+    groups = _own_groups()
     with _megatron_quiet():  # DDP and the optimizer log their buckets and config at INFO
-        wrapped = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
-        optimizer_config, overrides = get_megatron_optimizer_config(args)
-        optimizer = get_megatron_optimizer(optimizer_config, [wrapped], config_overrides=overrides,
-                                           use_gloo_process_groups=getattr(args, "use_gloo_process_groups", True))
+        wrapped = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model,
+                                          pg_collection=groups)
+        optimizer = get_megatron_optimizer(optimizer_config_, [wrapped], config_overrides=overrides,
+                                           use_gloo_process_groups=False, pg_collection=groups)
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(settings.seed)
     grads = [torch.randn(p.shape, generator=generator).mul_(1e-3) for p in params]

@@ -199,15 +199,17 @@ def join_job(launch: Launch, cuda: bool) -> Callable[[], None]:
     return stop
 
 
-def share_failure(launch: Launch, failure: Optional[str]) -> None:
-    """Rank 0's ``failure`` (None: it measured) reaches every rank; the others raise it, so that none waits for a
-    rank that stopped."""
+def share_failure(launch: Launch, failure: Optional[str], what: str) -> None:
+    """Every rank's ``failure`` at ``what`` (None: it measured) reaches every rank; a rank that did not fail raises
+    the first rank's failure, so that none waits for a rank that stopped (a failed rank raises its own after)."""
     import torch.distributed as dist
 
-    box = [failure]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None and launch.rank != 0:
-        raise RuntimeError(f"rank 0 failed to measure the compute, so this rank stops too: {box[0]}")
+    failures: List[Optional[str]] = [None] * launch.world
+    dist.all_gather_object(failures, failure)
+    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+    if failed and failure is None:
+        rank, text = failed[0]
+        raise RuntimeError(f"rank {rank} failed to measure {what}, so this rank stops too: {text}")
 
 
 def measure_network(launch: Launch, sizes: Mapping[str, int], warmup: int, repeats: int, cuda: bool,

@@ -101,3 +101,41 @@ def test_bytes_of_an_output_are_summed_over_whatever_the_forward_returns():
     x = torch.zeros(3, 4)
     assert _tensor_bytes(x) == 48
     assert _tensor_bytes((x, [x.double()], {"a": x[:1]}, None)) == 48 + 96 + 16
+
+
+def test_the_optimizer_is_measured_as_the_command_builds_it(one_rank, monkeypatch):
+    """--use-distributed-optimizer: the step timed is the distributed optimizer's (not a plain optimizer standing in
+    for it), over groups of this rank alone, so that its shard is every parameter and it gathers nothing."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    from megatron_pipemesh.integration import profile
+    from tests.integration.conftest import TINY, profile_args_of
+
+    built = []
+    real = mcore_optimizer.get_megatron_optimizer
+
+    def spy(config, chunks, **kwargs):
+        built.append((config, kwargs.get("pg_collection")))
+        return real(config, chunks, **kwargs)
+
+    monkeypatch.setattr(mcore_optimizer, "get_megatron_optimizer", spy)
+    args = profile_args_of(TINY.split() + ["--use-distributed-optimizer"])
+    seconds = profile._optimizer_s_per_param(args, "local", profile.ProfileSettings(warmup=1, repeats=1), False)
+    (config, groups), = built
+    assert seconds > 0 and config.use_distributed_optimizer
+    assert groups is not None and groups.dp.size() == 1
+
+
+def test_an_optimizer_megatron_refuses_here_stops_the_profile_before_it_measures(monkeypatch):
+    """--use-precision-aware-optimizer needs the distributed optimizer (the command has it) and Transformer Engine's
+    FusedAdam (this machine has none): the profile says so before measuring anything, instead of every rank
+    failing in the optimizer after rank 0 measured everything else."""
+    from megatron_pipemesh.integration import profile
+    from megatron_pipemesh.integration.megatron_command import CommandError
+    from tests.integration.conftest import TINY
+
+    lines = []
+    with pytest.raises(CommandError, match="--use-precision-aware-optimizer requires FusedAdam from TransformerEngine"):
+        profile.measure_profile(TINY.split() + ["--use-distributed-optimizer", "--use-precision-aware-optimizer"],
+                                profile.ProfileSettings(warmup=1, repeats=1), progress=lines.append)
+    assert lines == []
