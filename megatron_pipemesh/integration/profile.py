@@ -480,11 +480,12 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
     s, h, vocab = args.seq_length, args.hidden_size, args.padded_vocab_size
     # Above the command's own size too when asked: the advice prices every micro-batch size it may change to.
     largest = settings.max_micro_batch or args.micro_batch_size
+    mask = _attention_mask(args, device)
     points = []
     for b in micro_batch_sizes(largest):
         try:
             points.append(_point(b, s, h, vocab, layer_models, ends, dtype, device, timer, settings, excluded,
-                                 progress))
+                                 progress, mask))
         except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break
@@ -493,6 +494,23 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
     if host_gbps is not None:
         progress(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction)")
     return points, host_gbps
+
+
+def _attention_mask(args, device):
+    """The mask the layers get, as the command's loader makes it (one sample's; None with
+    ``--no-create-attention-mask-in-dataloader``); CommandError naming that flag where it does not fit the device."""
+    import torch
+
+    from .megatron_command import CommandError
+    from .profile_steps import loader_attention_mask
+
+    try:
+        return loader_attention_mask(args, 1, device)
+    except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)) as error:
+        s = args.seq_length
+        raise CommandError(f"the command's data loader builds an attention mask of seq x seq = {s} x {s} per sample "
+                           f"({s * s / 2**30:.1f} GiB), which does not fit here ({error}); Megatron's attention "
+                           "applies its causal mask itself: add --no-create-attention-mask-in-dataloader") from error
 
 
 @contextlib.contextmanager
@@ -564,10 +582,10 @@ def _with_step_overhead(args, points: List[ComputePoint], build, timer: _Timer, 
 
 
 def _point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: _Timer,
-           settings: ProfileSettings, excluded, progress: Progress) -> ComputePoint:
+           settings: ProfileSettings, excluded, progress: Progress, mask) -> ComputePoint:
+    """The pieces at micro-batch size ``b``, the layers given ``mask`` (the command's loader's, or None)."""
     import torch
 
-    mask = (torch.tril(torch.ones(s, s, device=device)) < 0.5).view(1, 1, s, s)
     generator = torch.Generator().manual_seed(settings.seed + b)
     hidden = torch.randn(s, b, h, generator=generator).to(device=device, dtype=dtype)
 

@@ -64,6 +64,20 @@ def _training_globals(args) -> Iterator[None]:
             global_vars._GLOBAL_TIMERS = None
 
 
+def loader_attention_mask(args, size: int, device):
+    """The attention mask the command's loader yields for ``size`` samples (``size`` x 1 x s x s, True where a token
+    may not attend), or None where the command does not build it (``--no-create-attention-mask-in-dataloader``:
+    Megatron's attention then applies its causal mask itself). Built as booleans on ``device`` directly, one byte per
+    entry: through an fp32 ``tril`` it would take 8 bytes per entry on the way (128 GiB at s = 128k)."""
+    import torch
+
+    if not args.create_attention_mask_in_dataloader:
+        return None
+    s = args.seq_length
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
+    return mask if size == 1 else mask.expand(size, 1, s, s).clone()
+
+
 def _batch(args, size: int, device) -> dict:
     """One micro-batch as the command's loader yields it (tokens, labels, loss mask, positions and, where the
     command builds it in the loader, the attention mask)."""
@@ -74,9 +88,11 @@ def _batch(args, size: int, device) -> dict:
     batch = {"tokens": torch.randint(0, vocab, (size, s), generator=generator),
              "labels": torch.randint(0, vocab, (size, s), generator=generator),
              "loss_mask": torch.ones(size, s), "position_ids": torch.arange(s).unsqueeze(0).expand(size, s).clone()}
-    if args.create_attention_mask_in_dataloader:
-        batch["attention_mask"] = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(size, 1, s, s).clone()
-    return {key: value.to(device) for key, value in batch.items()}
+    batch = {key: value.to(device) for key, value in batch.items()}
+    mask = loader_attention_mask(args, size, device)
+    if mask is not None:
+        batch["attention_mask"] = mask
+    return batch
 
 
 def _pieces(point: ComputePoint, kind: str) -> Tuple[float, float]:
