@@ -72,7 +72,8 @@ class ProfileSettings:
     seed: int = 1234
     """Seed of the weights and inputs."""
     bucket_bytes: Optional[int] = None
-    """The larger message the links are timed with (None: :data:`.profile_links.BUCKET_BYTES` of the device)."""
+    """The larger message the links are timed with (None: on CUDA Megatron's gradient bucket of the command,
+    :func:`.profile_links.megatron_bucket_bytes`; on CPU :data:`.profile_links.CPU_BUCKET_BYTES`)."""
     ranks_per_node: int = 1
     """On CPU: the ranks that will compute at once on this machine; the compute is timed with that many cores
     computing (the others run the command's layer, :mod:`.profile_siblings`), at most the cores this process may
@@ -345,7 +346,8 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
     """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them).
     Launched on several ranks, every rank calls it and rank 0 gets the profile, the others None."""
     from .bootstrap import prepare_megatron_import
-    from .profile_links import join_job, launched, measure_network, message_sizes
+    from .profile_links import (CPU_BUCKET_BYTES, join_job, launched, measure_network, megatron_bucket_bytes,
+                                message_sizes)
 
     launch = launched()
     prepare_megatron_import()
@@ -384,18 +386,28 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
 
         def measure_compute():
             with _siblings(words, settings, cuda, say, notes) as cores:
-                points, link = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
+                points = _measure(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
                 # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
                 # times the loader in a one-process child of its own.
                 return _with_batch_times(args, points, settings, say, notes,
-                                         apart=None if launch is None else (list(words), launch.local_rank)), link, cores
+                                         apart=None if launch is None else (list(words), launch.local_rank)), cores
 
         measured = _shared(launch, "the compute", measure_compute if lead else lambda: None)
         if lead:
-            compute, host_gbps, computing = measured
+            compute, computing = measured
+        if cuda:
+            host_gbps, rates = _shared(launch, "the host link", lambda: host_link_together(launch, settings))
+            say(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction"
+                + (f"; the slowest of {len(rates)} ranks copying at once)" if rates else ")"))
+            if launch is None:
+                notes.append("the pinned host link was timed by this process alone: a node's ranks offloading at "
+                             "once each get less; launch pipemesh profile with torchrun on a node's ranks to time "
+                             "them together")
         if launch is not None:
+            bucket = settings.bucket_bytes or (megatron_bucket_bytes(args.ddp_bucket_size, launch.world,
+                                                                     _grad_bytes(args)) if cuda else CPU_BUCKET_BYTES)
             sizes = message_sizes(model_spec.micro_batch_size, model_spec.seq_length, model_spec.hidden_size,
-                                  model_spec.dtype_bytes, "cuda" if cuda else "cpu", settings.bucket_bytes)
+                                  model_spec.dtype_bytes, bucket)
             network, link_notes = measure_network(launch, sizes, settings.warmup, settings.repeats, cuda, say)
             notes += link_notes
     finally:
@@ -489,11 +501,7 @@ def _measure(args, model_spec, run_spec: str, settings: ProfileSettings, cuda: b
         except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break
-    points = _with_step_overhead(args, points, build, timer, device, settings, progress)
-    host_gbps = _host_link_gbps(settings) if cuda else None
-    if host_gbps is not None:
-        progress(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction)")
-    return points, host_gbps
+    return _with_step_overhead(args, points, build, timer, device, settings, progress)
 
 
 def _attention_mask(args, device):
@@ -713,19 +721,28 @@ def _optimizer_s_per_param(args, run_spec: str, settings: ProfileSettings, cuda:
     return statistics.median(samples) / sum(p.numel() for p in params)
 
 
-def _host_link_gbps(settings: ProfileSettings, size: int = 64 * 2 ** 20) -> float:
-    """The slower direction of pinned device-host copies of ``size`` bytes, Gbit/s."""
+def _grad_bytes(args) -> int:
+    """Bytes per element of the command's gradient buffers: fp32 under --accumulate-allreduce-grads-in-fp32 (bf16's
+    default) or with fp32 parameters, else the parameters' 16 bits."""
     import torch
 
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-    timer = _Timer(True)
-    rates = []
-    for copy_to in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, non_blocking=True)):
-        seconds = []
-        for call in range(settings.warmup + settings.repeats):
-            _, t = timer(copy_to)
-            if call >= settings.warmup:
-                seconds.append(t)
-        rates.append(size * 8 / statistics.median(seconds) / 1e9)
-    return min(rates)
+    return 4 if args.accumulate_allreduce_grads_in_fp32 or args.params_dtype == torch.float32 else 2
+
+
+def host_link_together(launch, settings: ProfileSettings) -> Tuple[float, List[float]]:
+    """(the pinned host link, Gbit/s of the slower direction, every rank's rate: [] for one process) as training's
+    host placement meets it: launched on several ranks, every rank copies at once (a node's ranks share its host
+    memory and PCIe switches), each copy after a barrier, and the slowest rank's rate is kept."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.host_link import measure_host_link
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    together = None if launch is None else dist.barrier
+    rate = measure_host_link(device, repeats=settings.repeats, before_copy=together).planning_gbps
+    if launch is None:
+        return rate, []
+    rates: List[Optional[float]] = [None] * launch.world
+    dist.all_gather_object(rates, rate)
+    return min(rates), rates
