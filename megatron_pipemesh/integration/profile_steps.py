@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
-from typing import Dict, Iterator, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Sequence, Tuple
 
 from ..planning.costs import STAGE_KINDS
 from ..planning.profile import ComputePoint
+from .profile_timing import medians
 
 STAGE_RANKS = dict(zip(STAGE_KINDS, ((0, 1), (0, 3), (1, 3), (2, 3))))
 """(pipeline rank, pipeline size) Megatron's parallel state is given while a chunk of each kind is timed."""
@@ -129,20 +129,19 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
             hidden = torch.randn(sized.seq_length, b, sized.hidden_size, generator=torch.Generator().manual_seed(b))
             dtype = next(iter(models.values()))[1].params_dtype
             hidden = hidden.to(device=device, dtype=dtype)  # what a stage receives
-            samples = {kind: ([], []) for kind in models}
-            for call in range(warmup + repeats):
-                for kind, (model, config) in models.items():
+
+            def step(kind: str, model, config) -> Callable[[], Tuple[float, float]]:
+                def one() -> Tuple[float, float]:
                     with _as_stage(kind):
-                        forward_s, backward_s = _one_step(schedules, forward_step, model, config, kind, batch,
-                                                          hidden, timer)
-                    if call >= warmup:
-                        samples[kind][0].append(forward_s)
-                        samples[kind][1].append(backward_s)
+                        return _one_step(schedules, forward_step, model, config, kind, batch, hidden, timer)
+                return one
+
+            times = medians({kind: step(kind, model, config) for kind, (model, config) in models.items()}, warmup,
+                            repeats)
         found[b] = {}
-        for kind, (forwards, backwards) in samples.items():
+        for kind, (forward, backward) in times.items():
             piece_forward, piece_backward = _pieces(point, kind)
-            found[b][kind] = (max(0.0, statistics.median(forwards) - piece_forward),
-                              max(0.0, statistics.median(backwards) - piece_backward))
+            found[b][kind] = (max(0.0, forward - piece_forward), max(0.0, backward - piece_backward))
     return found
 
 

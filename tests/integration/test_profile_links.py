@@ -81,14 +81,14 @@ def test_the_bucket_is_megatrons_in_parameters_of_the_gradient_buffers_dtype(meg
     """Megatron's DDP bucket is 40,000,000 parameters (1,000,000 x the data-parallel size above 40 ranks) or
     --ddp-bucket-size, each of the gradient buffer's dtype: fp32 for bf16 (validation sets
     --accumulate-allreduce-grads-in-fp32) unless --grad-reduce-in-bf16 -- not 40 MiB."""
-    from megatron_pipemesh.integration.profile import _grad_bytes
+    from megatron_pipemesh.integration.profile import grad_bytes
     from tests.integration.conftest import TINY, profile_args_of
 
     assert megatron_bucket_bytes(None, 8, 4) == 160_000_000 and megatron_bucket_bytes(None, 64, 4) == 256_000_000
     assert megatron_bucket_bytes(20_000_000, 64, 2) == 40_000_000
-    assert _grad_bytes(megatron) == 4  # fp32 parameters
-    assert _grad_bytes(profile_args_of(TINY.split() + ["--bf16"])) == 4
-    assert _grad_bytes(profile_args_of(TINY.split() + ["--bf16", "--grad-reduce-in-bf16"])) == 2
+    assert grad_bytes(megatron) == 4  # fp32 parameters
+    assert grad_bytes(profile_args_of(TINY.split() + ["--bf16"])) == 4
+    assert grad_bytes(profile_args_of(TINY.split() + ["--bf16", "--grad-reduce-in-bf16"])) == 2
 
 
 def four_ranks_on_two_nodes():

@@ -30,19 +30,20 @@ def test_the_overhead_is_the_steps_time_less_the_pieces_and_never_negative(megat
     bare layer); with pieces longer than any step nothing is left (0, not below)."""
     import torch
 
-    from megatron_pipemesh.integration import profile
+    from megatron_pipemesh.integration.profile import ProfileSettings
+    from megatron_pipemesh.integration.profile_models import gpt, one_layer_chunks
     from megatron_pipemesh.integration.profile_steps import measure_step_overhead
+    from megatron_pipemesh.integration.profile_timing import Timer
     from megatron_pipemesh.planning.costs import STAGE_KINDS
     from megatron_pipemesh.planning.profile import ComputePoint
 
-    settings = profile.ProfileSettings()
-    models = profile._one_layer_chunks(megatron, lambda args, pre, post: profile._gpt(args, "local", settings, False,
-                                                                                       pre, post))
+    settings = ProfileSettings()
+    models = one_layer_chunks(megatron, lambda args, pre, post: gpt(args, "local", settings, False, pre, post))
     zero = ComputePoint(tp=1, micro_batch_size=2, layer_forward_s=0.0, layer_backward_s=0.0, recompute_extra_s={},
                         layer_activation_bytes={}, embedding_forward_s=0.0, embedding_backward_s=0.0,
                         embedding_activation_bytes=0.0, output_forward_s=0.0, output_backward_s=0.0,
                         output_activation_bytes=0.0)
-    timer = profile._Timer(False)
+    timer = Timer(False)
     whole = measure_step_overhead(megatron, models, [zero], timer, torch.device("cpu"), 1, 3)[2]
     assert set(whole) == set(STAGE_KINDS)
     assert all(forward > 0 and backward > 0 for forward, backward in whole.values())
