@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 Progress = Callable[[str], None]
 
 
+def out_of_memory() -> tuple:
+    """What running out of host or device memory raises."""
+    import torch
+
+    return (MemoryError,) + ((torch.cuda.OutOfMemoryError,) if hasattr(torch.cuda, "OutOfMemoryError") else ())
+
+
 def micro_batch_sizes(largest: int) -> List[int]:
     """1, 2, 4, ... below ``largest``, and ``largest``."""
     sizes, size = [], 1
@@ -42,14 +49,12 @@ def micro_batch_sizes(largest: int) -> List[int]:
 def attention_mask(args, device):
     """The mask the layers get, as the command's loader makes it (one sample's; None with
     ``--no-create-attention-mask-in-dataloader``); CommandError naming that flag where it does not fit the device."""
-    import torch
-
     from .megatron_command import CommandError
     from .profile_steps import loader_attention_mask
 
     try:
         return loader_attention_mask(args, 1, device)
-    except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)) as error:
+    except out_of_memory() as error:
         s = args.seq_length
         raise CommandError(f"the command's data loader builds an attention mask of seq x seq = {s} x {s} per sample "
                            f"({s * s / 2**30:.1f} GiB), which does not fit here ({error}); Megatron's attention "
@@ -156,21 +161,43 @@ def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings"
         try:
             points.append(point(b, s, h, vocab, layer_models, ends, dtype, device, timer, settings, exclude,
                                 progress, mask))
-        except (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError)):
+        except out_of_memory():
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break
-    return with_step_overhead(args, points, build, timer, device, settings, progress)
+    # The step overhead's chunks (two with the embedding, two with the output layer, fp32 main_grads on all) are
+    # built once these are gone: with a large vocabulary both sets at once do not fit.
+    del layer_models, ends, exclude
+    _free_device_memory(cuda)
+    return with_step_overhead(args, points, build, timer, device, settings, progress, notes)
+
+
+def _free_device_memory(cuda: bool) -> None:
+    """Collect what the pieces left (Megatron's modules hold reference cycles) and, on CUDA, give the cached blocks
+    back, so that the next models get the memory whole."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def with_step_overhead(args, points: List[ComputePoint], build, timer: Timer, device, settings: "ProfileSettings",
-                       progress: Progress) -> List[ComputePoint]:
+                       progress: Progress, notes: List[str]) -> List[ComputePoint]:
     """``points`` with what Megatron's schedule step spends beyond their pieces on each kind of chunk
-    (:mod:`.profile_steps`), timed on one-layer models of each kind."""
+    (:mod:`.profile_steps`), timed on one-layer models of each kind; where those do not fit the device, ``points``
+    as they are and a note saying so."""
     from .profile_steps import measure_step_overhead
 
-    models = one_layer_chunks(args, build)
-    with megatron_quiet():
-        overhead = measure_step_overhead(args, models, points, timer, device, settings.warmup, settings.repeats)
+    try:
+        models = one_layer_chunks(args, build)
+        with megatron_quiet():
+            overhead = measure_step_overhead(args, models, points, timer, device, settings.warmup, settings.repeats)
+    except out_of_memory() as error:
+        notes.append(f"the schedule step beyond the pieces was not measured: out of device memory with a one-layer "
+                     f"chunk of every kind ({str(error).splitlines()[0]}); plans price it at 0")
+        return points
     out = []
     for found in points:
         steps = overhead[found.micro_batch_size]
