@@ -15,7 +15,8 @@ recomputation settings are the command's). It measures, by job:
 * launched on several ranks, the links between them (:mod:`.profile_links`: p2p, collectives, flows sharing a NIC).
 
 Every time goes through one measuring loop (:mod:`.profile_timing`: warm-up calls, then the median of the repeats,
-the measurements taking turns; on CPU the wall clock with one thread, a rank's share, on CUDA CUDA events).
+the measurements taking turns; on CPU the wall clock with one thread, a rank's share, on CUDA CUDA events around
+each block launched behind queued work, as in training).
 
 Launched on several ranks (torchrun, Slurm: ``WORLD_SIZE`` > 1), every rank joins the job's process group, every rank
 measures the optimizer at once (Megatron's DDP and optimizer take part in collectives over the job's groups; rank 0's
@@ -222,10 +223,11 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         megatron_core_version=getattr(megatron.core, "__version__", "unknown"),
         shape=shape_of(model_spec, dtype_name(planned.args)), compute=tuple(compute),
         optimizer_s_per_param=optimizer_s, host_link_gbps=host_gbps, network=network,
-        method={"timer": "CUDA events" if cuda else "wall clock", "threads": None if cuda else 1,
+        method={"timer": "CUDA events, each block launched behind queued work" if cuda else "wall clock",
+                "threads": None if cuda else 1,
                 "cores_computing": None if cuda else computing,
                 "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
-                "activation_meter": ("CUDA allocator after the forward, less its output" if cuda else
+                "activation_meter": ("CUDA allocator across the forward, less its output" if cuda else
                                      "saved-tensor meter (parameters excluded)"),
                 "measured_layer_spec": run.model.layer_spec},
         notes=tuple(notes))
