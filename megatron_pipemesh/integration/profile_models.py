@@ -74,7 +74,10 @@ def layer_spec(args, use_te: bool):
 
 def gpt(args_of_level, run_spec: str, settings: "ProfileSettings", cuda: bool, pre: bool, post: bool):
     """(Megatron's ``GPTModel`` of ``args_of_level`` on this device, its ``TransformerConfig``): a middle stage, or
-    with ``pre`` / ``post`` the embedding / the output layer and loss."""
+    with ``pre`` / ``post`` the embedding / the output layer and loss. With ``--bf16`` / ``--fp16`` its parameters
+    are cast as Megatron's ``Float16Module`` casts the model it wraps in training (``module.bfloat16()`` /
+    ``.half()``): built from the config alone, the local spec's norms stay fp32 and their fp32 output meets a 16-bit
+    weight in the next linear."""
     import torch
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -90,6 +93,10 @@ def gpt(args_of_level, run_spec: str, settings: "ProfileSettings", cuda: bool, p
                      share_embeddings_and_output_weights=not args_of_level.untie_embeddings_and_output_weights,
                      position_embedding_type=args_of_level.position_embedding_type,
                      rotary_percent=args_of_level.rotary_percent, rotary_base=args_of_level.rotary_base)
+    if config.bf16:
+        model = model.bfloat16()
+    elif config.fp16:
+        model = model.half()
     return model.to(torch.device("cuda" if cuda else "cpu")), config
 
 
