@@ -57,3 +57,27 @@ def test_zero2_check_fails_when_a_group_reduction_loses_its_gradients():
     """) + textwrap.dedent(_RUN), timeout=300)
     result = _result(proc)
     assert result["status"] == "fail" and result["first_iteration_rel_grad_norm_diff"] > 1e-3, result
+
+
+def test_zero2_check_fails_when_the_runtime_does_not_wait_for_its_reduce_scatters():
+    """A runtime that adds a REDUCE's shard to the accumulator without waiting for its reduce-scatter: with one rank
+    per data-parallel group the real reduce-scatter is done at once and that passed; the check's late-completing
+    works leave the shard poisoned until waited for, so the check must fail (NaN grad norm, no wait counted)."""
+    proc = run_child(textwrap.dedent("""
+        import torch
+        from megatron_pipemesh.runtime.sharding import ChunkSharding
+        def no_wait(self):
+            if not self.pending:
+                return
+            with torch.no_grad():
+                for _, index in self.pending:
+                    self.grad_accum[index] += self._mine(index, self.buckets[index].grad_data)
+            self.pending = []
+            self.to_add = set(range(len(self.bucket_groups)))
+            self.release_grads()
+        ChunkSharding.finish_reduce = no_wait
+    """) + textwrap.dedent(_RUN), timeout=300)
+    result = _result(proc)
+    assert result["status"] == "fail" and not result["reduce_scatters_waited"], result
+    assert result["late_reduce_scatters"]["waited"] == 0 < result["late_reduce_scatters"]["launched"]
+    assert not result["first_iteration_rel_grad_norm_diff"] <= 1e-5  # NaN: the poisoned shard reached the gradients
