@@ -2,10 +2,9 @@
 block late; a plan whose blocks are too small for what the forwards save fails the check."""
 from __future__ import annotations
 
-import json
 import textwrap
 
-from .child import run_child
+from .child import printed, run_child
 
 _RUN = """
     import json
@@ -16,15 +15,10 @@ _RUN = """
 """
 
 
-def _result(proc):
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(line[len("result "):])
-
 
 def test_the_plans_blocks_are_reserved_up_front_and_none_is_allocated_late():
     """Both ranks reserve as many bytes as the plan's blocks need, and every OFFLOAD finds its block there."""
-    result = _result(run_child(_RUN, timeout=300))
+    result = printed(run_child(_RUN, timeout=300))
     assert result["status"] == "pass" and result["no_late_allocation"] and result["pool_reserved_as_planned"], result
     assert all(r["late_allocations"] == 0 and r["pool_bytes"] > 0 for r in result["ranks"])
 
@@ -37,6 +31,6 @@ def test_blocks_smaller_than_the_forwards_save_fail_the_check():
         planned = host_blocks.planned_blocks
         host_blocks.planned_blocks = lambda *a, **k: {key: size // 2 for key, size in planned(*a, **k).items()}
     """) + textwrap.dedent(_RUN), timeout=300)
-    result = _result(proc)
+    result = printed(proc)
     assert result["status"] == "fail" and not result["no_late_allocation"], result
     assert any(r["late_allocations"] > 0 for r in result["ranks"])

@@ -3,10 +3,9 @@ allocator (faked on CPU) meet the saved-tensor meter's, and a reading that lets 
 inside its window does not."""
 from __future__ import annotations
 
-import json
 import textwrap
 
-from .child import run_child
+from .child import printed, run_child
 
 _KEPT = """
     import json
@@ -22,11 +21,6 @@ _KEPT = """
 """
 
 
-def _rows(proc):
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("rows ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(line[len("rows "):])
-
 
 def test_the_profile_check_passes_on_cpu_with_every_piece_measured():
     proc = run_child("""
@@ -37,9 +31,7 @@ def test_the_profile_check_passes_on_cpu_with_every_piece_measured():
         result = profile.check_profile(device, Path("/tmp"), time.monotonic() + 400)
         print("result", json.dumps(result, default=str))
     """, timeout=420)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(line[len("result "):])
+    result = printed(proc)
     assert result["status"] == "pass" and result["unmeasured"] == [] and result["micro_batch_sizes"] == [1, 2], result
     assert result["kept_bytes_against_meter"].startswith("skipped: needs CUDA")
 
@@ -48,7 +40,7 @@ def test_kept_bytes_from_the_allocator_meet_the_meters_within_the_tolerance():
     """The allocator's counters faked on CPU: every piece at every micro-batch size within 10% of the meter."""
     from scripts.gpu_check_lib.profile import KEPT_TOLERANCE
 
-    rows = _rows(run_child(_KEPT, timeout=300))
+    rows = printed(run_child(_KEPT, timeout=300), "rows")
     assert {row["micro_batch_size"] for row in rows} == {1, 2} and len(rows) >= 2 * 5
     assert all(abs(row["ratio"] - 1) <= KEPT_TOLERANCE for row in rows), rows
 
@@ -58,7 +50,7 @@ def test_a_reading_that_frees_the_previous_calls_tensors_inside_its_window_is_ca
     releases nothing), the allocator reads low and the comparison is out of tolerance."""
     from scripts.gpu_check_lib.profile import KEPT_TOLERANCE
 
-    rows = _rows(run_child(textwrap.dedent("""
+    rows = printed(run_child(textwrap.dedent("""
         from megatron_pipemesh.integration import profile_kept
         kept = profile_kept.kept_bytes
         def no_release(name, piece, grad_of, exclude):
@@ -66,5 +58,5 @@ def test_a_reading_that_frees_the_previous_calls_tensors_inside_its_window_is_ca
         profile_kept.kept_bytes = no_release
         from megatron_pipemesh.integration import profile_pieces
         profile_pieces.kept_bytes = no_release
-    """) + textwrap.dedent(_KEPT), timeout=300))
+    """) + textwrap.dedent(_KEPT), timeout=300), "rows")
     assert any(abs(row["ratio"] - 1) > KEPT_TOLERANCE for row in rows if row["piece"].startswith("layer")), rows
