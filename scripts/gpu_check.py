@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """What one GPU can check of PipeMesh's GPU path (run through ``scripts/gpu_check.sh``).
 
-Checks (each reports pass/fail/skip with its numbers; the JSON summary goes to ``--out``; a check, or a part of
-one, that needs CUDA reports ``skipped: needs CUDA (...)`` without it, never a pass). Each lives in a module of
-``scripts/gpu_check_lib/`` (named in brackets; ``common.py`` holds the one-process world and the tiny GPT models); this
-file is the command line only:
+Checks (each reports pass/fail/skip with its numbers; a check, or a part of one, that needs CUDA reports ``skipped:
+needs CUDA (...)`` without it, never a pass). The JSON summary (``--out``; ``gpu_check_lib/summary.py``) is rewritten
+as every check starts and ends, so a run stopped by the shell's timeout keeps what it found and names the check it
+stopped in; it lists the checks ``passed``, ``skipped`` (with the reasons; a skip is not a pass) and ``failed`` apart,
+and the exit status is 1 when one failed. Each check lives in a module of ``scripts/gpu_check_lib/`` (named in
+brackets; ``common.py`` holds the one-process world and the tiny GPT models); this file is the command line only:
 
 * ``executor_<backend>`` [executor]: the executor's forward/backward/send/receive path for every pipeline rank role
   (first stage, middle stages, last stage with the loss; p=4, V=2, elastic groups) in one process. NCCL cannot put
@@ -46,7 +48,11 @@ file is the command line only:
   ``REDUCE`` ops per chunk and iteration, Megatron's bucketing on chunk 0) on the same default path, against the
   same groups unsharded: every rank runs the plan's ``REDUCE`` ops and waits for their reduce-scatters before the
   chunk's next backward (the wait ``runtime/sharding.py`` makes), the first iteration's losses equal and grad norm
-  within 1e-5, later ones within bf16's margin.
+  within 1e-5, later ones within bf16's margin. A data-parallel group of one rank finishes a reduce-scatter at once,
+  so the runtime's complete late here (the shard poisoned until waited for): a missing wait fails the check.
+* ``host_blocks`` [host_blocks]: a plan with host placement and the planner's ``host_blocks`` (every placement kind
+  on 2 ranks, two calls): each rank's pinned pool is reserved before the first call, as large as the plan's blocks
+  need, no OFFLOAD allocates a block late, and losses and gradients are the whole model's.
 * ``meter`` [meter]: the activation bytes one chunk's forward keeps, measured by the runtime's meter (the CUDA
   caching allocator's counters on GPU, saved-tensor hooks on CPU) against the activation model of
   ``planning/memory.py`` at each recompute level, within 10%; on CUDA the meter's peak must be what the forward
@@ -64,6 +70,11 @@ file is the command line only:
   (gradients unchanged), and how much of a copy of those bytes hides behind a chunk's forward and backward (hidden
   fraction, bandwidth while overlapping). Prints the ``--pipemesh-host-link-gbps`` value the planner should use (the
   slower direction while overlapping compute).
+* ``profile`` [profile]: ``pipemesh profile`` of a small bf16 GPT in a child process measures every piece (each
+  micro-batch size and recompute level, the embedding, the output layer, the schedule step on every kind of chunk,
+  the data loader, the optimizer, on CUDA the pinned host link); on CUDA also each piece's kept bytes read from the
+  allocator within 10% of the saved-tensor meter's count of the same forward, and the profile's timer hiding 5 ms
+  of Python in front of 20 ms of device work (its lead keeps the queue ahead, as training does).
 * ``timing`` (CUDA) [timing]: CUDA-event op times (``runtime/stats.py``) against synchronised wall time.
 * ``bench`` [bench]: the memory-fair CPU benchmark, ``python -m megatron_pipemesh.bench --quick`` with 8 ranks
   (pp4xdp2); off unless ``--bench run`` (or ``--bench auto`` on a machine with the cores for 8 ranks): it can take
@@ -73,9 +84,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,21 +101,25 @@ if _HERE not in sys.path:
 from gpu_check_lib.bench import BENCH_RANKS, check_bench  # noqa: E402
 from gpu_check_lib.common import cores, needs_cuda, setup  # noqa: E402
 from gpu_check_lib.executor import DELAY_CYCLES, check_no_caching, mixed_placement, run_pipeline  # noqa: E402
+from gpu_check_lib.host_blocks import check_host_blocks  # noqa: E402
 from gpu_check_lib.host_link import check_host_link  # noqa: E402
 from gpu_check_lib.megatron_path import check_megatron_path, transformer_engine_version  # noqa: E402
 from gpu_check_lib.meter import check_meter  # noqa: E402
 from gpu_check_lib.meter_offload import check_meter_offload  # noqa: E402
+from gpu_check_lib.profile import check_profile  # noqa: E402
 from gpu_check_lib.recompute import check_recompute  # noqa: E402
+from gpu_check_lib.summary import Summary  # noqa: E402
 from gpu_check_lib.timing import check_timing  # noqa: E402
 from gpu_check_lib.zero_groups import check_zero2_backward_groups  # noqa: E402
 
 
 CHECKS = ("executor_nccl", "executor_gloo", "executor_host", "executor_delayed_copies", "executor_no_caching",
-          "megatron_path", "zero2_backward_groups", "host_link", "meter", "meter_offload", "recompute", "timing", "bench")
+          "megatron_path", "zero2_backward_groups", "host_link", "host_blocks", "meter", "meter_offload", "recompute",
+          "profile", "timing", "bench")
 """Every check's name, in the order they run (``executor_gloo`` runs on CPU only: on CUDA the executor runs NCCL's)."""
 
 
-def _timed(name: str, checks: Dict[str, dict], function: Callable[[], dict]) -> None:
+def _timed(function: Callable[[], dict]) -> dict:
     start = time.monotonic()
     try:
         result = function()
@@ -113,8 +128,18 @@ def _timed(name: str, checks: Dict[str, dict], function: Callable[[], dict]) -> 
         result = {"status": "fail", "error": f"{type(error).__name__}: {error}",
                   "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.monotonic() - start, 3)
-    checks[name] = result
-    print(f"gpu_check: {name}: {result['status']} ({result['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    return result
+
+
+def _stop_on_term(summary: Summary) -> None:
+    """On SIGTERM (the shell's ``timeout``): the summary says which check was stopped, then exit 124 as timeout's."""
+    def handler(signum, frame):
+        summary.write(interrupted=f"stopped by SIGTERM (the time limit) during {summary.running or 'set-up'}")
+        print(f"gpu_check: stopped during {summary.running}; results so far in {summary.path}", file=sys.stderr,
+              flush=True)
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -143,49 +168,50 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     device = setup(args.cpu_only)
     import torch
+    from megatron.core import package_info
 
     cuda = device.type == "cuda"
     only = set(args.only.split(",")) if args.only else None
-    checks: Dict[str, dict] = {}
-
-    def run(name: str, function: Callable[[], dict]) -> None:
-        if only is None or name in only:
-            _timed(name, checks, function)
-
     backends = ("nccl",) if cuda else ("nccl", "gloo")  # CPU: both wait policies
-    for backend in backends:
-        run(f"executor_{backend}", lambda backend=backend: run_pipeline(device, backend))
-    run("executor_host", lambda: run_pipeline(device, backends[0], placement=mixed_placement(4, 2, 8)))
-    run("executor_delayed_copies", lambda: needs_cuda(device, "side streams to delay") or run_pipeline(
-        device, "nccl", placement=mixed_placement(4, 2, 8), delay_cycles=args.delay_cycles))
-    run("executor_no_caching", lambda: needs_cuda(device, "the CUDA caching allocator to turn off")
-        or check_no_caching(out.parent, deadline))
-    run("megatron_path", lambda: check_megatron_path(device, "nccl" if cuda else "gloo"))
-    run("zero2_backward_groups", lambda: check_zero2_backward_groups(device, "nccl" if cuda else "gloo"))
-    run("host_link", lambda: check_host_link(device))
-    run("meter", lambda: check_meter(device))
-    run("meter_offload", lambda: check_meter_offload(device))
-    run("recompute", lambda: check_recompute(device))
-    run("timing", lambda: check_timing(device))
-    run("bench", lambda: check_bench(out.parent, deadline, args.bench))
-
-    from megatron.core import package_info
-    summary = {
-        "passed": all(c["status"] in ("pass", "skip") for c in checks.values()),
+    checks: Dict[str, Callable[[], dict]] = {f"executor_{backend}": (lambda backend=backend: run_pipeline(device, backend))
+                                             for backend in backends}
+    checks.update({
+        "executor_host": lambda: run_pipeline(device, backends[0], placement=mixed_placement(4, 2, 8)),
+        "executor_delayed_copies": lambda: needs_cuda(device, "side streams to delay") or run_pipeline(
+            device, "nccl", placement=mixed_placement(4, 2, 8), delay_cycles=args.delay_cycles),
+        "executor_no_caching": lambda: needs_cuda(device, "the CUDA caching allocator to turn off")
+        or check_no_caching(out.parent, deadline),
+        "megatron_path": lambda: check_megatron_path(device, "nccl" if cuda else "gloo"),
+        "zero2_backward_groups": lambda: check_zero2_backward_groups(device, "nccl" if cuda else "gloo"),
+        "host_link": lambda: check_host_link(device),
+        "host_blocks": lambda: check_host_blocks(device),
+        "meter": lambda: check_meter(device),
+        "meter_offload": lambda: check_meter_offload(device),
+        "recompute": lambda: check_recompute(device),
+        "profile": lambda: check_profile(device, out.parent, deadline),
+        "timing": lambda: check_timing(device),
+        "bench": lambda: check_bench(out.parent, deadline, args.bench),
+    })
+    planned = [name for name in CHECKS if name in checks and (only is None or name in only)]
+    summary = Summary(out, {
         "mode": "cpu-only" if args.cpu_only else ("gpu" if cuda else "cpu (no CUDA)"),
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "cores": cores(), "torch": torch.__version__, "megatron_core": package_info.__version__,
-        "transformer_engine": transformer_engine_version() if cuda else None,
-        "seconds": round(time.monotonic() - begin, 1), "checks": checks,
-    }
-    text = json.dumps(summary, indent=1, default=str)
-    out.write_text(text)
+        "transformer_engine": transformer_engine_version() if cuda else None, "seconds": 0.0}, planned)
+    _stop_on_term(summary)
+    for name in planned:
+        summary.start(name)
+        result = _timed(checks[name])
+        summary.header["seconds"] = round(time.monotonic() - begin, 1)
+        summary.record(name, result)
+        print(f"gpu_check: {name}: {result['status']} ({result['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    text = summary.write(complete=True)
     print(text, file=summary_stream, flush=True)
-    print(f"gpu_check: {'PASSED' if summary['passed'] else 'FAILED'}; summary in {out}", file=sys.stderr)
+    print(summary.line(), file=sys.stderr)
     import torch.distributed as dist
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    return 0 if summary["passed"] else 1
+    return 1 if summary.failed else 0
 
 
 if __name__ == "__main__":

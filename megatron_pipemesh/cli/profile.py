@@ -45,7 +45,9 @@ def build_profile_parser() -> argparse.ArgumentParser:
                              "measures the sizes the advice may change yours to (1, 2, 4, ... and this one)")
     parser.add_argument("--bucket-mib", type=positive_number, default=None,
                         help="launched on several ranks (torchrun): the larger message the links are timed with, MiB "
-                             "(default 40 with CUDA, 4 without; the smaller is one micro-batch's activation)")
+                             "(default with CUDA: Megatron's gradient bucket of your command, 40,000,000 "
+                             "parameters or 1,000,000 x the ranks, fp32 with bf16; without: 4; the smaller is one "
+                             "micro-batch's activation)")
     parser.add_argument("--ranks-per-node", type=positive_int, default=ProfileSettings.ranks_per_node,
                         help="CPU: the ranks that will compute at once on this machine; the compute is timed with "
                              "that many cores computing, as they will (default 1: the other cores idle)")

@@ -12,7 +12,8 @@ levers: with ``auto`` the planner places chunk-micro-batches on the host or reco
 inputs that differ between ranks are agreed on at the first call (:mod:`.measured`): the free device
 memory, the host-link bandwidth measured at start-up on GPU (:mod:`..runtime.host_link`; on CPU the
 planning default) and the host memory share per rank (:mod:`.host_memory`: MemAvailable over the launcher's
-ranks per node, also the cap of ``--pipemesh-host-memory-gb``; a plan file that needs more is refused).
+ranks per node, also the cap of ``--pipemesh-host-memory-gb``; a plan file that needs more than the smallest share
+over the ranks is refused by every rank at the first call, or at parse time in a one-rank run).
 """
 from __future__ import annotations
 
@@ -295,9 +296,13 @@ def resolve_megatron(args, settings: PipeMeshConfig, source: str, pp: int, vpp: 
         raise ValueError(f"{found.what}: {error}. Use --forward-groups auto --backward-groups auto, a larger budget, or "
                          "a smaller --micro-batch-size") from error
     plan = resolution.plan
-    if source == PLAN_FILE:  # made elsewhere: its pinned pool must fit this node's share of host memory
-        check_plan_fits_host(plan, f"--pipemesh-plan {request.plan_file}", host_share() if plan.host_placement else None)
-        return plan, f"PipeMesh plan from {request.plan_file}: {plan.describe()}", None
+    if source == PLAN_FILE:  # made elsewhere: its pinned pool must fit the smallest share of host memory
+        line = f"PipeMesh plan from {request.plan_file}: {plan.describe()}"
+        share = host_share() if plan.host_placement else None
+        if share is None or getattr(args, "world_size", 1) <= 1:
+            check_plan_fits_host(plan, f"--pipemesh-plan {request.plan_file}", share)
+            return plan, line, None
+        return plan, line, Replanning(request, host_fit=share)  # ranks read differently: they agree at the first call
     if source == GROUPS:
         return plan, "", None
     return plan, plan_line(request, found, resolution), replanning(request, found, settings)

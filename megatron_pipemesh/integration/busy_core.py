@@ -23,20 +23,21 @@ def main() -> None:
     import torch
 
     from .cpu_compat import apply_cpu_compat
-    from .profile import (ProfileSettings, _gpt, _level_args, _megatron_quiet, _start_process_group, _with_main_grads,
-                          command_args)
+    from .profile import ProfileSettings, command_args, start_process_group
+    from .profile_models import gpt, level_args, megatron_quiet, with_main_grads
+    from .profile_steps import loader_attention_mask
 
     apply_cpu_compat()
     torch.set_num_threads(1)
     args, _, run = command_args(request["words"], False)
-    end = _start_process_group(False)
+    end = start_process_group(False)
     try:
-        with _megatron_quiet():
-            model, _ = _gpt(_level_args(args, "none"), run.model.layer_spec, ProfileSettings(), False, pre=False,
+        with megatron_quiet():
+            model, _ = gpt(level_args(args, "none"), run.model.layer_spec, ProfileSettings(), False, pre=False,
                             post=False)
-        _with_main_grads(model)  # the backward accumulates into them, as under Megatron's DDP
+        with_main_grads(model)  # the backward accumulates into them, as under Megatron's DDP
         s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-        mask = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s)
+        mask = loader_attention_mask(args, 1, torch.device("cpu"))
         hidden = torch.randn(s, b, h)
         print("ready", flush=True)
         while not stop.is_set():

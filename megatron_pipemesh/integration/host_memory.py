@@ -6,7 +6,9 @@
   slabs the kernel gives back on demand. ``MemFree`` (glibc's ``_SC_AVPHYS_PAGES``) leaves the page cache out, so
   on a node whose cache is full (a data set read once) it is near zero and host placement would be dropped for no
   reason. A cgroup memory limit (Slurm's ``task/cgroup`` with ``ConstrainRAMSpace``, containers) caps it: pinned
-  pages are charged to the job's cgroup, whose OOM killer ends the job long before the node runs out.
+  pages are charged to the job's cgroup, whose OOM killer ends the job long before the node runs out. The limit
+  may sit on any ancestor of the process's cgroup (Slurm sets it on the job, the task below reads ``max``): the
+  smallest headroom over them counts.
 * **Ranks per node** come from the launcher: torchrun's ``LOCAL_WORLD_SIZE``; Slurm's ``SLURM_NTASKS_PER_NODE``
   (set with ``--ntasks-per-node``), else ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` (``"8(x2),4"``:
   this node's entry by ``SLURM_NODEID``; a plain ``srun`` with one task per GPU sets these, not
@@ -56,9 +58,13 @@ def _read_number(path: str) -> Optional[int]:
 
 
 def cgroup_headroom(root: Optional[str] = None, proc_cgroup: Optional[str] = None) -> Optional[Tuple[int, str]]:
-    """(bytes the job's memory cgroup can still charge, where the limit was read), or None without a limit.
-    cgroup v2: ``memory.max - memory.current`` of this process's cgroup; v1: ``memory.limit_in_bytes -
-    memory.usage_in_bytes`` of its memory controller (a limit above 2**60 bytes is v1's 'none')."""
+    """(bytes the job's memory cgroups can still charge, where that limit was read), or None without a limit.
+
+    A limit binds every cgroup below it, and the launcher may set it above the process's own cgroup: Slurm's
+    task/cgroup puts a task in ``.../job_N/step_S/user/task_T`` with ``memory.max`` on the job (and step) while the
+    task's own file reads ``max``. So every level from this process's cgroup up to the hierarchy's root is read and
+    the smallest headroom wins. cgroup v2: ``memory.max - memory.current``; v1: ``memory.limit_in_bytes -
+    memory.usage_in_bytes`` of the memory controller (a limit above 2**60 bytes is v1's 'none')."""
     root = root or CGROUP_ROOT
     try:
         with open(proc_cgroup or PROC_CGROUP, encoding="ascii") as handle:
@@ -68,16 +74,21 @@ def cgroup_headroom(root: Optional[str] = None, proc_cgroup: Optional[str] = Non
     entries = [entry for entry in entries if len(entry) == 3]  # hierarchy id : controllers : path
     v2 = next((path for number, controllers, path in entries if number == "0" and not controllers), None)
     v1 = next((path for _, controllers, path in entries if "memory" in controllers.split(",")), None)
-    candidates = []
+    hierarchies = []
     if v2 is not None:
-        candidates.append((os.path.join(root, v2.lstrip("/")), "memory.max", "memory.current"))
+        hierarchies.append((root, v2, "memory.max", "memory.current"))
     if v1 is not None:
-        candidates.append((os.path.join(root, "memory", v1.lstrip("/")), "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for directory, limit_name, usage_name in candidates:
-        limit, usage = _read_number(os.path.join(directory, limit_name)), _read_number(os.path.join(directory, usage_name))
-        if limit is not None and usage is not None and limit < 1 << 60:
-            return max(0, limit - usage), f"cgroup {os.path.join(directory, limit_name)}"
-    return None
+        hierarchies.append((os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    found = []
+    for base, path, limit_name, usage_name in hierarchies:
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # this process's cgroup first, then each ancestor
+            directory = os.path.join(base, *parts[:depth])
+            limit = _read_number(os.path.join(directory, limit_name))
+            usage = _read_number(os.path.join(directory, usage_name))
+            if limit is not None and usage is not None and limit < 1 << 60:
+                found.append((max(0, limit - usage), f"cgroup {os.path.join(directory, limit_name)}"))
+    return min(found, key=lambda item: item[0]) if found else None
 
 
 def available_bytes(meminfo: Optional[str] = None, cgroup_root: Optional[str] = None,
@@ -234,13 +245,13 @@ def plan_host_bytes(plan) -> Optional[Tuple[float, int]]:
     return None
 
 
-def check_plan_fits_host(plan, what: str, share: Optional[HostShare]) -> None:
+def check_plan_fits_host(plan, what: str, share: Optional[HostShare], where: str = "this node") -> None:
     """Raise ValueError naming the numbers when ``plan``'s host placement needs more pinned memory on some rank
-    than this rank's ``share`` of the node (the plan was made for another machine or more memory)."""
+    than ``share`` (the share of each rank on ``where``; the plan was made for another machine or more memory)."""
     need = plan_host_bytes(plan)
     if need is None or share is None or need[0] <= share.bytes:
         return
     raise ValueError(f"{what} places activations on the host, which needs {need[0] / GB:.2f} GiB of pinned memory on "
-                     f"pipeline rank {need[1]}, but this node gives each rank {share.describe()}. Re-plan for this "
+                     f"pipeline rank {need[1]}, but {where} gives each rank {share.describe()}. Re-plan for this "
                      f"machine (`pipemesh plan ... --host-memory-gb {share.bytes / GB:.1f}`), run fewer ranks per node, "
                      "or free host memory")

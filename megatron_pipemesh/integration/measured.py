@@ -24,6 +24,7 @@ from ..planning.profile import Profile, ProfileError, load, shape_of
 from ..planning.request import PlanRequest
 from ..planning.resolve import Resolution, resolve
 from ..schedule.plan import RunPlan
+from .host_memory import HostShare, check_plan_fits_host
 
 TIME_FIELDS = MEASURED_TIME_FIELDS
 """The per-op times a profile file holds."""
@@ -72,6 +73,11 @@ class Replanning:
     """The host link or host budget was found by this rank: re-plan with the minimum over ranks."""
     agree_on_rate: bool = False
     """The device rate was measured by this rank (its CPU's matmul rate): re-plan with the slowest over ranks."""
+    host_fit: Optional[HostShare] = None
+    """This rank's share of its node's host memory, where a plan made elsewhere (``--pipemesh-plan``) places
+    activations on the host: at the first call, before any pinned block is allocated, every rank checks the plan
+    against the smallest share over the ranks, so that all refuse together or none does (a refusal decided by each
+    rank's own reading would let some exit while the rest wait for them in a collective)."""
 
     @property
     def model(self) -> ModelSpec:
@@ -91,6 +97,8 @@ class MeasuredReplanner:
       of failing the plan-digest check.
     * ``agree_on_host``: the same for the host-link bandwidth and host memory budget of 'auto' activation
       placement (measured or read per rank).
+    * ``host_fit``: a plan file's host placement against the smallest host share over the ranks (all refuse
+      together, before the first call allocates its pinned blocks).
     * ``measure_iters`` > 0: after that many training calls, re-plan once from measured costs.
 
     Each re-plan resolves the start-up request with what the ranks agreed on or measured
@@ -104,6 +112,7 @@ class MeasuredReplanner:
         self.request = inputs.request
         self.agree_on_budget, self.agree_on_host, self.agree_on_rate = (inputs.agree_on_budget, inputs.agree_on_host,
                                                                         inputs.agree_on_rate)
+        self.host_fit = inputs.host_fit
         self.history: List = []
 
     @property
@@ -136,6 +145,8 @@ class MeasuredReplanner:
         if self.agree_on_rate:
             self.agree_on_rate = False
             self._agree_on_rate()
+        if self.host_fit is not None:
+            self._check_host_fit()
         result = self.schedule(**kwargs)
         measure_iters = self.inputs.measure_iters
         if measure_iters and not kwargs.get("forward_only") and len(self.history) < measure_iters:
@@ -188,6 +199,17 @@ class MeasuredReplanner:
             host = "unlimited" if agreed[1] is None else f"{agreed[1] / 2**30:.1f} GiB"
             print(f"PipeMesh plan (auto, host link {agreed[0]} Gbit/s and host memory {host} per rank = the minimum "
                   f"over ranks): {best.chosen.summary()}", flush=True)
+
+    def _check_host_fit(self) -> None:
+        """Every rank checks the plan against the smallest host share over the ranks (raises ValueError on each)."""
+        import torch.distributed as dist
+
+        shares: List[Optional[HostShare]] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, self.host_fit)
+        self.host_fit = None
+        rank, smallest = min(enumerate(shares), key=lambda item: item[1].bytes)
+        check_plan_fits_host(self.base, f"--pipemesh-plan {self.request.plan_file}", smallest,
+                             where=f"rank {rank}'s node (the smallest share over the {len(shares)} ranks)")
 
     def _agree_on_rate(self) -> None:
         """All ranks re-plan with the slowest measured device rate when they differ."""

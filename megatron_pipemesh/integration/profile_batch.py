@@ -19,12 +19,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import warnings
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Mapping, Sequence, Tuple
+
+from .profile_timing import medians
 
 MIN_PAUSE_S = 0.005
 """The least pause between two batches (the workers' head start)."""
@@ -67,14 +68,15 @@ def measure_batch_s(args, pauses: Mapping[int, float], warmup: int, repeats: int
                 warnings.simplefilter("ignore", UserWarning)
                 loader = build_pretraining_data_loader(train, 0)
                 batches = iter(loader)
-            seconds = []
-            for _ in range(warmup + repeats):
+
+            def one_batch(pause: float = pause, batches=batches) -> Tuple[float]:
                 time.sleep(max(MIN_PAUSE_S, pause))
                 start = time.perf_counter()
                 get_batch(batches)
-                seconds.append(time.perf_counter() - start)
-            del batches, loader  # the workers stop with their iterator
-            found[size] = statistics.median(seconds[warmup:])
+                return (time.perf_counter() - start,)
+
+            found[size], = medians({"batch": one_batch}, warmup, repeats)["batch"]
+            del one_batch, batches, loader  # the workers stop with their iterator
     finally:
         global_vars.set_args(before)
     return found

@@ -17,7 +17,8 @@ def main() -> None:
     prepare_megatron_import()
     import torch
 
-    from .profile import _megatron_quiet, _start_process_group, command_args
+    from .profile import command_args, start_process_group
+    from .profile_models import megatron_quiet
     from .profile_batch import measure_batch_s
 
     cuda = torch.cuda.is_available()
@@ -28,9 +29,9 @@ def main() -> None:
         torch.set_num_threads(1)
     try:
         args = command_args(request["words"], cuda)[0]
-        stop = _start_process_group(cuda)
+        stop = start_process_group(cuda)
         try:
-            with _megatron_quiet():
+            with megatron_quiet():
                 found = measure_batch_s(args, {int(k): float(v) for k, v in request["pauses"].items()},
                                         int(request["warmup"]), int(request["repeats"]))
         finally:

@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..planning.costs import DDP_BUCKET_PARAMS
 from ..planning.profile import (ALL_RANKS, BETWEEN_NODES, COLLECTIVES, ONE_NODE, WITHIN_NODE, LinkPoint, NetworkProfile,
                                 link_gbps, network_rates)
 
-BUCKET_BYTES = {"cuda": 40 * 2 ** 20, "cpu": 4 * 2 ** 20}
-"""The bucket-sized message per device kind: Megatron's DDP bucket is ~40 M parameters at its smallest; on CPU
-smaller, to keep the profile short on emulated networks (4 MiB is 0.35 s at 100 Mbit/s)."""
+CPU_BUCKET_BYTES = 4 * 2 ** 20
+"""The bucket-sized message on CPU: smaller than Megatron's buckets (:func:`megatron_bucket_bytes`), to keep the
+profile short on emulated networks (4 MiB is 0.35 s at 100 Mbit/s)."""
 JOIN_TIMEOUT = timedelta(minutes=60)
 """How long the ranks wait for each other: the others wait while rank 0 measures the compute."""
 
@@ -169,12 +170,19 @@ def link_cases(node_of_rank: Sequence[int], sizes: Sequence[int]) -> List[LinkCa
             for pattern, scope, ranks, flows in shapes]
 
 
-def message_sizes(micro_batch_size: int, seq_length: int, hidden_size: int, dtype_bytes: int, device_kind: str,
-                  bucket_bytes: Optional[int] = None) -> Dict[str, int]:
+def megatron_bucket_bytes(bucket_size: Optional[int], data_parallel: int, grad_bytes: int) -> int:
+    """Bytes of one gradient bucket Megatron's DDP reduces: ``--ddp-bucket-size`` parameters, else megatron-core's
+    default ``max(40,000,000, 1,000,000 x the data-parallel size)`` (``resolve_ddp_bucket_size``), each of the
+    gradient buffer's dtype (``grad_bytes``: fp32 with ``--accumulate-allreduce-grads-in-fp32``, which validation
+    turns on for bf16 unless ``--grad-reduce-in-bf16``; else the parameters')."""
+    return (bucket_size or max(DDP_BUCKET_PARAMS, 1_000_000 * data_parallel)) * grad_bytes
+
+
+def message_sizes(micro_batch_size: int, seq_length: int, hidden_size: int, dtype_bytes: int,
+                  bucket_bytes: int) -> Dict[str, int]:
     """{'activation': one micro-batch's activation (what a pipeline send carries at TP = 1), 'bucket': a gradient
-    bucket (``bucket_bytes``, default :data:`BUCKET_BYTES` of the device kind)}."""
-    return {"activation": micro_batch_size * seq_length * hidden_size * dtype_bytes,
-            "bucket": bucket_bytes or BUCKET_BYTES[device_kind]}
+    bucket of ``bucket_bytes``}."""
+    return {"activation": micro_batch_size * seq_length * hidden_size * dtype_bytes, "bucket": bucket_bytes}
 
 
 def join_job(launch: Launch, cuda: bool) -> Callable[[], None]:
@@ -199,15 +207,17 @@ def join_job(launch: Launch, cuda: bool) -> Callable[[], None]:
     return stop
 
 
-def share_failure(launch: Launch, failure: Optional[str]) -> None:
-    """Rank 0's ``failure`` (None: it measured) reaches every rank; the others raise it, so that none waits for a
-    rank that stopped."""
+def share_failure(launch: Launch, failure: Optional[str], what: str) -> None:
+    """Every rank's ``failure`` at ``what`` (None: it measured) reaches every rank; a rank that did not fail raises
+    the first rank's failure, so that none waits for a rank that stopped (a failed rank raises its own after)."""
     import torch.distributed as dist
 
-    box = [failure]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None and launch.rank != 0:
-        raise RuntimeError(f"rank 0 failed to measure the compute, so this rank stops too: {box[0]}")
+    failures: List[Optional[str]] = [None] * launch.world
+    dist.all_gather_object(failures, failure)
+    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+    if failed and failure is None:
+        rank, text = failed[0]
+        raise RuntimeError(f"rank {rank} failed to measure {what}, so this rank stops too: {text}")
 
 
 def measure_network(launch: Launch, sizes: Mapping[str, int], warmup: int, repeats: int, cuda: bool,

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
-from typing import Dict, Iterator, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Sequence, Tuple
 
 from ..planning.costs import STAGE_KINDS
 from ..planning.profile import ComputePoint
+from .profile_timing import medians
 
 STAGE_RANKS = dict(zip(STAGE_KINDS, ((0, 1), (0, 3), (1, 3), (2, 3))))
 """(pipeline rank, pipeline size) Megatron's parallel state is given while a chunk of each kind is timed."""
@@ -64,6 +64,20 @@ def _training_globals(args) -> Iterator[None]:
             global_vars._GLOBAL_TIMERS = None
 
 
+def loader_attention_mask(args, size: int, device):
+    """The attention mask the command's loader yields for ``size`` samples (``size`` x 1 x s x s, True where a token
+    may not attend), or None where the command does not build it (``--no-create-attention-mask-in-dataloader``:
+    Megatron's attention then applies its causal mask itself). Built as booleans on ``device`` directly, one byte per
+    entry: through an fp32 ``tril`` it would take 8 bytes per entry on the way (128 GiB at s = 128k)."""
+    import torch
+
+    if not args.create_attention_mask_in_dataloader:
+        return None
+    s = args.seq_length
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
+    return mask if size == 1 else mask.expand(size, 1, s, s).clone()
+
+
 def _batch(args, size: int, device) -> dict:
     """One micro-batch as the command's loader yields it (tokens, labels, loss mask, positions and, where the
     command builds it in the loader, the attention mask)."""
@@ -74,9 +88,11 @@ def _batch(args, size: int, device) -> dict:
     batch = {"tokens": torch.randint(0, vocab, (size, s), generator=generator),
              "labels": torch.randint(0, vocab, (size, s), generator=generator),
              "loss_mask": torch.ones(size, s), "position_ids": torch.arange(s).unsqueeze(0).expand(size, s).clone()}
-    if args.create_attention_mask_in_dataloader:
-        batch["attention_mask"] = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(size, 1, s, s).clone()
-    return {key: value.to(device) for key, value in batch.items()}
+    batch = {key: value.to(device) for key, value in batch.items()}
+    mask = loader_attention_mask(args, size, device)
+    if mask is not None:
+        batch["attention_mask"] = mask
+    return batch
 
 
 def _pieces(point: ComputePoint, kind: str) -> Tuple[float, float]:
@@ -113,20 +129,19 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
             hidden = torch.randn(sized.seq_length, b, sized.hidden_size, generator=torch.Generator().manual_seed(b))
             dtype = next(iter(models.values()))[1].params_dtype
             hidden = hidden.to(device=device, dtype=dtype)  # what a stage receives
-            samples = {kind: ([], []) for kind in models}
-            for call in range(warmup + repeats):
-                for kind, (model, config) in models.items():
+
+            def step(kind: str, model, config) -> Callable[[], Tuple[float, float]]:
+                def one() -> Tuple[float, float]:
                     with _as_stage(kind):
-                        forward_s, backward_s = _one_step(schedules, forward_step, model, config, kind, batch,
-                                                          hidden, timer)
-                    if call >= warmup:
-                        samples[kind][0].append(forward_s)
-                        samples[kind][1].append(backward_s)
+                        return _one_step(schedules, forward_step, model, config, kind, batch, hidden, timer)
+                return one
+
+            times = medians({kind: step(kind, model, config) for kind, (model, config) in models.items()}, warmup,
+                            repeats)
         found[b] = {}
-        for kind, (forwards, backwards) in samples.items():
+        for kind, (forward, backward) in times.items():
             piece_forward, piece_backward = _pieces(point, kind)
-            found[b][kind] = (max(0.0, statistics.median(forwards) - piece_forward),
-                              max(0.0, statistics.median(backwards) - piece_backward))
+            found[b][kind] = (max(0.0, forward - piece_forward), max(0.0, backward - piece_backward))
     return found
 
 

@@ -51,8 +51,12 @@ def _require_cuda(device: torch.device) -> torch.device:
     return device
 
 
-def _timed_copy(stream: "torch.cuda.Stream", dst: torch.Tensor, src: torch.Tensor) -> float:
-    """Milliseconds of one non-blocking copy on ``stream`` (synchronises)."""
+def _timed_copy(stream: "torch.cuda.Stream", dst: torch.Tensor, src: torch.Tensor,
+                before: Optional[Callable[[], None]] = None) -> float:
+    """Milliseconds of one non-blocking copy on ``stream`` (synchronises), started after ``before()``."""
+    if before is not None:
+        before()
+        torch.cuda.synchronize(dst.device if dst.is_cuda else src.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record(stream)
@@ -62,18 +66,20 @@ def _timed_copy(stream: "torch.cuda.Stream", dst: torch.Tensor, src: torch.Tenso
     return start.elapsed_time(end)
 
 
-def measure_host_link(device: torch.device, nbytes: int = MEASURE_BYTES, repeats: int = 3) -> HostLink:
-    """Pinned device-to-host and host-to-device copy bandwidth of ``device`` (see module doc)."""
+def measure_host_link(device: torch.device, nbytes: int = MEASURE_BYTES, repeats: int = 3,
+                      before_copy: Optional[Callable[[], None]] = None) -> HostLink:
+    """Pinned device-to-host and host-to-device copy bandwidth of ``device`` (see module doc). ``before_copy``: called
+    before every copy (warm-up included), e.g. a barrier, so that the ranks of a node copy at once."""
     device = _require_cuda(device)
     with torch.cuda.device(device):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
         stream = torch.cuda.Stream(device=device)
         try:
-            _timed_copy(stream, host, on_device)  # warm-up: page mapping, DMA engines
-            _timed_copy(stream, on_device, host)
-            d2h = statistics.median(_timed_copy(stream, host, on_device) for _ in range(repeats))
-            h2d = statistics.median(_timed_copy(stream, on_device, host) for _ in range(repeats))
+            _timed_copy(stream, host, on_device, before_copy)  # warm-up: page mapping, DMA engines
+            _timed_copy(stream, on_device, host, before_copy)
+            d2h = statistics.median([_timed_copy(stream, host, on_device, before_copy) for _ in range(repeats)])
+            h2d = statistics.median([_timed_copy(stream, on_device, host, before_copy) for _ in range(repeats)])
         finally:
             del host, on_device
             torch.cuda.synchronize(device)

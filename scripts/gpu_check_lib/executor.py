@@ -114,7 +114,8 @@ def delayed_offload_copies(cycles: int):
 def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_stage: int = 1, microbatches: int = 8,
                  forward_groups=(8,), backward_groups=(4, 4), mbs: int = 2, seq: int = 32, vocab: int = 128,
                  placement: Optional[Dict] = None, delay_cycles: int = 0, hidden: int = 64,
-                 measure_memory: bool = False, one_at_a_time: bool = False, warmup: bool = False):
+                 measure_memory: bool = False, one_at_a_time: bool = False, warmup: bool = False,
+                 host_blocks: Optional[Dict] = None):
     """PipeMesh on ``pp`` thread-ranks vs the whole model (``placement``: the runtime's per (rank, chunk,
     micro-batch) placement plan); returns the check's record. On CUDA every thread-rank runs on a compute stream of
     its own and the loopback copies on communication streams (as NCCL); ``delay_cycles`` > 0 makes every copy on a
@@ -123,7 +124,9 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     ``measure_memory``: the runtime's activation meter on every rank (its peaks per rank in the record);
     ``one_at_a_time``: the ranks take turns (:func:`one_rank_at_a_time`), so that on CUDA each rank's allocator
     readings are its own; ``warmup``: the same call once before the one the record is of (on CUDA the first forward
-    on a rank's stream allocates cuBLAS's workspace, which the allocator meter would count as that forward's)."""
+    on a rank's stream allocates cuBLAS's workspace, which the allocator meter would count as that forward's);
+    ``host_blocks``: the plan's pinned block per (rank, chunk), from which each rank's pool is sized at its first
+    call (the record then has each rank's pool: blocks, bytes and those allocated late, inside an OFFLOAD)."""
     import torch
 
     from megatron.core.pipeline_parallel import schedules as mcore
@@ -169,7 +172,8 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
     def rank_schedule(transport):
         chunks = [models[c * pp + transport.rank()] for c in range(vpp)]
         schedule = PipeMeshSchedule(
-            RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)), placement or {}),
+            RunPlan(ScheduleConfig(pp, vpp, microbatches, tuple(forward_groups), tuple(backward_groups)), placement or {},
+                    host_blocks=host_blocks or {}),
             PipeMeshOptions(p2p_timeout_s=60.0, measure_memory=measure_memory),
             transport=transport)
         for _ in range(2 if warmup else 1):
@@ -196,8 +200,9 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
         record.update(host_placed=hosted,
                       offloaded_bytes=[sum(results[r][1].offloaded_bytes.values()) if r in results else 0 for r in range(pp)],
                       peak_host_bytes=[results[r][1].peak_host_bytes if r in results else 0 for r in range(pp)],
-                      host_pool_allocations=[getattr(getattr(results[r][2], "pool", None), "allocations", 0)
-                                             if r in results else 0 for r in range(pp)])
+                      host_pool_allocations=[_pool(results, r, "allocations") for r in range(pp)],
+                      host_pool_late_allocations=[_pool(results, r, "late_allocations") for r in range(pp)],
+                      host_pool_bytes=[_pool(results, r, "allocated_bytes") for r in range(pp)])
     if errors or len(results) != pp:
         return {**record, "status": "fail", "errors": errors or {"threads": "did not finish"}}
     if measure_memory:
@@ -224,6 +229,11 @@ def run_pipeline(device, backend: str, pp: int = 4, vpp: int = 2, layers_per_sta
             "max_rel_grad_diff": grad_diff, "timed_waits": len(timed), "waits_as_backend_requires": waits_ok,
             "rank0_time_source": stats.time_source, "rank0_forward_s": stats.forward_s,
             "rank0_backward_s": stats.backward_s}
+
+
+def _pool(results: Dict, rank: int, counter: str) -> int:
+    """A counter of ``rank``'s pinned host pool (0 where the rank has none or did not finish)."""
+    return getattr(getattr(results[rank][2], "pool", None), counter, 0) if rank in results else 0
 
 
 def check_no_caching(out_dir: Path, deadline: float) -> dict:

@@ -21,10 +21,11 @@ offloader's accounting (bytes reported moved but not freed, a reload counted twi
 budgets."""
 
 
-def predicted_peaks(pp: int, vpp: int, microbatches: int, forward_groups, backward_groups, placement: Dict,
-                    layers_per_stage: int, hidden: int, heads: int, seq: int, mbs: int, vocab: int):
-    """The simulator's per-rank device and host activation peaks for the plan the runtime runs (the same lowering:
-    its host placement, its reload lookahead), with every chunk's bytes from ``planning/memory.py`` (fp32)."""
+def simulated(pp: int, vpp: int, microbatches: int, forward_groups, backward_groups, placement: Dict,
+              layers_per_stage: int, hidden: int, heads: int, seq: int, mbs: int, vocab: int):
+    """The simulator's result for the plan the runtime runs (the same lowering: its host placement, its reload
+    lookahead), with every chunk's bytes from ``planning/memory.py`` (fp32): per rank its peaks and the pinned block
+    each chunk's host-placed chunk-micro-batches take."""
     from megatron_pipemesh.planning.costs import OpCosts
     from megatron_pipemesh.planning.memory import ActivationShape, chunk_bytes
     from megatron_pipemesh.planning.simulator import simulate
@@ -48,7 +49,13 @@ def predicted_peaks(pp: int, vpp: int, microbatches: int, forward_groups, backwa
                     last_stage_activation_bytes={lv: stage_bytes(pp * vpp - 1, lv) - middle[lv] for lv in BASIC_LEVERS},
                     recompute_s=dict.fromkeys(BASIC_LEVERS, 0.0), static_bytes=tuple(0.0 for _ in range(pp)))
     levels = {key: str(level) for key, level in placement.items()}
-    result = simulate(config, costs, levels, schedule=plan.lower(param_sync=False, grad_sync=False))
+    return simulate(config, costs, levels, schedule=plan.lower(param_sync=False, grad_sync=False))
+
+
+def predicted_peaks(*plan_and_shape):
+    """Per rank: the simulator's device activation peak, host peak and pinned blocks' peak (:func:`simulated`'s
+    arguments)."""
+    result = simulated(*plan_and_shape)
     return ([float(r.peak_memory_bytes) for r in result.ranks], [float(r.peak_host_bytes) for r in result.ranks],
             [float(r.peak_pinned_bytes) for r in result.ranks])
 

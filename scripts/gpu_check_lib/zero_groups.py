@@ -2,7 +2,13 @@
 buffer is freed between groups, each group but the last reduce-scatters its gradients (``REDUCE c.k``) into a shard
 accumulator, and the chunk's next backward first waits for that reduce-scatter (``runtime/sharding.py``,
 ``restore_grads``): the wait the simulator must price. Against the same plan without sharding, the gradients must be
-the same."""
+the same.
+
+One GPU gives each thread-rank a data-parallel group of one rank, whose reduce-scatter is done the moment it is
+launched: a runtime that read the shard without waiting would pass. So the runtime's reduce-scatters complete late
+here (:func:`late_reduce_scatters`): launched, they leave the shard poisoned and write it only when waited for, so a
+missing or misplaced wait shows as NaN gradients. (Reduce-scatters between two real ranks need two GPUs for NCCL;
+``tests/runtime/test_sharding.py`` runs them on two gloo ranks on CPU.)"""
 from __future__ import annotations
 
 import collections
@@ -59,15 +65,67 @@ def counting_reductions() -> Iterator[Dict[str, collections.Counter]]:
         ChunkSharding.reduce, ChunkSharding.finish_reduce = reduce, finish
 
 
+class LateWork:
+    """A reduce-scatter that completes late: launched, it keeps a copy of its input and poisons its output (NaN);
+    the result is written when it is waited for, never before."""
+
+    def __init__(self, output, data, op, group):
+        self.output, self.data, self.op, self.group = output, data.clone(), op, group
+        self.done = False
+        output.fill_(float("nan"))
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            import torch.distributed as dist
+
+            dist.reduce_scatter_tensor(self.output, self.data, op=self.op, group=self.group)
+            self.done = True
+            self.data = None
+        return True
+
+
+@contextlib.contextmanager
+def late_reduce_scatters() -> Iterator[List[LateWork]]:
+    """While inside, the sharding runtime's asynchronous reduce-scatters (its ``REDUCE`` ops) complete late
+    (:class:`LateWork`); yields the works launched. Megatron's own gradient reductions are untouched."""
+    import torch.distributed as dist
+
+    from megatron_pipemesh.runtime import sharding
+
+    launched: List[LateWork] = []
+    lock = threading.Lock()
+
+    class Late:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def reduce_scatter_tensor(output, data, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if not async_op:
+                return dist.reduce_scatter_tensor(output, data, op=op, group=group)
+            work = LateWork(output, data, op, group)
+            with lock:
+                launched.append(work)
+            return work
+
+    real = sharding.dist
+    sharding.dist = Late()
+    try:
+        yield launched
+    finally:
+        sharding.dist = real
+
+
 def check_zero2_backward_groups(device, backend: str, pp: int = 2, vpp: int = 2, microbatches: int = 8,
                                 forward_groups=(4, 4), backward_groups=(2, 2, 2, 2), iterations: int = 3,
                                 te: Optional[str] = None, timeout_s: float = 60.0) -> dict:
     """ZeRO-2 on every chunk with four backward groups (three REDUCE ops per chunk and iteration, Megatron's bucketing
     on chunk 0) against the same groups without sharding, both on Megatron's default path
-    (:func:`~.megatron_path.run_megatron_path`). Every run must finish; the first iteration's losses must agree exactly
-    and its grad norm to :data:`~.common.TOLERANCE` (the accumulated shards are the gradients; only the order of fp32
+    (:func:`~.megatron_path.run_megatron_path`), the sharded run's reduce-scatters completing late
+    (:func:`late_reduce_scatters`). Every run must finish; the first iteration's losses must agree exactly and its
+    grad norm to :data:`~.common.TOLERANCE` (the accumulated shards are the gradients; only the order of fp32
     additions may differ), later ones within bf16's margin; every rank must run the plan's REDUCE ops and wait for
-    their reduce-scatters (at most one wait per REDUCE: several may be finished by one wait)."""
+    their reduce-scatters (at most one wait per REDUCE: several may be finished by one wait), every one launched."""
     if te is None and device.type == "cuda":
         te = transformer_engine_version()
     sharding = (ZERO2,) * vpp
@@ -78,9 +136,10 @@ def check_zero2_backward_groups(device, backend: str, pp: int = 2, vpp: int = 2,
               "backward_groups": list(backward_groups), "runs": {"plain": plain}}
     if plain.get("errors"):
         return {**record, "status": "fail"}
-    with counting_reductions() as counts:
+    with counting_reductions() as counts, late_reduce_scatters() as late:
         zero2 = run_megatron_path(device, backend, host=False, sharding=sharding, **common)
     record["runs"]["zero2"] = zero2
+    record["late_reduce_scatters"] = {"launched": len(late), "waited": sum(work.done for work in late)}
     if zero2.get("errors"):
         return {**record, "status": "fail"}
     planned = planned_reduces(pp, vpp, microbatches, forward_groups, backward_groups, sharding)
@@ -90,7 +149,8 @@ def check_zero2_backward_groups(device, backend: str, pp: int = 2, vpp: int = 2,
         ranks.append({"planned_reduce_ops": planned[rank] * iterations, "reduce_ops": seen["reduce_ops"],
                       "buckets_reduced": seen["buckets_reduced"], "reduce_waits": seen["waits"]})
     reduces_ran = all(r["planned_reduce_ops"] > 0 and r["reduce_ops"] == r["planned_reduce_ops"] for r in ranks)
-    waited = all(0 < r["reduce_waits"] <= r["reduce_ops"] for r in ranks)
+    late = record["late_reduce_scatters"]
+    waited = all(0 < r["reduce_waits"] <= r["reduce_ops"] for r in ranks) and 0 < late["launched"] == late["waited"]
     first_loss = max(rel_diff(a, b) for a, b in zip(zero2["losses"][0], plain["losses"][0]))
     later = max(rel_diff(a, b) for x, y in zip(zero2["losses"], plain["losses"]) for a, b in zip(x, y))
     # The grad norms carry the gradients' comparison: a run without them (no clipping) cannot pass.

@@ -1,16 +1,19 @@
-"""`integration/profile.py`: how a profile measures what each op keeps for the backward (the end-to-end runs are in
-tests/cli/test_profile.py)."""
+"""`integration/profile.py`: what ``pipemesh profile`` refuses before it measures (the end-to-end runs are in
+tests/cli/test_profile.py; each job of the profile in tests/integration/test_profile_<job>.py)."""
+import pytest
+
+from tests.integration.conftest import TINY
 
 
-def test_bytes_kept_come_from_the_allocator_on_cuda_and_the_meter_on_cpu():
-    """Without CUDA there is no allocator reading (the meter counts); the output's bytes, taken off the allocator's
-    count on CUDA, are summed over whatever the forward returns."""
-    import torch
+def test_an_optimizer_megatron_refuses_here_stops_the_profile_before_it_measures(monkeypatch):
+    """--use-precision-aware-optimizer needs the distributed optimizer (the command has it) and Transformer Engine's
+    FusedAdam (this machine has none): the profile says so before measuring anything, instead of every rank
+    failing in the optimizer after rank 0 measured everything else."""
+    from megatron_pipemesh.integration.megatron_command import CommandError
+    from megatron_pipemesh.integration.profile import ProfileSettings, measure_profile
 
-    from megatron_pipemesh.integration.profile import _allocated_bytes, _tensor_bytes
-
-    if not torch.cuda.is_available():
-        assert _allocated_bytes() is None
-    x = torch.zeros(3, 4)
-    assert _tensor_bytes(x) == 48
-    assert _tensor_bytes((x, [x.double()], {"a": x[:1]}, None)) == 48 + 96 + 16
+    lines = []
+    with pytest.raises(CommandError, match="--use-precision-aware-optimizer requires FusedAdam from TransformerEngine"):
+        measure_profile(TINY.split() + ["--use-distributed-optimizer", "--use-precision-aware-optimizer"],
+                        ProfileSettings(warmup=1, repeats=1), progress=lines.append)
+    assert lines == []

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megatron_pipemesh.integration.profile_links import (LaunchError, link_cases, launched, message_sizes, node_notes,
+from megatron_pipemesh.integration.profile_links import (CPU_BUCKET_BYTES, LaunchError, link_cases, launched,
+                                                         megatron_bucket_bytes, message_sizes, node_notes,
                                                          node_numbers)
 from megatron_pipemesh.planning.profile import ALL_RANKS, BETWEEN_NODES, ONE_NODE, WITHIN_NODE, NetworkProfile, load
 from tests import megatron_harness as h
@@ -73,8 +74,21 @@ def test_the_patterns_follow_the_nodes():
     shared = [case for case in two_by_two if case.pattern == "shared NIC"][0]
     assert shared.flows == ((0, 1), (2, 3)) and shared.ranks == (0, 1, 2, 3)
     assert [case.ranks for case in two_by_two if case.scope == ONE_NODE] == [(0, 2)] * 6
-    assert message_sizes(2, 32, 64, 4, "cpu") == {"activation": 16384, "bucket": 4 * 2 ** 20}
-    assert message_sizes(1, 8, 8, 2, "cuda", 1000)["bucket"] == 1000
+    assert message_sizes(2, 32, 64, 4, CPU_BUCKET_BYTES) == {"activation": 16384, "bucket": 4 * 2 ** 20}
+
+
+def test_the_bucket_is_megatrons_in_parameters_of_the_gradient_buffers_dtype(megatron):
+    """Megatron's DDP bucket is 40,000,000 parameters (1,000,000 x the data-parallel size above 40 ranks) or
+    --ddp-bucket-size, each of the gradient buffer's dtype: fp32 for bf16 (validation sets
+    --accumulate-allreduce-grads-in-fp32) unless --grad-reduce-in-bf16 -- not 40 MiB."""
+    from megatron_pipemesh.integration.profile import grad_bytes
+    from tests.integration.conftest import TINY, profile_args_of
+
+    assert megatron_bucket_bytes(None, 8, 4) == 160_000_000 and megatron_bucket_bytes(None, 64, 4) == 256_000_000
+    assert megatron_bucket_bytes(20_000_000, 64, 2) == 40_000_000
+    assert grad_bytes(megatron) == 4  # fp32 parameters
+    assert grad_bytes(profile_args_of(TINY.split() + ["--bf16"])) == 4
+    assert grad_bytes(profile_args_of(TINY.split() + ["--bf16", "--grad-reduce-in-bf16"])) == 2
 
 
 def four_ranks_on_two_nodes():
@@ -173,3 +187,44 @@ def test_on_the_bench_network_the_nic_is_measured_at_the_shaped_rate(tmp_path):
     shaped = 200e6 * 1448 / 1514 / 1e9
     assert network.nodes == 2 and network.nic_gbps == pytest.approx(shaped, rel=0.1)
     assert f"NIC {network.nic_gbps:.4g} Gbit/s measured (profile)" in done.stdout
+
+
+def host_link_of_two_ranks():
+    """Worker: the pinned-link measurement on 2 gloo ranks, the copies themselves faked (no GPU): rank 0's copies run
+    at 200 Gbit/s, rank 1's at 100; returns what each rank keeps and when each rank's copies started."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pipemesh.integration import profile, profile_links
+    from megatron_pipemesh.runtime import host_link
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    starts = []
+
+    def fake_measure(device, nbytes=host_link.MEASURE_BYTES, repeats=3, before_copy=None):
+        for _ in range(2 * (repeats + 1)):
+            if rank == 1:
+                time.sleep(0.05)  # a rank that comes late to every copy: the others must wait for it
+            before_copy()
+            starts.append(time.time())
+        gbps = 200.0 if rank == 0 else 100.0
+        return host_link.HostLink(gbps, gbps * 1.5, nbytes)
+
+    host_link.measure_host_link = fake_measure
+    torch.cuda.current_device = lambda: 0
+    kept, rates = profile.host_link_together(profile_links.launched(), profile.ProfileSettings(repeats=3))
+    return {"kept": kept, "rates": rates, "starts": starts}
+
+
+def test_every_rank_of_a_node_times_the_pinned_link_at_once_and_the_slowest_counts():
+    """Launched on several ranks, each rank times its pinned copies with the others copying at once (a barrier before
+    every copy: rank 1, late to each, holds rank 0's copies back), and every rank keeps the slowest rate -- not rank
+    0's alone while the node's other ranks idle."""
+    results = h.run_worker(f"{__file__}:host_link_of_two_ranks", nproc=2, timeout=120)
+    assert [r["kept"] for r in results] == [100.0, 100.0] and results[0]["rates"] == [200.0, 100.0]
+    first, second = (r["starts"] for r in results)
+    assert len(first) == len(second) == 8
+    assert max(abs(a - b) for a, b in zip(first, second)) < 0.04  # each copy starts together, not 50 ms apart

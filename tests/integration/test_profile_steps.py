@@ -2,36 +2,6 @@
 schedule step spends beyond the pieces is the step's time less theirs, never below 0."""
 import dataclasses
 
-import pytest
-
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 257")
-
-
-@pytest.fixture
-def megatron():
-    """Megatron's args of TINY as ``pipemesh profile`` builds them, with a one-rank process group."""
-    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
-
-    prepare_megatron_import()
-    import torch
-
-    from megatron_pipemesh.integration import profile
-    from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
-    from megatron_pipemesh.integration.megatron_command import read_command
-
-    apply_cpu_compat()
-    torch.set_num_threads(1)
-    run = read_command(profile._as_run_here(TINY.split(), False), world_size=1)
-    args = profile._single_rank_args(run.args)
-    args.padded_vocab_size = run.model.vocab_size
-    stop = profile._start_process_group(False)
-    try:
-        yield args
-    finally:
-        stop()
-
 
 def test_each_kind_takes_its_stages_path_through_get_batch_and_the_state_is_restored(megatron):
     """A middle chunk takes no batch (its iterator is not touched), the first and the last take one; afterwards
@@ -60,19 +30,20 @@ def test_the_overhead_is_the_steps_time_less_the_pieces_and_never_negative(megat
     bare layer); with pieces longer than any step nothing is left (0, not below)."""
     import torch
 
-    from megatron_pipemesh.integration import profile
+    from megatron_pipemesh.integration.profile import ProfileSettings
+    from megatron_pipemesh.integration.profile_models import gpt, one_layer_chunks
     from megatron_pipemesh.integration.profile_steps import measure_step_overhead
+    from megatron_pipemesh.integration.profile_timing import Timer
     from megatron_pipemesh.planning.costs import STAGE_KINDS
     from megatron_pipemesh.planning.profile import ComputePoint
 
-    settings = profile.ProfileSettings()
-    models = profile._one_layer_chunks(megatron, lambda args, pre, post: profile._gpt(args, "local", settings, False,
-                                                                                       pre, post))
+    settings = ProfileSettings()
+    models = one_layer_chunks(megatron, lambda args, pre, post: gpt(args, "local", settings, False, pre, post))
     zero = ComputePoint(tp=1, micro_batch_size=2, layer_forward_s=0.0, layer_backward_s=0.0, recompute_extra_s={},
                         layer_activation_bytes={}, embedding_forward_s=0.0, embedding_backward_s=0.0,
                         embedding_activation_bytes=0.0, output_forward_s=0.0, output_backward_s=0.0,
                         output_activation_bytes=0.0)
-    timer = profile._Timer(False)
+    timer = Timer(False)
     whole = measure_step_overhead(megatron, models, [zero], timer, torch.device("cpu"), 1, 3)[2]
     assert set(whole) == set(STAGE_KINDS)
     assert all(forward > 0 and backward > 0 for forward, backward in whole.values())

@@ -36,9 +36,17 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
                           cwd=str(REPO), env=_env(), capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == summary and summary["passed"] and summary["mode"] == "cpu-only"
+    assert json.loads(proc.stdout) == summary and summary["no_failures"] and summary["mode"] == "cpu-only"
     checks = summary["checks"]
-    assert set(checks) == set(_check_names())  # on CPU every check reports, run or skipped
+    assert set(checks) == set(_check_names()) and len(checks) >= 15  # on CPU every check reports, run or skipped
+    # Passed, skipped and failed are listed apart; a skip checked nothing and is never counted as a pass.
+    skipped = summary["skipped"]
+    assert summary["failed"] == [] and set(summary["passed"]) | set(skipped) == set(checks)
+    assert not set(summary["passed"]) & set(skipped) and not summary["all_passed"] and summary["complete"]
+    assert summary["counts"] == {"passed": len(summary["passed"]), "skipped": len(skipped), "failed": 0, "not_run": 0,
+                                 "total": len(checks)}
+    assert all(skipped[name] == checks[name]["reason"] for name in skipped)
+    assert f"{len(summary['passed'])} passed, {len(skipped)} skipped (not passed), 0 failed" in proc.stderr
     for name in ("executor_nccl", "executor_gloo", "executor_host", "meter", "recompute"):
         assert checks[name]["status"] == "pass", (name, checks[name])
     host = checks["executor_host"]
@@ -67,6 +75,15 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     zero2 = checks["zero2_backward_groups"]
     assert zero2["status"] == "pass" and zero2["sharding"] == ["optim_grads", "optim_grads"]
     assert len(zero2["backward_groups"]) > 2 and zero2["reduces_as_planned"] and zero2["reduce_scatters_waited"]
+    late = zero2["late_reduce_scatters"]  # every reduce-scatter completed late, and was waited for
+    assert late["launched"] == late["waited"] > 0
+    # The third reading's checks: a plan with host_blocks allocates no pinned block late, the profile measures
+    # every piece (its allocator-against-meter part needs CUDA).
+    blocks = checks["host_blocks"]
+    assert blocks["status"] == "pass" and blocks["no_late_allocation"] and blocks["pool_reserved_as_planned"]
+    profile = checks["profile"]
+    assert profile["status"] == "pass" and profile["unmeasured"] == []
+    assert profile["kept_bytes_against_meter"].startswith("skipped: needs CUDA")
     assert summary["seconds"] < 480
 
 
@@ -88,3 +105,33 @@ def test_only_names_the_checks_when_given_an_unknown_one(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "no check named meter_ofload" in proc.stderr and "meter_offload" in proc.stderr.split("the checks are")[1]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_the_summary_is_written_after_every_check_and_a_stopped_run_keeps_it(tmp_path):
+    """The summary file is rewritten as each check starts and ends: a run stopped while a check hangs (the shell's
+    timeout sends SIGTERM) leaves the checks done so far, names the one it stopped in, and exits 124."""
+    import signal
+    import time
+
+    out = tmp_path / "summary.json"
+    code = ("import sys, time; sys.path.insert(0, 'scripts'); import gpu_check; "
+            "gpu_check.check_recompute = lambda device: time.sleep(600); "
+            f"sys.exit(gpu_check.main(['--cpu-only', '--only', 'meter,recompute,timing', '--out', {str(out)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if out.exists() and json.loads(out.read_text()).get("running") == "recompute":
+                break
+            time.sleep(0.5)
+        summary = json.loads(out.read_text())
+        assert summary["running"] == "recompute" and summary["passed"] == ["meter"] and not summary["complete"]
+        assert summary["not_run"] == ["recompute", "timing"] and summary["counts"]["not_run"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 124
+    finally:
+        proc.kill()
+    summary = json.loads(out.read_text())
+    assert summary["interrupted"].endswith("during recompute") and summary["passed"] == ["meter"]
+    assert not summary["no_failures"] and not summary["all_passed"]

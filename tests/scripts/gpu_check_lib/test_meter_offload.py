@@ -2,15 +2,9 @@
 comparison fails when the device keeps counting what host placement moved out."""
 from __future__ import annotations
 
-import json
 
-from .child import run_child
+from .child import printed, run_child
 
-
-def _result(proc):
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(line[len("result "):])
 
 
 def test_meter_under_host_placement_meets_the_plan_on_every_rank():
@@ -24,7 +18,7 @@ def test_meter_under_host_placement_meets_the_plan_on_every_rank():
         print("result", json.dumps({k: v for k, v in result.items() if k != "run"}, default=str))
         print("run", json.dumps({k: result["run"].get(k) for k in ("status", "max_rel_grad_diff", "host_placed")}))
     """, timeout=300)
-    result = _result(proc)
+    result = printed(proc)
     assert result["status"] == "pass" and result["meter"] == "saved-tensors", result
     assert len(result["ranks"]) == 2
     for rank in result["ranks"]:
@@ -46,6 +40,6 @@ def test_meter_offload_check_fails_when_offloaded_bytes_stay_counted_on_the_devi
         result = meter_offload.check_meter_offload(device)
         print("result", json.dumps({k: v for k, v in result.items() if k != "run"}, default=str))
     """, timeout=300)
-    result = _result(proc)
+    result = printed(proc)
     assert result["status"] == "fail" and not result["peaks_within_tolerance"], result
     assert all(rank["device_ratio"] > 1 + result["tolerance"] for rank in result["ranks"]), result

@@ -2,10 +2,9 @@
 reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check."""
 from __future__ import annotations
 
-import json
 import textwrap
 
-from .child import run_child
+from .child import printed, run_child
 
 _RUN = """
     import json
@@ -15,11 +14,6 @@ _RUN = """
     print("result", json.dumps({k: v for k, v in result.items() if k != "runs"}, default=str))
 """
 
-
-def _result(proc):
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("result ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(line[len("result "):])
 
 
 def test_planned_reduces_counts_every_group_but_the_last_per_chunk():
@@ -35,7 +29,7 @@ def test_planned_reduces_counts_every_group_but_the_last_per_chunk():
 
 def test_zero2_with_several_backward_groups_keeps_the_gradients():
     """Every planned REDUCE runs and is waited for; losses and grad norms equal the unsharded run's."""
-    result = _result(run_child(_RUN, timeout=300))
+    result = printed(run_child(_RUN, timeout=300))
     assert result["status"] == "pass", result
     assert result["first_iteration_rel_grad_norm_diff"] <= 1e-5 and result["first_iteration_max_rel_loss_diff"] == 0.0
     for rank in result["ranks"]:
@@ -55,5 +49,26 @@ def test_zero2_check_fails_when_a_group_reduction_loses_its_gradients():
             return reduce(self)
         ChunkSharding.reduce = losing
     """) + textwrap.dedent(_RUN), timeout=300)
-    result = _result(proc)
+    result = printed(proc)
     assert result["status"] == "fail" and result["first_iteration_rel_grad_norm_diff"] > 1e-3, result
+
+
+def test_zero2_check_fails_when_the_runtime_does_not_wait_for_its_reduce_scatters():
+    """A runtime that adds a REDUCE's shard to the accumulator without waiting for its reduce-scatter: with one rank
+    per data-parallel group the real reduce-scatter is done at once and that passed; the check's late-completing
+    works leave the shard poisoned until waited for, so the check must fail (NaN grad norm, no wait counted)."""
+    proc = run_child(textwrap.dedent("""
+        from megatron_pipemesh.runtime.sharding import ChunkSharding
+        class NotWaited:  # the runtime's wait on a reduce-scatter, removed
+            def wait(self):
+                pass
+        finish = ChunkSharding.finish_reduce
+        def no_wait(self):
+            self.pending = [(NotWaited(), index) for _, index in self.pending]
+            finish(self)
+        ChunkSharding.finish_reduce = no_wait
+    """) + textwrap.dedent(_RUN), timeout=300)
+    result = printed(proc)
+    assert result["status"] == "fail" and not result["reduce_scatters_waited"], result
+    assert result["late_reduce_scatters"]["waited"] == 0 < result["late_reduce_scatters"]["launched"]
+    assert not result["first_iteration_rel_grad_norm_diff"] <= 1e-5  # NaN: the poisoned shard reached the gradients

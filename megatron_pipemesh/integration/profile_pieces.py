@@ -1,0 +1,231 @@
+"""``pipemesh profile``: the compute pieces of the command at each micro-batch size, on rank 0.
+
+At every micro-batch size 1, 2, 4, ... up to the command's (:func:`micro_batch_sizes`):
+
+* one layer's forward and backward (a middle stage's ``GPTModel``: input from the previous stage, no embedding, no
+  output layer), and again with each recompute level the planner chooses from (Megatron's own selective and full
+  recomputation): the extra over none;
+* the embedding (``GPTModel.embedding``) and the final norm, output layer and loss
+  (``compute_language_model_loss``), forward and backward;
+* the bytes each keeps for its backward (:mod:`.profile_kept`);
+
+then Megatron's schedule step beyond those pieces on each kind of chunk (:mod:`.profile_steps`) and the data loader
+per micro-batch (:mod:`.profile_batch`). Every time goes through the profile's one measuring loop
+(:func:`.profile_timing.medians`). The layers get the attention mask the command's loader makes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+from ..planning.profile import ComputePoint
+from ..schedule.levers import Lever
+from .profile_kept import Piece, kept_bytes
+from .profile_models import gpt, level_args, megatron_quiet, one_layer_chunks, with_main_grads
+from .profile_timing import Timer, medians
+
+if TYPE_CHECKING:
+    from .profile_timing import ProfileSettings
+
+Progress = Callable[[str], None]
+
+
+def out_of_memory() -> tuple:
+    """What running out of host or device memory raises."""
+    import torch
+
+    return (MemoryError,) + ((torch.cuda.OutOfMemoryError,) if hasattr(torch.cuda, "OutOfMemoryError") else ())
+
+
+def micro_batch_sizes(largest: int) -> List[int]:
+    """1, 2, 4, ... below ``largest``, and ``largest``."""
+    sizes, size = [], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+def attention_mask(args, device):
+    """The mask the layers get, as the command's loader makes it (one sample's; None with
+    ``--no-create-attention-mask-in-dataloader``); CommandError naming that flag where it does not fit the device."""
+    from .megatron_command import CommandError
+    from .profile_steps import loader_attention_mask
+
+    try:
+        return loader_attention_mask(args, 1, device)
+    except out_of_memory() as error:
+        s = args.seq_length
+        raise CommandError(f"the command's data loader builds an attention mask of seq x seq = {s} x {s} per sample "
+                           f"({s * s / 2**30:.1f} GiB), which does not fit here ({error}); Megatron's attention "
+                           "applies its causal mask itself: add --no-create-attention-mask-in-dataloader") from error
+
+
+def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], timer: Timer,
+                settings: "ProfileSettings", exclude) -> Dict[str, Tuple[float, float, int]]:
+    """Per name: (median forward s, median backward s, bytes kept for the backward) of ``forward`` then
+    ``backward(grad_of(output))``, the pieces taking turns (:func:`.profile_timing.medians`); the bytes kept on one
+    more forward of each (:func:`.profile_kept.kept_bytes`, parameters and ``main_grad`` buffers in ``exclude``)."""
+    import torch
+
+    def call(piece: Piece) -> Callable[[], Tuple[float, float]]:
+        def forward_backward() -> Tuple[float, float]:
+            out, forward_s = timer(piece.forward)
+            gradient = grad_of(out)
+            _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
+            return forward_s, backward_s
+        return forward_backward
+
+    times = medians({name: call(piece) for name, piece in pieces.items()}, settings.warmup, settings.repeats)
+    return {name: (*times[name], kept_bytes(name, piece, grad_of, exclude)) for name, piece in pieces.items()}
+
+
+def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: Timer,
+          settings: "ProfileSettings", exclude, progress: Progress, mask) -> ComputePoint:
+    """The pieces at micro-batch size ``b``, the layers given ``mask`` (the command's loader's, or None)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(settings.seed + b)
+    hidden = torch.randn(s, b, h, generator=generator).to(device=device, dtype=dtype)
+
+    def like(out):
+        return torch.ones_like(out) * 1e-3
+
+    def layer(model) -> Piece:
+        def forward():
+            model.set_input_tensor(hidden.clone().requires_grad_(True))
+            return model(input_ids=None, position_ids=None, attention_mask=mask)
+        return Piece(forward, release=lambda: model.set_input_tensor(None))
+    times = time_pieces({level: layer(model) for level, (model, _) in layer_models.items()}, like, timer, settings,
+                        exclude)
+    none = times["none"]
+    tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+
+    def embedding_forward():
+        return ends.embedding(input_ids=tokens, position_ids=positions)
+    embedding = time_pieces({"embedding": Piece(embedding_forward)}, like, timer, settings, exclude)["embedding"]
+
+    def output_forward():
+        x = hidden.clone().requires_grad_(True)
+        weight = ends.shared_embedding_or_output_weight() if ends.share_embeddings_and_output_weights else None
+        logits, _ = ends.output_layer(ends.decoder.final_layernorm(x), weight=weight)
+        return ends.compute_language_model_loss(tokens, logits).float().mean()
+    output = time_pieces({"output": Piece(output_forward)}, lambda out: None, timer, settings, exclude)["output"]
+    found = ComputePoint(
+        tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
+        recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()
+                           if Lever.parse(level).recomputes},
+        layer_activation_bytes={level: float(t[2]) for level, t in times.items()},
+        embedding_forward_s=embedding[0], embedding_backward_s=embedding[1],
+        embedding_activation_bytes=float(embedding[2]), output_forward_s=output[0], output_backward_s=output[1],
+        output_activation_bytes=float(output[2]))
+    progress(f"micro-batch {b}: layer forward {found.layer_forward_s * 1e3:.2f} ms, backward "
+             f"{found.layer_backward_s * 1e3:.2f} ms, keeps {found.layer_activation_bytes['none'] / 2**20:.2f} MiB; "
+             f"embedding {embedding[0] * 1e3:.2f} + {embedding[1] * 1e3:.2f} ms; output + loss "
+             f"{output[0] * 1e3:.2f} + {output[1] * 1e3:.2f} ms; recompute extra "
+             + ", ".join(f"{level} {extra * 1e3:.2f} ms" for level, extra in found.recompute_extra_s.items()))
+    return found
+
+
+def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings", cuda: bool, progress: Progress,
+                    notes: List[str]) -> List[ComputePoint]:
+    """The compute points of the command (see the module), without the data loader's times
+    (:func:`with_batch_times`); what cannot be measured here is said in ``notes``."""
+    import torch
+
+    from ..planning.costs import planning_levels
+    from ..schedule.levers import DEVICE
+
+    device = torch.device("cuda" if cuda else "cpu")
+    timer = Timer(cuda)
+
+    def build(args_of_level, pre: bool, post: bool):
+        return gpt(args_of_level, run_spec, settings, cuda, pre, post)
+
+    layer_models = {}
+    for level in planning_levels(model_spec):
+        try:
+            layer_models[str(level)] = build(level_args(args, level), pre=False, post=False)
+        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as error:
+            notes.append(f"recompute level {level} not measured: Megatron refuses it here ({error})")
+    ends, config = build(level_args(args, str(DEVICE)), pre=True, post=True)
+    exclude = [t for model, _ in layer_models.values() for t in with_main_grads(model)] + with_main_grads(ends)
+    dtype = config.params_dtype
+    s, h, vocab = args.seq_length, args.hidden_size, args.padded_vocab_size
+    # Above the command's own size too when asked: the advice prices every micro-batch size it may change to.
+    largest = settings.max_micro_batch or args.micro_batch_size
+    mask = attention_mask(args, device)
+    points = []
+    for b in micro_batch_sizes(largest):
+        try:
+            points.append(point(b, s, h, vocab, layer_models, ends, dtype, device, timer, settings, exclude,
+                                progress, mask))
+        except out_of_memory():
+            notes.append(f"micro-batch size {b} and above not measured: out of device memory")
+            break
+    # The step overhead's chunks (two with the embedding, two with the output layer, fp32 main_grads on all) are
+    # built once these are gone: with a large vocabulary both sets at once do not fit.
+    del layer_models, ends, exclude
+    _free_device_memory(cuda)
+    return with_step_overhead(args, points, build, timer, device, settings, progress, notes)
+
+
+def _free_device_memory(cuda: bool) -> None:
+    """Collect what the pieces left (Megatron's modules hold reference cycles) and, on CUDA, give the cached blocks
+    back, so that the next models get the memory whole."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def with_step_overhead(args, points: List[ComputePoint], build, timer: Timer, device, settings: "ProfileSettings",
+                       progress: Progress, notes: List[str]) -> List[ComputePoint]:
+    """``points`` with what Megatron's schedule step spends beyond their pieces on each kind of chunk
+    (:mod:`.profile_steps`), timed on one-layer models of each kind; where those do not fit the device, ``points``
+    as they are and a note saying so."""
+    from .profile_steps import measure_step_overhead
+
+    try:
+        models = one_layer_chunks(args, build)
+        with megatron_quiet():
+            overhead = measure_step_overhead(args, models, points, timer, device, settings.warmup, settings.repeats)
+    except out_of_memory() as error:
+        notes.append(f"the schedule step beyond the pieces was not measured: out of device memory with a one-layer "
+                     f"chunk of every kind ({str(error).splitlines()[0]}); plans price it at 0")
+        return points
+    out = []
+    for found in points:
+        steps = overhead[found.micro_batch_size]
+        progress(f"micro-batch {found.micro_batch_size}: schedule step beyond the pieces (forward + backward) "
+                 + ", ".join(f"{kind} {(f + b) * 1e3:.2f} ms" for kind, (f, b) in steps.items()))
+        out.append(dataclasses.replace(found, step_forward_s={kind: f for kind, (f, _) in steps.items()},
+                                       step_backward_s={kind: b for kind, (_, b) in steps.items()}))
+    return out
+
+
+def with_batch_times(args, points: List[ComputePoint], settings: "ProfileSettings", progress: Progress,
+                     notes: List[str], apart: Optional[Tuple[List[str], int]] = None) -> List[ComputePoint]:
+    """``points`` with the data loader's time per batch (:mod:`.profile_batch`), each batch taken after a pause of
+    one layer's forward and backward, in this process or, with ``apart`` (the command's words, this rank's device),
+    in a one-process child; where the command's data path cannot be built here, the points unchanged and a note
+    saying so."""
+    from .profile_batch import measure_batch_s, measure_batch_s_apart
+
+    pauses = {found.micro_batch_size: found.layer_forward_s + found.layer_backward_s for found in points}
+    try:
+        if apart is not None:
+            batch = measure_batch_s_apart(apart[0], pauses, settings.warmup, settings.repeats, device=apart[1])
+        else:
+            with megatron_quiet():
+                batch = measure_batch_s(args, pauses, settings.warmup, settings.repeats)
+    except Exception as error:  # the user's data path, tokenizer or loader: whatever it raises, the plan must say
+        notes.append(f"the data loader was not measured ({type(error).__name__}: {error}); plans price it at 0")
+        return points
+    for size, seconds in batch.items():
+        progress(f"micro-batch {size}: data loader {seconds * 1e3:.2f} ms per batch")
+    return [dataclasses.replace(found, batch_s=batch[found.micro_batch_size]) for found in points]

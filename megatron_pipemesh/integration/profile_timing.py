@@ -1,0 +1,125 @@
+"""``pipemesh profile``'s measuring loop: how every time in a profile is taken (the layers and the ends, the schedule
+step, the optimizer), and how much is measured (:class:`ProfileSettings`).
+
+:func:`medians` is the one loop: each named measurement is called once per round, the names taking turns in every
+round so that a drift of the machine's speed (other processes, clocks) reaches them alike and their differences (a
+recomputation's extra, a step less its pieces) stay fair; the first ``warmup`` rounds are dropped (first-call
+allocations, lazy initialisation) and the median of each number over the others is kept.
+
+:class:`Timer` takes one block's seconds: the wall clock on CPU; on CUDA CUDA events around the block launched
+behind queued work, as training launches it (the host's Python time hides behind kernels queued earlier).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How much to measure."""
+
+    warmup: int = 2
+    """Calls before the timed ones (first-call allocations, lazy initialisation)."""
+    repeats: int = 5
+    """Timed calls; the median is kept."""
+    max_micro_batch: Optional[int] = None
+    """The largest micro-batch size measured (None: the command's); larger than the command's measures the sizes
+    the advice may change it to (1, 2, 4, ... and this one)."""
+    seed: int = 1234
+    """Seed of the weights and inputs."""
+    bucket_bytes: Optional[int] = None
+    """The larger message the links are timed with (None: on CUDA Megatron's gradient bucket of the command,
+    :func:`.profile_links.megatron_bucket_bytes`; on CPU :data:`.profile_links.CPU_BUCKET_BYTES`)."""
+    ranks_per_node: int = 1
+    """On CPU: the ranks that will compute at once on this machine; the compute is timed with that many cores
+    computing (the others run the command's layer, :mod:`.profile_siblings`), at most the cores this process may
+    use. Ignored on CUDA (each rank computes on a device of its own)."""
+
+
+LEAD_S = 5e-3
+"""How far ahead of the device the host starts launching a timed block at first (a block whose launches outrun it
+gets a longer lead)."""
+LEAD_CAP_S = 0.05
+"""The longest lead: a block that still outruns it waits on the device (a ``.item()``, a synchronising collective)
+or is host-bound beyond it, and is timed from an empty queue, as training runs it after such a wait."""
+CALIBRATION_CYCLES = 10_000_000
+"""GPU cycles of ``torch.cuda._sleep`` timed once to turn a lead in seconds into cycles (about 5-10 ms)."""
+
+
+class Timer:
+    """Seconds a block costs: the wall clock on CPU; on CUDA what it costs the device's queue in training.
+
+    In training the host runs ahead of the device: kernels wait in the stream's queue, so the host's Python work
+    between them (the schedule's step, Megatron's wrappers) hides behind kernels queued earlier. Timed on an empty
+    queue, that Python time shows as device time. So each timed block is launched behind a device sleep (its lead,
+    ``torch.cuda._sleep``; the start event recorded after it): while the device sleeps, the host queues the block,
+    and the events measure its kernels back to back. The block costs the longer of that and the host's own time (a
+    host that cannot keep ahead leaves the device idle in training too).
+
+    A block whose start event had fired by the time the host finished it outran its lead: the next call of the same
+    code gets twice the lead (at least twice the host's time, at most :data:`LEAD_CAP_S`); one that outruns the
+    longest lead waits on the device or is host-bound, and is timed from an empty queue from then on (its events
+    then span every gap, which training sees too after such a wait). Leads are kept per block's code (a layer's
+    forward, a backward call, a schedule step), so that each kind of block settles within the warm-up calls."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.leads: Dict[object, float] = {}
+        """Lead in seconds per block's code object (0: timed from an empty queue)."""
+        self._cycles_per_s: Optional[float] = None
+
+    def __call__(self, fn: Callable[[], object]) -> Tuple[object, float]:
+        if not self.cuda:
+            began = time.perf_counter()
+            out = fn()
+            return out, time.perf_counter() - began
+        import torch
+
+        key = getattr(getattr(fn, "__func__", fn), "__code__", fn)
+        lead = self.leads.get(key, LEAD_S)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead:
+            torch.cuda._sleep(max(1, int(lead * self._device_cycles_per_s())))
+        start.record()
+        began = time.perf_counter()
+        out = fn()
+        host_s = time.perf_counter() - began
+        ahead = bool(lead) and not start.query()  # the device still slept: every kernel was queued before it ran
+        end.record()
+        torch.cuda.synchronize()
+        device_s = start.elapsed_time(end) / 1e3
+        if ahead or not lead:
+            return out, max(device_s, host_s) if ahead else device_s
+        self.leads[key] = 0.0 if lead >= LEAD_CAP_S else min(LEAD_CAP_S, max(2 * lead, 2 * host_s))
+        return out, max(device_s, host_s)
+
+    def _device_cycles_per_s(self) -> float:
+        """The device's ``_sleep`` cycles per second, timed once."""
+        import torch
+
+        if self._cycles_per_s is None:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(CALIBRATION_CYCLES)
+            end.record()
+            torch.cuda.synchronize()
+            self._cycles_per_s = CALIBRATION_CYCLES / max(start.elapsed_time(end) / 1e3, 1e-6)
+        return self._cycles_per_s
+
+
+def medians(calls: Mapping[str, Callable[[], Sequence[float]]], warmup: int,
+            repeats: int) -> Dict[str, Tuple[float, ...]]:
+    """Per name, the median of each number ``calls[name]()`` returns (seconds) over ``repeats`` rounds after
+    ``warmup`` rounds, the names taking turns in every round (see the module)."""
+    samples: Dict[str, List[Sequence[float]]] = {name: [] for name in calls}
+    for round_ in range(warmup + repeats):
+        for name, call in calls.items():
+            found = call()
+            if round_ >= warmup:
+                samples[name].append(found)
+    return {name: tuple(statistics.median(column) for column in zip(*rows)) for name, rows in samples.items()}

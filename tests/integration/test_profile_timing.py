@@ -1,0 +1,103 @@
+"""`integration/profile_timing.py`: the profile's one measuring loop and its timer (on CUDA against a stand-in of one
+CUDA stream, faked here on the host's clock)."""
+import time
+
+import pytest
+
+from megatron_pipemesh.integration.profile_timing import Timer, medians
+
+
+def test_the_measurements_take_turns_and_the_warm_up_rounds_are_dropped():
+    """Each round calls every measurement once, in turn; the median of each number over the rounds after the
+    warm-up is kept."""
+    order, values = [], {"a": iter([(100.0, 0.0), (1.0, 2.0), (3.0, 4.0), (2.0, 9.0)]), "b": iter([(7.0,)] * 4)}
+
+    def call(name):
+        def one():
+            order.append(name)
+            return next(values[name])
+        return one
+
+    found = medians({"a": call("a"), "b": call("b")}, warmup=1, repeats=3)
+    assert order == ["a", "b"] * 4 and found == {"a": (2.0, 4.0), "b": (7.0,)}
+
+
+class FakeStream:
+    """One CUDA stream as the host sees it: a kernel (or ``_sleep``) runs from when it was launched or the one before
+    it finished, whichever is later; an event completes when the queue reaches it. GPU cycles run at 1 GHz."""
+
+    CYCLES_PER_S = 1e9
+
+    def __init__(self):
+        self.busy_until = time.perf_counter()
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, *args):
+                self.at = max(time.perf_counter(), stream.busy_until)
+
+            def query(self):
+                return time.perf_counter() >= self.at
+
+            def elapsed_time(self, other):
+                return (other.at - self.at) * 1e3
+
+        self.Event = Event
+
+    def launch(self, seconds: float) -> None:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
+
+    def sleep(self, cycles: int) -> None:
+        self.launch(cycles / self.CYCLES_PER_S)
+
+    def synchronize(self, *args) -> None:
+        left = self.busy_until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    import torch
+
+    fake = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", fake.sleep)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+def _timed(block) -> float:
+    timer = Timer(True)
+    return medians({"block": lambda: (timer(block)[1],)}, warmup=2, repeats=5)["block"][0]
+
+
+def test_on_cuda_the_hosts_python_time_hides_behind_queued_kernels(stream):
+    """A schedule step: 10 ms of the host's Python, then 50 ms of kernels. In training the host runs ahead and the
+    10 ms hide behind kernels queued earlier: the step costs the device 50 ms. Timed on an empty queue it read
+    60 ms (the device idle while the host ran Python)."""
+    def step():
+        time.sleep(0.010)
+        stream.launch(0.050)
+
+    assert _timed(step) == pytest.approx(0.050, abs=0.004)
+
+
+def test_on_cuda_a_host_that_cannot_keep_ahead_costs_its_own_time(stream):
+    """30 ms of Python for 5 ms of kernels: the device idles in training too, the step costs the host's 30 ms; and a
+    step that waits on the device (a .item()) costs what the device saw, gaps included."""
+    def host_bound():
+        time.sleep(0.030)
+        stream.launch(0.005)
+
+    def waits():
+        stream.launch(0.010)
+        stream.synchronize()  # e.g. a loss's .item()
+        time.sleep(0.010)
+        stream.launch(0.010)
+
+    assert _timed(host_bound) == pytest.approx(0.030, abs=0.004)
+    assert _timed(waits) == pytest.approx(0.030, abs=0.006)
