@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
+from ..schedule.order import rank_steps
 from ..schedule.spans import OPTIM, shards_parameters
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape
 from .memory import offloadable_layer_bytes
 from .sharding import ShardingModel, ShardingSpec
-from .simulator import lowering_for
 from .stock_options import StockOffload, StockSetting
 
 Budget = Union[float, Sequence[float]]
@@ -99,18 +98,16 @@ class MegatronFsdpSharding(ShardingModel):
             out.append(busy)
         return out
 
-def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
-                schedule: Optional[LoweredSchedule] = None) -> Dict[str, Tuple[float, ...]]:
+def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -> Dict[str, Tuple[float, ...]]:
     """Per-rank activation peak of ``config`` with each level of ``levels`` applied everywhere, from
     the program order (one compute stream per rank, so the order fixes the peak): a forward adds
     its chunk's bytes, a backward holds its recomputation's transient bytes until it frees them.
 
     The live set at each step is counted once per rank as live chunk-micro-batches per kind of chunk
     (:class:`ChunkKinds`: chunks that hold the same bytes); each level's peak is then a maximum over those counts."""
-    schedule = schedule or lower(config, lowering_for(costs))
     adapter = ScheduleCosts(config, costs)
     kinds = ChunkKinds.of(config, adapter)
-    counts = live_states(config, schedule, kinds)
+    counts = live_states(config, kinds)
     return {level: _peaks(counts, kinds.bytes_at(adapter, level), kinds.transient(adapter, level)) for level in levels}
 
 
@@ -195,24 +192,25 @@ def _uncovered(lives: List[tuple]) -> List[tuple]:
     return out
 
 
-def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
-    """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
-    it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
-    by being stage 0 or the last stage only (an even split)."""
+def live_states(config: ScheduleConfig, kinds: Optional[ChunkKinds] = None) -> LiveStates:
+    """The live counts of every rank's compute order (:func:`..schedule.order.rank_steps`; lowering adds no compute
+    op and moves none): a forward adds its chunk, a backward holds it until it ends (one compute stream per rank, so
+    the order fixes every peak). ``kinds``: default, chunks told apart by being stage 0 or the last stage only (an
+    even split)."""
     kinds = kinds or ChunkKinds.of(config)
     counts = []
     for rank in range(config.pp):
         of_chunk = kinds.of_chunk[rank]
         live = [0] * len(kinds.chunks[rank])
         states = LiveSet()
-        for op in schedule.programs[rank]:
-            kind = op.kind
-            if kind is OpKind.FORWARD:
-                live[of_chunk[op.chunk]] += 1
+        for forward, chunk, _ in rank_steps(config, rank):
+            kind = of_chunk[chunk]
+            if forward:
+                live[kind] += 1
                 states.add((tuple(live), -1))
-            elif kind is OpKind.BACKWARD:
-                states.add((tuple(live), of_chunk[op.chunk]))
-                live[of_chunk[op.chunk]] -= 1
+            else:
+                states.add((tuple(live), kind))
+                live[kind] -= 1
         counts.append(states)
     return counts
 
