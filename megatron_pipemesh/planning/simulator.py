@@ -158,10 +158,14 @@ def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
     together; more when sizes peak at different times.)"""
     held: Dict[int, int] = {}
     most: Dict[int, int] = {}
-    for _, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):  # gives back before taking at equal times
-        block = host_block_bytes(abs(size))
-        held[block] = held.get(block, 0) + (1 if size > 0 else -1)
-        most[block] = max(most.get(block, 0), held[block])
+    blocks: Dict[float, int] = {}  # a plan has a few sizes (one per chunk kind): each rounded once
+    for _, size in sorted(host_deltas):  # by time, then size: gives back before taking at equal times
+        block = blocks.get(size)
+        if block is None:
+            block = blocks[size] = host_block_bytes(abs(size))
+        count = held[block] = held.get(block, 0) + (1 if size > 0 else -1)
+        if count > most.get(block, 0):
+            most[block] = count
     return float(sum(block * count for block, count in most.items()))
 
 
