@@ -18,11 +18,13 @@ The search prices every candidate with the planner's own costs and simulator, an
   ignored, so it bounds stock and PipeMesh alike) and is dropped if its weights, gradients and optimizer state alone
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
   time found (PipeMesh: :func:`.planner.plan_schedule`, which prunes its group lists by their time without memory
-  levers and fits at most :data:`FIT_LIMIT` of them to the memory; stock: :func:`.stock.best_stock` at that V, which
-  prunes by compute). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
-  time limit, or the study's cap on candidates), it keeps the rows found and records the least bound left
-  (:class:`SearchLog`): no layout left unsearched runs faster than that. With ``jobs`` > 1 the loop runs on worker
-  processes (:mod:`.parallel_search`), and so do the user layout's rows, with the same rows to the float.
+  levers and their critical path and fits at most :data:`FIT_LIMIT` of them to the memory; stock:
+  :func:`.stock.best_stock` at that V, which prunes by compute and critical path). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
+  time limit, ``pipemesh plan``'s default :data:`.defaults.SEARCH_SECONDS`; a stop request from a signal; or the
+  study's cap on candidates), it keeps the rows found and records the least bound left (:class:`SearchLog`): no
+  layout left unsearched runs faster than that, and a side with no row says its candidates were not reached. With
+  ``jobs`` > 1 the loop runs on worker processes (:mod:`.parallel_search`), and so do the user layout's rows, with
+  the same rows to the float.
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
@@ -58,7 +60,7 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     of the user's layout are always priced); a note then says how much faster a layout left unsearched could be, at
     most (``pipemesh plan`` gives :data:`.defaults.SEARCH_SECONDS` unless told otherwise), counted from
     ``counted_from`` (a :func:`time.monotonic` instant; default: now). ``stop`` (a
-    :class:`.advice_search.StopRequest`, set by a signal): the search stops at once, with the same kind of note.
+    :class:`.search_control.StopRequest`, set by a signal): the search stops at once, with the same kind of note.
     ``progress`` hears each row found and, every :data:`.advice_search.HEARTBEAT_S`, where the search is. ``jobs``:
     worker processes for the layout search (:func:`search_layouts`; the same rows for every number when the search
     is complete)."""

@@ -33,6 +33,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .pool import WorkerPool
+from .search_control import progress_line, stopped
 
 AdviceProblem = AdviceCluster = AdviceRow = SearchLog = Candidate = Any
 """The advice's types (:mod:`.advice`, which calls this module with its own pieces: it is not imported here)."""
@@ -54,8 +55,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
     """:func:`.advice.search_layouts` on ``jobs`` workers (module docstring); the same arguments, with the time limit
     as ``deadline_s``, a :func:`time.monotonic` instant (None: none), and the advice's own pieces: ``run_side`` (one
     task in a worker, :func:`.advice.run_side`), ``say`` (a row found, to ``progress``), ``heartbeat_s`` and ``stop``
-    (a :class:`.advice_search.StopRequest`)."""
-    from .advice_search import progress_line, stopped
+    (a :class:`.search_control.StopRequest`)."""
 
     best = {"pipemesh": best_pm, "stock": best_st}
     searched = {"pipemesh": pipemesh, "stock": stock}
@@ -179,5 +179,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
             raise
         log.stop("interrupted", found[reduced].bound_s if reduced < len(found) else INF)
     finally:
-        pool.close(abandon=bool(stop))
+        # Stopped (a signal or the deadline), what still runs is dropped anyway: end it now rather than at its next
+        # simulation, which may be seconds away.
+        pool.close(abandon=bool(stop) or log.stopped_by == "search_seconds")
     return best["pipemesh"], best["stock"]

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_pipemesh.planning import advice as adv
 from megatron_pipemesh.planning import advice_search as search
+from megatron_pipemesh.planning.search_control import brief
 from megatron_pipemesh.planning.advice import (AdviceCluster, AdviceProblem, ParallelLayout, advise, candidates,
                                                parallel_layouts)
 from megatron_pipemesh.planning.costs import ModelSpec
@@ -151,11 +152,11 @@ def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     assert best_pm.iteration_s >= min(first_pm.iteration_s, capped.unsearched_bound_s)
     first = found[0]
     assert lines[0].startswith(f"0 of {len(found)} candidates done, {len(found)} left whose bound may beat the rows "
-                               f"(0 ruled out); simulating {search.brief(first)} (")
+                               f"(0 ruled out); simulating {brief(first)} (")
     assert f"bound {first.bound_s:.3f} s, 0 s so far" in lines[0]
     index = next(i for i, c in enumerate(found) if c.vpp >= 2)  # PipeMesh's first: more than one simulation
     inside = [line for line in lines if line.startswith(f"{index} of {len(found)} candidates done, ")
-              and f"simulating {search.brief(found[index])} (pipemesh, " in line]
+              and f"simulating {brief(found[index])} (pipemesh, " in line]
     assert len(inside) > 1  # progress also between the simulations of one candidate
 
 
