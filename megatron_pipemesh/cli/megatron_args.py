@@ -278,7 +278,8 @@ def report(user, problem, cluster, rate, advice) -> Dict:
     return {"rows": rows, "run": best.name if best else None,
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
             "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.search.simulated),
-            "search_complete": advice.search.stopped_by is None, "unsearched_bound_s": advice.search.unsearched_bound_s,
+            "search_complete": advice.search.stopped_by is None, "search_stopped_by": advice.search.stopped_by,
+            "unsearched_bound_s": advice.search.unsearched_bound_s,
             "search_s": advice.seconds, "search_cpu_s": advice.cpu_seconds}
 
 
