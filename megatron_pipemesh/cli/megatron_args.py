@@ -13,18 +13,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
+import signal
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..planning.costs import GB
-from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU
+from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
 from ..planning.devices import Device, DeviceRate, rate_for
 from ..planning.profile import LinkRate
-from .common import UsageError, positive_int, positive_number
+from .common import UsageError, nonnegative_number, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
+INTERRUPTED_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+"""Exit status of ``pipemesh plan --megatron-args`` stopped by a signal (after printing the rows found so far): 128 +
+the signal's number, as a shell reports a process the signal ended."""
 DEFAULT_INTRA_NODE_GBPS = 100.0
 """--intra-node-gbps without a flag or a measurement: PCIe."""
 
@@ -67,17 +72,18 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the NIC reads GPU memory directly (default: network traffic is staged through host "
                               "memory, as on commodity clouds)")
     search = parser.add_argument_group("search")
-    search.add_argument("--search-seconds", type=positive_number, default=None,
-                        help="stop the layout search once this many seconds have passed since the search started "
-                             "(checked between simulations; the layout in progress is dropped unless it is the first "
-                             "of its side) and report the best rows found, with how much faster a layout left unsearched "
-                             "could be at most (default: search until no layout can beat the rows; the rows of your "
-                             "own layout are always priced)")
+    search.add_argument("--search-seconds", type=nonnegative_number, default=SEARCH_SECONDS,
+                        help=f"stop the layout search once this many seconds have passed since the command started "
+                             f"(default {SEARCH_SECONDS:g}; 0: search to the end) and report the best rows found, with "
+                             "how much faster a layout left unsearched could be at most (the rows of your own layout are "
+                             "always priced). Ctrl-C (SIGINT) or SIGTERM stops it the same way: the rows found so far, "
+                             f"then exit status 128 + the signal ({INTERRUPTED_STATUS['SIGINT']} / "
+                             f"{INTERRUPTED_STATUS['SIGTERM']})")
     search.add_argument("--jobs", type=positive_int, default=None,
                         help="worker processes for the layout search (default: the cores this process may use); the "
                              "rows are the same for every number, only the time changes")
     search.add_argument("--quiet", action="store_true",
-                        help="no progress lines on stderr (each row found, and every 10 s where the search is)")
+                        help="no progress lines on stderr (each row found, and every few seconds where the search is)")
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="a profile of this command measured by pipemesh profile: its layer, embedding, output, "
                              "optimizer and activation costs, and the link rates it measured (NIC, intra-node, host "
@@ -359,7 +365,8 @@ def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str
             "assumed": list(assumed),
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
             "notes": list(advice.notes), "candidates": advice.candidates, "simulated": dict(advice.search.simulated),
-            "search_complete": advice.search.stopped_by is None, "unsearched_bound_s": advice.search.unsearched_bound_s,
+            "search_complete": advice.search.stopped_by is None, "search_stopped_by": advice.search.stopped_by,
+            "unsearched_bound_s": advice.search.unsearched_bound_s,
             "search_s": advice.seconds, "search_cpu_s": advice.cpu_seconds}
 
 
@@ -456,6 +463,16 @@ def _progress_to_stderr() -> Callable[[str], None]:
 
 def cmd_advice(argv: Sequence[str]) -> int:
     """``pipemesh plan --megatron-args ...`` from its words (after ``plan``)."""
+    from ..planning.advice import StopRequest
+
+    stop = StopRequest()
+    with _stopped_by_signals(stop, sys.stderr):
+        code = _advice(argv, stop)
+    return INTERRUPTED_STATUS[stop.reason] if stop else code
+
+
+def _advice(argv: Sequence[str], stop) -> int:
+    started = time.monotonic()
     from ..planning.advice import advise
     from ..planning.planner import NoFeasiblePlan
     from ..planning.pool import jobs_here
@@ -468,8 +485,8 @@ def cmd_advice(argv: Sequence[str]) -> int:
         progress("reading the command with Megatron's argument parser")
     user, problem, cluster, rate = problem_and_cluster(args, words)
     try:
-        advice = advise(problem, cluster, search_seconds=args.search_seconds, progress=progress,
-                        jobs=jobs_here(args.jobs))
+        advice = advise(problem, cluster, search_seconds=args.search_seconds or None, progress=progress,
+                        jobs=jobs_here(args.jobs), stop=stop, counted_from=started)
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
     if problem.max_tp == 1:
@@ -484,5 +501,32 @@ def cmd_advice(argv: Sequence[str]) -> int:
     out = report(user, problem, cluster, rate, advice, assumptions(args, user, problem, cluster, rate))
     if problem.profile is not None:
         out["profile"] = profile_report(args.profile, problem, out, link_rates(args, problem.profile))
-    print(json.dumps(out, indent=1) if args.json else text(out))
+    print(json.dumps(out, indent=1) if args.json else text(out), flush=True)
     return 0
+
+
+class _stopped_by_signals:
+    """While the advice runs, SIGINT and SIGTERM ask ``stop`` to end the search (the rows found so far are printed);
+    a second one ends the process at once (its search workers end with it). The handlers before are restored."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, stop, err):
+        self.stop, self.err, self.before = stop, err, {}
+
+    def __enter__(self):
+        for number in self.SIGNALS:
+            self.before[number] = signal.signal(number, self.handle)
+        return self
+
+    def handle(self, number, frame) -> None:
+        name = signal.Signals(number).name
+        if self.stop:
+            os._exit(INTERRUPTED_STATUS.get(name, 128 + number))
+        self.stop.request(name)
+        print(f"pipemesh plan: {name}: stopping the search; the rows found so far follow ({name} again quits at "
+              "once, without them)", file=self.err, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.before.items():
+            signal.signal(number, handler)

@@ -264,7 +264,7 @@ class SearchLog:
     """Per side ('pipemesh', 'stock'): candidates simulated (the others were pruned by their bound or not reached)."""
     stopped_by: Optional[str] = None
     """None: complete (every candidate that could beat a side's best was simulated). Otherwise the limit that left
-    candidates unsearched: 'max_simulated' (one side) or 'search_seconds' (both)."""
+    candidates unsearched: 'max_simulated' (one side), 'search_seconds' (both) or 'interrupted' (both: a signal)."""
     unsearched_bound_s: Optional[float] = None
     """When stopped: the least bound of the candidates left unsearched. None of them runs faster than that."""
 

@@ -18,6 +18,7 @@ from .costs import GB
 from .planner import NoFeasiblePlan, Plan, PlannerOptions, fit_with_recompute, plan_schedule
 from .planner_options import structured_options
 from .pool import board
+from .search_control import StopRequest, progress_line, stopped
 from .simulator import SearchTimeUp, TimeUp, simulate
 from .stock import StockResult, activation_budget, best_stock, evaluate, uniform_plan
 
@@ -122,13 +123,18 @@ def user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
 class UserLayout:
     """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
     rows): with ``jobs`` > 1 on two worker processes while the caller prices the user's command and bounds the
-    candidates, else when asked. The same functions either way, so the same rows."""
+    candidates, else when asked. The same functions either way, so the same rows. A ``stop`` request ends them
+    (:class:`.simulator.SearchTimeUp` from :meth:`stock` / :meth:`plan`); while they run, ``progress`` hears every
+    :data:`HEARTBEAT_S` what is being priced."""
 
-    def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: Candidate, pipemesh: bool, jobs: int):
+    def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: Candidate, pipemesh: bool, jobs: int,
+                 stop: Optional["StopRequest"] = None, progress: "Progress" = None):
         from .pool import WorkerPool, jobs_here
 
         self._args = (user, problem, cluster, virtual_sizes(problem.model, problem.layout.pp))
-        self._pipemesh = pipemesh
+        self._pipemesh, self._stop, self._progress = pipemesh, stop, progress
+        self._started = time.monotonic()
+        self._next_beat = self._started + HEARTBEAT_S
         self._pool = WorkerPool(min(2 if pipemesh else 1, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
         self._stock = self._plan = None
         if self._pool is not None:
@@ -141,25 +147,51 @@ class UserLayout:
 
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close(abandon=bool(self._stop))
+
+    def _beat(self, what: str) -> bool:
+        """Progress when due; True when asked to stop."""
+        if self._progress is not None and time.monotonic() >= self._next_beat:
+            self._progress(f"pricing {what} for your layout ({time.monotonic() - self._started:.0f} s so far)")
+            self._next_beat = time.monotonic() + HEARTBEAT_S
+        return bool(self._stop)
+
+    def _wait(self, future, what: str):
+        from concurrent.futures import TimeoutError as Waiting
+        from concurrent.futures.process import BrokenProcessPool
+
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except Waiting:
+                if self._beat(what):
+                    raise SearchTimeUp("interrupted") from None
+            except BrokenProcessPool:
+                if self._stop:  # its workers were ended with the signal
+                    raise SearchTimeUp("interrupted") from None
+                raise
 
     def stock(self) -> Optional[StockResult]:
+        what = "stock's settings (every V, group size, recomputation)"
         if self._pool is not None:
-            return self._stock.result()
+            return self._wait(self._stock, what)
         user, problem, cluster, vpps = self._args
-        return stock_candidate(user, problem, cluster, vpps=vpps)
+        return stock_candidate(user, problem, cluster, vpps=vpps, time_up=lambda: self._beat(what))
 
     def plan(self) -> Optional[Plan]:
         if not self._pipemesh:
             return None
-        return self._plan.result() if self._pool is not None else plan_candidate(self._args[0], self._args[2])
+        what = "PipeMesh's groups and placement"
+        if self._pool is not None:
+            return self._wait(self._plan, what)
+        return plan_candidate(self._args[0], self._args[2], time_up=lambda: self._beat(what))
 
 
 Progress = Optional[Callable[[str], None]]
 """Where the search says what it is doing, one line at a time (the CLI's stderr); None: silent."""
 
-HEARTBEAT_S = 10.0
-"""Seconds between the layout search's progress lines when no row improves."""
+HEARTBEAT_S = 5.0
+"""Seconds between the layout search's progress lines (what is being simulated, how many candidates are left)."""
 
 
 def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[Candidate],
@@ -167,7 +199,8 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
                    stock: bool = True, pm_incumbent_s: float = float("inf"), log: Optional[SearchLog] = None,
                    max_simulated: Optional[int] = None, time_up: TimeUp = None,
                    progress: Progress = None, jobs: int = 1,
-                   deadline_s: Optional[float] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                   deadline_s: Optional[float] = None,
+                   stop: Optional[StopRequest] = None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """The fastest PipeMesh and stock rows over ``found`` (sorted by bound), each side starting from its given row
     (or, for PipeMesh, from ``pm_incumbent_s``, a time reached otherwise): a candidate is simulated for a side only
     while its bound is below that side's best time, and the search stops once the bound reaches both. A side that is
@@ -177,41 +210,43 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
     that many candidates; ``time_up`` (asked between candidates and between the simulations of one) stops both sides
     once it says the time has passed, abandoning the candidate in progress unless its side has no row yet. Either way
     the rows are real plans, and no candidate left runs faster than that bound. ``deadline_s`` (a
-    :func:`time.monotonic` instant) is the same limit as ``time_up`` given as the time it passes.
+    :func:`time.monotonic` instant) is the same limit as ``time_up`` given as the time it passes. ``stop`` (a
+    :class:`StopRequest`, e.g. a signal): the search stops at once, the candidate in progress abandoned whatever its
+    side has ('interrupted' in ``log``).
 
     ``jobs`` > 1 (1 inside a worker, :func:`.pool.jobs_here`): the candidates are simulated on that many worker
     processes (:mod:`.parallel_search`) with the same rows and counts as here, to the float, when no time limit stops
     the search (``time_up`` cannot be sent to a worker: give ``deadline_s``)."""
     log = log if log is not None else SearchLog()
-    if deadline_s is not None and time_up is None:
-        time_up = lambda: time.monotonic() >= deadline_s  # noqa: E731
     from .pool import jobs_here
 
     jobs = jobs_here(jobs)
     if jobs > 1 and len(found) > 1:
-        if deadline_s is None and time_up is not None:
+        if time_up is not None:
             raise ValueError("search_layouts: a time_up function cannot be sent to worker processes; give deadline_s "
                              "(a time.monotonic() instant), or jobs=1")
         from .parallel_search import search_parallel
 
         return search_parallel(problem, cluster, found, best_pm, best_st, pipemesh, stock, pm_incumbent_s, log,
-                               max_simulated, deadline_s, progress, jobs, run_side, say_row, HEARTBEAT_S)
-    next_beat = [time.perf_counter() + HEARTBEAT_S]
+                               max_simulated, deadline_s, progress, jobs, run_side, say_row, HEARTBEAT_S, stop)
 
-    def beat(index: int, candidate: Candidate) -> None:
-        now = time.perf_counter()
-        if progress is not None and now >= next_beat[0]:
-            progress(f"{index} of {len(found)} candidates done; now {candidate.describe()} (bound "
-                     f"{candidate.bound_s:.3f} s)" + "".join(
-                         f", best {name} {row.iteration_s:.3f} s"
-                         for name, row in (("PipeMesh", best_pm), ("stock", best_st)) if row is not None))
-            next_beat[0] = now + HEARTBEAT_S
+    def why() -> Optional[str]:
+        return stopped(deadline_s, stop) or ("search_seconds" if time_up is not None and time_up() else None)
 
-    def asker(index: int, candidate: Candidate, may_stop: bool) -> Callable[[], bool]:
-        """Asked before each simulation inside a candidate: progress when due; time up only if ``may_stop``."""
+    next_beat = [time.monotonic() + HEARTBEAT_S]
+    now_on: List[Tuple[Candidate, str, float]] = []
+
+    def beat(index: int, limit_s: float) -> None:
+        if progress is not None and time.monotonic() >= next_beat[0]:
+            progress(progress_line(found, index, limit_s, now_on, best_pm, best_st, deadline_s))
+            next_beat[0] = time.monotonic() + HEARTBEAT_S
+
+    def asker(index: int, limit_s: float, may_stop: bool) -> Callable[[], bool]:
+        """Asked before each simulation inside a candidate: progress when due; time up only if ``may_stop`` (a side
+        without a row finishes its first candidate), an interruption always."""
         def ask() -> bool:
-            beat(index, candidate)
-            return may_stop and time_up is not None and time_up()
+            beat(index, limit_s)
+            return stopped(None, stop) is not None or (may_stop and why() is not None)
         return ask
 
     for index, candidate in enumerate(found):
@@ -224,27 +259,34 @@ def search_layouts(problem: AdviceProblem, cluster: AdviceCluster, found: Sequen
             if log.simulated["stock"] >= max_simulated and candidate.bound_s < st_limit:
                 log.stop("max_simulated", candidate.bound_s)
                 st_limit = -float("inf")
-        if candidate.bound_s >= max(pm_limit, st_limit):
+        limit = max(pm_limit, st_limit)
+        if candidate.bound_s >= limit:
             break  # sorted by bound: no later candidate beats either side
-        if time_up is not None and time_up():
-            log.stop("search_seconds", candidate.bound_s)
+        reason = why()
+        if reason is not None:
+            log.stop(reason, candidate.bound_s)
             break
-        beat(index, candidate)
+        now_on[:] = [(candidate, "pipemesh" if candidate.vpp >= 2 and candidate.bound_s < pm_limit else "stock",
+                      time.monotonic())]
+        beat(index, limit)
         try:
             if candidate.vpp >= 2 and candidate.bound_s < pm_limit:
                 log.simulated["pipemesh"] += 1
-                plan = plan_candidate(candidate, cluster, pm_limit, asker(index, candidate, best_pm is not None))
+                now_on[:] = [(candidate, "pipemesh", time.monotonic())]
+                plan = plan_candidate(candidate, cluster, pm_limit, asker(index, limit, best_pm is not None))
                 if plan is not None:
                     best_pm = plan_row("best_layout", candidate, plan)
                     say_row(progress, best_pm)
             if candidate.bound_s < st_limit:
                 log.simulated["stock"] += 1
-                result = stock_candidate(candidate, problem, cluster, st_limit, time_up=asker(index, candidate, best_st is not None))
+                now_on[:] = [(candidate, "stock", time.monotonic())]
+                result = stock_candidate(candidate, problem, cluster, st_limit,
+                                         time_up=asker(index, limit, best_st is not None))
                 if result is not None and result.iteration_s < st_limit:
                     best_st = stock_row("best_layout_stock", candidate, result, cluster)
                     say_row(progress, best_st)
         except SearchTimeUp:
-            log.stop("search_seconds", candidate.bound_s)
+            log.stop(stopped(None, stop) or "search_seconds", candidate.bound_s)
             break
     return best_pm, best_st
 

@@ -93,18 +93,18 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
         """Transfer from stage s to stage t alone, with its latency (0 on one rank)."""
         if s % p == t % p:
             return 0.0
-        busy, latency = _p2p_alone(plain, s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
+        busy, latency = p2p_alone(plain, s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
         return busy + latency
 
     links = plain.links()
-    dp_burst = [_burst_s(links, links.dp_route(r) if links is not None else None) for r in range(p)]
+    dp_burst = [burst_s(links, links.dp_route(r) if links is not None else None) for r in range(p)]
     step = [c.optimizer_s[r] if r < len(c.optimizer_s) else 0.0 for r in range(p)]
     gathers = [[max(0.0, plain.data_parallel(r, Op(OpKind.PARAM_SYNC, k)) - dp_burst[r]) if c.dp_gather_s > 0 else 0.0
                 for k in range(vpp)] for r in range(p)]
     reductions = [[max(0.0, plain.data_parallel(r, Op(OpKind.GRAD_SYNC, k)) - dp_burst[r]) for k in range(vpp)]
                   for r in range(p)]
     finals = plain.final_collectives()
-    final_s = {r: max(max(0.0, t[2] - _burst_s(links, links.embedding_route(t[0], t[1]) if links is not None else None))
+    final_s = {r: max(max(0.0, t[2] - burst_s(links, links.embedding_route(t[0], t[1]) if links is not None else None))
                       for t in final.transfers) + final.latency_s for final in finals for r in final.ranks}
     gather0, reduce0, embed = gathers[0][0], reductions[0][0], final_s.get(0, 0.0)
 
@@ -146,18 +146,18 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
     return IterationBound(max(chain, data_parallel, links), vpp, chain, data_parallel, links)
 
 
-def _burst_s(links, route) -> float:
+def burst_s(links, route) -> float:
     """What a token bucket on ``route`` can save a flow at most (0 without: :meth:`.topology.Topology.burst_s`)."""
-    burst_s = getattr(links, "burst_s", None)
-    return burst_s(route) if callable(burst_s) else 0.0
+    saved = getattr(links, "burst_s", None)
+    return saved(route) if callable(saved) else 0.0
 
 
-def _p2p_alone(costs: ScheduleCosts, src: int, dst: int, op: Op):
+def p2p_alone(costs: ScheduleCosts, src: int, dst: int, op: Op):
     """(busy, latency) of a pipeline transfer alone, less what the NICs' token buckets may pass at once."""
     busy, latency = costs.transfer(src, dst, op)
     links = costs.links()
     if links is not None:
-        busy = max(0.0, busy - _burst_s(links, links.p2p_route(src, dst)))
+        busy = max(0.0, busy - burst_s(links, links.p2p_route(src, dst)))
     return busy, latency
 
 
@@ -174,11 +174,11 @@ def _fed_span(config: ScheduleConfig, costs: ScheduleCosts, f: Sequence[float], 
     span = 0.0
     fed = [s for s in mine if s >= 1]  # stages whose forward input comes from rank r-1
     if fed:
-        busy, _ = _p2p_alone(costs, (r - 1) % p, r, Op(OpKind.FORWARD, 0, 0))
+        busy, _ = p2p_alone(costs, (r - 1) % p, r, Op(OpKind.FORWARD, 0, 0))
         span = (m * len(fed) - 1) * busy + min(f[s] + b[s] for s in fed)
     fed = [s for s in mine if s <= stages - 2]  # stages whose backward input comes from rank r+1
     if fed:
-        busy, _ = _p2p_alone(costs, (r + 1) % p, r, Op(OpKind.BACKWARD, 0, 0))
+        busy, _ = p2p_alone(costs, (r + 1) % p, r, Op(OpKind.BACKWARD, 0, 0))
         span = max(span, min(f[s] for s in fed) + (m * len(fed) - 1) * busy + min(b[s] for s in fed))
     return span
 
@@ -195,7 +195,7 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
     for s in range(stages):
         for t, direction in ((s + 1, "F"), (s - 1, "B")):
             if 0 <= t < stages and s % p != t % p:
-                busy, _ = _p2p_alone(costs, s % p, t % p, Op(OpKind.FORWARD if direction == "F" else OpKind.BACKWARD,
+                busy, _ = p2p_alone(costs, s % p, t % p, Op(OpKind.FORWARD if direction == "F" else OpKind.BACKWARD,
                                                               s // p, 0))
                 key = (s % p, t % p, direction)
                 channel[key] = channel.get(key, 0.0) + m * busy
@@ -219,7 +219,7 @@ def _links_s(config: ScheduleConfig, costs: ScheduleCosts, gathers, reductions, 
     for final in finals:
         for src, dst, seconds, _ in final.transfers:
             route = links.embedding_route(src, dst)
-            carry(route, max(0.0, seconds - _burst_s(links, route)))
+            carry(route, max(0.0, seconds - burst_s(links, route)))
     compute_route = getattr(links, "compute_route", None)
     for r in range(p) if callable(compute_route) else ():
         route = compute_route(r)

@@ -16,3 +16,7 @@ about 25 GB/s of it (CUDA's bandwidthTest on A100/L40S-class servers), i.e. 200 
 MEMORY_MARGIN = 0.10
 """Fraction of device memory a plan leaves free by default (allocator fragmentation, communication buffers,
 workspace): the budget is the free (training) or total (planning) memory minus this share."""
+
+SEARCH_SECONDS = 60.0
+"""How long ``pipemesh plan --megatron-args`` searches the layouts unless told (``--search-seconds``; 0: to the end):
+it then answers with the best rows found and the bound of what it left."""

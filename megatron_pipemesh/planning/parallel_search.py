@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Dict, List, Optional, Sequence, Tuple
-
-from typing import Any, Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .pool import WorkerPool
+from .search_control import progress_line, stopped
 
 AdviceProblem = AdviceCluster = AdviceRow = SearchLog = Candidate = Any
 """The advice's types (:mod:`.advice`, which calls this module with its own pieces: it is not imported here)."""
@@ -43,15 +43,20 @@ SIDES = ("pipemesh", "stock")
 
 INF = float("inf")
 
+POLL_S = 0.2
+"""Seconds the parent waits for a result before it looks again at its stop request and its deadline."""
+
 
 def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Sequence[Candidate],
                     best_pm: Optional[AdviceRow], best_st: Optional[AdviceRow], pipemesh: bool, stock: bool,
                     pm_incumbent_s: float, log: SearchLog, max_simulated: Optional[int], deadline_s: Optional[float],
                     progress, jobs: int, run_side: Callable, say: Callable,
-                    heartbeat_s: float) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+                    heartbeat_s: float, stop=None) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
     """:func:`.advice.search_layouts` on ``jobs`` workers (module docstring); the same arguments, with the time limit
     as ``deadline_s``, a :func:`time.monotonic` instant (None: none), and the advice's own pieces: ``run_side`` (one
-    task in a worker, :func:`.advice.run_side`), ``say`` (a row found, to ``progress``) and ``heartbeat_s``."""
+    task in a worker, :func:`.advice.run_side`), ``say`` (a row found, to ``progress``), ``heartbeat_s`` and ``stop``
+    (a :class:`.search_control.StopRequest`)."""
+
     best = {"pipemesh": best_pm, "stock": best_st}
     searched = {"pipemesh": pipemesh, "stock": stock}
 
@@ -72,12 +77,13 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
     # Every real time seen so far per side: a limit at or above the sequential search's at any later candidate.
     known = {side: limit(side) for side in SIDES}
     results: Dict[Tuple[int, str], Tuple[str, Optional[AdviceRow]]] = {}
-    running: Dict[Future, Tuple[int, str]] = {}
+    running: Dict[Future, Tuple[int, str, float]] = {}
     next_submit, reduced = 0, 0
     submitting, out_of_time, done = True, False, False
-    next_beat = time.perf_counter() + heartbeat_s
+    next_beat = time.monotonic() + heartbeat_s
 
-    with WorkerPool(jobs, board_size=len(SIDES)) as pool:
+    pool = WorkerPool(jobs, board_size=len(SIDES))
+    try:
         shared = pool.board
 
         def publish() -> None:
@@ -86,9 +92,13 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
 
         publish()
         while not done:
+            if stopped(None, stop):  # a signal: keep what is reduced, drop the rest now
+                log.stop("interrupted", found[reduced].bound_s if reduced < len(found) else INF)
+                done = True
+                break
             # Start tasks in candidate order, each with the least time known, while workers are free.
             while submitting and len(running) < jobs and next_submit < len(found):
-                if deadline_s is not None and time.monotonic() >= deadline_s:
+                if stopped(deadline_s, None):
                     submitting, out_of_time = False, True
                     break
                 candidate = found[next_submit]
@@ -100,7 +110,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                     if wanted(candidate, side, limits[side]):
                         future = pool.submit(run_side, problem, cluster, candidate, side, limits[side], deadline_s,
                                              best[side] is not None)
-                        running[future] = (next_submit, side)
+                        running[future] = (next_submit, side, time.monotonic())
                 next_submit += 1
             # Reduce in candidate order with the sequential rule, as far as the results allow.
             while not done and reduced < len(found):
@@ -121,7 +131,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                     if reduced >= next_submit and out_of_time:  # never started: the time had passed
                         log.stop("search_seconds", candidate.bound_s)
                         done = True
-                    elif reduced < next_submit and not any(task == (reduced, side) for task in running.values()
+                    elif reduced < next_submit and not any(task[:2] == (reduced, side) for task in running.values()
                                                            for side in missing):
                         raise AssertionError(f"{candidate.describe()}: the sequential search simulates its "
                                              f"{missing[0]} side, which no worker was given")
@@ -151,20 +161,25 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
             if not running:
                 raise AssertionError(f"the layout search waits at candidate {reduced} of {len(found)} with no task "
                                      "running")
-            finished, _ = wait(list(running), timeout=None if progress is None else
-                               max(0.0, next_beat - time.perf_counter()), return_when=FIRST_COMPLETED)
+            finished, _ = wait(list(running), timeout=POLL_S, return_when=FIRST_COMPLETED)
             for future in finished:
-                index, side = running.pop(future)
+                index, side, _ = running.pop(future)
                 status, row = future.result()
                 results[(index, side)] = (status, row)
                 if row is not None:
                     known[side] = min(known[side], row.iteration_s)
-            if progress is not None and time.perf_counter() >= next_beat:
-                progress(f"{reduced} of {len(found)} candidates done; now " + "; ".join(
-                    f"{found[index].describe()} ({side}, bound {found[index].bound_s:.3f} s)"
-                    for index, side in sorted(running.values())) + "".join(
-                    f", best {name} {row.iteration_s:.3f} s"
-                    for name, row in (("PipeMesh", best["pipemesh"]), ("stock", best["stock"])) if row is not None))
-                next_beat = time.perf_counter() + heartbeat_s
+            if progress is not None and time.monotonic() >= next_beat:
+                progress(progress_line(found, reduced, max(limit(side) for side in SIDES),
+                                       [(found[index], side, since) for index, side, since in sorted(running.values())],
+                                       best["pipemesh"], best["stock"], deadline_s))
+                next_beat = time.monotonic() + heartbeat_s
         publish()  # done: every task still running drops at its next simulation
+    except BrokenProcessPool:
+        if not stop:  # a worker ended by something else than this search's stop
+            raise
+        log.stop("interrupted", found[reduced].bound_s if reduced < len(found) else INF)
+    finally:
+        # Stopped (a signal or the deadline), what still runs is dropped anyway: end it now rather than at its next
+        # simulation, which may be seconds away.
+        pool.close(abandon=bool(stop) or log.stopped_by == "search_seconds")
     return best["pipemesh"], best["stock"]

@@ -31,14 +31,15 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig, ScheduleConfigError, depth_first_groups
 from ..schedule.levers import DEVICE, PLACEMENT_MODES, RECOMPUTE_ONLY
-from ..schedule.lower import lower
 from ..schedule.ops import Op, OpKind
+from ..schedule.order import rank_steps
 from .costs import GB, OpCosts, ScheduleCosts
 from .host_placement import fit_with_placement, reload_lookahead_for
 from .plan import NoFeasiblePlan, Plan
 from .planner_options import PlannerOptions, structured_options
 from .recompute_fit import allowed_levers, recompute_knapsack
-from .simulator import DeadlineExceeded, SimulationResult, TimeUp, check_time, lowering_for, simulate
+from .path_bound import SLACK
+from .simulator import DeadlineExceeded, SimulationResult, TimeUp, check_time, lower_bound, simulate
 
 __all__ = [  # the plan, its options and its fits are also reached through the search, their first home
     "NoFeasiblePlan", "Plan", "PLACEMENT_MODES", "PlannerOptions", "structured_options", "fit_with_placement",
@@ -134,25 +135,26 @@ def least_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -
     its chunk-micro-batch's bytes at its start, a backward adds its recomputation's transient bytes at its start and
     frees both at its end, and a rank's ops run one after another; so at each op every chunk-micro-batch alive holds
     at least its least bytes over ``levels``, and the backward running at least its least bytes plus transient. A
-    backward that takes no time is not counted (its end sorts before its start on the timeline)."""
+    backward that takes no time is not counted (its end sorts before its start on the timeline). The order is the
+    compute order (:func:`..schedule.order.rank_steps`): lowering adds no compute op and moves none."""
     adapter = ScheduleCosts(config, costs)
-    schedule = lower(config, lowering_for(costs))
     out = []
-    for rank, program in enumerate(schedule.programs):
+    for rank in range(config.pp):
         least = [min(adapter.bytes_at(rank, chunk, level) for level in levels) for chunk in range(config.vpp)]
         running = [min(adapter.bytes_at(rank, chunk, level) + adapter.transient(rank, chunk, level) for level in levels)
                    for chunk in range(config.vpp)]
         # Without recomputation a backward's time is its chunk's, the same for every micro-batch.
         timed = [adapter.compute(rank, Op(OpKind.BACKWARD, chunk, 0)) > 0 for chunk in range(config.vpp)]
         live = peak = 0.0
-        for op in program:
-            if op.kind is OpKind.FORWARD:
-                live += least[op.chunk]
-                peak = max(peak, live)
-            elif op.kind is OpKind.BACKWARD:
-                if timed[op.chunk]:
-                    peak = max(peak, live - least[op.chunk] + running[op.chunk])
-                live -= least[op.chunk]
+        for forward, chunk, _ in rank_steps(config, rank):
+            if forward:
+                live += least[chunk]
+                if live > peak:
+                    peak = live
+            else:
+                if timed[chunk]:
+                    peak = max(peak, live - least[chunk] + running[chunk])
+                live -= least[chunk]
         out.append((costs.static_bytes[rank] if rank < len(costs.static_bytes) else 0.0) + peak)
     return out
 
@@ -191,13 +193,16 @@ def _simulate_bare(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes
     fitted: a simulation stops once its clock passes that, and the candidate is dropped. With a fit limit the
     simulations of the fit_limit fastest so far are kept: their fits start from them. With recomputation the only
     lever (no host placement, no sharding), a candidate whose least peak under any recomputation exceeds the budget
-    cannot fit: it is dropped before its simulation."""
+    cannot fit: it is dropped before its simulation.
+
+    The candidates are simulated in order of their critical path (:func:`.simulator.lower_bound`, at most their
+    time), so the fit_limit fastest come first and the rest stop at their deadline or, once the path alone passes
+    it, are not simulated at all; the order of equal times is the enumeration order, as before."""
     limit = options.fit_limit
-    bare: List[_Unfitted] = []
-    deadline = incumbent_s
     floors = options.activation_placement == RECOMPUTE_ONLY and sharding is None
     unfit: Optional[Tuple[float, int, ScheduleConfig]] = None
-    for config in candidate_configs(pp, vpp, microbatches, options):
+    waiting = []
+    for order, config in enumerate(candidate_configs(pp, vpp, microbatches, options)):
         costs = costs_for(config)
         if floors:
             least = least_peaks(config, costs, [DEVICE] + allowed_levers(options, costs))
@@ -206,12 +211,19 @@ def _simulate_bare(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes
                 if unfit is None or least[worst] < unfit[0]:
                     unfit = (least[worst], worst, config)
                 continue
+        waiting.append((lower_bound(config, costs, sharding=sharding), order, config, costs))
+    waiting.sort(key=lambda item: item[:2])
+    bare: List[_Unfitted] = []
+    deadline = incumbent_s
+    for path_s, order, config, costs in waiting:
+        if path_s * (1 - SLACK) > deadline:
+            break  # this one and every later one would end after it: their simulations would stop there
         check_time(time_up)
         try:
             result = simulate(config, costs, sharding=sharding, deadline_s=deadline)
         except DeadlineExceeded:
             continue
-        bare.append(_Unfitted(result.iteration_s, len(bare), config, costs, result if limit is not None else None))
+        bare.append(_Unfitted(result.iteration_s, order, config, costs, result if limit is not None else None))
         bare.sort(key=lambda item: item.rank)
         if limit is not None and len(bare) >= limit:
             deadline = min(incumbent_s, bare[limit - 1].bare_s)

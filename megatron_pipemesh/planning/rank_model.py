@@ -45,6 +45,8 @@ class RankModel:
         self.on_compute = adapter.host_copies_on_compute
         static = adapter.costs.static_bytes
         self.static = static[rank] if rank < len(static) else 0.0
+        self.whole = [adapter.bytes_at(rank, chunk, DEVICE) for chunk in range(result.config.vpp)]
+        """Per chunk: the bytes of one chunk-micro-batch kept whole (what a host copy moves)."""
 
     def wait_before_backward(self, key: Tuple[int, int]) -> float:
         """Time between the forward's end and its backward being ready."""
@@ -56,38 +58,41 @@ class RankModel:
             keys = self.keys
             return ({key: (keys[key][1], keys[key][1] + keys[key][7], keys[key][2], keys[key][2] + keys[key][7])
                      for key in placed}, sum(2 * keys[key][7] for key in placed))
-        times: Dict[Tuple[int, int], List[float]] = {}
+        keys = self.keys
+        offloads: Dict[Tuple[int, int], Tuple[float, float]] = {}
         free = 0.0
         for key in self.by_offload:
-            if key not in placed:
-                continue
-            start = max(self.keys[key][1], free)
-            free = start + self.keys[key][7]
-            times[key] = [start, free]
+            if key in placed:
+                times = keys[key]
+                start = max(times[1], free)
+                free = start + times[7]
+                offloads[key] = (start, free)
         # A backward that waits delays everything after it on the rank: later reload launches and backwards
         # shift by the waits before them (offloads, early in the iteration, are taken as they were).
         free = exposed = 0.0
         delays: List[Tuple[int, float]] = []
+        out: Dict[Tuple[int, int], Tuple[float, ...]] = {}
         for key in self.by_reload:
             if key not in placed:
                 continue
-            _, _, launch, slot, ready, _, _, copy, position = self.keys[key]
-            start = max(launch + sum(d for p, d in delays if p < slot), free, times[key][1])
+            _, _, launch, slot, ready, _, _, copy, position = keys[key]
+            offload = offloads[key]
+            start = max(launch + (sum(d for p, d in delays if p < slot) if delays else 0), free, offload[1])
             free = start + copy
-            times[key] += [start, free]
-            wait = max(0.0, free - ready - sum(d for p, d in delays if p < position))
+            out[key] = offload + (start, free)
+            wait = max(0.0, free - ready - (sum(d for p, d in delays if p < position) if delays else 0))
             if wait > 0:
                 delays.append((position, wait))
                 exposed += wait
-        return {k: tuple(v) for k, v in times.items()}, exposed
+        return out, exposed
 
     def host_peak(self, windows) -> float:
         """Pinned bytes of the copies in ``windows`` (held from the offload's start to the reload's end) as the
         runtime's pool takes them (:func:`.simulator.pinned_pool_bytes`, which the budget limits)."""
         deltas = []
+        whole = self.whole
         for (chunk, _), (off_start, _, _, rel_end) in windows.items():
-            size = self.adapter.bytes_at(self.rank, chunk, DEVICE)
-            deltas += [(off_start, size), (rel_end, -size)]
+            deltas += [(off_start, whole[chunk]), (rel_end, -whole[chunk])]
         return pinned_pool_bytes(deltas)
 
     def device_peak(self, plan: PlacementPlan, windows) -> Tuple[float, float]:

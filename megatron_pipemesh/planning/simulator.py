@@ -22,6 +22,7 @@ from ..schedule.ops import Op, OpKind
 from ..schedule.timeline import DeadlineExceeded, Timeline, execute
 from .costs import GB, OpCosts, ScheduleCosts
 from .memory import host_block_bytes
+from .path_bound import path_bound
 
 PlacementPlan = Dict[Tuple[int, int, int], str]
 """Where each chunk-micro-batch's activations are between its forward and backward: (rank, chunk, micro-batch) ->
@@ -157,10 +158,14 @@ def pinned_pool_bytes(host_deltas: List[Tuple[float, float]]) -> float:
     together; more when sizes peak at different times.)"""
     held: Dict[int, int] = {}
     most: Dict[int, int] = {}
-    for _, size in sorted(host_deltas, key=lambda d: (d[0], d[1])):  # gives back before taking at equal times
-        block = host_block_bytes(abs(size))
-        held[block] = held.get(block, 0) + (1 if size > 0 else -1)
-        most[block] = max(most.get(block, 0), held[block])
+    blocks: Dict[float, int] = {}  # a plan has a few sizes (one per chunk kind): each rounded once
+    for _, size in sorted(host_deltas):  # by time, then size: gives back before taking at equal times
+        block = blocks.get(size)
+        if block is None:
+            block = blocks[size] = host_block_bytes(abs(size))
+        count = held[block] = held.get(block, 0) + (1 if size > 0 else -1)
+        if count > most.get(block, 0):
+            most[block] = count
     return float(sum(block * count for block, count in most.items()))
 
 
@@ -175,21 +180,15 @@ def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[Placeme
     runs to its end)."""
     if sharding is None:
         schedule = schedule or lower(config, lowering_for(costs, placement))
-        adapter = ScheduleCosts(config, costs, placement)
     else:
         schedule = schedule or lower(config, sharding.lowering(lowering_for(costs, placement)))
-        adapter = sharding.adapter(config, costs, placement)
         splits = sharding.splits(config)
+    adapter = _adapter(config, costs, placement, sharding)
     if schedule.options.host_placement != host_placement_of(placement):
         raise ValueError("the lowered schedule's host placement differs from the plan's 'host' entries: lower it "
                          "with lowering_for(costs, plan)")
-    timeline = execute(schedule, adapter, deadline_s)
-    optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
-    if sharding is not None:
-        optimizer = sharding.optimizer_seconds(optimizer)
-    elif costs.dp_gather_s > 0 and not costs.param_gather_overlapped:  # the step gathers every chunk, exposed
-        optimizer = [seconds + sum(adapter.data_parallel(r, Op(OpKind.PARAM_SYNC, c)) for c in range(config.vpp))
-                     for r, seconds in enumerate(optimizer)]
+    optimizer = _optimizer_seconds(config, costs, adapter, sharding)
+    timeline = execute(schedule, adapter, deadline_s, optimizer)
     # Each rank steps its optimizer once its own gradients are reduced; the iteration ends with the slowest.
     end = max(timeline.rank_end[r] + optimizer[r] for r in range(config.pp))
     copies: List[list] = [[] for _ in range(config.pp)]
@@ -210,6 +209,35 @@ def simulate(config: ScheduleConfig, costs: OpCosts, placement: Optional[Placeme
         ranks.append(_rank_result(rank, timeline, adapter, copies[rank], costs.host_copies_on_compute, end,
                                   optimizer[rank], device, host))
     return SimulationResult(config, end, ranks, timeline, memory, host_memory)
+
+
+def _adapter(config: ScheduleConfig, costs: OpCosts, placement: Optional[PlacementPlan], sharding):
+    """The engine's costs of ``config``: :class:`.costs.ScheduleCosts`, or ``sharding``'s own."""
+    return ScheduleCosts(config, costs, placement) if sharding is None else sharding.adapter(config, costs, placement)
+
+
+def _optimizer_seconds(config: ScheduleConfig, costs: OpCosts, adapter, sharding) -> List[float]:
+    """Per rank: what follows its last collective, its optimizer step (with the distributed optimizer but no
+    overlapped gather, the step gathers every chunk, exposed)."""
+    optimizer = [costs.optimizer_s[r] if r < len(costs.optimizer_s) else 0.0 for r in range(config.pp)]
+    if sharding is not None:
+        return sharding.optimizer_seconds(optimizer)
+    if costs.dp_gather_s > 0 and not costs.param_gather_overlapped:
+        return [seconds + sum(adapter.data_parallel(r, Op(OpKind.PARAM_SYNC, c)) for c in range(config.vpp))
+                for r, seconds in enumerate(optimizer)]
+    return optimizer
+
+
+def lower_bound(config: ScheduleConfig, costs: OpCosts, placement: Optional[PlacementPlan] = None, sharding=None,
+                options: Optional[LoweringOptions] = None) -> float:
+    """At most :func:`simulate`'s iteration time for the same arguments (``options``: the lowering the schedule is
+    simulated with, default :func:`lowering_for`): the critical path of :func:`.path_bound.path_bound`, without
+    simulating."""
+    if options is None:
+        options = lowering_for(costs, placement)
+        options = sharding.lowering(options) if sharding is not None else options
+    adapter = _adapter(config, costs, placement, sharding)
+    return path_bound(config, adapter, options, _optimizer_seconds(config, costs, adapter, sharding))
 
 
 class _DeviceMemory(NamedTuple):

@@ -3,14 +3,16 @@
 Each setting's cost is predicted with the simulator (:mod:`.simulator`, the same engine and costs as PipeMesh's
 planner) and its per-rank peak activation bytes with :mod:`.stock_memory`. Because a fixed-order schedule never
 finishes earlier when its ops get longer, the fastest setting of one (schedule, V, g) that fits a budget is the
-fitting one with the least recomputation time; :func:`best_stock` simulates only those, in order of a compute
-lower bound, and stops once the bound exceeds the fastest time found.
+fitting one with the least recomputation time; :func:`best_stock` simulates only those, in order of a lower
+bound (the critical path of its schedule), and stops once the bound exceeds the fastest time found; the
+memory comes from the compute order, so only the settings simulated are lowered.
 
 Pure: no torch, no processes.
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -20,8 +22,10 @@ from ..schedule.ops import Op, OpKind
 from .bounds import virtual_sizes
 from .clusters import costs_for
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
+from .path_bound import SLACK
 from .profile import Profile
-from .simulator import DeadlineExceeded, TimeUp, check_time, megatron_schedule, simulate
+from .simulator import (DeadlineExceeded, TimeUp, check_time, lower_bound, megatron_lowering, megatron_schedule,
+                        simulate)
 from .stock_memory import (FSDP_MODELS, Budget, ChunkKinds, MegatronFsdpSharding, OffloadModel, live_states,
                            model_for, order_peaks, per_rank, sharding_model, uniform_plan)
 from .stock_options import (OFFLOAD_FRACTIONS, STOCK_SHARDING, StockOffload, StockRecompute, StockSetting,
@@ -79,7 +83,7 @@ def _result(setting: StockSetting, config: ScheduleConfig, costs: OpCosts, shard
         result = simulate(config, costs, uniform_plan(config, setting.recompute.level), schedule, deadline_s=deadline_s)
         adapter = ScheduleCosts(config, costs)
         kinds = ChunkKinds.of(config, adapter)
-        counts = live_states(config, schedule, kinds)
+        counts = live_states(config, kinds)
         return StockResult(setting, max(result.iteration_s, offload.busy_s(config, setting.offload)),
                            offload.device_peaks(counts, kinds, adapter, setting.recompute.level, setting.offload),
                            tuple(costs.static_bytes), host_peak_bytes=offload.host_peaks(counts, kinds, setting.offload))
@@ -134,7 +138,6 @@ class _Choice:
     """The setting with the least recomputation time among ``options``."""
     config: ScheduleConfig
     costs: OpCosts
-    schedule: LoweredSchedule
     lower_bound_s: float
     """No schedule finishes before its busiest rank's compute plus optimizer step (one stream per rank)."""
     sharding: Optional[MegatronFsdpSharding] = None
@@ -147,6 +150,26 @@ class _Choice:
     without_offload: Optional[StockSetting] = None
     """When ``setting`` offloads: the fitting setting with the least recomputation that does not (its host
     link may make the offloading setting the slower one), or None if none fits."""
+    _schedule: Optional[LoweredSchedule] = None
+
+    @property
+    def schedule(self) -> LoweredSchedule:
+        """Megatron's lowered schedule of ``config`` (with ``sharding``'s ops), lowered when first simulated: most
+        choices are decided by their bounds and peaks, which the compute order gives."""
+        if self._schedule is None:
+            self._schedule = megatron_schedule(self.config, self.costs, self.sharding)
+        return self._schedule
+
+    def path_bound_s(self) -> float:
+        """At most the time of every setting :func:`_simulated` simulates for it (without ZeRO-2/3, whose
+        per-micro-batch prediction is no simulation: its compute bound): the critical path of Megatron's schedule
+        (:func:`.simulator.lower_bound`) at the least recomputation among them."""
+        if self.sharding is not None:
+            return self.lower_bound_s
+        options = megatron_lowering(self.costs, self.config)
+        settings = [setting for setting in (self.setting, self.without_offload) if setting is not None]
+        return min(lower_bound(self.config, self.costs, uniform_plan(self.config, setting.recompute.level),
+                               options=options) for setting in settings)
 
 
 class _StockOption(NamedTuple):
@@ -189,13 +212,12 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in options], profile)
         config = probe.config()
-        schedule = megatron_schedule(config, costs)
-        peaks_of = order_peaks(config, costs, [o.level for o in options], schedule)
+        peaks_of = order_peaks(config, costs, [o.level for o in options])
         offload, offloads = None, []
         if host_limit is not None and model.layer_spec == "te":
             adapter = ScheduleCosts(config, costs)
             kinds = ChunkKinds.of(config, adapter)
-            counts = live_states(config, schedule, kinds)
+            counts = live_states(config, kinds)
             offload = OffloadModel.of(model_for(model, probe), cluster, config)
             for option in options:
                 if option.granularity == "full":
@@ -227,9 +249,8 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             bounds = (tuple((compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
                       if shard is not None else ())
             out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
-                               costs, schedule if shard is None else megatron_schedule(config, costs, shard),
-                               bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level), shard,
-                               bounds, offload if first.offload is not None else None, without))
+                               costs, bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level),
+                               shard, bounds, offload if first.offload is not None else None, without))
     return out
 
 
@@ -264,7 +285,7 @@ def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) ->
     for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
                     lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
         for bound, option, peaks in choice.options:
-            if bound * (1 - BOUND_SLACK) > best_s:
+            if bound * (1 - SLACK) > best_s:
                 break
             result = predict(dataclasses.replace(choice.setting, recompute=option), peaks)
             if result.fits(budget):
@@ -288,10 +309,6 @@ def best_per_schedule(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatc
     return out
 
 
-BOUND_SLACK = 1e-9
-"""Relative slack on the compute bound (its float sum may round differently from the simulator's)."""
-
-
 def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
                host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
@@ -304,20 +321,35 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
 
     The same answer as the fastest of :func:`best_per_schedule` (ties: the first in
     :func:`schedule_options` order, then ``sharding`` order), without simulating the choices whose
-    compute bound already exceeds the fastest time found: they are simulated in order of that bound
-    (sharding changes static memory and communication, never compute, so the bound holds at every level), and a
-    simulation stops once it is known to end after the fastest time found.
+    bound already exceeds the fastest time found: their compute bound (sharding changes static memory and
+    communication, never compute, so it holds at every level), then the critical path of those it leaves
+    (:meth:`_Choice.path_bound_s`); they are simulated in order of that path, and a simulation stops once it is known
+    to end after the fastest time found.
     ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
     simulated, nor run past it (None if none can beat it). ``time_up``: asked before each simulation; True stops
     the search with :class:`.simulator.SearchTimeUp`."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps,
                        profile)
+    # Simulated in the order of their critical path (:meth:`_Choice.path_bound_s`; most of a simulated time beyond
+    # the compute bound is bubbles and exposed transfers, which the path has), each only while it may beat the fastest
+    # found. A path is at least its compute bound, so it is taken only for the choices whose compute bound comes
+    # before the least path known: the heap's top is then the least path of every choice left.
+    by_compute = sorted((choice.lower_bound_s, index) for index, choice in enumerate(choices))
+    paths: List[Tuple[float, int]] = []
     best: Optional[Tuple[float, int, StockResult]] = None
-    for index, choice in sorted(enumerate(choices), key=lambda item: item[1].lower_bound_s):
-        if choice.lower_bound_s * (1 - BOUND_SLACK) > (best[0] if best is not None else incumbent_s):
-            break
+    taken = 0
+    while True:
+        limit = best[0] if best is not None else incumbent_s
+        while (taken < len(by_compute) and not by_compute[taken][0] * (1 - SLACK) > limit
+               and (not paths or by_compute[taken][0] < paths[0][0])):
+            index = by_compute[taken][1]
+            heapq.heappush(paths, (choices[index].path_bound_s(), index))
+            taken += 1
+        if not paths or paths[0][0] * (1 - SLACK) > limit:
+            break  # every choice left takes longer than the fastest found
+        _, index = heapq.heappop(paths)
         check_time(time_up)
-        result = _simulated(choice, budget, best[0] if best else incumbent_s)
+        result = _simulated(choices[index], budget, limit)
         if result is not None and (best is None or (result.iteration_s, index) < best[:2]):
             best = (result.iteration_s, index, result)
     return best[2] if best else None
@@ -337,12 +369,11 @@ def default_settings(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatch
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
         costs = _costs(model, cluster, probe, [o.level for o in ladder])
         config = probe.config()
-        schedule = megatron_schedule(config, costs)
-        peaks = order_peaks(config, costs, [o.level for o in ladder], schedule)
+        peaks = order_peaks(config, costs, [o.level for o in ladder])
         limits = per_rank(budget, pp)
         fitting = next((o for o in ladder if all(peak <= limit for peak, limit in zip(peaks[o.level], limits))), None)
         if fitting is not None:
-            out.append(_result(dataclasses.replace(probe, recompute=fitting), config, costs, None, schedule))
+            out.append(_result(dataclasses.replace(probe, recompute=fitting), config, costs, None))
     return out
 
 

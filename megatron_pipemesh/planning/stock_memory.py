@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from ..schedule.config import ScheduleConfig
-from ..schedule.lower import LoweredSchedule, lower
 from ..schedule.ops import Op, OpKind
+from ..schedule.order import sequences
 from ..schedule.spans import OPTIM, shards_parameters
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, activation_shape
 from .memory import offloadable_layer_bytes
 from .sharding import ShardingModel, ShardingSpec
-from .simulator import lowering_for
 from .stock_options import StockOffload, StockSetting
 
 Budget = Union[float, Sequence[float]]
@@ -99,18 +100,16 @@ class MegatronFsdpSharding(ShardingModel):
             out.append(busy)
         return out
 
-def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str],
-                schedule: Optional[LoweredSchedule] = None) -> Dict[str, Tuple[float, ...]]:
+def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -> Dict[str, Tuple[float, ...]]:
     """Per-rank activation peak of ``config`` with each level of ``levels`` applied everywhere, from
     the program order (one compute stream per rank, so the order fixes the peak): a forward adds
     its chunk's bytes, a backward holds its recomputation's transient bytes until it frees them.
 
     The live set at each step is counted once per rank as live chunk-micro-batches per kind of chunk
     (:class:`ChunkKinds`: chunks that hold the same bytes); each level's peak is then a maximum over those counts."""
-    schedule = schedule or lower(config, lowering_for(costs))
     adapter = ScheduleCosts(config, costs)
     kinds = ChunkKinds.of(config, adapter)
-    counts = live_states(config, schedule, kinds)
+    counts = live_states(config, kinds)
     return {level: _peaks(counts, kinds.bytes_at(adapter, level), kinds.transient(adapter, level)) for level in levels}
 
 
@@ -149,86 +148,64 @@ class ChunkKinds:
         return [[adapter.transient(rank, chunk, level) for chunk in chunks] for rank, chunks in enumerate(self.chunks)]
 
 
-LiveStates = List[set]
-"""Per rank: every (live chunk-micro-batches per kind of :class:`ChunkKinds`, the kind in a backward or -1) its
-program order passes through (:func:`live_states`)."""
+class RankStates(NamedTuple):
+    """One rank's live states along its compute order, one row per compute op: a forward's after it adds its
+    chunk-micro-batch, a backward's while it runs (before it frees its own)."""
+
+    counts: np.ndarray
+    """(ops, kinds) integers: the live chunk-micro-batches of each kind of :class:`ChunkKinds`."""
+    backward: np.ndarray
+    """(ops,) integers: the kind of the backward running, -1 for a forward."""
 
 
-class LiveSet(set):
-    """One rank's live states (:data:`LiveStates`), with their front kept once computed: the states no other state
-    with the same kind in a backward covers (as many or more of every kind). With bytes >= 0 per chunk-micro-batch a
-    covered state never holds more (float products and sums are monotone), so the peak over the front is the peak
-    over every state, to the float; the front is a few states where the order passes through thousands."""
-
-    _front: Optional[List[tuple]] = None
-
-    def front(self) -> List[tuple]:
-        if self._front is None:
-            by_backward: Dict[int, List[tuple]] = {}
-            for live, backward in self:
-                by_backward.setdefault(backward, []).append(live)
-            front: List[tuple] = []
-            for backward, lives in by_backward.items():
-                front += [(live, backward) for live in _uncovered(lives)]
-            self._front = front
-        return self._front
+LiveStates = List[RankStates]
+"""Per rank: every live state its compute order passes through (:func:`live_states`)."""
 
 
-def _uncovered(lives: List[tuple]) -> List[tuple]:
-    """The distinct count tuples no other one covers (as many or more of every kind). Sorted in decreasing order, a
-    tuple can only be covered by an earlier one; with two kinds, exactly when an earlier one has as many of the
-    second kind."""
-    ordered = sorted(set(lives), reverse=True)
-    if not ordered or len(ordered[0]) == 1:
-        return ordered[:1]
-    out: List[tuple] = []
-    if len(ordered[0]) == 2:
-        most = -1
-        for live in ordered:
-            if live[1] > most:
-                out.append(live)
-                most = live[1]
-        return out
-    for live in ordered:
-        if not any(all(a >= b for a, b in zip(other, live)) for other in out):
-            out.append(live)
-    return out
-
-
-def live_states(config: ScheduleConfig, schedule: LoweredSchedule, kinds: Optional[ChunkKinds] = None) -> LiveStates:
-    """The live counts of every rank's program order: a forward adds its chunk, a backward holds it until
-    it ends (one compute stream per rank, so the order fixes every peak). ``kinds``: default, chunks told apart
-    by being stage 0 or the last stage only (an even split)."""
+def live_states(config: ScheduleConfig, kinds: Optional[ChunkKinds] = None) -> LiveStates:
+    """The live counts of every rank's compute order (:func:`..schedule.order.sequences`; lowering adds no compute
+    op and moves none): a forward adds its chunk, a backward holds it until it ends (one compute stream per rank, so
+    the order fixes every peak). ``kinds``: default, chunks told apart by being stage 0 or the last stage only (an
+    even split). Built as arrays (a running sum of +1 / -1 per op): the stock search reads thousands of orders."""
     kinds = kinds or ChunkKinds.of(config)
-    counts = []
+    forwards, backwards, warmups = sequences(config)
+    forward_chunks = np.array([chunk for _, chunk, _ in forwards], dtype=np.int64)
+    backward_chunks = np.array([chunk for _, chunk, _ in backwards], dtype=np.int64)
+    n = len(forwards)
+    out = []
     for rank in range(config.pp):
-        of_chunk = kinds.of_chunk[rank]
-        live = [0] * len(kinds.chunks[rank])
-        states = LiveSet()
-        for op in schedule.programs[rank]:
-            kind = op.kind
-            if kind is OpKind.FORWARD:
-                live[of_chunk[op.chunk]] += 1
-                states.add((tuple(live), -1))
-            elif kind is OpKind.BACKWARD:
-                states.add((tuple(live), of_chunk[op.chunk]))
-                live[of_chunk[op.chunk]] -= 1
-        counts.append(states)
-    return counts
+        w = warmups[rank]
+        steady = n - w
+        chunk = np.empty(2 * n, dtype=np.int64)
+        forward = np.zeros(2 * n, dtype=bool)
+        chunk[:w], forward[:w] = forward_chunks[:w], True  # warm-up forwards
+        chunk[w:w + 2 * steady:2], forward[w:w + 2 * steady:2] = forward_chunks[w:], True  # 1F1B
+        chunk[w + 1:w + 2 * steady:2] = backward_chunks[:steady]
+        chunk[w + 2 * steady:] = backward_chunks[steady:]  # cool-down
+        kind = np.asarray(kinds.of_chunk[rank], dtype=np.int64)[chunk]
+        steps = np.zeros((2 * n, len(kinds.chunks[rank])), dtype=np.int64)
+        steps[np.arange(2 * n), kind] = np.where(forward, 1, -1)
+        live = np.cumsum(steps, axis=0)
+        live[~forward, kind[~forward]] += 1  # a backward's state holds its own chunk-micro-batch
+        out.append(RankStates(live, np.where(forward, -1, kind)))
+    return out
 
 
 def _peaks(counts: LiveStates, held: Sequence[Sequence[float]], transient: Sequence[Sequence[float]],
            in_flight: Optional[Sequence[float]] = None) -> Tuple[float, ...]:
     """Per rank: the peak over its live states of ``held[rank][kind]`` per live chunk-micro-batch of that kind,
-    ``transient[rank][kind]`` during a backward of that kind and ``in_flight[rank]`` always."""
+    ``transient[rank][kind]`` during a backward of that kind and ``in_flight[rank]`` always. Each state's bytes are
+    added kind by kind, then its transient, then what is in flight, as one would by hand: the same floats."""
     out = []
     for rank, states in enumerate(counts):
-        sizes, extra = held[rank], transient[rank]
-        base = in_flight[rank] if in_flight is not None else 0.0
-        if isinstance(states, LiveSet) and all(size >= 0 for size in sizes):
-            states = states.front()  # the same peak (LiveSet)
-        out.append(max(sum(n * size for n, size in zip(live, sizes)) + (extra[backward] if backward >= 0 else 0.0) + base
-                       for live, backward in states))
+        sizes = held[rank]
+        total = states.counts[:, 0] * float(sizes[0])
+        for kind in range(1, len(sizes)):
+            total = total + states.counts[:, kind] * float(sizes[kind])
+        extra = np.array([float(x) for x in transient[rank]] + [0.0])  # index -1: a forward, nothing transient
+        total = total + extra[states.backward]
+        total = total + (float(in_flight[rank]) if in_flight is not None else 0.0)
+        out.append(float(total.max()))
     return tuple(out)
 
 

@@ -32,6 +32,7 @@ Placement rules (the runtime follows the program literally):
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
 import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -242,13 +243,9 @@ class _Slots:
     compute: List[Op]
     positions: Dict[str, Dict[int, int]]
     """:func:`.order.first_last_positions` of the config (the same for every rank)."""
-    before: Dict[int, List[Op]] = field(default_factory=dict)
-    after: Dict[int, List[Op]] = field(default_factory=dict)
+    before: Dict[int, List[Op]] = field(default_factory=lambda: defaultdict(list))
+    after: Dict[int, List[Op]] = field(default_factory=lambda: defaultdict(list))
     tail: List[Op] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.before = {i: [] for i in range(len(self.compute) + 1)}
-        self.after = {i: [] for i in range(len(self.compute))}
 
     def at(self, kind: OpKind) -> List[int]:
         """Indices of the k-th op of ``kind`` within the compute program."""
@@ -260,10 +257,15 @@ class _Slots:
 
     def program(self) -> List[Op]:
         out: List[Op] = []
+        before, after = self.before.get, self.after.get  # most slots hold nothing: no list is made for them
         for index, op in enumerate(self.compute):
-            out.extend(self.before[index])
+            placed = before(index)
+            if placed:
+                out.extend(placed)
             out.append(op)
-            out.extend(self.after[index])
+            placed = after(index)
+            if placed:
+                out.extend(placed)
         return out + self.tail
 
 

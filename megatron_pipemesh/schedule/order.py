@@ -12,7 +12,8 @@ p-r-1 (stock 1F1B), so the same code also yields that baseline.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from functools import lru_cache
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 from .config import ScheduleConfig
 from .ops import B, F, Op
@@ -53,29 +54,57 @@ def warmup(config: ScheduleConfig, rank: int) -> int:
     Raised above :func:`base_warmup` where needed: in the steady phase the k-th backward runs
     after W + k + 1 forwards, so W >= index_in_forward_sequence(B_k) - k for every k.
     """
+    return sequences(config).warmups[rank]
+
+
+Step = Tuple[bool, int, int]
+"""One compute op as plain data: (is a forward, chunk, micro-batch)."""
+
+
+class Sequences(NamedTuple):
+    """What every rank's compute order is made of (:func:`sequences`)."""
+
+    forwards: Tuple[Step, ...]
+    """The forward sequence (identical on all ranks)."""
+    backwards: Tuple[Step, ...]
+    """The backward sequence (identical on all ranks)."""
+    warmups: Tuple[int, ...]
+    """Per rank: the forwards it runs before its first backward (:func:`warmup`)."""
+
+
+@lru_cache(maxsize=128)
+def sequences(config: ScheduleConfig) -> Sequences:
+    """The forward and backward sequences of ``config`` and every rank's warm-up, computed once per config: a rank's
+    order is its warm-up forwards, then one forward and one backward in turn, then the backwards left
+    (:func:`rank_steps`); planners read thousands of orders of a few configs."""
+    forwards = forward_sequence(config)
+    backwards = backward_sequence(config)
+    position = {slot: index for index, slot in enumerate(forwards)}
+    needed = max(position[slot] - k for k, slot in enumerate(backwards))
     total = config.microbatches * config.vpp
-    position = {slot: index for index, slot in enumerate(forward_sequence(config))}
-    needed = max(position[slot] - k for k, slot in enumerate(backward_sequence(config)))
-    return min(max(base_warmup(config, rank), needed), total)
+    warmups = tuple(min(max(base_warmup(config, rank), needed), total) for rank in range(config.pp))
+    return Sequences(tuple((True, c, j) for c, j in forwards), tuple((False, c, j) for c, j in backwards), warmups)
 
 
-def compute_program(config: ScheduleConfig, rank: int, forward_only: bool = False) -> List[Op]:
-    """The compute ops of one rank in execution order (warm-up, 1F1B steady state, cool-down).
-
-    ``forward_only`` (evaluation) runs the forward sequence alone, as Megatron does.
-    """
-    forwards = [F(c, j) for c, j in forward_sequence(config)]
+def rank_steps(config: ScheduleConfig, rank: int, forward_only: bool = False) -> List[Step]:
+    """The compute ops of one rank in execution order as :data:`Step` (warm-up, 1F1B steady state, cool-down);
+    ``forward_only`` (evaluation) runs the forward sequence alone, as Megatron does."""
+    forwards, backwards, warmups = sequences(config)
     if forward_only:
-        return forwards
-    backwards = [B(c, j) for c, j in backward_sequence(config)]
-    w = warmup(config, rank)
-    program = forwards[:w]
+        return list(forwards)
+    w = warmups[rank]
     steady = len(forwards) - w
+    program = list(forwards[:w])
     for k in range(steady):
         program.append(forwards[w + k])
         program.append(backwards[k])
     program.extend(backwards[steady:])
     return program
+
+
+def compute_program(config: ScheduleConfig, rank: int, forward_only: bool = False) -> List[Op]:
+    """The compute ops of one rank in execution order (:func:`rank_steps` as ops)."""
+    return [F(c, j) if forward else B(c, j) for forward, c, j in rank_steps(config, rank, forward_only)]
 
 
 def compute_programs(config: ScheduleConfig, forward_only: bool = False) -> List[List[Op]]:

@@ -120,8 +120,9 @@ def test_progress_on_stderr_and_a_search_out_of_time_says_what_it_left(tiny):
     assert code == 0, err
     stopped = json.loads(out)
     assert not stopped["search_complete"] and stopped["unsearched_bound_s"] > 0
+    assert stopped["search_stopped_by"] == "search_seconds" and tiny["search_stopped_by"] is None
     assert stopped["rows"]["best_layout"]["predicted_iteration_s"] == stopped["rows"]["pipemesh"]["predicted_iteration_s"]
-    assert any(note.startswith("the layout search stopped at --search-seconds 1e-09 after 0 of ")
+    assert any(note.startswith("the layout search stopped at its deadline, --search-seconds 1e-09, after 0 of ")
                for note in stopped["notes"]), stopped["notes"]
     lines = err.splitlines()
     assert lines[0].startswith("pipemesh plan [") and lines[0].endswith("] reading the command with Megatron's "

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_pipemesh.planning import advice as adv
 from megatron_pipemesh.planning import advice_search as search
+from megatron_pipemesh.planning.search_control import brief
 from megatron_pipemesh.planning.advice import (AdviceCluster, AdviceProblem, ParallelLayout, advise, candidates,
                                                parallel_layouts)
 from megatron_pipemesh.planning.costs import ModelSpec
@@ -93,16 +94,18 @@ def test_a_search_out_of_time_keeps_the_rows_of_the_user_layout_and_bounds_what_
     at least the lesser of the two; the note says how much faster a layout left could be."""
     advice, _ = full
     found = candidates(problem(), CLUSTER)
-    stopped = advise(problem(), CLUSTER, search_seconds=0)
+    assert advise(problem(), CLUSTER, search_seconds=0).search.stopped_by is None  # 0: to the end
+    stopped = advise(problem(), CLUSTER, search_seconds=1e-9)
     assert stopped.search.stopped_by == "search_seconds" and stopped.search.unsearched_bound_s == found[0].bound_s
     assert stopped.search.simulated == {"pipemesh": 0, "stock": 0}
     assert stopped.rows["best_layout"].iteration_s == stopped.rows["pipemesh"].iteration_s
     for name in ("best_layout", "best_layout_stock"):
         assert advice.rows[name].iteration_s >= min(stopped.rows[name].iteration_s, found[0].bound_s) - 1e-12
     gain = stopped.rows["best_layout"].iteration_s / found[0].bound_s
-    note = [n for n in stopped.notes
-            if n.startswith(f"the layout search stopped at --search-seconds 0 after 0 of {len(found)} candidates ")]
-    assert len(note) == 1 and f"at most {gain:.2f}x faster than best_layout" in note[0], stopped.notes
+    note = [n for n in stopped.notes if n.startswith(f"the layout search stopped at its deadline, --search-seconds "
+                                                     f"1e-09, after 0 of {len(found)} candidates ")]
+    assert len(note) == 1 and f"at most {100 * (gain - 1):.1f}% faster than best_layout" in note[0], stopped.notes
+    assert "--search-seconds 0 searches to the end" in note[0]
 
 
 def test_rows_user_first_and_best_fits(full):
@@ -148,10 +151,12 @@ def test_a_capped_search_says_so_and_keeps_real_plans(monkeypatch):
     assert capped.unsearched_bound_s == pm_candidates[1].bound_s < first_pm.iteration_s
     assert best_pm.iteration_s >= min(first_pm.iteration_s, capped.unsearched_bound_s)
     first = found[0]
-    assert lines[0] == f"0 of {len(found)} candidates done; now {first.describe()} (bound {first.bound_s:.3f} s)"
+    assert lines[0].startswith(f"0 of {len(found)} candidates done, {len(found)} left whose bound may beat the rows "
+                               f"(0 ruled out); simulating {brief(first)} (")
+    assert f"bound {first.bound_s:.3f} s, 0 s so far" in lines[0]
     index = next(i for i, c in enumerate(found) if c.vpp >= 2)  # PipeMesh's first: more than one simulation
-    inside = [line for line in lines if line.startswith(f"{index} of {len(found)} candidates done; now "
-                                                        f"{found[index].describe()} ")]
+    inside = [line for line in lines if line.startswith(f"{index} of {len(found)} candidates done, ")
+              and f"simulating {brief(found[index])} (pipemesh, " in line]
     assert len(inside) > 1  # progress also between the simulations of one candidate
 
 
@@ -271,3 +276,29 @@ def test_a_micro_batch_size_the_profile_measured_faster_is_advised():
     best = advice.best()
     assert best.micro_batch_size in (2, 4, 8, 16) and f"mbs {best.micro_batch_size}" in best.describe()
     assert best.iteration_s < advice.rows["user"].iteration_s and advice.rows["user"].micro_batch_size is None
+
+
+def test_a_search_stopped_early_says_what_it_did_not_reach_not_that_nothing_fits():
+    """A V = 1 command has no PipeMesh row of its own: stopped before its first candidate, the search found no
+    PipeMesh layout and says it did not reach them, never that no PipeMesh plan fits (which the complete search says
+    only where it simulated them all)."""
+    p = problem(vpp=1, stock=StockSetting(4, 1, 16))
+    stopped = advise(p, CLUSTER, search_seconds=1e-9)
+    assert stopped.rows["best_layout"] is None and stopped.search.stopped_by == "search_seconds"
+    assert not any("no PipeMesh plan (PP >= 2, V >= 2) fits" in note for note in stopped.notes), stopped.notes
+    assert any(note.startswith("best_layout: no PipeMesh plan found before the layout search stopped at its deadline")
+               and "not reached" in note for note in stopped.notes), stopped.notes
+
+
+def test_a_stop_request_ends_the_search_with_the_rows_found_and_the_bound_left():
+    """A stop request (the CLI's SIGINT / SIGTERM) before the layout search: the rows of the user's layout stay, the
+    search is 'interrupted' at the least bound and the note names the signal."""
+    p = problem()
+    found = candidates(p, CLUSTER)
+    stop = adv.StopRequest()
+    stop.request("SIGINT")
+    stop.request("SIGTERM")  # the first request wins
+    stopped = advise(p, CLUSTER, stop=stop)
+    assert stopped.search.stopped_by == "interrupted" and stopped.search.unsearched_bound_s == found[0].bound_s
+    assert stopped.rows["user"] is not None
+    assert any(note.startswith("the layout search was interrupted (SIGINT) after 0 of ") for note in stopped.notes)

@@ -116,3 +116,22 @@ def test_the_study_row_advice_is_the_same_in_a_worker():
     for out in there:
         assert out["advice_best_layout"] == here["advice_best_layout"]
         assert out["pipemesh_auto"] == here["pipemesh_auto"] and out["best_stock"] == here["best_stock"]
+
+
+def test_a_stop_request_ends_the_parallel_search_with_real_rows(sequential, monkeypatch):
+    """A stop request in the middle of the search (as a signal sets it; here at its first progress line): the search
+    says it was interrupted, ends its workers, and what it keeps is real: the full search's best is at least the
+    lesser of a kept row and the bound it left."""
+    from megatron_pipemesh.planning import advice_search
+
+    monkeypatch.setattr(advice_search, "HEARTBEAT_S", 0.0)
+    found = candidates(PROBLEM, CLUSTER)
+    stop = adv.StopRequest()
+    log, lines = adv.SearchLog(), []
+    best_pm, best_st = adv.search_layouts(PROBLEM, CLUSTER, found, log=log, jobs=2, stop=stop,
+                                          progress=lambda line: lines.append(line) or stop.request("SIGINT"))
+    assert log.stopped_by == "interrupted" and log.unsearched_bound_s is not None, lines
+    assert sum(log.simulated.values()) < sum(sequential.search.simulated.values())
+    for name, row in (("best_layout", best_pm), ("best_layout_stock", best_st)):
+        full = sequential.rows[name].iteration_s
+        assert full >= min(row.iteration_s if row else float("inf"), log.unsearched_bound_s) - 1e-12

@@ -245,3 +245,32 @@ def test_lists_that_cannot_fit_are_not_simulated_and_the_plan_is_the_same(budget
     finally:
         planner.simulate = real_simulate
     assert not calls
+
+
+@pytest.mark.parametrize("incumbent", [float("inf"), 0.195])
+def test_lists_whose_critical_path_passes_the_deadline_are_not_simulated_and_the_plan_is_the_same(incumbent):
+    """With a fit limit the lists are simulated in order of their critical path (simulator.lower_bound), and those
+    whose path alone ends after the limit-th fastest time (or the incumbent) are not simulated: fewer simulations,
+    and the same plans fitted and returned as when every list is simulated (the path made 0: the old order)."""
+    import megatron_pipemesh.planning.planner as planner
+    from megatron_pipemesh.planning.planner import PlannerOptions
+
+    pp, vpp, m = 4, 2, 24
+    costs = _direct_costs(pp)
+    options = PlannerOptions(first_forward_candidates=(4, 8, 12, 24), last_backward_candidates=(4, 8, 12, 24),
+                             fit_limit=2)
+    calls, real_simulate, real_bound = [], planner.simulate, planner.lower_bound
+    planner.simulate = lambda *args, **kwargs: calls.append(1) or real_simulate(*args, **kwargs)
+    try:
+        best, evaluated = plan_schedule(pp, vpp, m, lambda cfg: costs, 100 * GB, options, incumbent_s=incumbent)
+        pruned = len(calls)
+        calls.clear()
+        planner.lower_bound = lambda *args, **kwargs: 0.0
+        every, every_evaluated = plan_schedule(pp, vpp, m, lambda cfg: costs, 100 * GB, options, incumbent_s=incumbent)
+        unpruned = len(calls)
+    finally:
+        planner.simulate, planner.lower_bound = real_simulate, real_bound
+    assert [(p.config, p.result.iteration_s) for p in evaluated] == \
+        [(p.config, p.result.iteration_s) for p in every_evaluated]
+    assert (best.config, best.result.iteration_s) == (every.config, every.result.iteration_s)
+    assert pruned < unpruned, (pruned, unpruned)

@@ -269,3 +269,25 @@ def test_a_ready_notice_queues_behind_the_receivers_own_transfer_to_the_sender(b
     transfer = {(c.src, str(c.op)): c for c in timeline.comms if c.lane == "p2p"}
     gradient, forward = transfer[1, "B0.0"], transfer[0, "F0.1"]
     assert forward.start == (gradient.end if behind else gradient.start)
+
+
+def test_a_deadline_counts_each_ranks_tail():
+    """execute's tails (what follows a rank's end, the simulator's optimizer step): a schedule whose last rank end plus
+    its tail is exactly the deadline runs to its end, event for event; one a tail's worth later is stopped, before
+    its clock reaches the deadline (a rank's compute left plus its tail already passes it); a tail per rank is
+    required."""
+    from megatron_pipemesh.schedule.timeline import DeadlineExceeded
+
+    schedule = lower(ScheduleConfig.breadth_first(4, 2, 8))
+    costs = _UnevenCosts()
+    free = execute(schedule, costs)
+    tails = [0.5 * (rank + 1) for rank in range(4)]
+    iteration = max(end + tail for end, tail in zip(free.rank_end, tails))
+    again = execute(schedule, costs, deadline=iteration, tails=tails)
+    assert canonical(again) == canonical(free)
+    with pytest.raises(DeadlineExceeded) as stopped:
+        execute(schedule, costs, deadline=iteration - 0.25, tails=tails)
+    assert stopped.value.clock > iteration - 0.25
+    execute(schedule, costs, deadline=free.makespan)  # without tails the same deadline lets it finish
+    with pytest.raises(ValueError, match="one value per pipeline rank"):
+        execute(schedule, costs, deadline=iteration, tails=tails[:2])
