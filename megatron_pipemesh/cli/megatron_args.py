@@ -256,7 +256,9 @@ def problem_and_cluster(args, words: Sequence[str]):
                             host_link_gbps=links["host_link"].gbps,
                             nic_via_host=not args.gpudirect_rdma, host_copies_on_compute=not rate.given,
                             collectives="gloo" if not rate.given or getattr(a, "distributed_backend", None) == "gloo"
-                            else "nccl", fp8_tflops=rate.fp8_tflops)
+                            else "nccl", fp8_tflops=rate.fp8_tflops,
+                            alltoall_intra_gbps=profile.network.alltoall_intra_gbps
+                            if profile is not None and profile.network is not None else None)
     return user, problem, cluster, rate
 
 

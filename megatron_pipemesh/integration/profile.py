@@ -134,8 +134,9 @@ def command_args(words: Sequence[str], cuda: bool):
     tp, pp, cp = _parallel_sizes(words)
     planned = read_command(list(words), world_size=tp * pp * cp)  # the command as the planner reads it
     run = read_command(as_run_here(list(words), cuda), world_size=tp * pp * cp)  # as it runs on this machine
-    if getattr(run.args, "num_experts", None) or getattr(run.args, "spec", None):
-        raise CommandError("pipemesh profile measures dense GPT layers: --num-experts and --spec are not supported")
+    if getattr(run.args, "spec", None):
+        raise CommandError("pipemesh profile measures Megatron's GPT layers: --spec (a custom layer spec) is not "
+                           "supported")
     args = single_rank_args(run.args)
     args.padded_vocab_size = run.model.vocab_size  # set by the tokenizer in training; the planner pads it alike
     return args, planned, run
@@ -209,7 +210,7 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
             bucket = settings.bucket_bytes or (megatron_bucket_bytes(args.ddp_bucket_size, launch.world,
                                                                      grad_bytes(args)) if cuda else CPU_BUCKET_BYTES)
             sizes = message_sizes(model_spec.micro_batch_size, model_spec.seq_length, model_spec.hidden_size,
-                                  model_spec.dtype_bytes, bucket)
+                                  model_spec.dtype_bytes, bucket, model_spec.moe.topk if model_spec.moe else None)
             network, link_notes = measure_network(launch, sizes, settings.warmup, settings.repeats, cuda, say)
             notes += link_notes
     finally:

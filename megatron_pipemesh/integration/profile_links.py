@@ -9,8 +9,8 @@ micro-batch's activation, what a pipeline send carries; and a gradient bucket):
 * p2p between two nodes and inside one: one flow alone, then the same pair both ways at once;
 * flows sharing a NIC: every rank of one node sends to a rank of another at once (two or more nodes, two or more
   ranks on the first);
-* all-reduce, reduce-scatter and all-gather over every rank, and over the ranks of one node when there are nodes
-  besides it.
+* all-reduce, reduce-scatter, all-gather and all-to-all (a MoE dispatch's pattern) over every rank, and over the
+  ranks of one node when there are nodes besides it.
 
 Each pattern: warm-up calls, then repeats, each after a barrier, timed from the barrier to the last taking part
 rank's completion (every rank's own clock: the slowest one counts); the median gives the rate
@@ -179,10 +179,12 @@ def megatron_bucket_bytes(bucket_size: Optional[int], data_parallel: int, grad_b
 
 
 def message_sizes(micro_batch_size: int, seq_length: int, hidden_size: int, dtype_bytes: int,
-                  bucket_bytes: int) -> Dict[str, int]:
+                  bucket_bytes: int, topk: Optional[int] = None) -> Dict[str, int]:
     """{'activation': one micro-batch's activation (what a pipeline send carries at TP = 1), 'bucket': a gradient
-    bucket of ``bucket_bytes``}."""
-    return {"activation": micro_batch_size * seq_length * hidden_size * dtype_bytes, "bucket": bucket_bytes}
+    bucket of ``bucket_bytes``, and with ``topk`` (a MoE command) 'dispatch': one micro-batch's routed hidden states,
+    what a rank's token dispatch moves}."""
+    activation = micro_batch_size * seq_length * hidden_size * dtype_bytes
+    return {"activation": activation, "bucket": bucket_bytes, **({"dispatch": activation * topk} if topk else {})}
 
 
 def join_job(launch: Launch, cuda: bool) -> Callable[[], None]:
@@ -304,6 +306,9 @@ def _operation(case: LinkCase, rank: int, group, device) -> Callable[[], None]:
         data, out = buffer(total), buffer(total // size)
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: reduce_scatter(out, data, group=group)
+    if case.pattern == "all-to-all":
+        data, out = buffer(total), buffer(total)
+        return lambda: dist.all_to_all_single(out, data, group=group)
     data, out = buffer(total // size), buffer(total)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return lambda: all_gather(out, data, group=group)

@@ -26,6 +26,7 @@ def single_rank_args(args):
     out.tensor_model_parallel_size = out.pipeline_model_parallel_size = out.context_parallel_size = 1
     out.virtual_pipeline_model_parallel_size = None
     out.sequence_parallel = False
+    out.expert_model_parallel_size, out.expert_tensor_parallel_size = 1, 1  # every expert here: a rank's routed work
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                  "pipeline_model_parallel_layout"):
         if hasattr(out, name):
@@ -36,12 +37,17 @@ def single_rank_args(args):
     return out
 
 
-def level_args(args, level: str):
-    """``args`` with the recomputation of ``level`` (a :class:`..schedule.levers.Lever` name) and one layer."""
+def level_args(args, level: str, dense: bool = False):
+    """``args`` with the recomputation of ``level`` (a :class:`..schedule.levers.Lever` name) and one layer: of a MoE
+    command a MoE layer, or with ``dense`` its dense layer."""
     lever = Lever.parse(level)
     switches = lever.switches  # what the runtime sets for the lever, as Megatron's --recompute-* values
     out = copy.copy(args)
     out.num_layers = 1
+    if getattr(out, "num_experts", None):
+        out.moe_layer_freq = 1
+        if dense:  # Megatron's config refuses an expert size without experts
+            out.num_experts = out.moe_ffn_hidden_size = out.moe_shared_expert_intermediate_size = None
     out.recompute_granularity, out.recompute_method = switches.granularity, switches.method
     out.recompute_num_layers = switches.num_layers
     if lever.is_selective:
@@ -60,15 +66,18 @@ def te_importable() -> bool:
 
 
 def layer_spec(args, use_te: bool):
-    """Megatron's dense GPT layer spec of ``args`` (Transformer Engine's or the local one)."""
+    """Megatron's GPT layer spec of ``args`` (Transformer Engine's or the local one; a MoE layer with --num-experts,
+    its experts' GEMMs grouped with --moe-grouped-gemm where Transformer Engine runs)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    experts = getattr(args, "num_experts", None)
+    grouped = bool(getattr(args, "moe_grouped_gemm", False)) and use_te
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
-                                                          qk_l2_norm=qk_l2_norm)
-    return get_gpt_layer_local_spec(None, False, args.qk_layernorm, args.multi_latent_attention,
+        return get_gpt_layer_with_transformer_engine_spec(experts, grouped, args.qk_layernorm,
+                                                          args.multi_latent_attention, qk_l2_norm=qk_l2_norm)
+    return get_gpt_layer_local_spec(experts, grouped, args.qk_layernorm, args.multi_latent_attention,
                                     normalization=args.normalization, qk_l2_norm=qk_l2_norm)
 
 

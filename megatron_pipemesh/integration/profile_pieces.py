@@ -80,9 +80,26 @@ def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], t
     return {name: (*times[name], kept_bytes(name, piece, grad_of, exclude)) for name, piece in pieces.items()}
 
 
+DENSE = "|dense"
+"""Suffix of a level's dense layer where a MoE command also has dense layers."""
+
+
+def _mixed(times: Dict[str, Tuple[float, float, int]], mix: float) -> Dict[str, Tuple[float, float, float]]:
+    """Per level: the layers' average of a MoE layer's and (where timed) a dense layer's forward, backward and kept
+    bytes, ``mix`` the MoE layers' share (as the cost model averages its layers)."""
+    out = {}
+    for level, moe in times.items():
+        if level.endswith(DENSE):
+            continue
+        dense = times.get(level + DENSE)
+        out[level] = moe if dense is None else tuple(mix * a + (1 - mix) * b for a, b in zip(moe, dense))
+    return out
+
+
 def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device, timer: Timer,
-          settings: "ProfileSettings", exclude, progress: Progress, mask) -> ComputePoint:
-    """The pieces at micro-batch size ``b``, the layers given ``mask`` (the command's loader's, or None)."""
+          settings: "ProfileSettings", exclude, progress: Progress, mask, mix: float = 1.0) -> ComputePoint:
+    """The pieces at micro-batch size ``b``, the layers given ``mask`` (the command's loader's, or None); a MoE
+    command's layers averaged over its MoE (share ``mix``) and dense layers (:func:`_mixed`)."""
     import torch
 
     generator = torch.Generator().manual_seed(settings.seed + b)
@@ -96,8 +113,9 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
             model.set_input_tensor(hidden.clone().requires_grad_(True))
             return model(input_ids=None, position_ids=None, attention_mask=mask)
         return Piece(forward, release=lambda: model.set_input_tensor(None))
-    times = time_pieces({level: layer(model) for level, (model, _) in layer_models.items()}, like, timer, settings,
+    timed = time_pieces({level: layer(model) for level, (model, _) in layer_models.items()}, like, timer, settings,
                         exclude)
+    times = _mixed(timed, mix)
     none = times["none"]
     tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
@@ -144,10 +162,15 @@ def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings"
         return gpt(args_of_level, run_spec, settings, cuda, pre, post)
 
     layer_models = {}
+    mix = model_spec.moe_fraction if model_spec.moe is not None else 1.0
+    kinds = [("", False)] + ([(DENSE, True)] if mix < 1 else [])  # a MoE command's dense layers measured too
     for level in planning_levels(model_spec):
         try:
-            layer_models[str(level)] = build(level_args(args, level), pre=False, post=False)
+            for suffix, dense in kinds:
+                layer_models[str(level) + suffix] = build(level_args(args, level, dense), pre=False, post=False)
         except (AssertionError, ValueError, RuntimeError, NotImplementedError) as error:
+            for suffix, _ in kinds:
+                layer_models.pop(str(level) + suffix, None)
             notes.append(f"recompute level {level} not measured: Megatron refuses it here ({error})")
     ends, config = build(level_args(args, str(DEVICE)), pre=True, post=True)
     exclude = [t for model, _ in layer_models.values() for t in with_main_grads(model)] + with_main_grads(ends)
@@ -160,7 +183,7 @@ def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings"
     for b in micro_batch_sizes(largest):
         try:
             points.append(point(b, s, h, vocab, layer_models, ends, dtype, device, timer, settings, exclude,
-                                progress, mask))
+                                progress, mask, mix))
         except out_of_memory():
             notes.append(f"micro-batch size {b} and above not measured: out of device memory")
             break

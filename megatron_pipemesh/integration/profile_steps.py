@@ -105,6 +105,16 @@ def _pieces(point: ComputePoint, kind: str) -> Tuple[float, float]:
     return forward, backward
 
 
+def _schedule_sets_the_moe_loss_scale() -> None:
+    """Let Megatron's schedule step set the MoE auxiliary loss's scale as in training, where its forward_step sets it
+    before any backward: the pieces' own backwards (run first here) left the scalar Megatron's
+    ``MoEAuxLossAutoScaler.backward`` makes when none is set, and ``set_loss_scale`` then copies a shape-[1] tensor
+    into it (``moe_utils.py:316,334``)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], points: Sequence[ComputePoint],
                           timer, device, warmup: int, repeats: int) -> Dict[int, Dict[str, Tuple[float, float]]]:
     """Per micro-batch size of ``points``, per kind of ``models`` (kind -> (a one-layer ``GPTModel`` of that kind
@@ -117,6 +127,7 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
 
     from .gpt_step import forward_step
 
+    _schedule_sets_the_moe_loss_scale()
     found: Dict[int, Dict[str, Tuple[float, float]]] = {}
     for point in points:
         b = point.micro_batch_size

@@ -63,6 +63,8 @@ class AdviceCluster:
     :attr:`.costs.ClusterSpec.nic_burst_bytes`."""
     fp8_tflops: Optional[float] = None
     """Dense FP8 peak TFLOP/s of one GPU [--device-fp8-tflops, or --gpu's]; None: no FP8."""
+    alltoall_intra_gbps: Optional[float] = None
+    """The all-to-all rate among a node's GPUs a profile measured (:attr:`.costs.ClusterSpec.alltoall_intra_gbps`)."""
 
     @property
     def gpus(self) -> int:
@@ -88,7 +90,8 @@ class AdviceCluster:
                            collectives=self.collectives, shared_cores=self.shared_cores,
                            pinned_cores=self.pinned_cores, overlap_grad_reduce=overlap[0],
                            overlap_param_gather=overlap[1], nic_burst_bytes=self.nic_burst_bytes, cp=cp,
-                           cp_comm=cp_comm, fp8_tflops=self.fp8_tflops, ep=ep, etp=etp)
+                           cp_comm=cp_comm, fp8_tflops=self.fp8_tflops, ep=ep, etp=etp,
+                           alltoall_intra_gbps=self.alltoall_intra_gbps)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                 collectives: str = PLANNING_CLUSTER.collectives, shared_cores: Optional[int] = None,
                 pinned_cores: bool = False, overlap_grad_reduce: bool = True,
                 overlap_param_gather: bool = True, nic_burst_bytes: float = 0.0, cp: int = 1, cp_comm: str = "p2p",
-                fp8_tflops: Optional[float] = None, ep: int = 1, etp: Optional[int] = None) -> ClusterSpec:
+                fp8_tflops: Optional[float] = None, ep: int = 1, etp: Optional[int] = None,
+                alltoall_intra_gbps: Optional[float] = None) -> ClusterSpec:
     """Nodes of ``devices_per_node`` devices behind one NIC of ``nic_gbps`` each way, shared max-min fairly by
     every transfer leaving a node; ``link_gbps``: the data-parallel and pipeline rate per device where no NIC is
     shared; ``shared_cores`` / ``pinned_cores``: every rank on one host of that many CPU cores
@@ -69,7 +70,8 @@ def nic_cluster(*, tp: int, dp: int, devices_per_node: int, nic_gbps: float, lin
                        host_copies_on_compute=host_copies_on_compute, collectives=collectives,
                        shared_cores=shared_cores, pinned_cores=pinned_cores,
                        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                       nic_burst_bytes=nic_burst_bytes, cp=cp, cp_comm=cp_comm, fp8_tflops=fp8_tflops, ep=ep, etp=etp)
+                       nic_burst_bytes=nic_burst_bytes, cp=cp, cp_comm=cp_comm, fp8_tflops=fp8_tflops, ep=ep, etp=etp,
+                       alltoall_intra_gbps=alltoall_intra_gbps)
 
 
 def bench_network_cluster(dp: int, gbps: float, per_rank: bool, collectives: str, **fields) -> ClusterSpec:

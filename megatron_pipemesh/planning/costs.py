@@ -330,8 +330,9 @@ def ep_exchange_s(model: ModelSpec, cluster: ClusterSpec) -> Tuple[float, float]
     A rank routes its T = s x b / CP tokens (/ TP under sequence parallelism) to k experts each, evenly over the EP ranks: ``alltoall`` sends (EP - 1)/EP of its T x k hidden states out and takes as many in,
     to dispatch and again to combine; ``allgather`` gathers every EP rank's T hidden states and reduce-scatters the
     outputs. The backward moves the same bytes. The EP group is EP blocks of ETP consecutive devices: the share to
-    peers in the node crosses the intra-node link, the rest leaves through the node's NIC, which every device of the
-    node loads at once; the longer of the two sets the time."""
+    peers in the node crosses the intra-node link (at the all-to-all rate a profile measured there, where it did), the
+    rest leaves through the node's NIC, which every device of the node loads at once; the longer of the two sets the
+    time."""
     m, ep = model.moe, cluster.ep
     if m is None or ep <= 1:
         return 0.0, 0.0
@@ -340,7 +341,8 @@ def ep_exchange_s(model: ModelSpec, cluster: ClusterSpec) -> Tuple[float, float]
     per_peer = tokens * m.topk * hidden / ep if m.dispatcher != "allgather" else tokens * hidden
     node = cluster.devices_per_node
     inside = max(1, min(ep, node // cluster.expert_tp))  # EP ranks sharing this device's node
-    intra = cluster.intra_node_gbps if cluster.intra_node_gbps is not None else cluster.dp_gbps
+    intra = cluster.alltoall_intra_gbps or (cluster.intra_node_gbps if cluster.intra_node_gbps is not None
+                                            else cluster.dp_gbps)
     nic = cluster.nic_gbps if cluster.nic_gbps is not None else cluster.dp_gbps
     across = (ep - inside) * per_peer * (node if cluster.nic_gbps is not None else 1) / (nic * GBIT)
     one = max((inside - 1) * per_peer / (intra * GBIT), across) + 2 * cluster.latency_us * 1e-6

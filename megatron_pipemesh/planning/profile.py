@@ -62,16 +62,19 @@ class ModelShape:
     """[--swiglu]"""
     position_embedding: str = "learned_absolute"
     """[--position-embedding-type]"""
+    moe: str = ""
+    """The MoE layers [--num-experts, --moe-router-topk, --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size,
+    --moe-layer-freq] in words ('': dense)."""
 
     MATCHED = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size", "layer_spec",
-               "num_query_groups", "swiglu", "position_embedding")
+               "num_query_groups", "swiglu", "position_embedding", "moe")
     """The fields a command must share with the profile (the layer count and micro-batch size may differ)."""
 
 
 WORDS = {"hidden_size": "hidden", "num_attention_heads": "heads", "ffn_hidden_size": "ffn hidden",
          "seq_length": "sequence length", "vocab_size": "padded vocabulary", "layer_spec": "layer spec",
          "num_query_groups": "query groups", "swiglu": "swiglu", "position_embedding": "position embedding",
-         "dtype": "dtype"}
+         "dtype": "dtype", "moe": "MoE layers"}
 
 
 def dtype_name(args) -> str:
@@ -85,7 +88,20 @@ def shape_of(model: ModelSpec, dtype: str) -> ModelShape:
                       ffn_hidden_size=model.ffn, seq_length=model.seq_length, vocab_size=model.vocab_size,
                       num_layers=model.num_layers, dtype=dtype, layer_spec=model.layer_spec,
                       num_query_groups=model.num_query_groups, swiglu=model.swiglu,
-                      position_embedding=model.position_embedding)
+                      position_embedding=model.position_embedding, moe=moe_words(model))
+
+
+def moe_words(model: ModelSpec) -> str:
+    """A MoE model's layers in words ('' for a dense model)."""
+    m = model.moe
+    if m is None:
+        return ""
+    words = f"{m.num_experts} experts top-{m.topk} ffn {model.expert_ffn}"
+    if m.shared_ffn:
+        words += f" shared {m.shared_ffn}"
+    if m.pattern:
+        words += f" in {sum(m.pattern)} of {len(m.pattern)} layers"
+    return words
 
 
 @dataclass(frozen=True)
@@ -130,9 +146,10 @@ class ComputePoint:
 P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
 """Patterns of point-to-point flows (:attr:`LinkPoint.flows`): one flow alone, the same pair both directions at
 once, and every rank of one node sending to another node at once (the flows share the node's NIC)."""
-COLLECTIVES = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0}
+COLLECTIVES = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0, "all-to-all": 1.0}
 """Collectives timed, with the factor that turns their algorithm bandwidth into bus bandwidth over ``g`` ranks:
-``factor * (g - 1) / g`` (nccl-tests' convention: the rate each rank's link carries in a ring)."""
+``factor * (g - 1) / g`` (nccl-tests' convention: the rate each rank's link carries in a ring; an all-to-all's
+(g - 1)/g of the message leaves each rank, the MoE token dispatch's pattern)."""
 BETWEEN_NODES, WITHIN_NODE, ALL_RANKS, ONE_NODE = "between nodes", "within a node", "all ranks", "one node"
 """Scopes of a :class:`LinkPoint`: p2p between two nodes or inside one; a collective over every rank or over the
 ranks of one node."""
@@ -211,6 +228,14 @@ class NetworkProfile:
     @property
     def nodes(self) -> int:
         return len(set(self.node_of_rank))
+
+    @property
+    def alltoall_intra_gbps(self) -> Optional[float]:
+        """The all-to-all rate of a node's ranks (bytes leaving a rank per second, Gbit/s) at the largest message
+        timed: how fast a MoE dispatch inside a node runs; None where no node's ranks were timed alone."""
+        scope = ALL_RANKS if self.nodes == 1 else ONE_NODE
+        found = [point for point in self.points if point.pattern == "all-to-all" and point.scope == scope]
+        return max(found, key=lambda point: point.nbytes).gbps if found and len(self.node_of_rank) > 1 else None
 
     def to_dict(self) -> dict:
         return {"nic_gbps": self.nic_gbps, "nic_from": self.nic_from, "intra_node_gbps": self.intra_node_gbps,

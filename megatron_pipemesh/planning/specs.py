@@ -267,6 +267,9 @@ class ClusterSpec:
     rank order etp-ep-edp-pp: an EP group is EP consecutive blocks of ETP ranks), tokens exchanged by the dispatcher."""
     etp: Optional[int] = None
     """Expert tensor-parallel size [--expert-tensor-parallel-size]; None: TP."""
+    alltoall_intra_gbps: Optional[float] = None
+    """An all-to-all's rate among a node's devices, bytes leaving a device (Gbit/s), as a profile measured it; None:
+    the intra-node link's rate."""
     device_tflops: float = 312.0
     """Peak dense TFLOP/s of one device in the compute dtype."""
     mfu: float = MFU

@@ -101,3 +101,27 @@ def test_a_data_path_that_cannot_be_read_here_leaves_the_loader_unmeasured_and_s
     code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", command, "--profile", str(path), "--json"])
     assert code == 0, err
     assert "data loader" in json.loads(out)["profile"]["assumed"]["1"]
+
+
+MOE = SMALL + (" --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 96 --moe-layer-freq [1,0] "
+               "--disable-bias-linear --moe-token-dispatcher-type alltoall")
+
+
+def test_a_moe_command_is_profiled_with_its_moe_and_dense_layers_and_planned_from_it(tmp_path):
+    """The MoE command's profile names its MoE layers in the model shape, measures its layers (a MoE layer and, as
+    --moe-layer-freq [1,0] has one, a dense layer), and plan --profile prices that command with it; the same model
+    without experts is refused in one line that names the MoE layers."""
+    path = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", MOE,
+                           "--output", str(path), "--repeats", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = load(str(path))
+    assert profile.shape.moe == "4 experts top-2 ffn 96 in 1 of 2 layers"
+    assert profile.compute and all(p.layer_forward_s > 0 and p.layer_backward_s > 0 for p in profile.compute)
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", MOE, "--profile", str(path), "--json"])
+    assert code == 0, err
+    assert "layer forward/backward" in json.loads(out)["profile"]["measured"]["1"]
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(path)])
+    assert code == 2 and out == ""
+    assert "MoE layers 4 experts top-2 ffn 96 in 1 of 2 layers" in err and "re-run pipemesh profile" in err

@@ -66,15 +66,16 @@ def test_the_patterns_follow_the_nodes():
     assert one_node == [("p2p", WITHIN_NODE, (0, 1), ((0, 1),)),
                         ("p2p both ways", WITHIN_NODE, (0, 1), ((0, 1), (1, 0))),
                         ("all-reduce", ALL_RANKS, (0, 1), ()), ("reduce-scatter", ALL_RANKS, (0, 1), ()),
-                        ("all-gather", ALL_RANKS, (0, 1), ())]
+                        ("all-gather", ALL_RANKS, (0, 1), ()), ("all-to-all", ALL_RANKS, (0, 1), ())]
     assert [case[:2] for case in names(link_cases((0, 1), [100]))][:2] == [("p2p", BETWEEN_NODES),
                                                                            ("p2p both ways", BETWEEN_NODES)]
     two_by_two = link_cases((0, 1, 0, 1), [100, 200])
-    assert len(two_by_two) == 2 * 11 and {case.nbytes for case in two_by_two} == {100, 200}
+    assert len(two_by_two) == 2 * 13 and {case.nbytes for case in two_by_two} == {100, 200}
     shared = [case for case in two_by_two if case.pattern == "shared NIC"][0]
     assert shared.flows == ((0, 1), (2, 3)) and shared.ranks == (0, 1, 2, 3)
-    assert [case.ranks for case in two_by_two if case.scope == ONE_NODE] == [(0, 2)] * 6
+    assert [case.ranks for case in two_by_two if case.scope == ONE_NODE] == [(0, 2)] * 8
     assert message_sizes(2, 32, 64, 4, CPU_BUCKET_BYTES) == {"activation": 16384, "bucket": 4 * 2 ** 20}
+    assert message_sizes(2, 32, 64, 4, CPU_BUCKET_BYTES, topk=2)["dispatch"] == 2 * 16384
 
 
 def test_the_bucket_is_megatrons_in_parameters_of_the_gradient_buffers_dtype(megatron):
@@ -114,7 +115,7 @@ def test_four_ranks_on_two_nodes_time_every_pattern():
     assert results[0]["notes"] == ["nodes told apart by hostname and network namespace: 2 with 2 ranks each, while "
                                    "the launcher's LOCAL_WORLD_SIZE is 4"]
     assert network.node_of_rank == (0, 1, 0, 1) and network.backend == "gloo" and network.nodes == 2
-    assert len(network.points) == 22 and all(p.gbps > 0 and len(p.seconds) == 2 and min(p.seconds) > 0
+    assert len(network.points) == 26 and all(p.gbps > 0 and len(p.seconds) == 2 and min(p.seconds) > 0
                                              for p in network.points)
     shared = [p for p in network.points if p.pattern == "shared NIC" and p.nbytes == 65536][0]
     assert network.nic_gbps == pytest.approx(2 * shared.gbps) and network.nic_from.startswith("2 flows sharing a NIC")

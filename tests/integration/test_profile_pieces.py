@@ -114,3 +114,13 @@ def test_a_step_overhead_out_of_memory_keeps_the_points_and_says_so(one_rank, mo
     assert [p.micro_batch_size for p in points] == [1, 2] and not any(p.step_forward_s for p in points)
     assert any(note.startswith("the schedule step beyond the pieces was not measured: out of device memory")
                and "plans price it at 0" in note for note in notes)
+
+
+def test_a_moe_commands_layers_average_its_moe_and_dense_layers_as_the_cost_model_does():
+    """Per level, forward, backward and kept bytes are the MoE layer's share of the MoE layer's and the rest the
+    dense layer's; a level whose dense layer was not timed keeps the MoE layer's."""
+    from megatron_pipemesh.integration.profile_pieces import DENSE, _mixed
+
+    times = {"none": (4.0, 8.0, 100), "none" + DENSE: (2.0, 4.0, 60), "full": (1.0, 2.0, 10)}
+    mixed = _mixed(times, 0.25)
+    assert mixed == {"none": (2.5, 5.0, 70.0), "full": (1.0, 2.0, 10)}

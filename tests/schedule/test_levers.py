@@ -201,7 +201,9 @@ def test_cost_model_numbers_unchanged():
             assert got == expected, (name, level)
     model = ModelSpec(num_layers=12, hidden_size=1024, num_attention_heads=16, seq_length=2048, linear_bias=False)
     costs = analytic_costs(model, ClusterSpec(), ScheduleConfig.depth_first(2, 2, 4), list(PREVIOUS["recompute_s"]))
-    assert costs.recompute_s == PREVIOUS["recompute_s"]
+    # The forward is now priced as its GEMMs and its attention core apart (FP8 runs only the GEMMs faster): the same
+    # numbers to the last bit or two of a double.
+    assert costs.recompute_s == pytest.approx(PREVIOUS["recompute_s"], rel=1e-13)
     assert all(type(level) is Lever for level in costs.recompute_s)
 
 
