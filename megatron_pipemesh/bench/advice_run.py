@@ -171,6 +171,7 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
                                                  min(setup.settings.nproc, setup.cores))))
         parsed = with_profile(parsed, setup.settings)
+    refuse_loaded_profile(setup.settings.profile)
     if setup.settings.shared_cores is not None:
         log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores: the predictions run each rank's compute "
             "(timed at one core) on them, " + ("each pipeline stage's ranks on one core (--pin-cores)"
@@ -193,6 +194,23 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     if not emit_json(document, args.json):
         print(format_advice(document))
     return 0 if all(r["returncode"] == 0 for r in document["rows"]) else 1
+
+
+def refuse_loaded_profile(path: Optional[str]) -> None:
+    """UsageError where the profile at ``path`` was timed while other processes computed on its machine (its load
+    record, :func:`..planning.profile_quality.load_problem`): its compute is priced too high, and predictions from
+    it cannot be judged against runs."""
+    from ..planning.profile import ProfileError, load
+    from ..planning.profile_quality import load_problem
+
+    if path is None:
+        return
+    try:
+        problem = load_problem(load(path).load, path)
+    except ProfileError as error:
+        raise UsageError(str(error)) from error
+    if problem:
+        raise UsageError(f"--advice cannot judge predictions from {path}: {problem}")
 
 
 PROFILED_MICRO_BATCH = 8

@@ -91,6 +91,9 @@ def table(profile: Profile, name: str = "") -> str:
             f"mbs {point.micro_batch_size}: " + ", ".join(f"{level} {value / 2**20:.3f} MiB"
                                                           for level, value in point.layer_activation_bytes.items())
             for point in profile.compute))
+        lines += _spread_lines(profile)
+    if profile.load is not None:
+        lines.append(f"load while timing: {profile.load.describe()}")
     if profile.optimizer_s_per_param is not None:
         lines.append(f"optimizer step: {profile.optimizer_s_per_param * 1e9:.3f} ns per parameter")
     lines.append("host link: " + (f"{profile.host_link_gbps:.1f} Gbit/s" if profile.host_link_gbps is not None
@@ -101,6 +104,18 @@ def table(profile: Profile, name: str = "") -> str:
                      + ", ".join(f"{key} {value:.6f}" for key, value in profile.run_times.items()))
     lines += [f"note: {note}" for note in profile.notes]
     return "\n".join(lines)
+
+
+def _spread_lines(profile: Profile) -> List[str]:
+    """Each point's pieces with their samples' spread (the median's ~95% interval either side, the interquartile
+    range, the samples, 'capped' where the time cap stopped the repeats); none in a file written before spreads."""
+    lines = []
+    for point in profile.compute:
+        if point.spread:
+            lines.append(f"spread at mbs {point.micro_batch_size}: " + "; ".join(
+                f"{name.replace('_s:', ' ').replace('_s', '')} {spread.median_s * 1e3:.3f} ms {spread.describe()}"
+                for name, spread in point.spread.items()))
+    return lines
 
 
 def _step_cell(point) -> str:

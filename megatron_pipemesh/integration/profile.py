@@ -36,6 +36,7 @@ import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..planning.profile import Profile, dtype_name, shape_of
+from .profile_load import LoadWatch
 from .profile_timing import ProfileSettings
 
 Progress = Callable[[str], None]
@@ -185,11 +186,14 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         optimizer_s = _shared(launch, "the optimizer", lambda: optimizer_s_per_param(args, run.model.layer_spec,
                                                                                     settings, cuda))
         say(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
-        compute, host_gbps, computing = [], None, 1
+        compute, host_gbps, computing, load = [], None, 1, None
+
+        watch = None if cuda else LoadWatch()  # before the siblings pin this process: it watches every core
 
         def compute_here():
             with _siblings(words, settings, cuda, say, notes) as cores:
-                points = measure_compute(args, model_spec, run.model.layer_spec, settings, cuda, say, notes)
+                points = measure_compute(args, model_spec, run.model.layer_spec, settings, cuda, say, notes,
+                                         watch.piece if watch is not None else None)
                 # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
                 # times the loader in a one-process child of its own.
                 return with_batch_times(args, points, settings, say, notes,
@@ -198,6 +202,12 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
         measured = _shared(launch, "the compute", compute_here if lead else lambda: None)
         if lead:
             compute, computing = measured
+            load = watch.record() if watch is not None else None
+            if load is not None:
+                say(load.describe())
+                if load.affected:
+                    notes.append(f"timed while other processes computed on this machine ({load.describe()}): those "
+                                 "pieces are slower than this machine's; profile again on an idle machine")
         if cuda:
             host_gbps, rates = _shared(launch, "the host link", lambda: host_link_together(launch, settings))
             say(f"host link {host_gbps:.1f} Gbit/s (pinned copies, the slower direction"
@@ -228,10 +238,14 @@ def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSet
                 "threads": None if cuda else 1,
                 "cores_computing": None if cuda else computing,
                 "warmup": settings.warmup, "repeats": settings.repeats, "statistic": "median",
+                "stable_within": settings.stable_within, "stable_floor_s": settings.stable_floor_s,
+                "max_seconds": settings.max_seconds,
+                "capped": sorted({f"{name} mbs {point.micro_batch_size}" for point in compute
+                                  for name, spread in (point.spread or {}).items() if not spread.stable}),
                 "activation_meter": ("CUDA allocator across the forward, less its output" if cuda else
                                      "saved-tensor meter (parameters excluded)"),
                 "measured_layer_spec": run.model.layer_spec},
-        notes=tuple(notes))
+        notes=tuple(notes), load=load)
 
 
 def _shared(launch, what: str, measure: Callable[[], object]):

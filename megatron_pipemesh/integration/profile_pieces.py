@@ -16,13 +16,16 @@ per micro-batch (:mod:`.profile_batch`). Every time goes through the profile's o
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from ..planning.profile import ComputePoint
+from ..planning.profile_quality import Spread, spread_of
 from ..schedule.levers import Lever
 from .profile_kept import Piece, kept_bytes
 from .profile_models import gpt, level_args, megatron_quiet, one_layer_chunks, with_main_grads
-from .profile_timing import Timer, medians
+from .profile_timing import Timer, measure
 
 if TYPE_CHECKING:
     from .profile_timing import ProfileSettings
@@ -62,10 +65,11 @@ def attention_mask(args, device):
 
 
 def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], timer: Timer,
-                settings: "ProfileSettings", exclude) -> Dict[str, Tuple[float, float, int]]:
-    """Per name: (median forward s, median backward s, bytes kept for the backward) of ``forward`` then
-    ``backward(grad_of(output))``, the pieces taking turns (:func:`.profile_timing.medians`); the bytes kept on one
-    more forward of each (:func:`.profile_kept.kept_bytes`, parameters and ``main_grad`` buffers in ``exclude``)."""
+                settings: "ProfileSettings", exclude, label: str) -> Dict[str, Timed]:
+    """Per name: the forward and backward samples of ``forward`` then ``backward(grad_of(output))``, the pieces
+    taking turns until stable (:func:`.profile_timing.measure`, the load watched as ``label``), and the bytes kept on
+    one more forward of each (:func:`.profile_kept.kept_bytes`, parameters and ``main_grad`` buffers in
+    ``exclude``)."""
     import torch
 
     def call(piece: Piece) -> Callable[[], Tuple[float, float]]:
@@ -76,23 +80,59 @@ def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], t
             return forward_s, backward_s
         return forward_backward
 
-    times = medians({name: call(piece) for name, piece in pieces.items()}, settings.warmup, settings.repeats)
-    return {name: (*times[name], kept_bytes(name, piece, grad_of, exclude)) for name, piece in pieces.items()}
+    found = measure({name: call(piece) for name, piece in pieces.items()}, settings, timer.watch, label)
+    return {name: Timed(*found[name].columns, kept_bytes(name, piece, grad_of, exclude), found[name].stable)
+            for name, piece in pieces.items()}
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One piece's forward and backward samples (seconds, in round order) and the bytes it keeps."""
+
+    forward: Tuple[float, ...]
+    backward: Tuple[float, ...]
+    kept: float
+    stable: bool
+    """Whether its medians were stable when the repeats stopped (False: the time cap)."""
+
+    @property
+    def medians(self) -> Tuple[float, float, float]:
+        return statistics.median(self.forward), statistics.median(self.backward), self.kept
 
 
 DENSE = "|dense"
 """Suffix of a level's dense layer where a MoE command also has dense layers."""
 
 
-def _mixed(times: Dict[str, Tuple[float, float, int]], mix: float) -> Dict[str, Tuple[float, float, float]]:
-    """Per level: the layers' average of a MoE layer's and (where timed) a dense layer's forward, backward and kept
-    bytes, ``mix`` the MoE layers' share (as the cost model averages its layers)."""
+def _mixed(times: Dict[str, Timed], mix: float) -> Dict[str, Timed]:
+    """Per level: the layers' average of a MoE layer's and (where timed) a dense layer's samples (round by round:
+    they took turns) and kept bytes, ``mix`` the MoE layers' share (as the cost model averages its layers)."""
     out = {}
     for level, moe in times.items():
         if level.endswith(DENSE):
             continue
         dense = times.get(level + DENSE)
-        out[level] = moe if dense is None else tuple(mix * a + (1 - mix) * b for a, b in zip(moe, dense))
+        out[level] = moe if dense is None else Timed(
+            *(tuple(mix * a + (1 - mix) * b for a, b in zip(moe_column, dense_column))
+              for moe_column, dense_column in ((moe.forward, dense.forward), (moe.backward, dense.backward))),
+            mix * moe.kept + (1 - mix) * dense.kept, moe.stable and dense.stable)
+    return out
+
+
+def spreads(times: Dict[str, Timed], embedding: Timed, output: Timed) -> Dict[str, Spread]:
+    """The spread of every time a point keeps, by its field's name (a recompute level's extra from its rounds'
+    forward + backward less the same round's without recomputation)."""
+    none = times["none"]
+    out = {"layer_forward_s": spread_of(none.forward, none.stable),
+           "layer_backward_s": spread_of(none.backward, none.stable)}
+    for level, timed in times.items():
+        if Lever.parse(level).recomputes:
+            extra = [f + b - nf - nb for f, b, nf, nb in zip(timed.forward, timed.backward, none.forward,
+                                                              none.backward)]
+            out[f"recompute_extra_s:{level}"] = spread_of(extra, timed.stable and none.stable)
+    for name, timed in (("embedding", embedding), ("output", output)):
+        out[f"{name}_forward_s"] = spread_of(timed.forward, timed.stable)
+        out[f"{name}_backward_s"] = spread_of(timed.backward, timed.stable)
     return out
 
 
@@ -114,22 +154,27 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
             return model(input_ids=None, position_ids=None, attention_mask=mask)
         return Piece(forward, release=lambda: model.set_input_tensor(None))
     timed = time_pieces({level: layer(model) for level, (model, _) in layer_models.items()}, like, timer, settings,
-                        exclude)
-    times = _mixed(timed, mix)
+                        exclude, f"layers mbs {b}")
+    samples = _mixed(timed, mix)
+    times = {level: found.medians for level, found in samples.items()}
     none = times["none"]
     tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
 
     def embedding_forward():
         return ends.embedding(input_ids=tokens, position_ids=positions)
-    embedding = time_pieces({"embedding": Piece(embedding_forward)}, like, timer, settings, exclude)["embedding"]
+    embedded = time_pieces({"embedding": Piece(embedding_forward)}, like, timer, settings, exclude,
+                           f"embedding mbs {b}")["embedding"]
+    embedding = embedded.medians
 
     def output_forward():
         x = hidden.clone().requires_grad_(True)
         weight = ends.shared_embedding_or_output_weight() if ends.share_embeddings_and_output_weights else None
         logits, _ = ends.output_layer(ends.decoder.final_layernorm(x), weight=weight)
         return ends.compute_language_model_loss(tokens, logits).float().mean()
-    output = time_pieces({"output": Piece(output_forward)}, lambda out: None, timer, settings, exclude)["output"]
+    outputs = time_pieces({"output": Piece(output_forward)}, lambda out: None, timer, settings, exclude,
+                          f"output mbs {b}")["output"]
+    output = outputs.medians
     found = ComputePoint(
         tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
         recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()
@@ -137,7 +182,7 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
         layer_activation_bytes={level: float(t[2]) for level, t in times.items()},
         embedding_forward_s=embedding[0], embedding_backward_s=embedding[1],
         embedding_activation_bytes=float(embedding[2]), output_forward_s=output[0], output_backward_s=output[1],
-        output_activation_bytes=float(output[2]))
+        output_activation_bytes=float(output[2]), spread=spreads(samples, embedded, outputs))
     progress(f"micro-batch {b}: layer forward {found.layer_forward_s * 1e3:.2f} ms, backward "
              f"{found.layer_backward_s * 1e3:.2f} ms, keeps {found.layer_activation_bytes['none'] / 2**20:.2f} MiB; "
              f"embedding {embedding[0] * 1e3:.2f} + {embedding[1] * 1e3:.2f} ms; output + loss "
@@ -147,16 +192,17 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
 
 
 def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings", cuda: bool, progress: Progress,
-                    notes: List[str]) -> List[ComputePoint]:
+                    notes: List[str], watch=None) -> List[ComputePoint]:
     """The compute points of the command (see the module), without the data loader's times
-    (:func:`with_batch_times`); what cannot be measured here is said in ``notes``."""
+    (:func:`with_batch_times`); what cannot be measured here is said in ``notes``; ``watch``: the load watch each
+    group of pieces is timed under (:meth:`.profile_load.LoadWatch.piece`), or None."""
     import torch
 
     from ..planning.costs import planning_levels
     from ..schedule.levers import DEVICE
 
     device = torch.device("cuda" if cuda else "cpu")
-    timer = Timer(cuda)
+    timer = Timer(cuda, watch)
 
     def build(args_of_level, pre: bool, post: bool):
         return gpt(args_of_level, run_spec, settings, cuda, pre, post)
@@ -213,10 +259,11 @@ def with_step_overhead(args, points: List[ComputePoint], build, timer: Timer, de
     as they are and a note saying so."""
     from .profile_steps import measure_step_overhead
 
+    spreads: Dict[int, Dict[str, Spread]] = {}
     try:
         models = one_layer_chunks(args, build)
         with megatron_quiet():
-            overhead = measure_step_overhead(args, models, points, timer, device, settings.warmup, settings.repeats)
+            overhead = measure_step_overhead(args, models, points, timer, device, settings, spreads)
     except out_of_memory() as error:
         notes.append(f"the schedule step beyond the pieces was not measured: out of device memory with a one-layer "
                      f"chunk of every kind ({str(error).splitlines()[0]}); plans price it at 0")
@@ -227,7 +274,8 @@ def with_step_overhead(args, points: List[ComputePoint], build, timer: Timer, de
         progress(f"micro-batch {found.micro_batch_size}: schedule step beyond the pieces (forward + backward) "
                  + ", ".join(f"{kind} {(f + b) * 1e3:.2f} ms" for kind, (f, b) in steps.items()))
         out.append(dataclasses.replace(found, step_forward_s={kind: f for kind, (f, _) in steps.items()},
-                                       step_backward_s={kind: b for kind, (_, b) in steps.items()}))
+                                       step_backward_s={kind: b for kind, (_, b) in steps.items()},
+                                       spread={**(found.spread or {}), **spreads[found.micro_batch_size]}))
     return out
 
 

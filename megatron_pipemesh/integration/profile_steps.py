@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Dict, Iterator, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from ..planning.costs import STAGE_KINDS
 from ..planning.profile import ComputePoint
-from .profile_timing import medians
+from ..planning.profile_quality import Spread, spread_of
+from .profile_timing import measure
 
 STAGE_RANKS = dict(zip(STAGE_KINDS, ((0, 1), (0, 3), (1, 3), (2, 3))))
 """(pipeline rank, pipeline size) Megatron's parallel state is given while a chunk of each kind is timed."""
@@ -116,11 +117,15 @@ def _schedule_sets_the_moe_loss_scale() -> None:
 
 
 def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], points: Sequence[ComputePoint],
-                          timer, device, warmup: int, repeats: int) -> Dict[int, Dict[str, Tuple[float, float]]]:
+                          timer, device, settings,
+                          spreads: Optional[Dict[int, Dict[str, Spread]]] = None
+                          ) -> Dict[int, Dict[str, Tuple[float, float]]]:
     """Per micro-batch size of ``points``, per kind of ``models`` (kind -> (a one-layer ``GPTModel`` of that kind
-    on ``device``, its ``TransformerConfig``)), timed with the profile's ``timer``: (forward, backward) seconds of
-    Megatron's schedule step beyond the point's pieces, never below 0 (the step runs the pieces and more; below 0 is
-    the timer's noise). The kinds take turns in every round, so a drift of the machine's speed reaches them alike."""
+    on ``device``, its ``TransformerConfig``)), timed with the profile's ``timer`` until stable (``settings``, a
+    :class:`.profile_timing.ProfileSettings`): (forward, backward) seconds of Megatron's schedule step beyond the
+    point's pieces, never below 0 (the step runs the pieces and more; below 0 is the timer's noise). The kinds take
+    turns in every round, so a drift of the machine's speed reaches them alike. ``spreads``, where given, gets per
+    size the spread of each kind's samples less the pieces ('step_forward_s:<kind>', 'step_backward_s:<kind>')."""
     import torch
     from megatron.core.pipeline_parallel import schedules
     from megatron.training import global_vars
@@ -147,12 +152,15 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
                         return _one_step(schedules, forward_step, model, config, kind, batch, hidden, timer)
                 return one
 
-            times = medians({kind: step(kind, model, config) for kind, (model, config) in models.items()}, warmup,
-                            repeats)
+            times = measure({kind: step(kind, model, config) for kind, (model, config) in models.items()}, settings,
+                            timer.watch, f"schedule step mbs {b}")
         found[b] = {}
-        for kind, (forward, backward) in times.items():
-            piece_forward, piece_backward = _pieces(point, kind)
-            found[b][kind] = (max(0.0, forward - piece_forward), max(0.0, backward - piece_backward))
+        for kind, timed in times.items():
+            (forward, backward), pieces = timed.medians, _pieces(point, kind)
+            found[b][kind] = (max(0.0, forward - pieces[0]), max(0.0, backward - pieces[1]))
+            if spreads is not None:
+                for name, column, piece in zip(("step_forward_s", "step_backward_s"), timed.columns, pieces):
+                    spreads.setdefault(b, {})[f"{name}:{kind}"] = spread_of([t - piece for t in column], timed.stable)
     return found
 
 

@@ -1,20 +1,26 @@
 """``pipemesh profile``'s measuring loop: how every time in a profile is taken (the layers and the ends, the schedule
 step, the optimizer), and how much is measured (:class:`ProfileSettings`).
 
-:func:`medians` is the one loop: each named measurement is called once per round, the names taking turns in every
+:func:`measure` is the one loop: each named measurement is called once per round, the names taking turns in every
 round so that a drift of the machine's speed (other processes, clocks) reaches them alike and their differences (a
 recomputation's extra, a step less its pieces) stay fair; the first ``warmup`` rounds are dropped (first-call
-allocations, lazy initialisation) and the median of each number over the others is kept.
+allocations, lazy initialisation), then rounds go on until every number's median is stable (its confidence interval
+within :attr:`ProfileSettings.stable_within`, :func:`..planning.profile_quality.is_stable`) or the time cap
+:attr:`ProfileSettings.max_seconds` is reached; every sample is kept, so that the profile can say each piece's spread
+and whether it stopped stable or capped. :func:`medians` is the loop with a fixed count of repeats.
 
 :class:`Timer` takes one block's seconds: the wall clock on CPU; on CUDA CUDA events around the block launched
 behind queued work, as training launches it (the host's Python time hides behind kernels queued earlier).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..planning.profile_quality import is_stable
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,15 @@ class ProfileSettings:
     warmup: int = 2
     """Calls before the timed ones (first-call allocations, lazy initialisation)."""
     repeats: int = 5
-    """Timed calls; the median is kept."""
+    """The fewest timed calls of a piece; the median is kept."""
+    stable_within: float = 0.02
+    """A piece is timed again until its median's ~95% confidence interval is within this fraction of it either
+    side (:func:`..planning.profile_quality.is_stable`)."""
+    stable_floor_s: float = 50e-6
+    """...or within this many seconds either side (pieces so short that the timer's resolution is the bound)."""
+    max_seconds: float = 10.0
+    """The time cap of each group of pieces timed together: past it the repeats stop, stable or not, and the
+    profile records which pieces were not."""
     max_micro_batch: Optional[int] = None
     """The largest micro-batch size measured (None: the command's); larger than the command's measures the sizes
     the advice may change it to (1, 2, 4, ... and this one)."""
@@ -65,8 +79,11 @@ class Timer:
     then span every gap, which training sees too after such a wait). Leads are kept per block's code (a layer's
     forward, a backward call, a schedule step), so that each kind of block settles within the warm-up calls."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, watch: Optional[Callable[[str], ContextManager]] = None):
         self.cuda = cuda
+        self.watch = watch
+        """Entered around each group of timed rounds with its label (:meth:`.profile_load.LoadWatch.piece`): the
+        machine's load while they ran; None: not watched."""
         self.leads: Dict[object, float] = {}
         """Lead in seconds per block's code object (0: timed from an empty queue)."""
         self._cycles_per_s: Optional[float] = None
@@ -112,14 +129,50 @@ class Timer:
         return self._cycles_per_s
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Every timed sample of one named measurement."""
+
+    columns: Tuple[Tuple[float, ...], ...]
+    """Per number the measurement returns, its samples in round order (seconds)."""
+    stable: bool
+    """Whether every number's median was stable when the repeats stopped (False: the time cap stopped them)."""
+
+    @property
+    def medians(self) -> Tuple[float, ...]:
+        return tuple(statistics.median(column) for column in self.columns)
+
+
+def measure(calls: Mapping[str, Callable[[], Sequence[float]]], settings: ProfileSettings,
+            watch: Optional[Callable[[str], ContextManager]] = None, label: str = "",
+            clock: Callable[[], float] = time.perf_counter) -> Dict[str, Measured]:
+    """Per name, the samples of each number ``calls[name]()`` returns (seconds): ``settings.warmup`` rounds
+    dropped, then rounds until every number's median is stable or ``settings.max_seconds`` have passed, at least
+    ``settings.repeats`` (see the module). ``watch(label)``, where given, is entered around the timed rounds (the
+    machine's load while they ran, :mod:`.profile_load`)."""
+    samples: Dict[str, List[Tuple[float, ...]]] = {name: [] for name in calls}
+
+    def stable(name: str) -> bool:
+        return all(is_stable(column, settings.stable_within, settings.stable_floor_s)
+                   for column in zip(*samples[name]))
+
+    for _ in range(settings.warmup):
+        for call in calls.values():
+            call()
+    with watch(label) if watch is not None else contextlib.nullcontext():
+        began, rounds = clock(), 0
+        while True:
+            for name, call in calls.items():
+                samples[name].append(tuple(call()))
+            rounds += 1
+            if rounds >= settings.repeats and (all(map(stable, calls)) or clock() - began >= settings.max_seconds):
+                break
+    return {name: Measured(tuple(zip(*rows)), stable(name)) for name, rows in samples.items()}
+
+
 def medians(calls: Mapping[str, Callable[[], Sequence[float]]], warmup: int,
             repeats: int) -> Dict[str, Tuple[float, ...]]:
-    """Per name, the median of each number ``calls[name]()`` returns (seconds) over ``repeats`` rounds after
+    """Per name, the median of each number ``calls[name]()`` returns (seconds) over exactly ``repeats`` rounds after
     ``warmup`` rounds, the names taking turns in every round (see the module)."""
-    samples: Dict[str, List[Sequence[float]]] = {name: [] for name in calls}
-    for round_ in range(warmup + repeats):
-        for name, call in calls.items():
-            found = call()
-            if round_ >= warmup:
-                samples[name].append(found)
-    return {name: tuple(statistics.median(column) for column in zip(*rows)) for name, rows in samples.items()}
+    fixed = ProfileSettings(warmup=warmup, repeats=repeats, max_seconds=0.0)
+    return {name: found.medians for name, found in measure(calls, fixed).items()}

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .costs import ClusterSpec, ModelSpec, OpCosts
+from .profile_quality import LoadRecord, Spread
 
-SCHEMA_VERSION = 2
-"""Version of the file format (a flat file of per-op times, the format before this one, has none)."""
+SCHEMA_VERSION = 3
+"""Version of the file format (a flat file of per-op times, the format before these, has none)."""
+READ_VERSIONS = (2, SCHEMA_VERSION)
+"""Versions this pipemesh reads (2: before the pieces' spreads and the load record, which read as None)."""
 
 RUN_TIME_FIELDS = ("forward_s", "backward_s", "first_stage_extra_s", "last_stage_extra_s", "p2p_s", "dp_reduce_s",
                    "dp_gather_s")
@@ -141,6 +144,9 @@ class ComputePoint:
     seconds; None: not measured."""
     step_backward_s: Optional[Dict[str, float]] = None
     """The same for its ``backward_step``."""
+    spread: Optional[Dict[str, Spread]] = None
+    """The samples behind each time above, by field name ('layer_forward_s', 'recompute_extra_s:full', ...);
+    None: an older file."""
 
 
 P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
@@ -359,6 +365,8 @@ class Profile:
     """What was not measured and why (TP > 1 needs CUDA; the NIC needs ranks on two or more nodes)."""
     run_times: Optional[Dict[str, float]] = None
     """Per-op times a training run measured (:data:`RUN_TIME_FIELDS`), or None."""
+    load: Optional[LoadRecord] = None
+    """What else computed on the machine while the compute was timed (CPU); None: not recorded."""
     schema_version: int = SCHEMA_VERSION
 
     def point(self, tp: int, micro_batch_size: int) -> Optional[ComputePoint]:
@@ -413,6 +421,8 @@ class Profile:
                "notes": list(self.notes)}
         if self.run_times is not None:
             out["run_times"] = dict(self.run_times)
+        if self.load is not None:
+            out["load"] = self.load.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -429,9 +439,9 @@ def from_dict(data: Mapping, where: str = "the profile") -> Profile:
             raise ProfileError(f"{where} lacks {missing}; delete it to measure again")
         return Profile(run_times={key: float(data[key]) for key in RUN_TIME_FIELDS})
     version = data["schema_version"]
-    if version != SCHEMA_VERSION:
-        raise ProfileError(f"{where} has schema version {version}; this pipemesh reads version {SCHEMA_VERSION}: "
-                           "re-run pipemesh profile")
+    if version not in READ_VERSIONS:
+        raise ProfileError(f"{where} has schema version {version}; this pipemesh reads versions "
+                           f"{', '.join(map(str, READ_VERSIONS))}: re-run pipemesh profile")
     try:
         model = data.get("model")
         device, versions, links = data.get("device") or {}, data.get("versions") or {}, data.get("links") or {}
@@ -440,13 +450,21 @@ def from_dict(data: Mapping, where: str = "the profile") -> Profile:
             device_kind=str(device.get("kind", "")), device_name=str(device.get("name", "")),
             torch_version=str(versions.get("torch", "")), megatron_core_version=str(versions.get("megatron_core", "")),
             shape=ModelShape(**model) if model else None,
-            compute=tuple(ComputePoint(**point) for point in data.get("compute") or ()),
+            compute=tuple(_point(point) for point in data.get("compute") or ()),
             optimizer_s_per_param=data.get("optimizer_s_per_param"), host_link_gbps=links.get("host_link_gbps"),
             network=NetworkProfile.from_dict(links["network"]) if links.get("network") else None,
             method=dict(data.get("method") or {}), notes=tuple(data.get("notes") or ()),
-            run_times=None if run_times is None else {key: float(run_times[key]) for key in RUN_TIME_FIELDS})
+            run_times=None if run_times is None else {key: float(run_times[key]) for key in RUN_TIME_FIELDS},
+            load=LoadRecord.from_dict(data["load"]) if data.get("load") else None, schema_version=int(version))
     except (TypeError, KeyError, ValueError) as error:
         raise ProfileError(f"{where} is not a pipemesh profile ({error}); re-run pipemesh profile") from error
+
+
+def _point(data: Mapping) -> ComputePoint:
+    """A :class:`ComputePoint` from its dictionary, its spreads as :class:`Spread`."""
+    spread = data.get("spread")
+    return ComputePoint(**{**data, "spread": None if spread is None else {
+        str(name): Spread.from_dict(value) for name, value in spread.items()}})
 
 
 def load(path: str) -> Profile:
