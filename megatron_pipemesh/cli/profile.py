@@ -37,7 +37,12 @@ def build_profile_parser() -> argparse.ArgumentParser:
                         help=f"where to write the profile (default {DEFAULT_OUTPUT})")
     parser.add_argument("--show", metavar="FILE", default=None, help="print a profile as a table and exit")
     parser.add_argument("--repeats", type=positive_int, default=ProfileSettings.repeats,
-                        help=f"timed calls per measurement (median; default {ProfileSettings.repeats})")
+                        help=f"the fewest timed calls per measurement (median; default {ProfileSettings.repeats})")
+    parser.add_argument("--max-seconds", type=float, default=ProfileSettings.max_seconds,
+                        help="time cap of each group of pieces: they are timed again until every median is within "
+                             f"{ProfileSettings.stable_within * 100:g}%% (its ~95%% interval) or this many seconds have "
+                             f"passed, which the profile then says (default {ProfileSettings.max_seconds:g}; 0: "
+                             "exactly --repeats)")
     parser.add_argument("--warmup", type=int, default=ProfileSettings.warmup,
                         help=f"untimed calls before them (default {ProfileSettings.warmup})")
     parser.add_argument("--max-micro-batch-size", type=positive_int, default=None,
@@ -107,14 +112,19 @@ def table(profile: Profile, name: str = "") -> str:
 
 
 def _spread_lines(profile: Profile) -> List[str]:
-    """Each point's pieces with their samples' spread (the median's ~95% interval either side, the interquartile
-    range, the samples, 'capped' where the time cap stopped the repeats); none in a file written before spreads."""
-    lines = []
+    """Each point's pieces with their samples' spread: the median, its ~95% interval either side, the
+    interquartile range, the samples, and 'capped' where the time cap stopped the repeats before the median was
+    stable; nothing for a file written before spreads."""
+    if not any(point.spread for point in profile.compute):
+        return []
+    header = f"{'mbs':>4} {'piece':<40} {'median ms':>10} {'± 95%':>7} {'IQR':>7} {'samples':>7}  stopped"
+    lines = ["", header, "-" * len(header)]
     for point in profile.compute:
-        if point.spread:
-            lines.append(f"spread at mbs {point.micro_batch_size}: " + "; ".join(
-                f"{name.replace('_s:', ' ').replace('_s', '')} {spread.median_s * 1e3:.3f} ms {spread.describe()}"
-                for name, spread in point.spread.items()))
+        for name, spread in (point.spread or {}).items():
+            lines.append(f"{point.micro_batch_size:>4} {name.replace('_s:', ' ').replace('_s', ''):<40} "
+                         f"{spread.median_s * 1e3:>10.3f} {spread.relative_half_width * 100:>6.1f}% "
+                         f"{spread.relative_iqr * 100:>6.1f}% {spread.samples:>7}  "
+                         + ("stable" if spread.stable else "at the time cap"))
     return lines
 
 
@@ -169,6 +179,9 @@ def cmd_profile(argv: Sequence[str]) -> int:
         except ProfileError as error:
             raise UsageError(str(error)) from error
         return 0
+    if args.max_seconds < 0:
+        raise UsageError(f"--max-seconds {args.max_seconds:g} is invalid: it must be 0 or more. Example: "
+                         "--max-seconds 10")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup} is invalid: it must be 0 or more. Example: --warmup 1")
     words: List[str] = _megatron_words(args, tail)
@@ -186,6 +199,7 @@ def cmd_profile(argv: Sequence[str]) -> int:
     bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
     try:
         profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
+                                                         max_seconds=args.max_seconds,
                                                          max_micro_batch=args.max_micro_batch_size,
                                                          bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
                                    progress=say)

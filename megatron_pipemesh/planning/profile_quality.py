@@ -93,10 +93,17 @@ def spread_of(samples: Sequence[float], stable: bool) -> Spread:
                   q3_s=quantile(ordered, 0.75), low_s=low, high_s=high, stable=stable)
 
 
+MIN_STABLE_SAMPLES = 5
+"""The fewest samples whose median can be stable: below 6 its interval is their whole range
+(:func:`median_interval`), which holds the median with 1 - 2/2^n confidence, 94% at 5."""
+
+
 def is_stable(samples: Sequence[float], within: float, floor_s: float) -> bool:
-    """Whether the median of ``samples`` is known well enough: its confidence interval's half-width at most
-    ``within`` of the median, or at most ``floor_s`` (pieces so short that a relative bound is the timer's
-    resolution). Below 6 samples the interval is their whole range (:func:`median_interval`)."""
+    """Whether the median of ``samples`` is known well enough: at least :data:`MIN_STABLE_SAMPLES` and its
+    confidence interval's half-width at most ``within`` of the median, or at most ``floor_s`` (pieces so short that
+    a relative bound is the timer's resolution)."""
+    if len(samples) < MIN_STABLE_SAMPLES:
+        return False
     ordered = sorted(samples)
     low, high = median_interval(ordered)
     half = (high - low) / 2

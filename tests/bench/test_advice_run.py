@@ -93,6 +93,31 @@ def test_a_profile_of_another_model_is_refused_naming_the_mismatch(tmp_path, cap
     assert "measured for hidden 32, this command has hidden 64" in err
 
 
+def test_a_profile_timed_beside_other_work_is_refused_naming_the_load_and_the_pieces(tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A profile of the command whose load record says other processes computed while it timed: bench --advice
+    exits 2 before any run, naming the load average and the pieces; the same profile from an idle machine passes
+    the check."""
+    from megatron_pipemesh.planning.profile_quality import LoadRecord
+
+    monkeypatch.setattr(advice_run, "run_rows", lambda *a, **k: pytest.fail("ran"))
+    user_model = advice_plan.advisor_problem(shlex.split(TINY), SETTINGS)[1][0].model
+    busy = LoadRecord(cores=2, loadavg_before=(2.0, 1.5, 1.0), loadavg_after=(3.1, 1.8, 1.1),
+                      others_cores={"layers mbs 2": 1.7, "embedding mbs 2": 0.02})
+    path = tmp_path / "busy.json"
+    path.write_text(dataclasses.replace(a_profile(model=user_model), load=busy).to_json())
+    assert bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--profile",
+                           str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--advice cannot judge predictions from {path}" in err and "load average 2.00 -> 3.10" in err
+    assert "layers mbs 2 (1.70 cores)" in err and "embedding" not in err
+    idle = tmp_path / "idle.json"
+    idle.write_text(dataclasses.replace(a_profile(model=user_model), load=dataclasses.replace(
+        busy, others_cores={"layers mbs 2": 0.01})).to_json())
+    advice_run.refuse_loaded_profile(str(idle))
+    advice_run.refuse_loaded_profile(None)
+
+
 def test_a_profile_measured_after_the_command_was_read_is_matched_without_reading_it_again(tmp_path, monkeypatch):
     """bench --advice reads the command once (Megatron's parser takes seconds): the profile it measures afterwards is
     matched to the command read, and one of another model is refused naming the mismatch."""

@@ -22,7 +22,7 @@ def measured(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
-                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-micro-batch-size", "4",
+                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-seconds", "0", "--max-micro-batch-size", "4",
                            "--ranks-per-node", "2"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     went to stderr; --show prints the same table."""
     path, done = measured
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2 and data["device"]["kind"] == "cpu" and data["versions"]["megatron_core"]
+    assert data["schema_version"] == 3 and data["device"]["kind"] == "cpu" and data["versions"]["megatron_core"]
     assert data["model"]["hidden_size"] == 64 and data["model"]["seq_length"] == 32 and data["model"]["dtype"] == "fp32"
     profile = load(str(path))
     assert [p.micro_batch_size for p in profile.compute] == [1, 2, 4]
@@ -125,3 +125,24 @@ def test_a_moe_command_is_profiled_with_its_moe_and_dense_layers_and_planned_fro
     code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(path)])
     assert code == 2 and out == ""
     assert "MoE layers 4 experts top-2 ffn 96 in 1 of 2 layers" in err and "re-run pipemesh profile" in err
+
+
+def test_show_prints_each_piece_with_its_spread_and_the_load():
+    """--show's table: one row per piece and size with its median, interval, IQR, samples and whether it stopped
+    stable or at the time cap; the load record's line."""
+    import dataclasses
+
+    from megatron_pipemesh.cli.profile import table
+    from megatron_pipemesh.planning.profile_quality import LoadRecord, spread_of
+    from tests.planning.test_profile import point, profile
+
+    spread = {"layer_forward_s": spread_of([0.004, 0.0041, 0.0039, 0.004, 0.0042], True),
+              "recompute_extra_s:full": spread_of([0.001, 0.002, 0.0015, 0.001, 0.003], False)}
+    busy = LoadRecord(cores=2, loadavg_before=(1.0, 0.5, 0.2), loadavg_after=(1.5, 0.6, 0.2),
+                      others_cores={"layers mbs 2": 0.8})
+    text = table(dataclasses.replace(profile(dataclasses.replace(point(), spread=spread)), load=busy), "p.json")
+    rows = [line.split() for line in text.splitlines()]
+    assert ["2", "layer_forward", "4.000", "3.7%", "2.5%", "5", "stable"] in rows
+    assert ["2", "recompute_extra", "full", "1.500", "66.7%", "66.7%", "5", "at", "the", "time", "cap"] in rows
+    assert "load while timing: load average 1.00 -> 1.50 on 2 core(s); other processes computed while timing " \
+           "layers mbs 2 (0.80 cores)" in text

@@ -24,7 +24,7 @@ def layer_pieces(args, levels):
     from megatron_pipemesh.integration.profile import ProfileSettings
     from megatron_pipemesh.integration.profile_models import gpt, level_args, with_main_grads
 
-    settings = ProfileSettings(warmup=1, repeats=1)
+    settings = ProfileSettings(warmup=1, repeats=1, max_seconds=0.0)
     layers = {str(level): gpt(level_args(args, str(level)), "local", settings, False, False, False) for level in levels}
     ends, config = gpt(level_args(args, "none"), "local", settings, False, True, True)
     exclude = [t for model, _ in layers.values() for t in with_main_grads(model)] + with_main_grads(ends)

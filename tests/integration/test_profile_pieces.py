@@ -72,7 +72,7 @@ def _measure_tiny(monkeypatch, built):
     monkeypatch.setattr(profile_pieces, "gpt", recording)
     args, planned, _ = command_args(TINY.split(), False)
     notes = []
-    points = profile_pieces.measure_compute(args, planned.model, "local", ProfileSettings(warmup=1, repeats=1), False,
+    points = profile_pieces.measure_compute(args, planned.model, "local", ProfileSettings(warmup=1, repeats=1, max_seconds=0.0), False,
                                             lambda line: None, notes)
     return points, notes
 
@@ -117,10 +117,11 @@ def test_a_step_overhead_out_of_memory_keeps_the_points_and_says_so(one_rank, mo
 
 
 def test_a_moe_commands_layers_average_its_moe_and_dense_layers_as_the_cost_model_does():
-    """Per level, forward, backward and kept bytes are the MoE layer's share of the MoE layer's and the rest the
-    dense layer's; a level whose dense layer was not timed keeps the MoE layer's."""
-    from megatron_pipemesh.integration.profile_pieces import DENSE, _mixed
+    """Per level, forward, backward (round by round) and kept bytes are the MoE layer's share of the MoE layer's
+    and the rest the dense layer's; a level whose dense layer was not timed keeps the MoE layer's."""
+    from megatron_pipemesh.integration.profile_pieces import DENSE, Timed, _mixed
 
-    times = {"none": (4.0, 8.0, 100), "none" + DENSE: (2.0, 4.0, 60), "full": (1.0, 2.0, 10)}
+    times = {"none": Timed((4.0, 8.0), (8.0, 4.0), 100, True), "none" + DENSE: Timed((2.0, 4.0), (4.0, 2.0), 60, False),
+             "full": Timed((1.0,), (2.0,), 10, True)}
     mixed = _mixed(times, 0.25)
-    assert mixed == {"none": (2.5, 5.0, 70.0), "full": (1.0, 2.0, 10)}
+    assert mixed == {"none": Timed((2.5, 5.0), (5.0, 2.5), 70.0, False), "full": times["full"]}

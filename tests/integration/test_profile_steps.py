@@ -38,16 +38,17 @@ def test_the_overhead_is_the_steps_time_less_the_pieces_and_never_negative(megat
     from megatron_pipemesh.planning.profile import ComputePoint
 
     settings = ProfileSettings()
+    fixed = ProfileSettings(warmup=1, repeats=3, max_seconds=0.0)
     models = one_layer_chunks(megatron, lambda args, pre, post: gpt(args, "local", settings, False, pre, post))
     zero = ComputePoint(tp=1, micro_batch_size=2, layer_forward_s=0.0, layer_backward_s=0.0, recompute_extra_s={},
                         layer_activation_bytes={}, embedding_forward_s=0.0, embedding_backward_s=0.0,
                         embedding_activation_bytes=0.0, output_forward_s=0.0, output_backward_s=0.0,
                         output_activation_bytes=0.0)
     timer = Timer(False)
-    whole = measure_step_overhead(megatron, models, [zero], timer, torch.device("cpu"), 1, 3)[2]
+    whole = measure_step_overhead(megatron, models, [zero], timer, torch.device("cpu"), fixed)[2]
     assert set(whole) == set(STAGE_KINDS)
     assert all(forward > 0 and backward > 0 for forward, backward in whole.values())
     assert sum(whole["last"]) > sum(whole["middle"])
     long = dataclasses.replace(zero, layer_forward_s=1.0, layer_backward_s=1.0)
-    assert measure_step_overhead(megatron, models, [long], timer, torch.device("cpu"), 1, 3)[2] == \
+    assert measure_step_overhead(megatron, models, [long], timer, torch.device("cpu"), fixed)[2] == \
         dict.fromkeys(STAGE_KINDS, (0.0, 0.0))

@@ -101,3 +101,49 @@ def test_on_cuda_a_host_that_cannot_keep_ahead_costs_its_own_time(stream):
 
     assert _timed(host_bound) == pytest.approx(0.030, abs=0.004)
     assert _timed(waits) == pytest.approx(0.030, abs=0.006)
+
+
+def settings(**changes):
+    from megatron_pipemesh.integration.profile_timing import ProfileSettings
+
+    return ProfileSettings(**{"warmup": 0, "repeats": 5, "stable_within": 0.02, "stable_floor_s": 0.0,
+                              "max_seconds": 10.0, **changes})
+
+
+def test_the_repeats_stop_once_every_median_is_stable():
+    """A steady piece alone stops at the fewest repeats; beside one whose samples settle only later, both go on in
+    turn until that one's interval closes, and both are stable."""
+    from megatron_pipemesh.integration.profile_timing import measure
+
+    settling = iter([1.0, 1.5, 0.5, 1.4, 0.6] + [1.0] * 100)
+    found = measure({"steady": lambda: (2.0,)}, settings(), clock=lambda: 0.0)
+    assert found["steady"].columns == ((2.0,) * 5,) and found["steady"].stable
+    both = measure({"steady": lambda: (2.0,), "settling": lambda: (next(settling),)}, settings(), clock=lambda: 0.0)
+    rounds = len(both["steady"].columns[0])
+    assert rounds == len(both["settling"].columns[0]) and 5 < rounds < 100
+    assert both["settling"].stable and both["settling"].medians == (1.0,)
+
+
+def test_the_repeats_stop_at_the_time_cap_and_say_the_piece_was_not_stable():
+    """A piece whose samples never settle is timed until the (fake) clock passes the cap, then marked unstable; a
+    watch is entered once around the timed rounds (after the warm-up) with the group's label."""
+    from contextlib import contextmanager
+
+    from megatron_pipemesh.integration.profile_timing import measure
+
+    now, calls, entered = [0.0], [0], []
+
+    def noisy():
+        calls[0] += 1
+        now[0] += 1.0
+        return (1.0 if calls[0] % 2 else 2.0,)
+
+    @contextmanager
+    def watch(label):
+        entered.append((label, calls[0]))
+        yield
+
+    found = measure({"noisy": noisy}, settings(warmup=2, max_seconds=7.5), watch, "layers mbs 1",
+                    clock=lambda: now[0])
+    assert entered == [("layers mbs 1", 2)]
+    assert len(found["noisy"].columns[0]) == 8 and not found["noisy"].stable

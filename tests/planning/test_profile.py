@@ -53,7 +53,7 @@ def test_the_file_round_trips_and_older_files_read(tmp_path):
     assert load(str(path)) == Profile(run_times=old)
     with pytest.raises(ProfileError, match="lacks"):
         from_dict({"forward_s": 1.0}, "x.json")
-    with pytest.raises(ProfileError, match="schema version 1; this pipemesh reads version 2"):
+    with pytest.raises(ProfileError, match="schema version 1; this pipemesh reads versions 2, 3"):
         from_dict({**written.to_dict(), "schema_version": 1}, "x.json")
 
 
@@ -243,3 +243,25 @@ def test_the_flag_wins_over_the_measurement_and_the_output_says_which():
     assert measured[-1] == "NIC 0.5 Gbit/s measured (profile)"
     assert assumed[-1] == "intra-node link 100 Gbit/s (--intra-node-gbps default, not measured)"
     assert coverage(profile(), 1, 2)[1][-1] == "pipeline and data-parallel links (--nic-gbps)"
+
+
+def test_spreads_and_the_load_record_round_trip_and_a_version_2_file_still_reads(tmp_path):
+    """A point's spreads and the profile's load record are written and read back as they were; a file of the
+    previous version (no spreads, no load) reads with both None and says its version."""
+    from megatron_pipemesh.planning.profile_quality import LoadRecord, spread_of
+
+    spread = {"layer_forward_s": spread_of([0.004, 0.0041, 0.0039, 0.004, 0.0042], True),
+              "recompute_extra_s:full": spread_of([0.001, 0.002, 0.0015, 0.001, 0.003], False)}
+    load_record = LoadRecord(cores=2, loadavg_before=(1.0, 0.5, 0.2), loadavg_after=(1.5, 0.6, 0.2),
+                             others_cores={"layers mbs 2": 0.8})
+    written = dataclasses.replace(profile(dataclasses.replace(point(), spread=spread)), load=load_record)
+    path = tmp_path / "profile.json"
+    path.write_text(written.to_json())
+    assert load(str(path)) == written
+    old = written.to_dict()
+    old["schema_version"] = 2
+    del old["load"]
+    for found in old["compute"]:
+        del found["spread"]
+    read = from_dict(old, "old.json")
+    assert read.load is None and read.compute[0].spread is None and read.schema_version == 2
