@@ -318,7 +318,8 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                  "predicted_parts_s": [p.to_dict() for p in predicted],
                  "measured_parts_s": [m.to_dict() for m in measured] if measured else None,
                  "returncode": run["returncode"], "error": run["error"], "log": run["log"],
-                 "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"]}
+                 "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"],
+                 "kind": row.get("kind"), "error": row.get("error"), "interval_s": row.get("interval_s")}
         if measured_s is not None:
             attribution = attribute(row["predicted_iteration_s"], measured_s, predicted, measured)
             misses = part_misses(predicted, measured)
@@ -394,7 +395,8 @@ def format_advice(document: dict) -> str:
     advised = document["advised"]
     if advised is not None:
         lines.append(f"advised row ({advised}): measured {_fmt(document['advised_measured_ratio_to_user'], '.2f')}x the "
-                     f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)")
+                     f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)"
+                     + (f"; {document['advice']['run_reason']}" if document["advice"].get("run_reason") else ""))
     for r in document["rows"]:
         if r.get("part_misses") and r["same_run_as"] is None:
             lines.append(f"{r['name']}: {r['judgement']}: parts outside their limits (compute 10%, communication 20% or "
