@@ -12,7 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_pipemesh", "megatron_pipemesh.*"]),
-    package_data={"megatron_pipemesh": ["data/corpus/*.txt"]},
+    package_data={"megatron_pipemesh": ["data/corpus/*.txt", "planning/advice_error.json"]},
     # torch and megatron-core are deliberately not hard requirements: GPU users install the package
     # into an environment that already has them (CUDA torch, megatron-core 0.19.x); the pure
     # schedule/planning layers and the `pipemesh` command need neither.  matplotlib is, so that

@@ -138,6 +138,41 @@ def attribute(predicted_s: float, measured_s: float, predicted: Sequence[RankPar
     return out
 
 
+PART_LIMITS = {"compute": (0.10, 0.0), "communication": (0.20, 0.050), "optimizer": (0.20, 0.020)}
+"""A part's prediction holds when measured within (fraction of the prediction, or seconds) of it, whichever is
+larger; communication is p2p + dp (a wait moves between them with the order of the ranks' work)."""
+
+
+def _grouped(parts: RankParts) -> Dict[str, float]:
+    return {"compute": parts.compute, "communication": parts.p2p + parts.dp, "optimizer": parts.optimizer}
+
+
+def part_misses(predicted: Sequence[RankParts], measured: Optional[Sequence[RankParts]]) -> Optional[List[str]]:
+    """Per pipeline rank, the parts (:data:`PART_LIMITS`) measured outside their limit, in words ('rank 1 compute
+    +14% (412 vs 361 ms)'); None without measured parts."""
+    if measured is None or len(measured) != len(predicted):
+        return None
+    out = []
+    for rank, (p, m) in enumerate(zip(predicted, measured)):
+        want, got = _grouped(p), _grouped(m)
+        for part, (fraction, floor_s) in PART_LIMITS.items():
+            if abs(got[part] - want[part]) > max(fraction * want[part], floor_s):
+                off = f"{100 * (got[part] / want[part] - 1):+.0f}%" if want[part] > 0 else "predicted 0"
+                out.append(f"rank {rank} {part} {off} ({1e3 * got[part]:.0f} vs {1e3 * want[part]:.0f} ms)")
+    return out
+
+
+def judgement(attribution: dict, misses: Optional[List[str]]) -> str:
+    """A row's verdict: 'within 10%' only where its total and every part hold; 'within 10% only by cancelling errors'
+    where the total holds and a part does not; 'miss' where the total misses; 'total within 10%, parts not
+    measured' without timers."""
+    if attribution["miss"]:
+        return "miss"
+    if misses is None:
+        return "total within 10%, parts not measured"
+    return "within 10% only by cancelling errors" if misses else "within 10%"
+
+
 def cause_text(attribution: dict) -> str:
     """One line on a missed prediction: the cost that differs and by how much (empty when it did not miss)."""
     if not attribution["miss"]:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..cli.common import UsageError, emit_json
 from ..planning.defaults import MFU
-from .advice_parts import PARTS, attribute, cause_text, measured_parts
+from .advice_parts import PARTS, attribute, cause_text, judgement, measured_parts, part_misses
 from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice, with_profile
 from .session import log
 
@@ -336,15 +336,18 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                  "predicted_parts_s": [p.to_dict() for p in predicted],
                  "measured_parts_s": [m.to_dict() for m in measured] if measured else None,
                  "returncode": run["returncode"], "error": run["error"], "log": run["log"],
-                 "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"]}
+                 "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"],
+                 "kind": row.get("kind"), "error": row.get("error"), "interval_s": row.get("interval_s")}
         if measured_s is not None:
             attribution = attribute(row["predicted_iteration_s"], measured_s, predicted, measured)
+            misses = part_misses(predicted, measured)
             entry.update({"measured_over_predicted": attribution["measured_over_predicted"],
                           "miss": attribution["miss"], "cause": attribution["cause"],
+                          "part_misses": misses, "judgement": judgement(attribution, misses),
                           "part_differences_s": attribution["differences_s"], "cause_text": cause_text(attribution)})
         else:
             entry.update({"measured_over_predicted": None, "miss": None, "cause": None, "part_differences_s": None,
-                          "cause_text": ""})
+                          "part_misses": None, "judgement": "not measured", "cause_text": ""})
         rows.append(entry)
     by_name = {r["name"]: r for r in rows}
     user_s = by_name["user"]["measured_iteration_s"]
@@ -410,8 +413,12 @@ def format_advice(document: dict) -> str:
     advised = document["advised"]
     if advised is not None:
         lines.append(f"advised row ({advised}): measured {_fmt(document['advised_measured_ratio_to_user'], '.2f')}x the "
-                     f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)")
+                     f"user's command's speed (predicted {_fmt(document['advised_predicted_ratio_to_user'], '.2f')}x)"
+                     + (f"; {document['advice']['run_reason']}" if document["advice"].get("run_reason") else ""))
     for r in document["rows"]:
+        if r.get("part_misses") and r["same_run_as"] is None:
+            lines.append(f"{r['name']}: {r['judgement']}: parts outside their limits (compute 10%, communication 20% or "
+                         f"50 ms, optimizer 20% or 20 ms): {'; '.join(r['part_misses'])}")
         if r["cause_text"] and r["same_run_as"] is None:
             lines.append(f"{r['name']}: {r['cause_text']}")
             lines += [f"   pipeline rank {rank}, predicted/measured ms: " + ", ".join(

@@ -333,10 +333,12 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
     return out
 
 
-def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = ()) -> Dict:
-    """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags), the flags of the
-    command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
+def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = (), spread: float = 0.0) -> Dict:
+    """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags and interval), the
+    row to run and why (:func:`.planning.advice_error.choose`, ``spread`` the profile's relative spread), the flags of
+    the command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
     from ..planning.advice import ROWS, dispatch, tokens_per_s
+    from ..planning.advice_error import choose, load_errors
     from ..planning.flag_inventory import unpriced
 
     user_row = advice.rows["user"]
@@ -361,8 +363,12 @@ def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str
             "peak_memory_gb": [p / GB for p in row.peak_memory_bytes], "fits": row.fits,
             "ratio_to_user": user_row.iteration_s / row.iteration_s,
             "compute_s_per_rank": list(row.compute_s), "keeps_user_layout": row.keeps(user_row)}
-    best = advice.best()
-    return {"rows": rows, "run": best.name if best else None,
+    errors = load_errors()
+    choice = choose([row for name in ROWS if (row := advice.rows.get(name)) is not None], errors, spread)
+    for name, found in choice.intervals.items():
+        rows[name].update(found.to_dict())
+    return {"rows": rows, "run": choice.run, "run_reason": choice.reason, "kept_command": choice.kept,
+            "error_source": errors.source, "profile_spread": spread,
             "unpriced": [item.to_dict() for item in unpriced(user.changed, user.not_priced_here)],
             "assumed": list(assumed),
             "budget_gb_per_gpu": cluster.budget_bytes / GB, "gpus": cluster.gpus, "rate": rate.source,
@@ -384,7 +390,7 @@ def text(out: Dict) -> str:
              f"{out['candidates']} layouts x micro-batch sizes x V x splits bounded, simulated "
              f"{out['simulated']['pipemesh']} (PipeMesh) "
              f"and {out['simulated']['stock']} (stock) in {out['search_s']:.1f} s ({out['search_cpu_s']:.1f} CPU-s)", ""]
-    header = f"{'row':<18} {'iter s':>9} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
+    header = f"{'row':<18} {'iter s':>9} {'± %':>4} {'tokens/s':>10} {'peak GiB':>9} {'fits':>4} {'x user':>7}  what"
     lines += [header, "-" * len(header)]
     for name, row in ranked:
         experts = row.get("expert_dispatch")
@@ -392,7 +398,8 @@ def text(out: Dict) -> str:
         if experts and experts["ep"] > 1:
             where = (f"; EP{experts['ep']} {'across NICs' if experts['crosses_nic'] else 'inside a node'}: dispatch "
                      f"{experts['forward_ms']:.2f} + {experts['backward_ms']:.2f} ms per MoE layer")
-        lines.append(f"{name:<18} {row['predicted_iteration_s']:>9.3f} {row['tokens_per_s']:>10.0f} "
+        lines.append(f"{name:<18} {row['predicted_iteration_s']:>9.3f} {100 * row['error']:>4.0f} "
+                     f"{row['tokens_per_s']:>10.0f} "
                      f"{max(row['peak_memory_gb']):>9.2f} {'yes' if row['fits'] else 'NO':>4} "
                      f"{row['ratio_to_user']:>7.2f}  {row['describe']}{where}")
     user = out["rows"]["user"]
@@ -415,7 +422,7 @@ def text(out: Dict) -> str:
     if out["run"] is None:
         lines.append("\nno row fits the memory: use more GPUs, a smaller --micro-batch-size, or --host-memory-gb")
     else:
-        lines.append(f"\nrun ({out['run']}):\n{out['rows'][out['run']]['command']}")
+        lines.append(f"\nrun ({out['run']}: {out['run_reason']}):\n{out['rows'][out['run']]['command']}")
     return "\n".join(lines)
 
 

@@ -117,3 +117,23 @@ def test_within_ten_percent_is_no_miss():
 def test_a_miss_without_timers_says_so():
     result = attribute(1.0, 2.0, PREDICTED, None)
     assert result["miss"] and result["cause"] is None and "no timers" in cause_text(result)
+
+
+def test_a_total_within_ten_percent_whose_parts_miss_is_cancelling_errors():
+    """Compute 20% over and communication 150 ms under on one rank: the total holds (1.00), the parts do not, and the
+    verdict says so with both parts named; within their limits (compute 5%, communication 40 ms, optimizer 15 ms) the
+    row is within 10%."""
+    from megatron_pipemesh.bench.advice_parts import judgement, part_misses
+
+    predicted = [RankParts(compute=1.0, p2p=0.3, dp=0.1, optimizer=0.1)]
+    cancelling = [RankParts(compute=1.2, p2p=0.2, dp=0.05, optimizer=0.05)]
+    misses = part_misses(predicted, cancelling)
+    assert misses == ["rank 0 compute +20% (1200 vs 1000 ms)", "rank 0 communication -38% (250 vs 400 ms)",
+                      "rank 0 optimizer -50% (50 vs 100 ms)"]
+    total = attribute(1.5, 1.5, predicted, cancelling)
+    assert judgement(total, misses) == "within 10% only by cancelling errors"
+    close = [RankParts(compute=1.05, p2p=0.34, dp=0.1, optimizer=0.085)]
+    assert part_misses(predicted, close) == [] and judgement(attribute(1.5, 1.575, predicted, close), []) == "within 10%"
+    assert judgement(attribute(1.5, 1.8, predicted, close), []) == "miss"
+    assert part_misses(predicted, None) is None
+    assert judgement(total, None) == "total within 10%, parts not measured"

@@ -1,0 +1,94 @@
+"""`planning/advice_error.py`: each row's interval and the row the advice runs."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_pipemesh.planning.advice_error import (ERRORS_FILE, KINDS, ErrorTable, choose, error_file, load_errors,
+                                                     row_kind, worst_errors)
+from megatron_pipemesh.planning.advice_rows import ParallelLayout
+
+PP2, PP1 = ParallelLayout(tp=1, pp=2, dp=1), ParallelLayout(tp=1, pp=1, dp=2)
+ERRORS = ErrorTable({"user": 0.02, "same layout": 0.03, "changed V": 0.08, "changed micro-batch size": 0.10,
+                     "changed layout": 0.15})
+
+
+def row(name, seconds, layout=PP2, vpp=1, mbs=None, fits=True):
+    return SimpleNamespace(name=name, iteration_s=seconds, layout=layout, vpp=vpp, micro_batch_size=mbs, fits=fits)
+
+
+def test_the_kind_is_the_largest_change_to_the_command():
+    user = row("user", 1.0)
+    assert row_kind(user, user) == "user"
+    assert row_kind(row("best_stock", 1.0), user) == "same layout"
+    assert row_kind(row("best_stock", 1.0, vpp=2), user) == "changed V"
+    assert row_kind(row("best_layout", 1.0, vpp=2, mbs=1), user) == "changed micro-batch size"
+    assert row_kind(row("best_layout_stock", 1.0, layout=PP1, mbs=1), user) == "changed layout"
+
+
+def test_a_gain_beyond_both_intervals_changes_the_command():
+    """0.7 s +-15% (at most 0.805 s) against the user's 1.0 s -2% (at least 0.98 s): the layout row runs."""
+    choice = choose([row("user", 1.0), row("best_layout_stock", 0.7, layout=PP1)], ERRORS)
+    assert choice.run == "best_layout_stock" and not choice.kept
+    assert choice.reason.startswith("predicted 43% faster than your command, beyond the advice's error (±15%")
+    assert choice.intervals["best_layout_stock"].to_dict() == {"kind": "changed layout", "error": 0.15,
+                                                               "interval_s": [pytest.approx(0.595),
+                                                                              pytest.approx(0.805)]}
+
+
+def test_a_gain_inside_the_error_keeps_the_command_and_says_by_how_much():
+    """0.9 s +-10% reaches 0.99 s, above the user's 0.98 s: keep the command, naming the gain and the error."""
+    choice = choose([row("user", 1.0), row("best_layout", 0.9, vpp=2, mbs=1)], ERRORS)
+    assert choice.run == "user" and choice.kept
+    assert choice.reason == ("keep your command: the best row (best_layout) is predicted 11% faster, inside the "
+                             "advice's error of ±12% (±10% for a row of kind 'changed micro-batch size', ±2% for your "
+                             "command)")
+
+
+def test_the_profiles_spread_widens_every_interval_until_the_gain_is_inside_it():
+    """The same rows as the first case: with a 20% spread in the profile the layout row's gain is inside the error."""
+    rows = [row("user", 1.0), row("best_layout_stock", 0.7, layout=PP1)]
+    assert choose(rows, ERRORS, spread=0.0).run == "best_layout_stock"
+    wide = choose(rows, ERRORS, spread=0.2)
+    assert wide.run == "user" and wide.kept and wide.intervals["user"].error == pytest.approx((0.02**2 + 0.2**2) ** 0.5)
+
+
+def test_among_rows_within_the_fastest_rows_error_the_least_change_runs():
+    """The layout row is fastest (0.70 s, up to 0.805 s); the V row's 0.74 s -8% (0.68 s) overlaps it and changes
+    less: the V row runs, and the reason names the fastest."""
+    rows = [row("user", 1.0), row("best_stock", 0.74, vpp=2), row("best_layout_stock", 0.70, layout=PP1)]
+    choice = choose(rows, ERRORS)
+    assert choice.run == "best_stock"
+    assert "the fastest row (best_layout_stock, 0.700 s) is within the error of this one, which changes less " \
+           "(changed V)" in choice.reason
+
+
+def test_a_command_that_does_not_fit_is_changed_and_rows_that_do_not_fit_never_run():
+    rows = [row("user", 1.0, fits=False), row("best_stock", 0.99), row("best_layout", 0.5, fits=False)]
+    choice = choose(rows, ERRORS)
+    assert choice.run == "best_stock" and choice.reason.startswith("your command does not fit the memory")
+    assert choose([row("user", 1.0, fits=False)], ERRORS).run is None
+
+
+def test_a_kind_without_a_measurement_takes_the_largest_error_of_the_kinds_that_change_more():
+    table = ErrorTable({"user": 0.01, "changed V": 0.05, "changed micro-batch size": 0.06})
+    assert table.of("same layout") == 0.06 and table.of("changed V") == 0.05
+    assert table.of("changed layout") == 0.06  # nothing changes more: the largest measured
+
+
+def test_the_ledgers_table_is_the_worst_error_per_kind_and_loads_back(tmp_path):
+    by_kind = worst_errors([("user", 0.97), ("changed V", 1.12), ("changed V", 0.95), ("user", 1.01)])
+    assert by_kind == {"user": pytest.approx(0.03), "changed V": pytest.approx(0.12)}
+    path = tmp_path / "errors.json"
+    path.write_text(error_file(by_kind, "ledger of today"))
+    assert load_errors(str(path)) == ErrorTable(by_kind, "ledger of today")
+    path.write_text(json.dumps({"by_kind": {"changed PP": 0.1}}))
+    with pytest.raises(ValueError, match="unknown kinds of row"):
+        load_errors(str(path))
+    with pytest.raises(ValueError, match="scripts/advice_accuracy.sh --write-errors writes it"):
+        load_errors(str(tmp_path / "missing.json"))
+
+
+def test_the_shipped_table_loads_and_names_its_source():
+    table = load_errors(ERRORS_FILE)
+    assert set(table.by_kind) <= set(KINDS) and table.source and all(0 <= e < 1 for e in table.by_kind.values())
