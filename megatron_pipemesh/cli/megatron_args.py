@@ -333,12 +333,13 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
     return out
 
 
-def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = (), spread: float = 0.0) -> Dict:
+def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str]] = ()) -> Dict:
     """The JSON object of the advice (the rows of :data:`.planning.advice.ROWS`, each with its flags and interval), the
-    row to run and why (:func:`.planning.advice_error.choose`, ``spread`` the profile's relative spread), the flags of
-    the command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
+    row to run and why (:func:`.planning.advice_error.choose`, with the profile's compute spread), the flags of the
+    command the costs leave out (``unpriced``) and what they assumed (``assumed``, :func:`assumptions`)."""
     from ..planning.advice import ROWS, dispatch, tokens_per_s
     from ..planning.advice_error import choose, load_errors
+    from ..planning.profile_quality import compute_spread
     from ..planning.flag_inventory import unpriced
 
     user_row = advice.rows["user"]
@@ -364,6 +365,7 @@ def report(user, problem, cluster, rate, advice, assumed: Sequence[Dict[str, str
             "ratio_to_user": user_row.iteration_s / row.iteration_s,
             "compute_s_per_rank": list(row.compute_s), "keeps_user_layout": row.keeps(user_row)}
     errors = load_errors()
+    spread = compute_spread(problem.profile.compute) if problem.profile is not None else 0.0
     choice = choose([row for name in ROWS if (row := advice.rows.get(name)) is not None], errors, spread)
     for name, found in choice.intervals.items():
         rows[name].update(found.to_dict())

@@ -163,3 +163,16 @@ def load_problem(load: Optional[LoadRecord], name: str = "the profile") -> Optio
     return (f"{name} was timed while other processes computed on its {load.cores} core(s) ({load.describe()}): its "
             "times are slower than this machine's and the predictions made from them cannot be judged. Profile "
             "again on an idle machine (pipemesh profile, or drop --profile to profile here)")
+
+
+COMPUTE_PIECES = ("layer_forward_s", "layer_backward_s")
+"""The pieces most of a row's compute is made of (every transformer layer's forward and backward)."""
+
+
+def compute_spread(points) -> float:
+    """How far a profile's compute may be from its medians, relative: the widest median confidence interval
+    (half-width over the median) of :data:`COMPUTE_PIECES` over the points (:class:`~.profile.ComputePoint`); 0 for a
+    file without spreads."""
+    widths = [point.spread[name].relative_half_width for point in points if point.spread
+              for name in COMPUTE_PIECES if name in point.spread]
+    return max(widths, default=0.0)

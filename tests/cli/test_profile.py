@@ -146,3 +146,39 @@ def test_show_prints_each_piece_with_its_spread_and_the_load():
     assert ["2", "recompute_extra", "full", "1.500", "66.7%", "66.7%", "5", "at", "the", "time", "cap"] in rows
     assert "load while timing: load average 1.00 -> 1.50 on 2 core(s); other processes computed while timing " \
            "layers mbs 2 (0.80 cores)" in text
+
+
+def _with_layer_spread(source, target, half_width):
+    """``source``'s profile with every layer forward/backward median known to within +-``half_width`` (relative)."""
+    data = json.loads(source.read_text())
+    for point in data["compute"]:
+        for name in ("layer_forward_s", "layer_backward_s"):
+            median = point[name]
+            point["spread"][name].update({"median_s": median, "low_s": median * (1 - half_width),
+                                          "high_s": median * (1 + half_width)})
+    target.write_text(json.dumps(data))
+    return target
+
+
+def test_a_profile_too_spread_to_tell_the_rows_apart_keeps_the_command(measured, tmp_path):
+    """Medians known to +-1%: the advice changes the command where its best row clears both rows' intervals (the
+    intervals the ledger's errors give); known to +-60%, every interval is wider than any gain, and the advice says to
+    keep the command with the gain and the error, in the JSON and in the text."""
+    path, _ = measured
+    tight = _with_layer_spread(path, tmp_path / "tight.json", 0.01)
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(tight), "--json"])
+    assert code == 0, err
+    sharp = json.loads(out)
+    assert sharp["profile_spread"] == pytest.approx(0.01) and not sharp["kept_command"]
+    assert all(row is None or row["error"] < 0.2 for row in sharp["rows"].values())
+    wide = _with_layer_spread(path, tmp_path / "wide.json", 0.6)
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(wide), "--json"])
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["run"] == "user" and found["kept_command"] and found["profile_spread"] == pytest.approx(0.6)
+    assert found["run_reason"].startswith("keep your command: the best row (")
+    assert "inside the advice's error of ±1" in found["run_reason"]
+    kept_for = found["run_reason"].split("(")[1].split(")")[0]  # the row the reason names
+    assert found["rows"][kept_for]["interval_s"][1] >= found["rows"]["user"]["interval_s"][0]
+    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", SMALL, "--profile", str(wide)])
+    assert code == 0 and "\nrun (user: keep your command: the best row (" in out
