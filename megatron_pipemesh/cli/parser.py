@@ -1,9 +1,9 @@
-"""The ``pipemesh`` command's parser: one subcommand per module of this package (and the bench, study and headroom
-wings, which add their own)."""
+"""The subcommands of this package on the ``pipemesh`` command's parser (one per module), and the two that read
+their own words (``plan --megatron-args`` and ``profile``). The command's table, which adds the wings' subcommands
+too, is :mod:`..command`."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
 from ..config import add_cli_arguments
@@ -14,9 +14,8 @@ from .show import cmd_show
 from .simulate import cmd_simulate
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipemesh", description="PipeMesh elastic pipeline schedules for Megatron-LM (no GPU needed).")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_subcommands(sub) -> None:
+    """``show``, ``simulate``, ``plan`` and ``profile`` on the subparsers ``sub``."""
     show = sub.add_parser("show", help="print each rank's op order")
     add_schedule_args(show)
     show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
@@ -51,17 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by its own parser (cli/profile.py), as plan --megatron-args is: listed here for `pipemesh --help`.
     sub.add_parser("profile", add_help=False, help="measure a layer, the embedding, the output layer, the optimizer "
                    "and activation bytes of your command on this machine (pipemesh profile --help)")
-    from ..bench.cli import add_bench_parser
-    add_bench_parser(sub)
-    from ..study.study import add_study_parser
-    add_study_parser(sub)
-    from ..study.headroom import add_headroom_parser
-    add_headroom_parser(sub)
-    return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def own_words(argv: Sequence[str]) -> Optional[int]:
+    """Run ``plan --megatron-args ...`` or ``profile ...``, which parse their own words, and return the exit status;
+    None for any other command."""
     if argv[:1] == ["plan"]:
         from .megatron_args import cmd_advice, wants_advice
         if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
@@ -69,6 +62,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["profile"]:
         from .profile import cmd_profile
         return run_command(argparse.Namespace(command="profile", func=lambda _: cmd_profile(argv[1:])))
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return run_command(args)
+    return None

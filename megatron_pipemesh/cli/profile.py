@@ -3,7 +3,7 @@
     pipemesh profile --megatron-args "<your pretrain_gpt.py flags>" [--output profile.json] [--repeats 3]
     pipemesh profile --output profile.json -- --num-layers 24 ...
     pipemesh profile --show profile.json
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_pipemesh.cli profile --megatron-args "..."   # + the links
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_pipemesh profile --megatron-args "..."   # + the links
 
 The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.profile`; ``pipemesh plan
 --megatron-args ... --profile profile.json`` prices the layouts with it.

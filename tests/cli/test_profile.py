@@ -21,7 +21,7 @@ def measured(tmp_path_factory):
     """pipemesh profile of SMALL in its own process (it starts a process group and Megatron's parallel state)."""
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL,
                            "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-micro-batch-size", "4",
                            "--ranks-per-node", "2"],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -90,7 +90,7 @@ def test_a_data_path_that_cannot_be_read_here_leaves_the_loader_unmeasured_and_s
     not, and a note says why (the dataset builder's own message) and that plans price it at 0."""
     path = tmp_path / "profile.json"
     command = SMALL.replace("--mock-data", "--data-path /nonexistent/corpus_text_document")
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", command,
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", command,
                            "--output", str(path), "--repeats", "1", "--warmup", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -112,7 +112,7 @@ def test_a_moe_command_is_profiled_with_its_moe_and_dense_layers_and_planned_fro
     --moe-layer-freq [1,0] has one, a dense layer), and plan --profile prices that command with it; the same model
     without experts is refused in one line that names the MoE layers."""
     path = tmp_path / "profile.json"
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", MOE,
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", MOE,
                            "--output", str(path), "--repeats", "1", "--warmup", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megatron_harness as h  # noqa: E402
 
-from megatron_pipemesh.cli import main  # noqa: E402
+from megatron_pipemesh.command import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # tests/training/test_pretrain_gpt.py's TINY_GPT on mock data at PP=2, V=2, dropout 0, two iterations.
