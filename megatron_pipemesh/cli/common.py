@@ -29,6 +29,20 @@ def check_number(flag: str, value: Optional[float], example: str, positive: bool
         raise UsageError(f"{flag} {value} is invalid: it must be {rule}. Example: {flag} {example}")
 
 
+def old_spelling(new: str):
+    """An argparse action for the old spelling of ``new`` (``parser.add_argument(NEW, OLD, action=old_spelling(NEW))``):
+    it stores the value as ``new`` does and says once on stderr that ``new`` is the spelling to use."""
+
+    class OldSpelling(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if option_string != new:
+                print(f"{parser.prog}: {option_string} is deprecated: it is spelled {new} now (same value and "
+                      "unit)", file=sys.stderr)
+            setattr(namespace, self.dest, values)
+
+    return OldSpelling
+
+
 def require_matplotlib(flag: str) -> None:
     """UsageError (one line, exit 2) naming the package to install when ``flag`` needs matplotlib but it
     cannot be imported (it is an install requirement, so this means a broken or hand-made environment)."""

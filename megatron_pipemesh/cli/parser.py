@@ -8,10 +8,19 @@ from typing import Optional, Sequence
 
 from ..config import add_cli_arguments
 from .arguments import add_cost_args, add_schedule_args
-from .common import positive_int, run_command
+from .common import UsageError, positive_int, run_command
 from .plan import cmd_plan
 from .show import cmd_show
 from .simulate import cmd_simulate
+
+
+PLAN_MODES = """the other mode, your own command (its flags: pipemesh plan --megatron-args '' --help):
+  pipemesh plan --megatron-args "<your pretrain_gpt.py flags>" --nodes N --gpus-per-node G --gpu MODEL
+                [--nic-gbps R] [--profile FILE] [--json]
+  --megatron-args "FLAGS"   your pretrain_gpt.py command's flags (or after --)
+  --nodes N, --gpus-per-node G (torchrun's --nnodes, --nproc-per-node)   the cluster
+  --gpu MODEL               the GPU (A10G, L4, 'H100 SXM', ...): its rate and memory"""
+"""How ``pipemesh plan --help`` (the --pp mode) names the --megatron-args mode."""
 
 
 def add_subcommands(sub) -> None:
@@ -36,7 +45,11 @@ def add_subcommands(sub) -> None:
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
     sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
     sim.set_defaults(func=cmd_simulate)
-    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
+    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget, or (with "
+                          "--megatron-args) what to run on your cluster", epilog=PLAN_MODES,
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="Two modes. This one (--pp, --microbatches): the fastest groups and "
+                          "recomputation of one pipeline, from the model and cost flags below.")
     add_schedule_args(plan, groups=False)
     add_cost_args(plan)
     add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb", "activation_placement", "host_memory_gb"))
@@ -59,7 +72,15 @@ def own_words(argv: Sequence[str]) -> Optional[int]:
         from .megatron_args import cmd_advice, wants_advice
         if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
             return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
+        if not {"--pp", "-h", "--help"} & {word.split("=")[0] for word in argv[1:]}:
+            return run_command(argparse.Namespace(command="plan", func=_neither_mode))
     if argv[:1] == ["profile"]:
         from .profile import cmd_profile
         return run_command(argparse.Namespace(command="profile", func=lambda _: cmd_profile(argv[1:])))
     return None
+
+
+def _neither_mode(_) -> int:
+    raise UsageError("give your command or a pipeline: --megatron-args \"<your pretrain_gpt.py flags>\" --nodes N "
+                     "--gpus-per-node G --gpu MODEL (what to run on your cluster; pipemesh plan --megatron-args '' "
+                     "--help), or --pp P --microbatches M [--vpp V] (the groups of one pipeline; pipemesh plan --help)")

@@ -13,7 +13,7 @@ from tests.cli.test_commands import run
 SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
          "--tokenizer-type NullTokenizer --vocab-size 257 --pipeline-model-parallel-size 2")
-CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "0.1", "--quiet"]
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--nic-gbps", "0.1", "--quiet"]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 def _advice() -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["plan", "--megatron-args", TINY, "--nodes", "1", "--gpus-per-node", "4", "--device-memory-gb", "1",
+        code = main(["plan", "--megatron-args", TINY, "--nodes", "1", "--gpus-per-node", "4", "--device-memory-gib", "1",
                      "--nic-gbps", "0.25", "--json"])
     assert code == 0
     return json.loads(out.getvalue())
