@@ -61,8 +61,33 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0, err
     assert "hidden 64" in out and "optimizer step" in out and "batch ms" in out and out in done.stdout
-    assert "step F+B ms o/f/m/l" in out
+    assert "step F+B ms only/first/middle/last stage" in out
+    # stdout carries the table alone: Megatron's warnings go to stderr
+    assert not [line for line in done.stdout.splitlines() if "WARNING" in line]
     assert profile.network is None and "network: not measured (one process)" in out
+
+
+def test_a_closed_pipe_ends_the_command_quietly(measured):
+    """`pipemesh profile --show F | head -1` and `pipemesh plan ... | head -1`: the reader closes the pipe after one
+    line; the command exits 0 with nothing on stderr (no BrokenPipeError traceback)."""
+    path, _ = measured
+    plan = ["plan", "--pp", "4", "--vpp", "2", "-m", "8", "--forward-ms", "1", "--memory-budget-gb", "20"]
+    for words in (["profile", "--show", str(path)], plan):
+        # The reader is gone before the command writes its first line (it is still importing).
+        child = subprocess.Popen([sys.executable, "-m", "megatron_pipemesh", *words], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        child.stdout.close()
+        err = child.stderr.read()
+        assert child.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_version_is_the_packages():
+    """pipemesh --version prints the package's version (declared once, in megatron_pipemesh/__init__.py)."""
+    import megatron_pipemesh
+
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"pipemesh {megatron_pipemesh.__version__}")
 
 
 def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(measured):
