@@ -1,9 +1,16 @@
 """megatron_pipemesh: PipeMesh's elastic pipeline schedule for Megatron-LM."""
+import re
+
 from setuptools import find_packages, setup
+
+# The version is declared once, in the package (``pipemesh --version`` prints it); read as text, since importing the
+# package here would need its requirements installed first.
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("megatron_pipemesh/__init__.py", encoding="utf-8").read(),
+                    re.M).group(1)
 
 setup(
     name="megatron_pipemesh",
-    version="0.1.0",
+    version=VERSION,
     description=(
         "PipeMesh elastic pipeline schedule (Li et al., IEEE TPDS 2025) for Megatron-LM: "
         "forward/backward micro-batch groups, simulator, planner and runtime."
@@ -24,7 +31,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "pipemesh=megatron_pipemesh.cli:main",
+            "pipemesh=megatron_pipemesh.command:main",
             "pipemesh-pretrain-gpt=megatron_pipemesh.training.pretrain_gpt:main",
         ]
     },

@@ -23,7 +23,7 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .cli.common import nonnegative_number, positive_int, positive_number
+from .flag_types import nonnegative_number, positive_int, positive_number
 from .planning.clusters import PLANNING_CLUSTER
 from .planning.defaults import DEFAULT_HOST_LINK_GBPS, MEMORY_MARGIN
 from .planning.planner_options import PLACEMENT_MODES, RECOMPUTE_ONLY

@@ -62,9 +62,9 @@ echo "== stock Megatron schedule on the same data (log: $RUN_DIR/stock.log)"
 train --pipeline-schedule default --pipemesh-measure-memory "$@" >"$RUN_DIR/stock.log" 2>&1 ||
   { tail -n 30 "$RUN_DIR/stock.log" >&2; exit 1; }
 grep -E "iteration +[0-9]+/" "$RUN_DIR/stock.log" | tail -n 2
-$PY -m megatron_pipemesh.cli show --picture --pp "$PP" --vpp 2 -m "$M" \
+$PY -m megatron_pipemesh show --picture --pp "$PP" --vpp 2 -m "$M" \
   --forward-groups "${fwd[@]}" --backward-groups "${bwd[@]}" >"$RUN_DIR/schedule.txt"
-$PY -m megatron_pipemesh.cli simulate --pp "$PP" --vpp 2 -m "$M" --forward-groups "${fwd[@]}" --backward-groups "${bwd[@]}" \
+$PY -m megatron_pipemesh simulate --pp "$PP" --vpp 2 -m "$M" --forward-groups "${fwd[@]}" --backward-groups "${bwd[@]}" \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size "$MBS" \
   --vocab-size 257 --dp "$DP" --trace "$RUN_DIR/trace.json" >/dev/null
 $PY -m megatron_pipemesh.bench.demo_summary --pipemesh "$RUN_DIR/pipemesh.log" --stock "$RUN_DIR/stock.log" \

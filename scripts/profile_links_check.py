@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     log_path = os.path.join(args.out_dir, "profile.log")
     with ShapedNamespace(shaping, ranks=2) as namespace:
         cmd = launch_command(2, profile_args, namespace.prefix(), rank_namespaces=namespace.rank_namespaces,
-                             target=("-m", "megatron_pipemesh.cli", "profile"))
+                             target=("-m", "megatron_pipemesh", "profile"))
         print(f"profile on the emulated network ({shaping.describe()}); log {log_path}", flush=True)
         code, wall, _, text = run_once(cmd, env, log_path, args.timeout, cwd=REPO, sample_memory=False)
     if code != 0:
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     for point in network.points:
         print(f"  {point.pattern:<15} {point.scope:<14} {point.nbytes:>9} bytes  median {point.median_s * 1e3:9.3f} ms"
               f"  {point.gbps:.4f} Gbit/s ({point.gbps / shaped:.3f} of shaped)")
-    plan = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "plan", "--nodes", "2", "--gpus-per-node",
+    plan = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "plan", "--nodes", "2", "--gpus-per-node",
                            "1", "--device-memory-gb", "1", "--quiet", "--json", "--megatron-args", TINY,
                            "--profile", output], capture_output=True, text=True, cwd=REPO, env=env)
     if plan.returncode != 0:

@@ -80,7 +80,7 @@ def main() -> int:
     for index in (1, 2):
         path = os.path.join(args.out, f"profile{index}.json")
         began = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args",
+        done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args",
                                args.megatron_args, "--ranks-per-node", str(args.ranks_per_node), "--output", path,
                                "--quiet", *args.extra.split()],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -74,7 +74,7 @@ GPT_13B_ADVICE = ("plan --nodes 16 --gpus-per-node 1 --nic-gbps 6.25 --gpu A10G 
 
 # tests/cli/test_megatron_args.py's tiny GPT and cluster, at a given device rate: without --gpu / --device-tflops the costs
 # are this machine's measured CPU matmul rate, which no fixture can pin.
-TINY_ADVICE = ("plan --nodes 1 --gpus-per-node 4 --device-memory-gb 1 --nic-gbps 0.25 --device-tflops 0.05 --quiet "
+TINY_ADVICE = ("plan --nodes 1 --gpus-per-node 4 --device-memory-gib 1 --nic-gbps 0.25 --device-tflops 0.05 --quiet "
                "--json --megatron-args '--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 "
                "--min-lr 1e-4 --lr-decay-style cosine --eval-iters 0 --eval-interval 1000 --log-interval 1 "

@@ -1,13 +1,13 @@
 """The package's layers import only downwards.
 
-The product's layers, in the README's order (section "Architecture: one plan, layers that import downwards"), are
-schedule/ and planning/ (pure), runtime/ (torch), integration/ (Megatron) and training/ (the entry point); each
-imports only the layers before it. bench/ (measurements) and study/ (the paper-scale study) are wings built on them,
-with data/ (the demo corpus and its tokenizer), which no product layer imports and which do not import each other.
-The package's loose top-level modules are the command line (``cli*.py``, or a ``cli/`` package: it may import
-everything) and the flags (``config.py``, read by integration/ and training/, never by the pure layers or the
-runtime). Every module is parsed with ``ast``; its imports at any depth (module level and inside functions),
-relative ones resolved, are checked against the rules below.
+The layers, in the README's order (section "Architecture: one plan, layers that import downwards"), from the ground up:
+the flags' number types (``flag_types.py``), schedule/ and planning/ (pure), runtime/ (torch), the flags
+(``config.py``), integration/ (Megatron), the package's ``__init__`` (``install()``), cli/ (the subcommands),
+training/ (the entry point); each imports only the layers before it. bench/ (measurements), study/ (the paper-scale
+study) and data/ (the demo corpus and its tokenizer) are wings built on them, which no layer imports and which do not
+import each other (bench/ may prepare its data with data/). On top, the command's table (``command.py``) gathers the
+subcommands of cli/ and of the wings. Every module is parsed with ``ast``; its imports at any depth (module level and
+inside functions), relative ones resolved, are checked against the rules below.
 """
 from __future__ import annotations
 
@@ -17,24 +17,21 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 PACKAGE = "megatron_pipemesh"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
-PRODUCT = ("schedule", "planning", "runtime", "integration", "training")
-"""The product's layers, each above the next."""
-WINGS = ("bench", "study", "data")
-COMMAND_LINE, FLAGS, ROOT_MODULE = "cli", "config", ""
+FLAG_TYPES, FLAGS, ROOT_MODULE, COMMAND_LINE, TABLE = "flag_types", "config", "", "cli", "command"
 """The layers of the loose top-level modules (:func:`layer`); the package's ``__init__`` is its own ("")."""
+LAYERS = (FLAG_TYPES, "schedule", "planning", "runtime", FLAGS, "integration", ROOT_MODULE, COMMAND_LINE, "training")
+"""The layers from the ground up, each above the ones before it (the README's order)."""
+WINGS = ("bench", "study", "data")
+WING_USES = {"bench": ("data",)}
+"""The one wing another wing may import: bench/ prepares its data with data/."""
 
 FORBIDDEN: Dict[str, Tuple[str, ...]] = {
-    **{name: PRODUCT[i + 1:] + WINGS + (COMMAND_LINE, FLAGS, ROOT_MODULE)
-       for i, name in enumerate(PRODUCT[:3])},
-    "integration": ("training",) + WINGS + (COMMAND_LINE,),
-    "training": WINGS + (COMMAND_LINE,),
-    FLAGS: ("runtime", "integration", "training") + WINGS,
-    "bench": ("study",),
-    "study": ("bench", "data"),
+    **{name: LAYERS[i + 1:] + WINGS + (TABLE,) for i, name in enumerate(LAYERS)},
+    **{wing: tuple(w for w in WINGS if w != wing and w not in WING_USES.get(wing, ())) + (TABLE,) for wing in WINGS},
+    TABLE: (),
 }
-"""Layer -> the layers its modules must not import: a product layer none below it, no wing and not the command
-line; the pure layers and the runtime not the flags nor the package root (whose ``__init__`` imports integration/);
-the flags only the pure layers; the wings not each other (bench/ prepares its data with data/)."""
+"""Layer -> the layers its modules must not import: a layer none above it in :data:`LAYERS`, nor a wing, nor the
+command's table; a wing neither another wing (but :data:`WING_USES`) nor the table."""
 
 
 def module_name(path: Path) -> str:
@@ -69,14 +66,10 @@ def imports(path: Path) -> Iterator[str]:
 
 
 def layer(module: str) -> str:
-    """The top-level subpackage of a module of the package; for its loose top-level modules, :data:`COMMAND_LINE`
-    (``cli``, ``cli_*``) or :data:`FLAGS` (``config``); '' for the package itself."""
+    """The top-level subpackage or loose module of a module of the package (``cli``, ``config``, ``command``,
+    ...); '' for the package itself."""
     parts = module.split(".")
-    if len(parts) == 1:
-        return ROOT_MODULE
-    if parts[1] == "cli" or parts[1].startswith("cli_"):
-        return COMMAND_LINE
-    return parts[1]
+    return ROOT_MODULE if len(parts) == 1 else parts[1]
 
 
 def violations() -> Set[Tuple[str, str]]:
@@ -94,20 +87,19 @@ def test_import_resolution():
     """Relative imports at any depth resolve to the package's modules (the walker sees what Python sees)."""
     executor = set(imports(ROOT / "runtime" / "executor.py"))
     assert "megatron_pipemesh.runtime.memory" in executor and "megatron_pipemesh.schedule.ops" in executor
-    # The pipemesh command, a module or a package of subcommands: function-level imports of the subcommands.
-    files = [ROOT / "cli.py"] if (ROOT / "cli.py").is_file() else sorted((ROOT / "cli").rglob("*.py"))
-    cli = set().union(*(imports(path) for path in files))
-    assert {"megatron_pipemesh.bench.cli", "megatron_pipemesh.study.study", "megatron_pipemesh.study.headroom"} <= cli
-    assert layer("megatron_pipemesh.cli") == layer("megatron_pipemesh.cli.plan") == layer("megatron_pipemesh.cli_advice")
-    assert layer("megatron_pipemesh.cli") == COMMAND_LINE and layer("megatron_pipemesh.config") == FLAGS
+    # The command's table: function-level imports of the wings' subcommands.
+    table = set(imports(ROOT / "command.py"))
+    assert {"megatron_pipemesh.bench.cli", "megatron_pipemesh.study.study", "megatron_pipemesh.study.headroom"} <= table
+    assert layer("megatron_pipemesh.cli") == layer("megatron_pipemesh.cli.plan") == COMMAND_LINE
+    assert layer("megatron_pipemesh.config") == FLAGS and layer("megatron_pipemesh.command") == TABLE
     assert layer("megatron_pipemesh.study") == layer("megatron_pipemesh.study.rows") == "study"
     assert layer("megatron_pipemesh") == ROOT_MODULE
 
 
 def test_layers_import_only_downwards():
-    """Each product layer imports only the layers before it (schedule/ neither planning/ nor runtime/, planning/ not
-    runtime/, ...), none imports a wing or the command line, and the wings do not import each other
-    (:data:`FORBIDDEN`)."""
+    """Each layer imports only the layers before it in :data:`LAYERS` (schedule/ neither planning/ nor runtime/, the
+    flags not cli/, cli/ not training/, ...), none imports a wing or the command's table, and the wings do not import
+    each other (:data:`FORBIDDEN`)."""
     found = sorted(violations())
     assert not found, "layer violations (importer -> imported):\n" + "\n".join(f"{a} -> {b}" for a, b in found)
 
@@ -163,20 +155,26 @@ def test_the_cycle_finder_finds_cycles(tmp_path, monkeypatch):
 
 
 def test_the_rules_find_an_upward_import(tmp_path, monkeypatch):
-    """Planted upward imports (schedule -> planning, planning -> runtime, runtime -> the flags) are reported, and a
-    downward one is not (so an empty answer means something)."""
+    """Planted upward imports (schedule -> planning, planning -> runtime, runtime -> the flags, the flags -> cli/, cli/
+    -> bench/) are reported, and downward ones (planning -> schedule, bench/ -> cli/) are not (so an empty answer
+    means something)."""
     package = tmp_path / PACKAGE
-    for sub in ("", "schedule", "planning", "runtime"):
+    for sub in ("", "schedule", "planning", "runtime", "cli", "bench"):
         (package / sub).mkdir(exist_ok=True)
         (package / sub / "__init__.py").write_text("")
-    (package / "config.py").write_text("")
+    (package / "config.py").write_text("from .cli.common import positive_int\n")
+    (package / "cli" / "common.py").write_text("")
+    (package / "cli" / "parser.py").write_text("def f():\n    from ..bench.cli import add_bench_parser\n")
+    (package / "bench" / "cli.py").write_text("from ..cli.common import positive_int\n")
     (package / "schedule" / "order.py").write_text("def f():\n    from ..planning.costs import price\n")
     (package / "planning" / "costs.py").write_text("from ..runtime.executor import run\nfrom ..schedule import order\n")
     (package / "runtime" / "executor.py").write_text("from megatron_pipemesh.config import X\n")
     monkeypatch.setitem(globals(), "ROOT", package)
     assert violations() == {(f"{PACKAGE}.schedule.order", f"{PACKAGE}.planning.costs"),
                             (f"{PACKAGE}.planning.costs", f"{PACKAGE}.runtime.executor"),
-                            (f"{PACKAGE}.runtime.executor", f"{PACKAGE}.config")}
+                            (f"{PACKAGE}.runtime.executor", f"{PACKAGE}.config"),
+                            (f"{PACKAGE}.config", f"{PACKAGE}.cli.common"),
+                            (f"{PACKAGE}.cli.parser", f"{PACKAGE}.bench.cli")}
 
 
 def test_planning_holds_no_study_code():

@@ -61,7 +61,7 @@ def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
     """The ``pipemesh plan --megatron-args`` flags of the emulated cluster (the command itself goes separately)."""
     argv = ["--nodes", str(settings.nproc), "--gpus-per-node", "1", "--nic-gbps", f"{settings.nic_gbps:.6g}",
             "--device-tflops", f"{settings.device_tflops:.6g}", "--mfu", f"{settings.mfu:.6g}",
-            "--device-memory-gb", f"{settings.device_memory_gb:.6g}", "--gpudirect-rdma", "--quiet"]
+            "--device-memory-gib", f"{settings.device_memory_gb:.6g}", "--gpudirect-rdma", "--quiet"]
     if settings.profile is not None:
         argv += ["--profile", settings.profile]
     return argv

@@ -1,6 +1,6 @@
 """The ``pipemesh bench`` subcommand: stock Megatron schedules vs PipeMesh, measured side by side.
 
-Hook (in ``megatron_pipemesh/cli/parser.py``'s ``build_parser``)::
+Hook (in ``megatron_pipemesh/command.py``'s ``build_parser``)::
 
     from .bench.cli import add_bench_parser
     add_bench_parser(sub)

@@ -1,4 +1,4 @@
-"""The ``pipemesh`` command: schedule work that needs no GPU.
+"""The ``pipemesh`` subcommands that need no GPU:
 
     pipemesh show --pp 4 --vpp 2 --microbatches 12 --forward-groups 8 4 --backward-groups 6 6 [--json] [--lowered]
     pipemesh simulate --pp 4 --vpp 2 --microbatches 12 --forward-groups 8 4 --backward-groups 6 6 \
@@ -6,22 +6,13 @@
     pipemesh plan --pp 4 --vpp 2 -m 12 [model/cluster flags] [--output PLAN.json]
     pipemesh plan --megatron-args "<your pretrain_gpt.py flags>" --nodes N --gpus-per-node G --nic-gbps R --gpu MODEL
 
-One module per subcommand (:mod:`.show`, :mod:`.simulate`, :mod:`.plan`, :mod:`.megatron_args`), the flags they share
-(:mod:`.arguments`), the parser (:mod:`.parser`) and what the bench's command shares with them (:mod:`.common`).
-Invalid input exits with code 2 and a one-paragraph message.
+One module per subcommand (:mod:`.show`, :mod:`.simulate`, :mod:`.plan`, :mod:`.megatron_args`, :mod:`.profile`), the
+flags they share (:mod:`.arguments`), their place on the parser (:mod:`.parser`) and what the bench's command shares
+with them (:mod:`.common`). The command's table is :mod:`..command`. Invalid input exits with code 2 and a
+one-paragraph message.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 from .common import UsageError
 
-__all__ = ["UsageError", "main"]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The ``pipemesh`` console entry point (the parser is imported here, so that :mod:`..config` may use
-    :mod:`.common`'s argument types without importing the subcommands)."""
-    from .parser import main as run
-
-    return run(argv)
+__all__ = ["UsageError"]

@@ -1,47 +1,20 @@
-"""What the ``pipemesh`` command and its ``bench`` subcommand share: the usage error, argument checks and
-the error-to-exit-code rule.  A leaf module, so the subcommands and ``bench.cli`` need not import each other."""
+"""What the ``pipemesh`` subcommands and the bench's share: the usage error, the number check that raises it (its
+rules and argparse types are :mod:`..flag_types`, handed on here), the JSON output and the error-to-exit-code
+rule."""
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Optional
 
+from ..flag_types import nonnegative_number, number_rule, parse_number, positive_int, positive_number  # noqa: F401
 from ..schedule.config import ScheduleConfigError
 from ..schedule.timeline import ScheduleError
 
 
 class UsageError(Exception):
     """Bad command-line input; printed as one paragraph, exit code 2."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1, with a message naming what was given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
-    return value
-
-
-def parse_number(text: str) -> Optional[float]:
-    """The number ``text`` spells, or None."""
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def number_rule(value: float, positive: bool = False, at_most: Optional[float] = None) -> Optional[str]:
-    """The rule ``value`` breaks ('a positive number', 'a number >= 0', '... and at most X'), or None when it is
-    finite and >= 0 (> 0 if ``positive``, <= ``at_most``): the one check behind every number flag."""
-    if math.isfinite(value) and value >= 0 and not (positive and value == 0) and (at_most is None or value <= at_most):
-        return None
-    rule = "a positive number" if positive else "a number >= 0"
-    return rule + (f" and at most {at_most:g}" if at_most is not None else "")
 
 
 def check_number(flag: str, value: Optional[float], example: str, positive: bool = False,
@@ -56,21 +29,18 @@ def check_number(flag: str, value: Optional[float], example: str, positive: bool
         raise UsageError(f"{flag} {value} is invalid: it must be {rule}. Example: {flag} {example}")
 
 
-def _number_type(positive: bool):
-    def number(text: str) -> float:
-        value = parse_number(text)
-        if value is None:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-        if number_rule(value, positive):
-            raise argparse.ArgumentTypeError(f"expected {number_rule(value, positive)}, got {text!r}")
-        return value
-    return number
+def old_spelling(new: str):
+    """An argparse action for the old spelling of ``new`` (``parser.add_argument(NEW, OLD, action=old_spelling(NEW))``):
+    it stores the value as ``new`` does and says once on stderr that ``new`` is the spelling to use."""
 
+    class OldSpelling(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if option_string != new:
+                print(f"{parser.prog}: {option_string} is deprecated: it is spelled {new} now (same value and "
+                      "unit)", file=sys.stderr)
+            setattr(namespace, self.dest, values)
 
-positive_number = _number_type(positive=True)
-"""argparse type: a finite number > 0, with a message naming what was given."""
-nonnegative_number = _number_type(positive=False)
-"""argparse type: a finite number >= 0."""
+    return OldSpelling
 
 
 def require_matplotlib(flag: str) -> None:

@@ -24,7 +24,7 @@ from ..planning.costs import GB
 from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
 from ..planning.devices import Device, DeviceRate, rate_for
 from ..planning.profile import LinkRate
-from .common import UsageError, nonnegative_number, positive_int, positive_number
+from .common import UsageError, nonnegative_number, old_spelling, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
 INTERRUPTED_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
@@ -41,8 +41,10 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                              "before them are allowed: 'torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers ...'); "
                              "or give them after --")
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--nodes", type=positive_int, required=True, help="nodes")
-    cluster.add_argument("--gpus-per-node", type=positive_int, required=True, help="GPUs per node (behind one NIC)")
+    cluster.add_argument("--nodes", "--nnodes", dest="nodes", type=positive_int, required=True,
+                         help="nodes (torchrun's --nnodes is the same flag)")
+    cluster.add_argument("--gpus-per-node", "--nproc-per-node", dest="gpus_per_node", type=positive_int, required=True,
+                         help="GPUs per node, behind one NIC (torchrun's --nproc-per-node is the same flag)")
     cluster.add_argument("--nic-gbps", type=positive_number, default=None,
                          help="one node's network interface, Gbit/s per direction (shared by all its GPUs); required "
                               "unless --profile measured it (pipemesh profile on two or more nodes); given, it wins")
@@ -53,8 +55,10 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                          help="GPU model and form factor (peak TFLOP/s, FP8, memory and the link between a server's "
                               "GPUs from the known table, e.g. A10G, L4, L40S, 'A100 SXM 40GB', 'H100 SXM', "
                               "'H100 PCIe'; a family name alone is its SXM board, said in the output)")
-    cluster.add_argument("--device-memory-gb", type=positive_number, default=None,
-                         help="memory of one GPU, GiB (default: --gpu's); one of the two is required")
+    cluster.add_argument("--device-memory-gib", "--device-memory-gb", dest="device_memory_gb", type=positive_number,
+                         default=None, action=old_spelling("--device-memory-gib"),
+                         help="memory of one GPU, GiB (default: --gpu's); one of the two is required "
+                              "(--device-memory-gb: the old spelling)")
     cluster.add_argument("--device-tflops", type=positive_number, default=None,
                          help="dense 16-bit peak TFLOP/s of one GPU (default: --gpu's; without either, this machine's "
                               "measured matmul rate, said in the output)")
@@ -95,7 +99,9 @@ def build_advice_parser() -> argparse.ArgumentParser:
     """The parser of ``pipemesh plan --megatron-args`` (its own: none of plan's model flags apply here)."""
     parser = argparse.ArgumentParser(prog="pipemesh plan", description=(
         "From your pretrain_gpt.py command and your cluster: the best stock flags and PipeMesh for your layout, and "
-        "the best parallel layout for the same GPUs, with the predicted iteration time and peak memory per rank."))
+        "the best parallel layout for the same GPUs, with the predicted iteration time and peak memory per rank. "
+        "The other mode, one pipeline's groups from model and cost flags: pipemesh plan --pp P --microbatches M "
+        "(its flags: pipemesh plan --help)."))
     add_advice_arguments(parser)
     return parser
 
@@ -127,12 +133,12 @@ def _device(args) -> Tuple[float, DeviceRate, Optional[Device]]:
         except DeviceError as error:
             raise UsageError(str(error)) from error
         if device is None:
-            raise UsageError(f"--gpu {args.gpu}: not a known GPU model ({known_names()}). Give --device-memory-gb and "
-                             "--device-tflops instead, e.g. --device-memory-gb 24 --device-tflops 125")
+            raise UsageError(f"--gpu {args.gpu}: not a known GPU model ({known_names()}). Give --device-memory-gib and "
+                             "--device-tflops instead, e.g. --device-memory-gib 24 --device-tflops 125")
     memory = args.device_memory_gb or (device.memory_gb if device else None)
     if memory is None:
-        raise UsageError("--device-memory-gb (the memory of one GPU, GiB) or --gpu MODEL is required. "
-                         "Example: --device-memory-gb 24, or --gpu A10G")
+        raise UsageError("--device-memory-gib (the memory of one GPU, GiB) or --gpu MODEL is required. "
+                         "Example: --device-memory-gib 24, or --gpu A10G")
     if args.mfu is not None and args.mfu > 1:
         raise UsageError(f"--mfu {args.mfu:g} is invalid: it is a fraction of the peak, at most 1. Example: --mfu {MFU:g}")
     from ..runtime.cpu_rate import measured_cpu_tflops
@@ -327,7 +333,7 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
     out.append({"what": "vocabulary", "value": f"{padded} rows at TP {problem.layout.tp} ({vocab.size} tokens, padded "
                 "as Megatron pads)",
                 "source": vocab.source})
-    memory = "--device-memory-gb" if args.device_memory_gb else f"the device table ({device.name})" if device else "?"
+    memory = "--device-memory-gib" if args.device_memory_gb else f"the device table ({device.name})" if device else "?"
     out.append({"what": "device memory", "value": f"{cluster.device_memory_gb:g} GiB per GPU, plans within "
                 f"{cluster.budget_bytes / GB:.2f} GiB (10% kept free)", "source": memory})
     return out

@@ -1,22 +1,30 @@
-"""The ``pipemesh`` command's parser: one subcommand per module of this package (and the bench, study and headroom
-wings, which add their own)."""
+"""The subcommands of this package on the ``pipemesh`` command's parser (one per module), and the two that read
+their own words (``plan --megatron-args`` and ``profile``). The command's table, which adds the wings' subcommands
+too, is :mod:`..command`."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
 from ..config import add_cli_arguments
 from .arguments import add_cost_args, add_schedule_args
-from .common import positive_int, run_command
+from .common import UsageError, positive_int, run_command
 from .plan import cmd_plan
 from .show import cmd_show
 from .simulate import cmd_simulate
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipemesh", description="PipeMesh elastic pipeline schedules for Megatron-LM (no GPU needed).")
-    sub = parser.add_subparsers(dest="command", required=True)
+PLAN_MODES = """the other mode, your own command (its flags: pipemesh plan --megatron-args '' --help):
+  pipemesh plan --megatron-args "<your pretrain_gpt.py flags>" --nodes N --gpus-per-node G --gpu MODEL
+                [--nic-gbps R] [--profile FILE] [--json]
+  --megatron-args "FLAGS"   your pretrain_gpt.py command's flags (or after --)
+  --nodes N, --gpus-per-node G (torchrun's --nnodes, --nproc-per-node)   the cluster
+  --gpu MODEL               the GPU (A10G, L4, 'H100 SXM', ...): its rate and memory"""
+"""How ``pipemesh plan --help`` (the --pp mode) names the --megatron-args mode."""
+
+
+def add_subcommands(sub) -> None:
+    """``show``, ``simulate``, ``plan`` and ``profile`` on the subparsers ``sub``."""
     show = sub.add_parser("show", help="print each rank's op order")
     add_schedule_args(show)
     show.add_argument("--json", action="store_true", help='one JSON object: {"ranks": [["F0.0", ...], ...], ...}')
@@ -37,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the given schedule")
     sim.add_argument("--plot", metavar="FILE.png", help="draw the three timelines")
     sim.set_defaults(func=cmd_simulate)
-    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget")
+    plan = sub.add_parser("plan", help="choose groups and recomputation that fit a memory budget, or (with "
+                          "--megatron-args) what to run on your cluster", epilog=PLAN_MODES,
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="Two modes. This one (--pp, --microbatches): the fastest groups and "
+                          "recomputation of one pipeline, from the model and cost flags below.")
     add_schedule_args(plan, groups=False)
     add_cost_args(plan)
     add_cli_arguments(plan.add_argument_group("budget"), ("memory_budget_gb", "activation_placement", "host_memory_gb"))
@@ -51,24 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by its own parser (cli/profile.py), as plan --megatron-args is: listed here for `pipemesh --help`.
     sub.add_parser("profile", add_help=False, help="measure a layer, the embedding, the output layer, the optimizer "
                    "and activation bytes of your command on this machine (pipemesh profile --help)")
-    from ..bench.cli import add_bench_parser
-    add_bench_parser(sub)
-    from ..study.study import add_study_parser
-    add_study_parser(sub)
-    from ..study.headroom import add_headroom_parser
-    add_headroom_parser(sub)
-    return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def own_words(argv: Sequence[str]) -> Optional[int]:
+    """Run ``plan --megatron-args ...`` or ``profile ...``, which parse their own words, and return the exit status;
+    None for any other command."""
     if argv[:1] == ["plan"]:
         from .megatron_args import cmd_advice, wants_advice
         if wants_advice(argv[1:]):  # the user's own command: its own parser (none of plan's model flags apply)
             return run_command(argparse.Namespace(command="plan", func=lambda _: cmd_advice(argv[1:])))
+        if not {"--pp", "-h", "--help"} & {word.split("=")[0] for word in argv[1:]}:
+            return run_command(argparse.Namespace(command="plan", func=_neither_mode))
     if argv[:1] == ["profile"]:
         from .profile import cmd_profile
         return run_command(argparse.Namespace(command="profile", func=lambda _: cmd_profile(argv[1:])))
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return run_command(args)
+    return None
+
+
+def _neither_mode(_) -> int:
+    raise UsageError("give your command or a pipeline: --megatron-args \"<your pretrain_gpt.py flags>\" --nodes N "
+                     "--gpus-per-node G --gpu MODEL (what to run on your cluster; pipemesh plan --megatron-args '' "
+                     "--help), or --pp P --microbatches M [--vpp V] (the groups of one pipeline; pipemesh plan --help)")

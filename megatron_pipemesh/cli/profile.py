@@ -3,7 +3,7 @@
     pipemesh profile --megatron-args "<your pretrain_gpt.py flags>" [--output profile.json] [--repeats 3]
     pipemesh profile --output profile.json -- --num-layers 24 ...
     pipemesh profile --show profile.json
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_pipemesh.cli profile --megatron-args "..."   # + the links
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatron_pipemesh profile --megatron-args "..."   # + the links
 
 The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.profile`; ``pipemesh plan
 --megatron-args ... --profile profile.json`` prices the layouts with it.
@@ -11,6 +11,8 @@ The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from typing import List, Sequence
@@ -22,6 +24,8 @@ from .common import UsageError, positive_int, positive_number
 from .megatron_args import MEGATRON_ARGS, _megatron_words, split_argv
 
 DEFAULT_OUTPUT = "profile.json"
+STEP_HEADER = "step F+B ms " + "/".join(STAGE_KINDS) + " stage"
+"""The header of the schedule step's column: its cells follow :data:`STAGE_KINDS`, each stage kind named."""
 
 
 def build_profile_parser() -> argparse.ArgumentParser:
@@ -77,7 +81,7 @@ def table(profile: Profile, name: str = "") -> str:
         levels = sorted({level for point in profile.compute for level in point.recompute_extra_s})
         header = (f"{'TP':>3} {'mbs':>4} {'layer F ms':>10} {'layer B ms':>10} {'keeps MiB':>9} "
                   + "".join(f" {'+' + level:>{max(10, len(level) + 1)}}" for level in levels)
-                  + f" {'emb F+B ms':>11} {'out F+B ms':>11} {'batch ms':>8} {'step F+B ms o/f/m/l':>23}")
+                  + f" {'emb F+B ms':>11} {'out F+B ms':>11} {'batch ms':>8} {STEP_HEADER:>{len(STEP_HEADER)}}")
         lines += ["", header, "-" * len(header)]
         for point in profile.compute:
             lines.append(
@@ -88,7 +92,7 @@ def table(profile: Profile, name: str = "") -> str:
                 + f" {(point.embedding_forward_s + point.embedding_backward_s) * 1e3:>11.3f}"
                 + f" {(point.output_forward_s + point.output_backward_s) * 1e3:>11.3f}"
                 + (f" {point.batch_s * 1e3:>8.3f}" if point.batch_s is not None else f" {'-':>8}")
-                + f" {_step_cell(point):>23}")
+                + f" {_step_cell(point):>{len(STEP_HEADER)}}")
         lines.append("(+level: the extra backward ms of that recomputation per layer; keeps: bytes one layer keeps "
                      "for its backward; batch: the data loader per micro-batch, first and last stage; step: Megatron's "
                      "schedule step beyond those, per chunk-micro-batch on the only/first/middle/last stage)")
@@ -167,6 +171,22 @@ def _progress(quiet: bool):
     return say
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Whatever is written to stdout meanwhile (Megatron's and its libraries' warnings, by Python or by C) goes to
+    stderr: the file descriptor itself is pointed there, and back after."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_profile(argv: Sequence[str]) -> int:
     """``pipemesh profile ...`` from its words (after ``profile``)."""
     own, tail = split_argv(argv)
@@ -198,11 +218,12 @@ def cmd_profile(argv: Sequence[str]) -> int:
 
     bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
     try:
-        profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
-                                                         max_seconds=args.max_seconds,
-                                                         max_micro_batch=args.max_micro_batch_size,
-                                                         bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
-                                   progress=say)
+        with _stdout_to_stderr():  # Megatron's warnings: stdout carries the table alone
+            profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
+                                                             max_seconds=args.max_seconds,
+                                                             max_micro_batch=args.max_micro_batch_size,
+                                                             bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
+                                      progress=say)
     except CommandError as error:
         raise UsageError(str(error)) from error
     if profile is None:  # a rank other than 0 of a multi-rank launch: rank 0 writes the file

@@ -75,7 +75,7 @@ def launched(env: Mapping[str, str] = os.environ) -> Optional[Launch]:
     if world is None and env.get("SLURM_PROCID") is not None and tasks.isdigit() and int(tasks) > 1:
         # srun started every task itself: without torchrun they would not meet, and each would write the file
         raise LaunchError(f"pipemesh profile runs as one of {tasks} Slurm tasks without torchrun: start one torchrun "
-                          "per node (srun --ntasks-per-node 1 torchrun ... -m megatron_pipemesh.cli profile ...; "
+                          "per node (srun --ntasks-per-node 1 torchrun ... -m megatron_pipemesh profile ...; "
                           "docs/launching.md, 'Profile first'), or one task (srun -n 1)")
     if world is None or world == 1:
         return None

@@ -34,7 +34,7 @@ def run_profile(out_dir: Path, deadline: float) -> dict:
     if left < 90:
         return {"error": f"only {left:.0f} s of the time budget left"}
     path = out_dir / "gpu_check_profile.json"
-    command = [sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL_GPT, "--output",
+    command = [sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL_GPT, "--output",
                str(path), "--repeats", "2", "--warmup", "1", "--quiet"]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     try:

@@ -15,7 +15,7 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
         "--eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 --seed 1234 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 257 --hidden-dropout 0 --attention-dropout 0 "
         "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
-CLUSTER = ["--nodes", "1", "--gpus-per-node", "4", "--device-memory-gb", "1", "--nic-gbps", "0.25"]
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "4", "--device-memory-gib", "1", "--nic-gbps", "0.25"]
 KEYS = {"flags", "predicted_iteration_s", "tokens_per_s", "peak_memory_gb", "fits", "ratio_to_user"}
 
 
@@ -97,7 +97,7 @@ def test_an_uneven_split_moves_the_per_stage_prediction():
 
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "1", "--gpus-per-node", "4", "--nic-gbps", "1", "--megatron-args", TINY],
-     "--device-memory-gb (the memory of one GPU, GiB) or --gpu MODEL is required"),
+     "--device-memory-gib (the memory of one GPU, GiB) or --gpu MODEL is required"),
     (["--nodes", "1", "--gpus-per-node", "4", "--nic-gbps", "1", "--gpu", "Z80", "--megatron-args", TINY],
      "--gpu Z80: not a known GPU model"),
     (CLUSTER + ["--megatron-args", TINY + " --fast-mode 3"], "Megatron does not know --fast-mode"),
@@ -170,7 +170,7 @@ def test_a_pp2_command_without_virtual_stages_still_gets_an_interleaved_pipemesh
     """Megatron's validate_args turns --overlap-p2p-communication off for a V = 1 command; the advice reads the user's
     own flags instead, so at PP = 2 PipeMesh (V >= 2) is searched unless the user forbids the overlap."""
     flat = TINY.replace(" --num-virtual-stages-per-pipeline-rank 2", "")
-    two = ["--nodes", "2", "--gpus-per-node", "1", "--device-memory-gb", "1", "--nic-gbps", "0.25",
+    two = ["--nodes", "2", "--gpus-per-node", "1", "--device-memory-gib", "1", "--nic-gbps", "0.25",
            "--device-tflops", "0.05"]
     rows = advice_json(flat, two)["rows"]
     assert rows["best_layout"] is not None and rows["best_layout"]["vpp"] >= 2

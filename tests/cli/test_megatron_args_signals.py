@@ -32,7 +32,7 @@ def _gone(pid: int) -> bool:
 def _interrupt(number: int, group: bool):
     """Start the search, wait until the layout search runs on its workers, send ``number`` (to the process group with
     ``group``); (exit status, stdout, stderr, the workers seen)."""
-    argv = [sys.executable, "-m", "megatron_pipemesh.cli", "plan", *CLUSTER, "--jobs", "2", "--search-seconds", "0",
+    argv = [sys.executable, "-m", "megatron_pipemesh", "plan", *CLUSTER, "--jobs", "2", "--search-seconds", "0",
             "--megatron-args", GPT_70B]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     err = []

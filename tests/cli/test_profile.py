@@ -13,7 +13,7 @@ from tests.cli.test_commands import run
 SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
          "--tokenizer-type NullTokenizer --vocab-size 257 --pipeline-model-parallel-size 2")
-CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "0.1", "--quiet"]
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--nic-gbps", "0.1", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,9 @@ def measured(tmp_path_factory):
     """pipemesh profile of SMALL in its own process (it starts a process group and Megatron's parallel state)."""
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL,
-                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-seconds", "0", "--max-micro-batch-size", "4",
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL,
+                           "--output", str(path), "--repeats", "1", "--warmup", "1", "--max-seconds", "0",
+                           "--max-micro-batch-size", "4",
                            "--ranks-per-node", "2"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,8 +62,33 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0, err
     assert "hidden 64" in out and "optimizer step" in out and "batch ms" in out and out in done.stdout
-    assert "step F+B ms o/f/m/l" in out
+    assert "step F+B ms only/first/middle/last stage" in out
+    # stdout carries the table alone: Megatron's warnings go to stderr
+    assert not [line for line in done.stdout.splitlines() if "WARNING" in line]
     assert profile.network is None and "network: not measured (one process)" in out
+
+
+def test_a_closed_pipe_ends_the_command_quietly(measured):
+    """`pipemesh profile --show F | head -1` and `pipemesh plan ... | head -1`: the reader closes the pipe after one
+    line; the command exits 0 with nothing on stderr (no BrokenPipeError traceback)."""
+    path, _ = measured
+    plan = ["plan", "--pp", "4", "--vpp", "2", "-m", "8", "--forward-ms", "1", "--memory-budget-gb", "20"]
+    for words in (["profile", "--show", str(path)], plan):
+        # The reader is gone before the command writes its first line (it is still importing).
+        child = subprocess.Popen([sys.executable, "-m", "megatron_pipemesh", *words], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        child.stdout.close()
+        err = child.stderr.read()
+        assert child.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_version_is_the_packages():
+    """pipemesh --version prints the package's version (declared once, in megatron_pipemesh/__init__.py)."""
+    import megatron_pipemesh
+
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"pipemesh {megatron_pipemesh.__version__}")
 
 
 def test_plan_with_the_profile_says_what_was_measured_and_refuses_another_model(measured):
@@ -90,7 +116,7 @@ def test_a_data_path_that_cannot_be_read_here_leaves_the_loader_unmeasured_and_s
     not, and a note says why (the dataset builder's own message) and that plans price it at 0."""
     path = tmp_path / "profile.json"
     command = SMALL.replace("--mock-data", "--data-path /nonexistent/corpus_text_document")
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", command,
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", command,
                            "--output", str(path), "--repeats", "1", "--warmup", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -112,7 +138,7 @@ def test_a_moe_command_is_profiled_with_its_moe_and_dense_layers_and_planned_fro
     --moe-layer-freq [1,0] has one, a dense layer), and plan --profile prices that command with it; the same model
     without experts is refused in one line that names the MoE layers."""
     path = tmp_path / "profile.json"
-    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh.cli", "profile", "--megatron-args", MOE,
+    done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", MOE,
                            "--output", str(path), "--repeats", "1", "--warmup", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

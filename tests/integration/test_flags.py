@@ -96,7 +96,7 @@ def test_plan_file_round_trip(tmp_path):
     """A plan saved by `pipemesh plan --output` is loaded by --pipemesh-plan, and rejected for another p, V, m."""
     import json
 
-    from megatron_pipemesh.cli import main
+    from megatron_pipemesh.command import main
     path = tmp_path / "plan.json"
     assert main(["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "8", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128", "--dp", "1",
@@ -187,7 +187,7 @@ def test_sharding_levels_accepted():
 def test_plan_file_carries_the_sharding_levels(tmp_path):
     """`pipemesh plan --sharding ... --output` saves the levels; --pipemesh-plan applies them (with their rules)
     and refuses different --pipemesh-sharding levels."""
-    from megatron_pipemesh.cli import main
+    from megatron_pipemesh.command import main
     path = tmp_path / "plan.json"
     assert main(["plan", "--pp", "4", "--vpp", "2", "-m", "12", "--num-layers", "8", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128", "--dp", "2",

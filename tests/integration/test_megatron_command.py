@@ -40,7 +40,7 @@ def test_a_bare_assertion_of_megatron_is_named_by_its_condition():
     message = str(error.value)
     assert message.startswith("Megatron's validate_args rejects the command on 2 GPUs: arguments.py:"), message
     assert message.endswith(": assert args.hidden_size % args.num_attention_heads == 0"), message
-    code, _, err = run(["plan", "--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "1",
+    code, _, err = run(["plan", "--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--nic-gbps", "1",
                         "--megatron-args", command])
     assert code == 2 and "assert args.hidden_size % args.num_attention_heads == 0" in err, (code, err)
 

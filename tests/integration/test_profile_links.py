@@ -128,7 +128,7 @@ def test_four_ranks_on_two_nodes_time_every_pattern():
 def two_ranks(tmp_path_factory):
     """torchrun of pipemesh profile on two ranks of this machine (one node)."""
     path = tmp_path_factory.mktemp("links") / "profile.json"
-    done = h.run_torchrun(["-m", "megatron_pipemesh.cli", "profile", "--megatron-args", SMALL, "--output", str(path),
+    done = h.run_torchrun(["-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL, "--output", str(path),
                            "--repeats", "2", "--warmup", "1", "--bucket-mib", "1"], nproc=2, timeout=300,
                           env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, h.failure_excerpt(done.stdout)
@@ -152,7 +152,7 @@ def test_torchrun_profile_writes_the_links_and_plan_takes_the_measured_rate(two_
     assert output.count("wrote ") == 1  # rank 0 alone writes and prints
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0 and "intra-node link: " in out and "NIC: not measured (one node)" in out
-    cluster = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--quiet"]
+    cluster = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--quiet"]
     code, out, err = run(["plan"] + cluster + ["--megatron-args", SMALL, "--profile", str(path)])
     assert code == 2 and "--nic-gbps (one node's network interface, Gbit/s per direction) is required: the " \
                          f"profile {path} did not measure the NIC (it ran on one node" in err

@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_pipemesh.cli import main
+from megatron_pipemesh.command import main
 from megatron_pipemesh.planning.costs import GB, OpCosts
 from megatron_pipemesh.planning.planner import (NoFeasiblePlan, PlannerOptions, fit_with_placement, fit_with_recompute,
                                                  plan_schedule)

@@ -5,7 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_pipemesh.cli import main
+from megatron_pipemesh.command import main
 from megatron_pipemesh.planning.costs import GB, ClusterSpec, ModelSpec, OpCosts, analytic_costs
 from megatron_pipemesh.planning.planner import (NoFeasiblePlan, candidate_configs, compositions, fit_with_recompute,
                                                  plan_schedule)

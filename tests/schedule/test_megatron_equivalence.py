@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from megatron_pipemesh.cli import main as cli_main
+from megatron_pipemesh.command import main as cli_main
 from megatron_pipemesh.schedule import ScheduleConfig, compute_program
 
 

@@ -33,7 +33,7 @@ SYNCS = [dict(param_sync=False, grad_sync=False), dict(param_sync=False, grad_sy
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_plan_files_round_trip_byte_identically_with_their_digests(tmp_path, name):
     """`pipemesh plan --output` writes RunPlan.to_json; reading it back gives the same text and the same digests."""
-    from megatron_pipemesh.cli import main
+    from megatron_pipemesh.command import main
 
     flags, digests = EXAMPLES[name]
     path = tmp_path / "plan.json"

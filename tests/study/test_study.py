@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megatron_pipemesh import cli
+from megatron_pipemesh import command as cli
 from megatron_pipemesh.planning.bounds import virtual_sizes
 from megatron_pipemesh.planning.costs import ModelSpec
 from megatron_pipemesh.planning.memory import MEMORY_MARGIN

@@ -14,7 +14,7 @@ import megatron_harness as h  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 from tests.training.test_advice_rows import TINY  # noqa: E402  (the tiny GPT of the advice-row tests)
-CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gb", "1", "--nic-gbps", "0.25"]
+CLUSTER = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--nic-gbps", "0.25"]
 
 
 def _rows():

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megatron_harness as h  # noqa: E402
 
-from megatron_pipemesh.cli import main  # noqa: E402
+from megatron_pipemesh.command import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # tests/training/test_pretrain_gpt.py's TINY_GPT on mock data at PP=2, V=2, dropout 0, two iterations.
@@ -30,7 +30,7 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 def _advice() -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["plan", "--megatron-args", TINY, "--nodes", "1", "--gpus-per-node", "4", "--device-memory-gb", "1",
+        code = main(["plan", "--megatron-args", TINY, "--nodes", "1", "--gpus-per-node", "4", "--device-memory-gib", "1",
                      "--nic-gbps", "0.25", "--json"])
     assert code == 0
     return json.loads(out.getvalue())

@@ -85,7 +85,7 @@ def _host_plan_file(work) -> str:
 def test_plan_file_of_pipemesh_plan_round_trips_and_trains(base_args, uninterrupted):
     """`pipemesh plan --output` for this model under a tight budget writes a plan with recomputation that reads back
     byte-identically and trains with --pipemesh-plan on the stock schedule's losses."""
-    from megatron_pipemesh.cli import main
+    from megatron_pipemesh.command import main
     from megatron_pipemesh.schedule.plan import RunPlan
 
     work, args = base_args

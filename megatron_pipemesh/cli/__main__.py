@@ -1,6 +1,0 @@
-"""``python -m megatron_pipemesh.cli``."""
-import sys
-
-from . import main
-
-sys.exit(main())
