@@ -337,7 +337,8 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
                  "measured_parts_s": [m.to_dict() for m in measured] if measured else None,
                  "returncode": run["returncode"], "error": run["error"], "log": run["log"],
                  "same_run_as": run["same_run_as"], "cores": run.get("cores"), "fits": row["fits"],
-                 "kind": row.get("kind"), "error": row.get("error"), "interval_s": row.get("interval_s")}
+                 "kind": row.get("kind"), "predicted_error": row.get("error"),
+                 "interval_s": row.get("interval_s")}
         if measured_s is not None:
             attribution = attribute(row["predicted_iteration_s"], measured_s, predicted, measured)
             misses = part_misses(predicted, measured)

@@ -3,7 +3,7 @@
 Each row gets an interval around its predicted iteration time: its relative half-width combines (root of the sum of
 squares) the error the accuracy ledger measured for its kind of row (:data:`KINDS`: how far it departs from the
 user's command) with the spread of the profile's timings it was priced from. The advice changes the user's command
-only where the chosen row's interval lies wholly below the user's; among the rows whose intervals reach the fastest
+only where a row's interval lies wholly below the user's; among those rows, the ones whose intervals reach the fastest
 row's, it chooses the one that changes least (then the fastest). Otherwise it keeps the command and says by how much
 the best row was predicted faster and how large the error is.
 
@@ -130,15 +130,15 @@ def choose(rows: Sequence, errors: ErrorTable, spread: float = 0.0) -> Choice:
     fastest = min(fitting, key=lambda row: row.iteration_s)
     reach = intervals[fastest.name].high_s
     near = [row for row in fitting if intervals[row.name].low_s <= reach]
+    if user.fits:
+        if fastest is user:
+            return Choice("user", "your command is predicted the fastest", intervals)
+        near = [row for row in near if intervals[row.name].high_s < intervals["user"].low_s]  # clear the command's
+        if not near:
+            return Choice("user", _keep(fastest, user, intervals), intervals, kept=True)
     least = min(near, key=lambda row: (KINDS.index(intervals[row.name].kind), row.iteration_s))
     if not user.fits:
         return Choice(least.name, _why(least, fastest, intervals, "your command does not fit the memory"), intervals)
-    if least is user:
-        if fastest is user:
-            return Choice("user", "your command is predicted the fastest", intervals)
-        return Choice("user", _keep(fastest, user, intervals), intervals, kept=True)
-    if intervals[least.name].high_s >= intervals["user"].low_s:
-        return Choice("user", _keep(least, user, intervals), intervals, kept=True)
     gain = user.iteration_s / least.iteration_s - 1.0
     return Choice(least.name, _why(least, fastest, intervals, f"predicted {100 * gain:.0f}% faster than your command, "
                                    f"beyond the advice's error ({_band(intervals[least.name], intervals['user'])})"),

@@ -92,3 +92,12 @@ def test_the_ledgers_table_is_the_worst_error_per_kind_and_loads_back(tmp_path):
 def test_the_shipped_table_loads_and_names_its_source():
     table = load_errors(ERRORS_FILE)
     assert set(table.by_kind) <= set(KINDS) and table.source and all(0 <= e < 1 for e in table.by_kind.values())
+
+
+def test_a_row_that_clears_the_command_runs_though_a_row_that_changes_less_does_not_clear_it():
+    """The ledger's first command: the V row (1.560 s +-6%) reaches the command's 1.686 s -4%, the micro-batch row
+    (1.467 s +-7%, the fastest) does not: the micro-batch row runs (it measured 1.24x, the V row 1.10x)."""
+    errors = ErrorTable({"user": 0.04, "changed V": 0.06, "changed micro-batch size": 0.07})
+    rows = [row("user", 1.686), row("best_stock", 1.560, vpp=2), row("best_layout", 1.467, vpp=2, mbs=1)]
+    choice = choose(rows, errors)
+    assert choice.run == "best_layout" and not choice.kept
