@@ -129,7 +129,7 @@ def two_ranks(tmp_path_factory):
     """torchrun of pipemesh profile on two ranks of this machine (one node)."""
     path = tmp_path_factory.mktemp("links") / "profile.json"
     done = h.run_torchrun(["-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL, "--output", str(path),
-                           "--repeats", "2", "--warmup", "1", "--bucket-mib", "1"], nproc=2, timeout=300,
+                           "--repeats", "2", "--warmup", "1", "--max-seconds", "0", "--bucket-mib", "1"], nproc=2, timeout=300,
                           env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, h.failure_excerpt(done.stdout)
     return path, done.stdout
