@@ -2,11 +2,24 @@
 # The embedded default: set up .venv, tokenize the shipped corpus into Megatron's indexed format,
 # pretrain a tiny GPT on CPU (gloo, PP=2, VP=2, DP=NPROC/2) under the PipeMesh schedule, then run
 # the same job under the stock schedule and print a side-by-side summary (losses, iteration time,
-# measured peak activation memory per rank).
-# Extra arguments are passed to Megatron (e.g. --train-iters 100). With --pipeline-schedule in them
+# measured peak activation memory per rank); then ask the advice what to run here (pipemesh bench --advice: profile
+# the command, plan, run the advised row) and print its predicted and measured speed-up over the demo's command.
+# --network RATE (root: a shaped NIC per rank, tc's syntax, e.g. 100mbit) runs the advice on a slow network, where
+# PipeMesh has communication to hide; without it the ranks talk over plain loopback.
+# Other arguments are passed to Megatron (e.g. --train-iters 100). With --pipeline-schedule in them
 # the demo runs that one job only. NPROC (even: 2, 4, ...) and RUN_DIR may be set in the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+network=(--unshaped)
+megatron=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --network) [ $# -ge 2 ] || { echo "error: --network needs a rate, e.g. --network 100mbit" >&2; exit 2; }
+               network=(--rate "$2"); shift 2 ;;
+    *) megatron+=("$1"); shift ;;
+  esac
+done
+set -- ${megatron[@]+"${megatron[@]}"}
 bash scripts/setup_env.sh
 RUN_DIR=${RUN_DIR:-runs/demo}
 NPROC=${NPROC:-2}
@@ -67,5 +80,10 @@ $PY -m megatron_pipemesh show --picture --pp "$PP" --vpp 2 -m "$M" \
 $PY -m megatron_pipemesh simulate --pp "$PP" --vpp 2 -m "$M" --forward-groups "${fwd[@]}" --backward-groups "${bwd[@]}" \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size "$MBS" \
   --vocab-size 257 --dp "$DP" --trace "$RUN_DIR/trace.json" >/dev/null
+echo "== what should this command run here? pipemesh bench --advice ${network[*]} (log: $RUN_DIR/advice.log)"
+rm -rf "$RUN_DIR/advice"
+$PY -m megatron_pipemesh bench --advice --only-advised --megatron-args "${job[*]} $*" --nproc "$NPROC" "${network[@]}" \
+  --warmup 2 --iters 4 --out-dir "$RUN_DIR/advice" --json "$RUN_DIR/advice.json" >"$RUN_DIR/advice.log" 2>&1 ||
+  { tail -n 30 "$RUN_DIR/advice.log" >&2; exit 1; }
 $PY -m megatron_pipemesh.bench.demo_summary --pipemesh "$RUN_DIR/pipemesh.log" --stock "$RUN_DIR/stock.log" \
-  --picture "$RUN_DIR/schedule.txt" --trace "$RUN_DIR/trace.json"
+  --picture "$RUN_DIR/schedule.txt" --trace "$RUN_DIR/trace.json" --advice "$RUN_DIR/advice.json"

@@ -183,6 +183,9 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     log(f"pipemesh bench --advice: planning for {setup.settings.nproc} ranks (one single-GPU node each) at "
         f"{setup.settings.nic_gbps * 1e3:.1f} Mbit/s payload per NIC, compute from {costs}")
     advice, parts, advisor_flags = plan_advice(parsed, setup.settings)
+    if args.only_advised:
+        advice = {**advice, "rows": {name: row for name, row in advice["rows"].items()
+                                     if name in ("user", advice["run"])}}
     load_before = os.getloadavg()
     runs = run_rows(args, setup, advice, out_dir)
     if runs is None:

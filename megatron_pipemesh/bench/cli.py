@@ -95,6 +95,9 @@ def _add_mode_args(p) -> None:
     advice.add_argument("--profile", metavar="FILE", default=None,
                         help="with --advice: a 'pipemesh profile' file of the command the advisor prices with "
                              "(default: the command is profiled on this machine first, one thread as each rank runs)")
+    advice.add_argument("--only-advised", action="store_true",
+                        help="with --advice: run your command and the advised row only (the others are printed as "
+                             "planned, not run)")
     advice.add_argument("--no-profile", action="store_true",
                         help="with --advice: plan with analytic costs at --device-tflops x --mfu instead of a profile "
                              "(what pipemesh plan --megatron-args does without --profile)")
@@ -478,7 +481,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_advice(args, machine_description(), lambda rate: network_shaping(args, rate), DEFAULT_RATE)
     given = [flag for flag, value in (("--megatron-args", args.megatron_args), ("--nproc", args.nproc),
                                       ("--profile", args.profile),
-                                      ("--no-profile", args.no_profile or None)) if value is not None]
+                                      ("--no-profile", args.no_profile or None),
+                                      ("--only-advised", args.only_advised or None)) if value is not None]
     if given:
         raise UsageError(f"{' '.join(given)} needs --advice: they say which command and cluster --advice checks. "
                          f"Example: pipemesh bench --advice {' '.join(given)} ...")
