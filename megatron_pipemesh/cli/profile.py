@@ -11,8 +11,6 @@ The measuring is :mod:`..integration.profile`; the file format :mod:`..planning.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import time
 from typing import List, Sequence
@@ -171,22 +169,6 @@ def _progress(quiet: bool):
     return say
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """Whatever is written to stdout meanwhile (Megatron's and its libraries' warnings, by Python or by C) goes to
-    stderr: the file descriptor itself is pointed there, and back after."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def cmd_profile(argv: Sequence[str]) -> int:
     """``pipemesh profile ...`` from its words (after ``profile``)."""
     own, tail = split_argv(argv)
@@ -218,12 +200,11 @@ def cmd_profile(argv: Sequence[str]) -> int:
 
     bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2 ** 20)
     try:
-        with _stdout_to_stderr():  # Megatron's warnings: stdout carries the table alone
-            profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
-                                                             max_seconds=args.max_seconds,
-                                                             max_micro_batch=args.max_micro_batch_size,
-                                                             bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
-                                      progress=say)
+        profile = measure_profile(words, ProfileSettings(warmup=args.warmup, repeats=args.repeats,
+                                                         max_seconds=args.max_seconds,
+                                                         max_micro_batch=args.max_micro_batch_size,
+                                                         bucket_bytes=bucket, ranks_per_node=args.ranks_per_node),
+                                  progress=say)
     except CommandError as error:
         raise UsageError(str(error)) from error
     if profile is None:  # a rank other than 0 of a multi-rank launch: rank 0 writes the file

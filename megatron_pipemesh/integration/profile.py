@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import os
 import platform
+import sys
 import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -143,10 +144,33 @@ def command_args(words: Sequence[str], cuda: bool):
     return args, planned, run
 
 
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Whatever is written to stdout meanwhile (Megatron's and its libraries' warnings, by Python or by C) goes to
+    stderr: the file descriptor itself is pointed there, and back after."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def measure_profile(words: Sequence[str], settings: ProfileSettings = ProfileSettings(),
                     progress: Progress = lambda line: None) -> Optional[Profile]:
     """Measure the profile of the command ``words`` (its flags, as ``pipemesh plan --megatron-args`` takes them).
-    Launched on several ranks, every rank calls it and rank 0 gets the profile, the others None."""
+    Launched on several ranks, every rank calls it and rank 0 gets the profile, the others None. What Megatron
+    prints meanwhile goes to stderr: stdout stays the caller's (``pipemesh profile``'s table, ``bench``'s report)."""
+    with stdout_to_stderr():
+        return _measure(words, settings, progress)
+
+
+def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress) -> Optional[Profile]:
+    """:func:`measure_profile` with stdout already redirected."""
     from .bootstrap import prepare_megatron_import
     from .profile_links import (CPU_BUCKET_BYTES, join_job, launched, measure_network, megatron_bucket_bytes,
                                 message_sizes)
