@@ -264,28 +264,42 @@ def test_gloo_groups_run_one_worker_thread():
     assert out == {"threads": [1, 1], "before": 2, "sum": [1.0] * 4, "gloo": True, "named": True, "later": 3}
 
 
-FAULTS = textwrap.dedent("""
-    import resource, sys, torch
+HEAP = textwrap.dedent("""
+    import ctypes, sys
     from megatron_pipemesh.integration.cpu_compat import fixed_allocator_thresholds
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Mallinfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
     if sys.argv[1] == "fixed":
         assert fixed_allocator_thresholds()
-    def step():  # a training step's activations: a few MiB each, all freed at its end
-        kept = [torch.ones(3 * 2 ** 20) for _ in range(4)]
-        del kept
-    step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        step()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    size = 16 * 2 ** 20  # an activation of a few MiB, as a step allocates and frees them
+    before = libc.mallinfo2()
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    held = libc.mallinfo2()
+    libc.free(block)
+    after = libc.mallinfo2()
+    print(held.hblkhd - before.hblkhd, after.arena - before.arena)
 """)
 
 
 def test_fixed_allocator_thresholds_reuse_the_pages_a_step_freed():
-    """With glibc's dynamic thresholds each step's freed activations go back to the kernel and the next step faults
-    them in again; with the layer's fixed thresholds the heap keeps them: at most a fifth of the page faults."""
-    faults = {}
+    """A fresh process with glibc's dynamic thresholds maps a 16 MiB block on its own and unmaps it when freed (the
+    next step faults it in again); with the layer's fixed thresholds it comes from the heap, which keeps it once freed
+    for the next step (glibc's mallinfo2: bytes mapped apart, the heap's size after the free)."""
+    found = {}
     for mode in ("default", "fixed"):
-        done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-c", HEAP, mode], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
-        faults[mode] = int(done.stdout.split()[-1])
-    assert faults["fixed"] * 5 < faults["default"], faults
+        found[mode] = tuple(int(word) for word in done.stdout.split()[-2:])
+    size = 16 * 2 ** 20
+    mapped, kept = found["default"]
+    assert mapped >= size and kept < size // 2, found
+    mapped, kept = found["fixed"]
+    assert mapped == 0 and kept > size // 2, found  # the heap held a little free room before
