@@ -119,7 +119,7 @@ def test_rows_user_first_and_best_fits(full):
 
 def test_a_user_command_that_does_not_fit_is_a_row_that_does_not_fit():
     """Micro-batches of 8 sequences on 1 GiB: the user's row (no recomputation) exceeds the memory, and is never best."""
-    p = problem(model=dataclasses.replace(MODEL, micro_batch_size=8), global_batch=256,
+    p = problem(model=dataclasses.replace(MODEL, micro_batch_size=8), global_batch=64,
                 stock=StockSetting(4, 2, 16))
     cluster = dataclasses.replace(CLUSTER, device_memory_gb=1.5)
     advice = advise(p, cluster)
