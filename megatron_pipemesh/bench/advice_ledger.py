@@ -6,8 +6,9 @@ Per command: the advised row's measured speed over the user's command, every row
 (:func:`.advice_parts.judgement`), the rank correlation of predicted and measured row order (Spearman's, the rows
 measured once each), and whether the advised row was the fastest measured or within :data:`FASTEST_WITHIN` of it.
 Over all commands: the share of rows within 10% in total and in parts, the median rank correlation, the share of
-commands whose advice was the fastest, and the worst error per kind of row (:mod:`..planning.advice_error`), which
-``--write-errors`` stores as the advice's error table.
+commands whose advice was the fastest, and the worst error per kind of row, of its time and of its speed over the
+command measured beside it (:mod:`..planning.advice_error`), which ``--write-errors`` stores as the advice's error
+table.
 
 Pure: standard library only.
 """
@@ -19,7 +20,7 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from ..planning.advice_error import error_file, worst_errors
+from ..planning.advice_error import error_file, gain_errors, worst_errors
 
 FASTEST_WITHIN = 0.03
 """The advised row counts as the fastest measured when within this fraction of the fastest row's time."""
@@ -94,7 +95,14 @@ def ledger(documents: Dict[str, dict]) -> dict:
         "least_advised_ratio_to_user": min(ratios) if ratios else None,
         "errors_by_kind": worst_errors([(row["kind"], row["measured_over_predicted"]) for row in rows
                                         if row["kind"] and row["measured_over_predicted"]]),
+        "gain_errors_by_kind": gain_errors([(row["kind"], row["measured_over_predicted"], user)
+                                            for c in commands if (user := _user_ratio(c)) for row in c["rows"]
+                                            if row["kind"] and row["measured_over_predicted"]]),
     }
+
+
+def _user_ratio(command: dict) -> Optional[float]:
+    return next((r["measured_over_predicted"] for r in command["rows"] if r["name"] == "user"), None)
 
 
 def _fmt(value, spec: str) -> str:
@@ -119,7 +127,9 @@ def table(found: dict) -> str:
               f"{_fmt(found['median_rank_correlation'], '.2f')}; the advised row at least "
               f"{_fmt(found['least_advised_ratio_to_user'], '.2f')}x the user's command",
               "worst error per kind of row: " + ", ".join(f"{k} ±{100 * v:.0f}%"
-                                                          for k, v in found["errors_by_kind"].items())]
+                                                          for k, v in found["errors_by_kind"].items()),
+              "worst error of a row's speed over the command, per kind: "
+              + ", ".join(f"{k} ±{100 * v:.0f}%" for k, v in found["gain_errors_by_kind"].items())]
     return "\n".join(lines)
 
 
@@ -146,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(found, handle, indent=1)
     if args.write_errors:
         with open(args.write_errors, "w", encoding="utf-8") as handle:
-            handle.write(error_file(found["errors_by_kind"], args.source))
+            handle.write(error_file(found["errors_by_kind"], args.source, found["gain_errors_by_kind"]))
     return 0
 
 

@@ -1,15 +1,18 @@
 """How far a row's prediction may be from its measurement, and the row to run given that.
 
-Each row gets an interval around its predicted iteration time: its relative half-width combines (root of the sum of
-squares) the error the accuracy ledger measured for its kind of row (:data:`KINDS`: how far it departs from the
-user's command) with the spread of the profile's timings it was priced from. The advice changes the user's command
-only where a row's interval lies wholly below the user's; among those rows, the ones whose intervals reach the fastest
-row's, it chooses the one that changes least (then the fastest). Otherwise it keeps the command and says by how much
-the best row was predicted faster and how large the error is.
+Each row gets two errors, each combined (root of the sum of squares) with the spread of the profile's timings it was
+priced from: the error of its predicted time (the interval printed with it), and the error of its predicted speed
+over the user's command (the gain error), which decides. Both come from the accuracy ledger, per kind of row
+(:data:`KINDS`: how far it departs from the user's command). A gain is judged by the second: the rows and the command
+are priced from the same profile on the same machine, so much of their error is shared and cancels in their ratio;
+adding the two rows' time errors would count it twice (the ledger of 2026-12-05: time errors up to 18%, gain errors
+up to 12.5%). The advice changes the user's command only where a row's predicted time, raised by its gain error, stays
+below the command's, lowered by the profile's spread; among those rows, the ones whose lowered time reaches the
+fastest row's raised time, it chooses the one that changes least (then the fastest). Otherwise it keeps the command
+and says by how much the best row was predicted faster and how large the error is.
 
 The per-kind errors come from ``advice_error.json`` beside this module, which ``scripts/advice_accuracy.sh`` writes
-from its ledger (the largest total error of each kind's rows over its commands), with where and when they were
-measured.
+from its ledger (the largest error of each kind's rows over its commands), with where and when they were measured.
 
 Pure: standard library only.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 KINDS = ("user", "same layout", "changed V", "changed micro-batch size", "changed layout")
@@ -38,14 +41,30 @@ class ErrorTable:
     """Kind (:data:`KINDS`) -> the largest |measured / predicted - 1| of the ledger's rows of that kind."""
     source: str = ""
     """Where and when it was measured (the ledger's commands, machine and date)."""
+    gain_by_kind: Mapping[str, float] = field(default_factory=dict)
+    """Kind (other than ``user``) -> the largest |(row's measured / predicted) / (command's measured / predicted) - 1|
+    of the ledger's rows of that kind: the error of a predicted speed over the command."""
 
     def of(self, kind: str) -> float:
         """The error of ``kind``; a kind the ledger had no row of takes the largest of the kinds that change more or
         as much (its error is not smaller than theirs would be)."""
-        if kind in self.by_kind:
-            return self.by_kind[kind]
-        later = [self.by_kind[k] for k in KINDS[KINDS.index(kind):] if k in self.by_kind]
-        return max(later or list(self.by_kind.values()) or [0.0])
+        return _largest_from(self.by_kind, kind)
+
+    def gain_of(self, kind: str) -> float:
+        """The error of the predicted speed of a row of ``kind`` over the command: 0 for the command itself; without a
+        measured gain error, the bound the two time errors give (the row's plus the command's)."""
+        if kind == "user":
+            return 0.0
+        if self.gain_by_kind:
+            return _largest_from(self.gain_by_kind, kind)
+        return self.of(kind) + self.of("user")
+
+
+def _largest_from(by_kind: Mapping[str, float], kind: str) -> float:
+    if kind in by_kind:
+        return by_kind[kind]
+    later = [by_kind[k] for k in KINDS[KINDS.index(kind):] if k in by_kind]
+    return max(later or list(by_kind.values()) or [0.0])
 
 
 def load_errors(path: str = ERRORS_FILE) -> ErrorTable:
@@ -54,13 +73,14 @@ def load_errors(path: str = ERRORS_FILE) -> ErrorTable:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
         by_kind = {str(k): float(v) for k, v in data["by_kind"].items()}
+        gain_by_kind = {str(k): float(v) for k, v in data.get("gain_by_kind", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: the advice's measured errors cannot be read ({error}); "
                          "scripts/advice_accuracy.sh --write-errors writes it") from error
-    unknown = sorted(set(by_kind) - set(KINDS))
+    unknown = sorted((set(by_kind) | set(gain_by_kind)) - set(KINDS))
     if unknown:
         raise ValueError(f"{path}: unknown kinds of row {unknown}; known: {', '.join(KINDS)}")
-    return ErrorTable(by_kind, str(data.get("source", "")))
+    return ErrorTable(by_kind, str(data.get("source", "")), gain_by_kind)
 
 
 def row_kind(row, user) -> str:
@@ -85,7 +105,10 @@ class RowInterval:
     """Its kind (:data:`KINDS`)."""
     predicted_s: float
     error: float
-    """Relative half-width: the kind's measured error and the profile's spread combined."""
+    """Relative half-width of the predicted time: the kind's measured error and the profile's spread combined."""
+    gain_error: float
+    """Relative half-width of the predicted time against the command's prediction: the kind's gain error and the
+    profile's spread combined (the command's own: the spread alone)."""
 
     @property
     def low_s(self) -> float:
@@ -95,14 +118,24 @@ class RowInterval:
     def high_s(self) -> float:
         return self.predicted_s * (1.0 + self.error)
 
+    @property
+    def gain_low_s(self) -> float:
+        return self.predicted_s * (1.0 - self.gain_error)
+
+    @property
+    def gain_high_s(self) -> float:
+        return self.predicted_s * (1.0 + self.gain_error)
+
     def to_dict(self) -> Dict[str, object]:
-        return {"kind": self.kind, "error": self.error, "interval_s": [self.low_s, self.high_s]}
+        return {"kind": self.kind, "error": self.error, "interval_s": [self.low_s, self.high_s],
+                "gain_error": self.gain_error}
 
 
 def interval(row, user, errors: ErrorTable, spread: float = 0.0) -> RowInterval:
-    """The interval of ``row``: its kind's error and the profile's relative ``spread`` combined."""
+    """The interval of ``row``: its kind's errors and the profile's relative ``spread`` combined."""
     kind = row_kind(row, user)
-    return RowInterval(row.name, kind, row.iteration_s, math.hypot(errors.of(kind), spread))
+    return RowInterval(row.name, kind, row.iteration_s, math.hypot(errors.of(kind), spread),
+                       math.hypot(errors.gain_of(kind), spread))
 
 
 @dataclass(frozen=True)
@@ -128,12 +161,12 @@ def choose(rows: Sequence, errors: ErrorTable, spread: float = 0.0) -> Choice:
     if not fitting:
         return Choice(None, "no row fits the memory", intervals)
     fastest = min(fitting, key=lambda row: row.iteration_s)
-    reach = intervals[fastest.name].high_s
-    near = [row for row in fitting if intervals[row.name].low_s <= reach]
+    reach = intervals[fastest.name].gain_high_s
+    near = [row for row in fitting if intervals[row.name].gain_low_s <= reach]
     if user.fits:
         if fastest is user:
             return Choice("user", "your command is predicted the fastest", intervals)
-        near = [row for row in near if intervals[row.name].high_s < intervals["user"].low_s]  # clear the command's
+        near = [row for row in near if intervals[row.name].gain_high_s < intervals["user"].gain_low_s]
         if not near:
             return Choice("user", _keep(fastest, user, intervals), intervals, kept=True)
     least = min(near, key=lambda row: (KINDS.index(intervals[row.name].kind), row.iteration_s))
@@ -146,12 +179,13 @@ def choose(rows: Sequence, errors: ErrorTable, spread: float = 0.0) -> Choice:
 
 
 def _band(row: RowInterval, user: RowInterval) -> str:
-    return f"±{100 * row.error:.0f}% for a row of kind '{row.kind}', ±{100 * user.error:.0f}% for your command"
+    spread = f", ±{100 * user.gain_error:.0f}% for the profile's spread on your command" if user.gain_error else ""
+    return f"±{100 * row.gain_error:.0f}% for a row of kind '{row.kind}' against your command{spread}"
 
 
 def _keep(best, user, intervals: Mapping[str, RowInterval]) -> str:
     gain = user.iteration_s / best.iteration_s - 1.0
-    margin = intervals[best.name].error + intervals["user"].error
+    margin = intervals[best.name].gain_error + intervals["user"].gain_error
     return (f"keep your command: the best row ({best.name}) is predicted {100 * gain:.0f}% faster, inside the advice's "
             f"error of ±{100 * margin:.0f}% ({_band(intervals[best.name], intervals['user'])})")
 
@@ -172,7 +206,14 @@ def worst_errors(rows: Sequence[Tuple[str, float]]) -> Dict[str, float]:
     return {kind: out[kind] for kind in KINDS if kind in out}
 
 
-def error_file(by_kind: Mapping[str, float], source: str) -> str:
+def gain_errors(rows: Sequence[Tuple[str, float, float]]) -> Dict[str, float]:
+    """Per kind other than ``user``, the largest error of a predicted speed over the command: ``rows`` are (kind, the
+    row's measured / predicted, the command's measured / predicted) of rows measured beside their command."""
+    return worst_errors([(kind, ratio / user_ratio) for kind, ratio, user_ratio in rows if kind != "user"])
+
+
+def error_file(by_kind: Mapping[str, float], source: str, gain_by_kind: Mapping[str, float]) -> str:
     """The JSON text of an error table (:func:`load_errors` reads it)."""
-    return json.dumps({"by_kind": dict(by_kind), "source": source}, indent=1) + "\n"
+    return json.dumps({"by_kind": dict(by_kind), "gain_by_kind": dict(gain_by_kind), "source": source},
+                      indent=1) + "\n"
 

@@ -100,7 +100,7 @@ def kept_against_meter(device) -> list:
     from megatron_pipemesh.schedule.levers import DEVICE
 
     args, planned, run = command_args(SMALL_GPT.split(), device.type == "cuda")
-    settings = ProfileSettings(warmup=1, repeats=1)
+    settings = ProfileSettings(warmup=1, repeats=1, max_seconds=0.0)  # bytes, not times: no repeats for stable medians
     cuda = device.type == "cuda"
     layers = {str(level): gpt(level_args(args, str(level)), run.model.layer_spec, settings, cuda, False, False)
               for level in planning_levels(planned.model)}
