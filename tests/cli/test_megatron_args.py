@@ -62,14 +62,17 @@ def test_the_rows_and_their_keys(tiny):
     assert rows["best_layout_stock"]["predicted_iteration_s"] <= rows["best_stock"]["predicted_iteration_s"] * (1 + 1e-9)
 
 
-def test_flags_after_dashes_and_text_ends_with_the_command(tiny):
-    """The command after -- gives the same rows; the text output ends with the one command to run."""
-    again = advice_json(TINY, after_dashes=True)
-    assert {k: v and v["flags"] for k, v in again["rows"].items()} == {k: v and v["flags"] for k, v in tiny["rows"].items()}
-    code, out, err = run(["plan"] + CLUSTER + ["--megatron-args", TINY])
+def test_flags_after_dashes_and_text_ends_with_the_command():
+    """The command after -- gives the same rows; the text output ends with the one command to run (its program, a
+    PipeMesh row's entry point, and its flags). At a given rate: this CPU's measured one moves between runs, and with
+    it which row clears the advice's error."""
+    rated = CLUSTER + ["--device-tflops", "0.05"]
+    first, again = advice_json(TINY, rated), advice_json(TINY, rated, after_dashes=True)
+    assert {k: v and v["flags"] for k, v in again["rows"].items()} == {k: v and v["flags"] for k, v in first["rows"].items()}
+    code, out, err = run(["plan"] + rated + ["--megatron-args", TINY])
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert lines[-2].startswith("run (") and shlex.split(lines[-1]) == tiny["rows"][tiny["run"]]["flags"]
+    assert lines[-2].startswith(f"run ({first['run']}") and lines[-1] == first["rows"][first["run"]]["command"]
 
 
 UNEVEN = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
@@ -129,7 +132,7 @@ def test_progress_on_stderr_and_a_search_out_of_time_says_what_it_left(tiny):
                                                                            "argument parser")
     assert any("] user: " in line for line in lines) and any("candidates (TP x PP x DP" in line for line in lines)
     code, out, err = run(["plan"] + CLUSTER + ["--quiet", "--megatron-args", TINY])
-    assert code == 0 and err == "" and out.rstrip().splitlines()[-1].startswith("--num-layers 4 ")
+    assert code == 0 and err == "" and "--num-layers 4 " in out.rstrip().splitlines()[-1]
 
 
 def test_cluster_flags_are_checked_by_argparse():
