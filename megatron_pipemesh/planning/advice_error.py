@@ -110,24 +110,12 @@ class RowInterval:
     """Relative half-width of the predicted time against the command's prediction: the kind's gain error and the
     profile's spread combined (the command's own: the spread alone)."""
 
-    @property
-    def low_s(self) -> float:
-        return self.predicted_s * (1.0 - self.error)
-
-    @property
-    def high_s(self) -> float:
-        return self.predicted_s * (1.0 + self.error)
-
-    @property
-    def gain_low_s(self) -> float:
-        return self.predicted_s * (1.0 - self.gain_error)
-
-    @property
-    def gain_high_s(self) -> float:
-        return self.predicted_s * (1.0 + self.gain_error)
+    def within(self, error: float) -> Tuple[float, float]:
+        """The predicted time lowered and raised by the relative ``error``."""
+        return self.predicted_s * (1.0 - error), self.predicted_s * (1.0 + error)
 
     def to_dict(self) -> Dict[str, object]:
-        return {"kind": self.kind, "error": self.error, "interval_s": [self.low_s, self.high_s],
+        return {"kind": self.kind, "error": self.error, "interval_s": list(self.within(self.error)),
                 "gain_error": self.gain_error}
 
 
@@ -161,12 +149,12 @@ def choose(rows: Sequence, errors: ErrorTable, spread: float = 0.0) -> Choice:
     if not fitting:
         return Choice(None, "no row fits the memory", intervals)
     fastest = min(fitting, key=lambda row: row.iteration_s)
-    reach = intervals[fastest.name].gain_high_s
-    near = [row for row in fitting if intervals[row.name].gain_low_s <= reach]
+    low, high = ({name: found.within(found.gain_error)[side] for name, found in intervals.items()} for side in (0, 1))
+    near = [row for row in fitting if low[row.name] <= high[fastest.name]]
     if user.fits:
         if fastest is user:
             return Choice("user", "your command is predicted the fastest", intervals)
-        near = [row for row in near if intervals[row.name].gain_high_s < intervals["user"].gain_low_s]
+        near = [row for row in near if high[row.name] < low["user"]]
         if not near:
             return Choice("user", _keep(fastest, user, intervals), intervals, kept=True)
     least = min(near, key=lambda row: (KINDS.index(intervals[row.name].kind), row.iteration_s))
