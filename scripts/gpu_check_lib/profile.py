@@ -34,8 +34,9 @@ def run_profile(out_dir: Path, deadline: float) -> dict:
     if left < 90:
         return {"error": f"only {left:.0f} s of the time budget left"}
     path = out_dir / "gpu_check_profile.json"
+    # The check is that every piece is measured, not that its median is stable: a 1 s cap per group of pieces.
     command = [sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args", SMALL_GPT, "--output",
-               str(path), "--repeats", "2", "--warmup", "1", "--quiet"]
+               str(path), "--repeats", "2", "--warmup", "1", "--max-seconds", "1", "--quiet"]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     try:
         done = subprocess.run(command, cwd=str(REPO), env=env, capture_output=True, text=True,
