@@ -20,7 +20,9 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from .advice_parts import MISS_TOLERANCE
 from ..planning.advice_error import error_file, gain_errors, worst_errors
+from ..planning.profile_quality import spread_of
 
 FASTEST_WITHIN = 0.03
 """The advised row counts as the fastest measured when within this fraction of the fastest row's time."""
@@ -72,9 +74,23 @@ def command_entry(name: str, document: dict) -> dict:
         "rows": [{"name": r["name"], "kind": r.get("kind"), "describe": r["describe"],
                   "predicted_s": r["predicted_iteration_s"], "measured_s": r["measured_iteration_s"],
                   "measured_over_predicted": r["measured_over_predicted"], "judgement": r.get("judgement"),
-                  "part_misses": r.get("part_misses")} for r in rows],
+                  "part_misses": r.get("part_misses"), "measured_spread": measured_spread(r)} for r in rows],
         "ranks_share_cores": document["ranks_share_cores"],
     }
+
+
+def measured_spread(row: dict) -> Optional[float]:
+    """The relative half-width of the ~95% interval of a row's measured median iteration time, from its measured
+    iterations (every round's; below 6 iterations their whole range): how far the measurement itself may be off."""
+    times = row.get("measured_iterations_s") or []
+    return spread_of(times, True).relative_half_width if times else None
+
+
+def _inside_spread(row: dict) -> bool:
+    """A row outside 10% in total whose distance beyond 10% is inside its measurement's spread."""
+    ratio, spread = row["measured_over_predicted"], row["measured_spread"]
+    return (row["judgement"] == "miss" and ratio is not None and spread is not None
+            and abs(ratio - 1.0) <= MISS_TOLERANCE + spread)
 
 
 def ledger(documents: Dict[str, dict]) -> dict:
@@ -90,6 +106,10 @@ def ledger(documents: Dict[str, dict]) -> dict:
         "rows": len(rows),
         "rows_within_10pct_total": len(total_ok) / len(rows) if rows else None,
         "rows_within_10pct_total_and_parts": len(parts_ok) / len(rows) if rows else None,
+        "misses": len(rows) - len(total_ok),
+        "misses_inside_measurement_spread": sum(map(_inside_spread, rows)),
+        "median_measured_spread": statistics.median(spreads) if (spreads := [
+            row["measured_spread"] for row in rows if row["measured_spread"] is not None]) else None,
         "advised_fastest_share": (sum(c["advised_fastest"] for c in commands) / len(commands)) if commands else None,
         "median_rank_correlation": statistics.median(correlations) if correlations else None,
         "least_advised_ratio_to_user": min(ratios) if ratios else None,
@@ -126,6 +146,9 @@ def table(found: dict) -> str:
               f"within 3%) in {pct(found['advised_fastest_share'])} of the commands; median rank correlation "
               f"{_fmt(found['median_rank_correlation'], '.2f')}; the advised row at least "
               f"{_fmt(found['least_advised_ratio_to_user'], '.2f')}x the user's command",
+              f"{found['misses']} rows outside 10% in total, {found['misses_inside_measurement_spread']} of them by "
+              f"less than their measurement's own spread (median spread of a row's measured median: "
+              f"±{_fmt(found['median_measured_spread'] and 100 * found['median_measured_spread'], '.1f')}%)",
               "worst error per kind of row: " + ", ".join(f"{k} ±{100 * v:.0f}%"
                                                           for k, v in found["errors_by_kind"].items()),
               "worst error of a row's speed over the command, per kind: "

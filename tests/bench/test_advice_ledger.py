@@ -62,3 +62,17 @@ def test_write_errors_stores_both_tables_that_the_advice_loads(tmp_path, capsys)
     assert table.gain_of("changed V") == pytest.approx(0.02) and table.of("changed V") == pytest.approx(0.188)
     assert "worst error of a row's speed over the command, per kind: changed V ±2%, changed layout ±25%" in \
         capsys.readouterr().out
+
+
+def test_a_miss_by_less_than_its_measurements_spread_is_counted_apart():
+    """Two rows 12% and 50% over their predictions, each measured in 6 iterations spread +-5% around 1.12 s and 1.5 s:
+    the first misses 10% by less than its measurement's spread, the second does not; a row without its iterations
+    has no spread."""
+    doc = document("user", [("user", "user", 1.0, 1.12, "miss"), ("best_stock", "changed V", 1.0, 1.5, "miss")])
+    for row, median in zip(doc["rows"], (1.12, 1.5)):
+        row["measured_iterations_s"] = [median * f for f in (0.95, 0.97, 1.0, 1.0, 1.03, 1.05)]
+    found = ledger({"only": doc})
+    spreads = [row["measured_spread"] for row in found["commands"][0]["rows"]]
+    assert spreads == [pytest.approx(0.05), pytest.approx(0.05)]
+    assert found["misses"] == 2 and found["misses_inside_measurement_spread"] == 1
+    assert ledger({"first": FIRST})["commands"][0]["rows"][0]["measured_spread"] is None
