@@ -149,12 +149,12 @@ def choose(rows: Sequence, errors: ErrorTable, spread: float = 0.0) -> Choice:
     if not fitting:
         return Choice(None, "no row fits the memory", intervals)
     fastest = min(fitting, key=lambda row: row.iteration_s)
-    low, high = ({name: found.within(found.gain_error)[side] for name, found in intervals.items()} for side in (0, 1))
-    near = [row for row in fitting if low[row.name] <= high[fastest.name]]
+    bounds = {name: found.within(found.gain_error) for name, found in intervals.items()}  # (low, high)
+    near = [row for row in fitting if bounds[row.name][0] <= bounds[fastest.name][1]]
     if user.fits:
         if fastest is user:
             return Choice("user", "your command is predicted the fastest", intervals)
-        near = [row for row in near if high[row.name] < low["user"]]
+        near = [row for row in near if bounds[row.name][1] < bounds["user"][0]]
         if not near:
             return Choice("user", _keep(fastest, user, intervals), intervals, kept=True)
     least = min(near, key=lambda row: (KINDS.index(intervals[row.name].kind), row.iteration_s))
