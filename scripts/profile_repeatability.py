@@ -1,5 +1,6 @@
 """Two ``pipemesh profile`` runs of the same command in a row: per compute piece of 1 ms or more, both medians and
-their relative difference, each profile's spread and load record, and whether every piece agrees within 5%.
+their relative difference, each profile's spread and load record, the machine's own speed around each (a fixed
+matmul), and whether every piece agrees within 5%.
 
     .venv/bin/python scripts/profile_repeatability.py [--megatron-args "..."] [--ranks-per-node 2] [--out DIR]
 
@@ -25,6 +26,21 @@ LLAMA = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query
          "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 "
          "--global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
          "--vocab-size 4096 --pipeline-model-parallel-size 2")
+REFERENCE = """
+import statistics, time, torch
+torch.set_num_threads(1)
+x, w = torch.randn(512, 256), torch.randn(256, 1024)
+def sample():
+    began = time.perf_counter()
+    for _ in range(20):
+        x @ w
+    return time.perf_counter() - began
+for _ in range(10):
+    sample()
+print(statistics.median(sample() for _ in range(200)) * 1e3)
+"""
+"""A fixed one-thread matmul (the layer's shape: 512 tokens x hidden 256 x 1024), its median ms over 200 samples:
+the machine's own speed just before and after each profile, which no piece of the profile depends on."""
 SMALLEST_S = 1e-3
 """Pieces below this are not compared (the tolerance is about the pieces that price a step)."""
 
@@ -67,6 +83,12 @@ def compare(first: Profile, second: Profile, tolerance: float) -> Tuple[List[str
     return lines, agree
 
 
+def reference_ms() -> float:
+    """:data:`REFERENCE`'s median, in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", REFERENCE], capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-args", default=LLAMA)
@@ -76,9 +98,10 @@ def main() -> int:
     parser.add_argument("--extra", default="", help="more pipemesh profile flags, one quoted string")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    found = []
+    found, references = [], []
     for index in (1, 2):
         path = os.path.join(args.out, f"profile{index}.json")
+        before = reference_ms()
         began = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "megatron_pipemesh", "profile", "--megatron-args",
                                args.megatron_args, "--ranks-per-node", str(args.ranks_per_node), "--output", path,
@@ -87,11 +110,16 @@ def main() -> int:
         if done.returncode != 0:
             print(f"profile {index} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
             return 2
+        took = time.perf_counter() - began
         found.append(load(path))
-        print(f"profile {index}: {time.perf_counter() - began:.0f} s; "
-              + (found[-1].load.describe() if found[-1].load else "load not recorded"))
+        references.append((before, reference_ms()))
+        print(f"profile {index}: {took:.0f} s; reference matmul {before:.3f} ms before, {references[-1][1]:.3f} ms "
+              "after; " + (found[-1].load.describe() if found[-1].load else "load not recorded"))
     lines, agree = compare(found[0], found[1], args.tolerance)
     print("\n".join(lines))
+    moved = sum(references[1]) / sum(references[0]) - 1
+    print(f"the machine's own speed (reference matmul, mean of before and after) moved {moved * 100:+.1f}% from "
+          "profile 1 to profile 2")
     print(f"every piece of {SMALLEST_S * 1e3:g} ms or more within {args.tolerance:.0%}: {'yes' if agree else 'no'}")
     return 0 if agree else 1
 

@@ -1,7 +1,7 @@
 """The one-process child in which rank 0 of a multi-rank ``pipemesh profile`` times the data loader
 (:func:`.profile_batch.measure_batch_s_apart`): the request (the command's words, the pause per micro-batch size,
-warm-up and repeats) as JSON on stdin; on stdout's last line ``{"seconds": {size: seconds}}``, or ``{"error":
-message}`` where building the data path or taking a batch raised.
+the profile's settings) as JSON on stdin; on stdout's last line ``{"samples": {size: [seconds, ...]}, "stable":
+{size: bool}}``, or ``{"error": message}`` where building the data path or taking a batch raised.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def main() -> None:
     from .profile import command_args, start_process_group
     from .profile_models import megatron_quiet
     from .profile_batch import measure_batch_s
+    from .profile_timing import ProfileSettings
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -33,13 +34,14 @@ def main() -> None:
         try:
             with megatron_quiet():
                 found = measure_batch_s(args, {int(k): float(v) for k, v in request["pauses"].items()},
-                                        int(request["warmup"]), int(request["repeats"]))
+                                        ProfileSettings(**request["settings"]))
         finally:
             stop()
     except Exception as error:  # the user's data path, tokenizer or loader: the parent quotes it in a note
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
         return
-    print(json.dumps({"seconds": {str(size): seconds for size, seconds in found.items()}}), flush=True)
+    print(json.dumps({"samples": {str(size): timed.columns[0] for size, timed in found.items()},
+                      "stable": {str(size): timed.stable for size, timed in found.items()}}), flush=True)
 
 
 if __name__ == "__main__":

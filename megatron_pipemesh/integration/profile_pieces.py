@@ -290,13 +290,17 @@ def with_batch_times(args, points: List[ComputePoint], settings: "ProfileSetting
     pauses = {found.micro_batch_size: found.layer_forward_s + found.layer_backward_s for found in points}
     try:
         if apart is not None:
-            batch = measure_batch_s_apart(apart[0], pauses, settings.warmup, settings.repeats, device=apart[1])
+            batch = measure_batch_s_apart(apart[0], pauses, settings, device=apart[1])
         else:
             with megatron_quiet():
-                batch = measure_batch_s(args, pauses, settings.warmup, settings.repeats)
+                batch = measure_batch_s(args, pauses, settings)
     except Exception as error:  # the user's data path, tokenizer or loader: whatever it raises, the plan must say
         notes.append(f"the data loader was not measured ({type(error).__name__}: {error}); plans price it at 0")
         return points
-    for size, seconds in batch.items():
-        progress(f"micro-batch {size}: data loader {seconds * 1e3:.2f} ms per batch")
-    return [dataclasses.replace(found, batch_s=batch[found.micro_batch_size]) for found in points]
+    out = []
+    for found in points:
+        timed = batch[found.micro_batch_size]
+        progress(f"micro-batch {found.micro_batch_size}: data loader {timed.medians[0] * 1e3:.2f} ms per batch")
+        out.append(dataclasses.replace(found, batch_s=timed.medians[0], spread={
+            **(found.spread or {}), "batch_s": spread_of(timed.columns[0], timed.stable)}))
+    return out

@@ -5,7 +5,8 @@ Every schedule, stock or PipeMesh's executor, runs a chunk-micro-batch through M
 and ``schedules.backward_step``; the forward runs the training entry's forward step (:mod:`.gpt_step`: its
 ``get_batch``, the model's forward wrapper, the loss function with its report) and the schedule's own work around it
 (the input tensor, the loss scaling, the timers, freeing the output). Timed here on a one-layer chunk of each
-:data:`STAGE_KINDS`, the pieces' times are taken off: what is left is that work. On a hidden-128 GPT on this CPU the profile
+:data:`STAGE_KINDS`: the forward's work outside the model's forward is timed in the same call (the model's forward
+marked inside it); the backward's pieces' times are taken off its total. On a hidden-128 GPT on this CPU the profile
 measured 0-0.6 ms per micro-batch on a middle chunk and 0.5-1.6 ms on the others, against 4.2 ms for a layer's forward
 and backward; unpriced, that GPT's runs were 30-37% over their prediction. At hidden 512 it is within
 the timer's noise of 0.
@@ -156,8 +157,8 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
                             timer.watch, f"schedule step mbs {b}")
         found[b] = {}
         for kind, timed in times.items():
-            (forward, backward), pieces = timed.medians, _pieces(point, kind)
-            found[b][kind] = (max(0.0, forward - pieces[0]), max(0.0, backward - pieces[1]))
+            (outside, backward), pieces = timed.medians, (0.0, _pieces(point, kind)[1])
+            found[b][kind] = (max(0.0, outside), max(0.0, backward - pieces[1]))
             if spreads is not None:
                 for name, column, piece in zip(("step_forward_s", "step_backward_s"), timed.columns, pieces):
                     spreads.setdefault(b, {})[f"{name}:{kind}"] = spread_of([t - piece for t in column], timed.stable)
@@ -165,18 +166,28 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
 
 
 def _one_step(schedules, forward_step, model, config, kind: str, batch: dict, hidden, timer) -> Tuple[float, float]:
-    """(forward s, backward s) of one micro-batch through Megatron's schedule step on a chunk of ``kind``."""
+    """(seconds of the forward step outside the model's forward, backward seconds) of one micro-batch through
+    Megatron's schedule step on a chunk of ``kind``. The forward's part outside the model is timed in the same call
+    (:class:`.profile_timing.Span` around the model's forward): it is about 1 ms of a 15-50 ms step here, and a
+    difference of separately taken medians would carry the pieces' own 1-2% noise, as much as itself."""
     import torch
 
     first, last = kind in ("only", "first"), kind in ("only", "last")
     received = None if first else hidden.clone().requires_grad_(True)
     batches = iter((batch,))
-    (output, _), forward_s = timer(lambda: schedules.forward_step(
-        forward_step, batches, model, 1, received, [], config, 1, is_first_microbatch=False, current_microbatch=0,
-        is_last_stage=last))
+    inside = timer.span()
+    hooks = (model.register_forward_pre_hook(lambda *_: inside.start()),
+             model.register_forward_hook(lambda *_: inside.stop()))
+    try:
+        (output, _), forward_s = timer(lambda: schedules.forward_step(
+            forward_step, batches, model, 1, received, [], config, 1, is_first_microbatch=False,
+            current_microbatch=0, is_last_stage=last))
+    finally:
+        for hook in hooks:
+            hook.remove()
     gradient = None
     if not last:
         gradient = torch.ones_like(output) * 1e-3  # what the next stage sends back
         schedules.deallocate_output_tensor(output, config.deallocate_pipeline_outputs)  # as after the send
     _, backward_s = timer(lambda: schedules.backward_step(received, output, gradient, config))
-    return forward_s, backward_s
+    return forward_s - inside.seconds, backward_s

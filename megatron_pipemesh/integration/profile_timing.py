@@ -114,6 +114,10 @@ class Timer:
         self.leads[key] = 0.0 if lead >= LEAD_CAP_S else min(LEAD_CAP_S, max(2 * lead, 2 * host_s))
         return out, max(device_s, host_s)
 
+    def span(self) -> "Span":
+        """A :class:`Span` on this timer's clock, for marks inside a block this timer times."""
+        return Span(self.cuda)
+
     def _device_cycles_per_s(self) -> float:
         """The device's ``_sleep`` cycles per second, timed once."""
         import torch
@@ -127,6 +131,38 @@ class Timer:
             torch.cuda.synchronize()
             self._cycles_per_s = CALIBRATION_CYCLES / max(start.elapsed_time(end) / 1e3, 1e-6)
         return self._cycles_per_s
+
+
+class Span:
+    """Seconds between :meth:`start` and :meth:`stop` marks made inside a timed block (summed over pairs), on the
+    clock of the :class:`Timer` that times the block: the wall clock on CPU; on CUDA events in the stream, read once
+    the block's timer has synchronised. Part of a block timed in the same call as the block, so that what is left
+    of it is measured, not the difference of two medians taken apart."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._pairs: List[list] = []
+
+    def start(self) -> None:
+        self._pairs.append([self._mark()])
+
+    def stop(self) -> None:
+        self._pairs[-1].append(self._mark())
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @property
+    def seconds(self) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3
+        return sum(b - a for a, b in self._pairs)
 
 
 @dataclass(frozen=True)
