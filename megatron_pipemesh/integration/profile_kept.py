@@ -22,6 +22,9 @@ class Piece:
     release: Callable[[], None] = lambda: None
     """Drops what the last call left referenced beyond its output and graph (a layer's input tensor, which holds
     its gradient), so that freeing it cannot fall inside the next reading of the allocator."""
+    recomputes: Optional[object] = None
+    """Where the piece recomputes in its backward: the model whose forwards inside the backward are timed
+    (:class:`.profile_timing.ForwardsInBackward`); None: nothing recomputed."""
 
 
 def kept_bytes(name: str, piece: Piece, grad_of: Callable[[object], object], exclude) -> int:

@@ -4,7 +4,8 @@ At every micro-batch size 1, 2, 4, ... up to the command's (:func:`micro_batch_s
 
 * one layer's forward and backward (a middle stage's ``GPTModel``: input from the previous stage, no embedding, no
   output layer), and again with each recompute level the planner chooses from (Megatron's own selective and full
-  recomputation): the extra over none;
+  recomputation): the extra over none, timed as the forwards its backward runs again
+  (:class:`.profile_timing.ForwardsInBackward`);
 * the embedding (``GPTModel.embedding``) and the final norm, output layer and loss
   (``compute_language_model_loss``), forward and backward;
 * the bytes each keeps for its backward (:mod:`.profile_kept`);
@@ -15,6 +16,7 @@ per micro-batch (:mod:`.profile_batch`). Every time goes through the profile's o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from ..planning.profile_quality import Spread, spread_of
 from ..schedule.levers import Lever
 from .profile_kept import Piece, kept_bytes
 from .profile_models import gpt, level_args, megatron_quiet, one_layer_chunks, with_main_grads
-from .profile_timing import Timer, measure
+from .profile_timing import ForwardsInBackward, Timer, measure
 
 if TYPE_CHECKING:
     from .profile_timing import ProfileSettings
@@ -66,23 +68,34 @@ def attention_mask(args, device):
 
 def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], timer: Timer,
                 settings: "ProfileSettings", exclude, label: str) -> Dict[str, Timed]:
-    """Per name: the forward and backward samples of ``forward`` then ``backward(grad_of(output))``, the pieces
+    """Per name: the forward and backward samples of ``forward`` then ``backward(grad_of(output))`` (and, for a
+    piece that recomputes, its forwards inside the backward: :class:`.profile_timing.ForwardsInBackward`), the pieces
     taking turns until stable (:func:`.profile_timing.measure`, the load watched as ``label``), and the bytes kept on
     one more forward of each (:func:`.profile_kept.kept_bytes`, parameters and ``main_grad`` buffers in
     ``exclude``)."""
     import torch
 
-    def call(piece: Piece) -> Callable[[], Tuple[float, float]]:
-        def forward_backward() -> Tuple[float, float]:
+    meters = {name: ForwardsInBackward(piece.recomputes) for name, piece in pieces.items()
+              if piece.recomputes is not None}
+
+    def call(name: str, piece: Piece) -> Callable[[], Tuple[float, ...]]:
+        meter = meters.get(name)
+
+        def forward_backward() -> Tuple[float, ...]:
             out, forward_s = timer(piece.forward)
             gradient = grad_of(out)
-            _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
-            return forward_s, backward_s
+            with meter.counting(timer) if meter is not None else contextlib.nullcontext() as inside:
+                _, backward_s = timer(lambda: torch.autograd.backward(out, gradient))
+            return (forward_s, backward_s) + ((inside.seconds,) if meter is not None else ())
         return forward_backward
 
-    found = measure({name: call(piece) for name, piece in pieces.items()}, settings, timer.watch, label)
-    return {name: Timed(*found[name].columns, kept_bytes(name, piece, grad_of, exclude), found[name].stable)
-            for name, piece in pieces.items()}
+    try:
+        found = measure({name: call(name, piece) for name, piece in pieces.items()}, settings, timer.watch, label)
+    finally:
+        for meter in meters.values():
+            meter.remove()
+    return {name: Timed(*found[name].columns[:2], kept_bytes(name, piece, grad_of, exclude), found[name].stable,
+                        *found[name].columns[2:]) for name, piece in pieces.items()}
 
 
 @dataclass(frozen=True)
@@ -94,10 +107,20 @@ class Timed:
     kept: float
     stable: bool
     """Whether its medians were stable when the repeats stopped (False: the time cap)."""
+    recomputed: Tuple[float, ...] = ()
+    """Seconds of the forwards its backward ran again (a recompute level's layer; empty for the others)."""
 
     @property
     def medians(self) -> Tuple[float, float, float]:
         return statistics.median(self.forward), statistics.median(self.backward), self.kept
+
+    def recompute_extra(self, none: "Timed") -> Tuple[float, ...]:
+        """Its extra over ``none`` (the same layer without recomputation) per round: the forwards its backward ran
+        again where they were timed, else forward + backward less ``none``'s of the same round."""
+        if self.recomputed and statistics.median(self.recomputed) > 0:
+            return self.recomputed
+        return tuple(f + b - nf - nb for f, b, nf, nb in zip(self.forward, self.backward, none.forward,
+                                                             none.backward))
 
 
 DENSE = "|dense"
@@ -112,24 +135,27 @@ def _mixed(times: Dict[str, Timed], mix: float) -> Dict[str, Timed]:
         if level.endswith(DENSE):
             continue
         dense = times.get(level + DENSE)
-        out[level] = moe if dense is None else Timed(
-            *(tuple(mix * a + (1 - mix) * b for a, b in zip(moe_column, dense_column))
-              for moe_column, dense_column in ((moe.forward, dense.forward), (moe.backward, dense.backward))),
-            mix * moe.kept + (1 - mix) * dense.kept, moe.stable and dense.stable)
+        if dense is None:
+            out[level] = moe
+            continue
+        forward, backward, recomputed = (tuple(mix * a + (1 - mix) * b for a, b in zip(moe_column, dense_column))
+                                         for moe_column, dense_column in ((moe.forward, dense.forward),
+                                                                          (moe.backward, dense.backward),
+                                                                          (moe.recomputed, dense.recomputed)))
+        out[level] = Timed(forward, backward, mix * moe.kept + (1 - mix) * dense.kept, moe.stable and dense.stable,
+                           recomputed)
     return out
 
 
 def spreads(times: Dict[str, Timed], embedding: Timed, output: Timed) -> Dict[str, Spread]:
-    """The spread of every time a point keeps, by its field's name (a recompute level's extra from its rounds'
-    forward + backward less the same round's without recomputation)."""
+    """The spread of every time a point keeps, by its field's name (a recompute level's extra: :meth:`Timed.
+    recompute_extra`)."""
     none = times["none"]
     out = {"layer_forward_s": spread_of(none.forward, none.stable),
            "layer_backward_s": spread_of(none.backward, none.stable)}
     for level, timed in times.items():
         if Lever.parse(level).recomputes:
-            extra = [f + b - nf - nb for f, b, nf, nb in zip(timed.forward, timed.backward, none.forward,
-                                                              none.backward)]
-            out[f"recompute_extra_s:{level}"] = spread_of(extra, timed.stable and none.stable)
+            out[f"recompute_extra_s:{level}"] = spread_of(timed.recompute_extra(none), timed.stable and none.stable)
     for name, timed in (("embedding", embedding), ("output", output)):
         out[f"{name}_forward_s"] = spread_of(timed.forward, timed.stable)
         out[f"{name}_backward_s"] = spread_of(timed.backward, timed.stable)
@@ -148,13 +174,14 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
     def like(out):
         return torch.ones_like(out) * 1e-3
 
-    def layer(model) -> Piece:
+    def layer(level: str, model) -> Piece:
         def forward():
             model.set_input_tensor(hidden.clone().requires_grad_(True))
             return model(input_ids=None, position_ids=None, attention_mask=mask)
-        return Piece(forward, release=lambda: model.set_input_tensor(None))
-    timed = time_pieces({level: layer(model) for level, (model, _) in layer_models.items()}, like, timer, settings,
-                        exclude, f"layers mbs {b}")
+        recomputes = Lever.parse(level.removesuffix(DENSE)).recomputes
+        return Piece(forward, release=lambda: model.set_input_tensor(None), recomputes=model if recomputes else None)
+    timed = time_pieces({level: layer(level, model) for level, (model, _) in layer_models.items()}, like, timer,
+                        settings, exclude, f"layers mbs {b}")
     samples = _mixed(timed, mix)
     times = {level: found.medians for level, found in samples.items()}
     none = times["none"]
@@ -177,8 +204,8 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
     output = outputs.medians
     found = ComputePoint(
         tp=1, micro_batch_size=b, layer_forward_s=none[0], layer_backward_s=none[1],
-        recompute_extra_s={level: max(0.0, t[0] + t[1] - none[0] - none[1]) for level, t in times.items()
-                           if Lever.parse(level).recomputes},
+        recompute_extra_s={level: max(0.0, statistics.median(timed.recompute_extra(samples["none"])))
+                           for level, timed in samples.items() if Lever.parse(level).recomputes},
         layer_activation_bytes={level: float(t[2]) for level, t in times.items()},
         embedding_forward_s=embedding[0], embedding_backward_s=embedding[1],
         embedding_activation_bytes=float(embedding[2]), output_forward_s=output[0], output_backward_s=output[1],

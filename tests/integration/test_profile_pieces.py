@@ -125,3 +125,16 @@ def test_a_moe_commands_layers_average_its_moe_and_dense_layers_as_the_cost_mode
              "full": Timed((1.0,), (2.0,), 10, True)}
     mixed = _mixed(times, 0.25)
     assert mixed == {"none": Timed((2.5, 5.0), (5.0, 2.5), 70.0, False), "full": times["full"]}
+
+
+def test_a_levels_extra_is_its_timed_recomputation_else_the_rounds_difference():
+    """A level whose backward's forwards were timed: its extra is those samples, not the ~25-50 ms totals' difference
+    (whose noise would be most of it); without them (nothing timed, or all 0) the same round's difference."""
+    from megatron_pipemesh.integration.profile_pieces import Timed
+
+    none = Timed((10.0, 11.0), (20.0, 19.0), 0.0, True)
+    timed = Timed((10.5, 10.0), (24.0, 26.0), 0.0, True, (3.1, 3.0))
+    assert timed.recompute_extra(none) == (3.1, 3.0)
+    for recomputed in ((), (0.0, 0.0)):
+        untimed = Timed((10.5, 10.0), (24.0, 26.0), 0.0, True, recomputed)
+        assert untimed.recompute_extra(none) == (4.5, 6.0)

@@ -147,3 +147,45 @@ def test_the_repeats_stop_at_the_time_cap_and_say_the_piece_was_not_stable():
                     clock=lambda: now[0])
     assert entered == [("layers mbs 1", 2)]
     assert len(found["noisy"].columns[0]) == 8 and not found["noisy"].stable
+
+
+def test_the_forwards_a_backward_runs_again_are_timed_there_and_only_there():
+    """A block checkpointed around a 30 ms module: its backward runs the module again and that call is counted once
+    (the outer call, not the module's children again); the forward outside a backward counts nothing, and a model
+    without recomputation counts 0 in its backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_pipemesh.integration.profile_timing import ForwardsInBackward
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            time.sleep(0.03)
+            return self.inner(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self, recompute: bool):
+            super().__init__()
+            self.slow, self.recompute = Slow(), recompute
+
+        def forward(self, x):
+            if self.recompute is None:
+                return self.slow(x)
+            return checkpoint(self.slow, x, use_reentrant=self.recompute == "reentrant")
+
+    timer = Timer(False)
+    # Megatron's checkpoints re-run the whole function; torch's non-reentrant one may stop it early by raising
+    for recompute, low, high in (("reentrant", 0.03, 0.06), ("non-reentrant", 0.03, 0.06), (None, 0.0, 0.0)):
+        block = Block(recompute)
+        meter = ForwardsInBackward(block)
+        x = torch.randn(2, 4, requires_grad=True)
+        out = block(x)
+        with meter.counting(timer) as inside:
+            out.sum().backward()
+        assert low <= inside.seconds <= high, (recompute, inside.seconds)
+        meter.remove()
+        assert not block.slow._forward_hooks and not block.slow._forward_pre_hooks
