@@ -180,3 +180,23 @@ def test_the_rules_find_an_upward_import(tmp_path, monkeypatch):
 def test_planning_holds_no_study_code():
     """The study's drivers live in study/, not in the product's planning layer."""
     assert not (ROOT / "planning" / "study.py").exists() and not (ROOT / "planning" / "headroom.py").exists()
+
+
+MAX_MODULE_LINES = 600
+"""The most lines a module of the package may have (the README's house rules)."""
+
+
+def modules_over(limit: int, root: Path = ROOT) -> List[Tuple[str, int]]:
+    """Every module under ``root`` with more than ``limit`` lines, with its count."""
+    counts = ((str(path.relative_to(root.parent)), len(path.read_text().splitlines())) for path in root.rglob("*.py"))
+    return sorted((name, lines) for name, lines in counts if lines > limit)
+
+
+def test_every_module_stays_under_the_line_limit(tmp_path):
+    """No module of the package over :data:`MAX_MODULE_LINES` lines; a module one line over is found."""
+    assert not modules_over(MAX_MODULE_LINES), modules_over(MAX_MODULE_LINES)
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (package / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert modules_over(MAX_MODULE_LINES, package) == [(f"{PACKAGE}/long.py", MAX_MODULE_LINES + 1)]
