@@ -97,14 +97,14 @@ def _batch(args, size: int, device) -> dict:
     return batch
 
 
-def _pieces(point: ComputePoint, kind: str) -> Tuple[float, float]:
-    """(forward, backward) seconds the profile's pieces sum to on a one-layer chunk of ``kind``."""
-    forward, backward = point.layer_forward_s, point.layer_backward_s
+def _backward_pieces(point: ComputePoint, kind: str) -> float:
+    """Seconds the profile's pieces' backwards sum to on a one-layer chunk of ``kind``."""
+    backward = point.layer_backward_s
     if kind in ("only", "first"):
-        forward, backward = forward + point.embedding_forward_s, backward + point.embedding_backward_s
+        backward += point.embedding_backward_s
     if kind in ("only", "last"):
-        forward, backward = forward + point.output_forward_s, backward + point.output_backward_s
-    return forward, backward
+        backward += point.output_backward_s
+    return backward
 
 
 def _schedule_sets_the_moe_loss_scale() -> None:
@@ -157,7 +157,7 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
                             timer.watch, f"schedule step mbs {b}")
         found[b] = {}
         for kind, timed in times.items():
-            (outside, backward), pieces = timed.medians, (0.0, _pieces(point, kind)[1])
+            (outside, backward), pieces = timed.medians, (0.0, _backward_pieces(point, kind))
             found[b][kind] = (max(0.0, outside), max(0.0, backward - pieces[1]))
             if spreads is not None:
                 for name, column, piece in zip(("step_forward_s", "step_backward_s"), timed.columns, pieces):
