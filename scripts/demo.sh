@@ -83,7 +83,7 @@ $PY -m megatron_pipemesh simulate --pp "$PP" --vpp 2 -m "$M" --forward-groups "$
 echo "== what should this command run here? pipemesh bench --advice ${network[*]} (log: $RUN_DIR/advice.log)"
 rm -rf "$RUN_DIR/advice"
 $PY -m megatron_pipemesh bench --advice --only-advised --megatron-args "${job[*]} $*" --nproc "$NPROC" "${network[@]}" \
-  --warmup 2 --iters 4 --out-dir "$RUN_DIR/advice" --json "$RUN_DIR/advice.json" >"$RUN_DIR/advice.log" 2>&1 ||
+  --warmup 2 --iters 4 --profile-max-seconds 2 --out-dir "$RUN_DIR/advice" --json "$RUN_DIR/advice.json" >"$RUN_DIR/advice.log" 2>&1 ||
   { tail -n 30 "$RUN_DIR/advice.log" >&2; exit 1; }
 $PY -m megatron_pipemesh.bench.demo_summary --pipemesh "$RUN_DIR/pipemesh.log" --stock "$RUN_DIR/stock.log" \
   --picture "$RUN_DIR/schedule.txt" --trace "$RUN_DIR/trace.json" --advice "$RUN_DIR/advice.json"

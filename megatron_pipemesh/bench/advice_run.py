@@ -41,6 +41,30 @@ ADVICE_CONFLICTS = (("quick", "--quick"), ("network_check", "--network-check"), 
 """Bench flags ``--advice`` refuses: the rows, their layouts and memory come from the advice."""
 
 
+def add_advice_args(advice) -> None:
+    """The flags only ``--advice`` reads, on its argument group ``advice``."""
+    from ..cli.common import positive_int
+    from ..integration.profile_timing import ProfileSettings
+
+    advice.add_argument("--megatron-args", metavar='"FLAGS"', default=None,
+                        help="with --advice: the flags of your pretrain_gpt.py command, in one quoted string")
+    advice.add_argument("--nproc", type=positive_int, default=None,
+                        help="with --advice: ranks, one single-GPU node each (the command's world size)")
+    advice.add_argument("--profile", metavar="FILE", default=None,
+                        help="with --advice: a 'pipemesh profile' file of the command the advisor prices with "
+                             "(default: the command is profiled on this machine first, one thread as each rank runs)")
+    advice.add_argument("--profile-max-seconds", type=float, default=None, metavar="S",
+                        help="with --advice, profiling here: the time cap of each group of pieces the profile times "
+                             f"together ('pipemesh profile --max-seconds', default {ProfileSettings.max_seconds:g}); "
+                             "pieces not stable by then are marked so in the profile")
+    advice.add_argument("--only-advised", action="store_true",
+                        help="with --advice: run your command and the advised row only (the others are printed as "
+                             "planned, not run)")
+    advice.add_argument("--no-profile", action="store_true",
+                        help="with --advice: plan with analytic costs at --device-tflops x --mfu instead of a profile "
+                             "(what pipemesh plan --megatron-args does without --profile)")
+
+
 def run_flags(flags: Sequence[str], warmup: int, iters: int) -> List[str]:
     """``flags`` with :data:`RUN_FLAGS` replaced: ``warmup + iters`` iterations, timers of every rank each iteration."""
     from ..integration.command_flags import expand_aliases, replace_flags
@@ -79,6 +103,8 @@ class AdviceSetup:
     repeats: int = ADVICE_REPEATS
     """Runs of every row, round-robin (the rows' order each round), their measured iterations pooled: a drift of
     the machine's speed reaches every row alike."""
+    profile_max_seconds: Optional[float] = None
+    """The time cap of each group of the profile taken here (None: the profile's default)."""
 
 
 def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> AdviceSetup:
@@ -139,6 +165,12 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
         gbps = shaping.payload_bytes_per_s * 8 / 1e9
     if args.profile and args.no_profile:
         raise UsageError(f"--profile {args.profile} with --no-profile is contradictory: drop one of them")
+    cap = getattr(args, "profile_max_seconds", None)
+    if cap is not None:
+        check_number("--profile-max-seconds", cap, "3", positive=False, required=True)
+        if args.profile or args.no_profile:
+            raise UsageError(f"--profile-max-seconds {cap:g} with {'--profile' if args.profile else '--no-profile'} "
+                             "is contradictory: it caps the profile taken here. Drop one of them")
     if args.profile and not os.path.isfile(args.profile):
         raise UsageError(f"--profile {args.profile}: no such file. Make one with pipemesh profile --megatron-args "
                          "\"<the same flags>\" --output FILE, or drop --profile to profile here first")
@@ -150,7 +182,7 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
                                    device_memory_gb=memory_gb / args.nproc, profile=args.profile, shared_cores=shared,
                                    pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)),
                                    nic_burst_bytes=shaping.burst_bytes if shaping is not None else 0.0)
-    return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb, int(repeats))
+    return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb, int(repeats), cap)
 
 
 def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], default_rate: str) -> int:
@@ -169,7 +201,7 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     if setup.settings.profile is None and not args.no_profile:
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
-                                                 min(setup.settings.nproc, setup.cores))))
+                                                 min(setup.settings.nproc, setup.cores), setup.profile_max_seconds)))
         parsed = with_profile(parsed, setup.settings)
     refuse_loaded_profile(setup.settings.profile)
     if setup.settings.shared_cores is not None:
@@ -233,16 +265,18 @@ def profiled_micro_batch(words: Sequence[str]) -> int:
     return min(largest, known.global_batch_size) if known.global_batch_size else largest
 
 
-def profile_here(words: Sequence[str], path: str, computing: int = 1) -> str:
+def profile_here(words: Sequence[str], path: str, computing: int = 1, max_seconds: Optional[float] = None) -> str:
     """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs, with ``computing``
-    cores computing at once, as the ranks will) into ``path``."""
+    cores computing at once, as the ranks will) into ``path``; ``max_seconds``: each group's time cap (None: the
+    profile's default)."""
     from ..integration.megatron_command import CommandError
     from ..integration.profile import ProfileSettings, measure_profile
 
     log(f"pipemesh bench --advice: profiling the command on this machine into {path}")
     try:
+        capped = {} if max_seconds is None else {"max_seconds": float(max_seconds)}
         profile = measure_profile(list(words), ProfileSettings(max_micro_batch=profiled_micro_batch(words),
-                                                               ranks_per_node=computing),
+                                                               ranks_per_node=computing, **capped),
                                   progress=lambda line: log(f"  {line}"))
     except CommandError as error:
         raise UsageError(f"--megatron-args: {error}") from error

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli.common import UsageError, check_number, parse_number, positive_int, require_matplotlib, run_command
 from ..planning.defaults import MFU
+from .advice_run import add_advice_args
 from .nic_queue import NIC_QUEUES
 from .runner import SCHEDULE_ALIASES, SCHEDULES, AutoPlanSettings, ModelSetup, ParallelConfig, bench_gpt
 from .session import compact_row, log, print_results, run_all, summary_document  # noqa: F401 (compact_row: the JSON's rows)
@@ -84,24 +85,11 @@ def _add_mode_args(p) -> None:
                         "--nproc single-GPU nodes at --rate on this machine: run your command and every advice row on "
                         "the per-rank network, and print predicted against measured iteration time per row, the "
                         "advised row's measured speed-up, and the cost that differs where a prediction misses by "
-                        "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile or --no-profile, --warmup "
+                        "more than 10%%. Takes --megatron-args, --nproc, --rate or --unshaped, --profile, --no-profile or "
+                        "--profile-max-seconds, --warmup "
                         "(default 1), --iters (default 3), --repeats (rounds of every row in turn, default 1), --device-tflops, "
                         "--mfu, --pin-cores, --json, --out-dir")
-    advice = p.add_argument_group("--advice")
-    advice.add_argument("--megatron-args", metavar='"FLAGS"', default=None,
-                        help="with --advice: the flags of your pretrain_gpt.py command, in one quoted string")
-    advice.add_argument("--nproc", type=positive_int, default=None,
-                        help="with --advice: ranks, one single-GPU node each (the command's world size)")
-    advice.add_argument("--profile", metavar="FILE", default=None,
-                        help="with --advice: a 'pipemesh profile' file of the command the advisor prices with "
-                             "(default: the command is profiled on this machine first, one thread as each rank runs)")
-    advice.add_argument("--only-advised", action="store_true",
-                        help="with --advice: run your command and the advised row only (the others are printed as "
-                             "planned, not run)")
-    advice.add_argument("--no-profile", action="store_true",
-                        help="with --advice: plan with analytic costs at --device-tflops x --mfu instead of a profile "
-                             "(what pipemesh plan --megatron-args does without --profile)")
-
+    add_advice_args(p.add_argument_group("--advice"))
 
 def _add_run_args(run) -> None:
     """The layouts, schedules, memory budget and repeats that are run."""

@@ -56,6 +56,9 @@ def no_runs(monkeypatch):
     (["--advice", "--megatron-args", TINY, "--nproc", "2", "--network", "shared"], "--network shared"),
     (["--advice", "--megatron-args", TINY, "--nproc", "2", "--iters", "0"], "--iters"),
     (["--advice", "--megatron-args", TINY, "--nproc", "300"], "--nproc"),
+    (["--advice", "--megatron-args", TINY, "--nproc", "2", "--profile-max-seconds", "-1"], "--profile-max-seconds"),
+    (["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--no-profile", "--profile-max-seconds", "2"],
+     "--profile-max-seconds 2 with --no-profile is contradictory"),
     (["--nproc", "2"], "--nproc needs --advice"),
     (["--megatron-args", TINY], "--megatron-args needs --advice"),
 ])
@@ -326,14 +329,11 @@ def test_end_to_end_on_the_smallest_command(tmp_path, capsys, monkeypatch):
     predicted and a measured time, and the product's own lines are printed. (The test machine is shared: a profile
     timed beside other work would be refused, which the refusal's own test covers.)"""
     monkeypatch.setattr(advice_run, "refuse_loaded_profile", lambda path: None)
-    from megatron_pipemesh.integration import profile
-
-    measure = profile.measure_profile  # its repeats until medians are stable: this test checks the flow, not them
-    monkeypatch.setattr(profile, "measure_profile", lambda words, settings, progress: measure(
-        words, dataclasses.replace(settings, max_seconds=0.5), progress))
     out = tmp_path / "advice.json"
+    # The profile's groups capped at 0.5 s: this test checks the flow, not the repeats until medians are stable.
     code = bench_cli.main(["--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--warmup", "1",
-                           "--iters", "1", "--json", str(out), "--out-dir", str(tmp_path / "runs")])
+                           "--iters", "1", "--profile-max-seconds", "0.5", "--json", str(out),
+                           "--out-dir", str(tmp_path / "runs")])
     text = capsys.readouterr().out
     assert code == 0, text
     document = json.loads(out.read_text())
@@ -342,3 +342,4 @@ def test_end_to_end_on_the_smallest_command(tmp_path, capsys, monkeypatch):
     assert all(r["measured_parts_s"] is not None for r in document["rows"])
     assert "pipemesh bench --advice: 2 ranks" in text and "advised row (" in text and "meas x user" in text
     assert len(document["load_average"]["before"]) == 3 and "load average" in text
+    assert json.loads((tmp_path / "runs" / "profile.json").read_text())["method"]["max_seconds"] == 0.5
