@@ -81,8 +81,16 @@ def test_cpu_only_mode_passes_and_prints_its_summary(tmp_path):
     # every piece (its allocator-against-meter part needs CUDA).
     blocks = checks["host_blocks"]
     assert blocks["status"] == "pass" and blocks["no_late_allocation"] and blocks["pool_reserved_as_planned"]
+    assert all(r["late_allocations"] == 0 and r["pool_bytes"] > 0 for r in blocks["ranks"])
+    assert zero2["first_iteration_rel_grad_norm_diff"] <= 1e-5 and zero2["first_iteration_max_rel_loss_diff"] == 0.0
+    for rank in zero2["ranks"]:
+        assert rank["reduce_ops"] == rank["planned_reduce_ops"] == 18 and 0 < rank["reduce_waits"] <= rank["reduce_ops"]
+    assert offload["meter"] == "saved-tensors"
+    for rank in offload["ranks"]:
+        assert rank["predicted_host_peak"] > 0 and rank["measured_host_peak"] > 0
+        assert all(abs(ratio - 1) <= offload["tolerance"] for ratio in (rank["device_ratio"], rank["host_ratio"])), rank
     profile = checks["profile"]
-    assert profile["status"] == "pass" and profile["unmeasured"] == []
+    assert profile["status"] == "pass" and profile["unmeasured"] == [] and profile["micro_batch_sizes"] == [1, 2]
     assert profile["kept_bytes_against_meter"].startswith("skipped: needs CUDA")
     assert summary["seconds"] < 480
 

@@ -1,30 +1,10 @@
 """gpu_check_lib/meter_offload.py: the meter under host placement is compared with the plan's prediction, and the
-comparison fails when the device keeps counting what host placement moved out."""
+comparison fails when the device keeps counting what host placement moved out. The check passing, with
+the same facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 
 from .child import printed, run_child
-
-
-
-def test_meter_under_host_placement_meets_the_plan_on_every_rank():
-    """Every placement kind on both ranks, the ranks taking turns: losses and gradients as the whole model's, each
-    rank's measured device and host peaks within the tolerance of the simulator's, the pinned blocks as planned."""
-    proc = run_child("""
-        import json
-        from gpu_check_lib import common, meter_offload
-        device = common.setup(cpu_only=True)
-        result = meter_offload.check_meter_offload(device)
-        print("result", json.dumps({k: v for k, v in result.items() if k != "run"}, default=str))
-        print("run", json.dumps({k: result["run"].get(k) for k in ("status", "max_rel_grad_diff", "host_placed")}))
-    """, timeout=300)
-    result = printed(proc)
-    assert result["status"] == "pass" and result["meter"] == "saved-tensors", result
-    assert len(result["ranks"]) == 2
-    for rank in result["ranks"]:
-        assert rank["predicted_host_peak"] > 0 and rank["measured_host_peak"] > 0
-        for ratio in (rank["device_ratio"], rank["host_ratio"]):
-            assert abs(ratio - 1) <= result["tolerance"], rank
 
 
 def test_meter_offload_check_fails_when_offloaded_bytes_stay_counted_on_the_device():

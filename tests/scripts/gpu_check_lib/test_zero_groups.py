@@ -1,5 +1,6 @@
 """gpu_check_lib/zero_groups.py: ZeRO-2 with several backward groups runs the plan's REDUCE ops, waits for their
-reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check."""
+reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check. The check passing, with
+the same facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 import textwrap
@@ -15,7 +16,6 @@ _RUN = """
 """
 
 
-
 def test_planned_reduces_counts_every_group_but_the_last_per_chunk():
     """Four backward groups on two chunks: three REDUCE ops per chunk on every rank (the last group's reduction is
     Megatron's own grad sync); without sharding none."""
@@ -25,15 +25,6 @@ def test_planned_reduces_counts_every_group_but_the_last_per_chunk():
         print("plain", zero_groups.planned_reduces(2, 2, 8, (4, 4), (2, 2, 2, 2), ()))
     """, timeout=120)
     assert "zero2 [6, 6]" in proc.stdout and "plain [0, 0]" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
-def test_zero2_with_several_backward_groups_keeps_the_gradients():
-    """Every planned REDUCE runs and is waited for; losses and grad norms equal the unsharded run's."""
-    result = printed(run_child(_RUN, timeout=300))
-    assert result["status"] == "pass", result
-    assert result["first_iteration_rel_grad_norm_diff"] <= 1e-5 and result["first_iteration_max_rel_loss_diff"] == 0.0
-    for rank in result["ranks"]:
-        assert rank["reduce_ops"] == rank["planned_reduce_ops"] == 18 and 0 < rank["reduce_waits"] <= rank["reduce_ops"]
 
 
 def test_zero2_check_fails_when_a_group_reduction_loses_its_gradients():
