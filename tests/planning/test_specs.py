@@ -11,8 +11,11 @@ from megatron_pipemesh.schedule.config import ScheduleConfig
 from tests import megatron_harness as h
 
 
-@pytest.mark.parametrize("shape", ["dense", "moe", "moe-every-2nd-shared-gated", "moe-bias-layernorm"])
-def test_parameter_counts_equal_megatrons_built_model(shape):
+SHAPES = ["dense", "moe", "moe-every-2nd-shared-gated", "moe-bias-layernorm"]
+
+
+def _shape(shape: str):
+    """(TransformerConfig fields, our MoeSpec) of one test shape."""
     config = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=256,
                   seq_length=32, num_query_groups=2, gated_linear_unit=True, normalization="RMSNorm",
                   add_bias_linear=False)
@@ -25,14 +28,26 @@ def test_parameter_counts_equal_megatrons_built_model(shape):
         moe = dataclasses.replace(moe, pattern=(1, 0, 1, 0), shared_ffn=32, shared_gate=True)
     if shape == "moe-bias-layernorm":
         config.update(add_bias_linear=True, normalization="LayerNorm")
-    built = h.run_worker("tests.planning.spec_workers:built_parameters", nproc=1,
-                         kwargs={"config": dict(config), "untie": True})[0]
+    return config, moe
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Shape -> the parameters of Megatron's built model (every shape built in one worker: its start-up is most of
+    the time)."""
+    return h.run_worker("tests.planning.spec_workers:built_parameters", nproc=1, timeout=240,
+                        kwargs={"configs": {shape: _shape(shape)[0] for shape in SHAPES}, "untie": True})[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parameter_counts_equal_megatrons_built_model(shape, built):
+    config, moe = _shape(shape)
     model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
                       ffn_hidden_size=96, num_query_groups=2, swiglu=True, position_embedding="learned_absolute",
                       normalization=config["normalization"], linear_bias=config["add_bias_linear"],
                       tied_embeddings=False, moe=moe)
     ours = 4 * model.layer_params() + model.embedding_params() + model.vocab_size * 64 + model.norm_params()
-    assert ours == pytest.approx(built, abs=0.5)
+    assert ours == pytest.approx(built[shape], abs=0.5)
 
 
 def test_weights_and_optimizer_per_rank_match_megatrons_theoretical_memory():
