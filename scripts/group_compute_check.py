@@ -33,7 +33,7 @@ WARMUP, ITERS = 4, 10
 """Iterations per run: the first WARMUP are not counted."""
 
 
-def _sizes(words: Sequence[str]) -> int:
+def _microbatches(words: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--global-batch-size", type=int, required=True)
@@ -83,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_pipemesh.bench.netns import ShapedNamespace, Shaping, permission_problem
 
     words = shlex.split(args.megatron_args)
-    m = _sizes(words)
+    m = _microbatches(words)
     bad = [g for g in args.groups if g < 2 or m % g]
     if bad:
         parser.error(f"--groups {' '.join(map(str, bad))}: each must be >= 2 (p) and divide m = {m}")

@@ -165,7 +165,7 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
         gbps = shaping.payload_bytes_per_s * 8 / 1e9
     if args.profile and args.no_profile:
         raise UsageError(f"--profile {args.profile} with --no-profile is contradictory: drop one of them")
-    cap = getattr(args, "profile_max_seconds", None)
+    cap = args.profile_max_seconds
     if cap is not None:
         check_number("--profile-max-seconds", cap, "3", positive=False, required=True)
         if args.profile or args.no_profile:

@@ -91,6 +91,7 @@ def _add_mode_args(p) -> None:
                         "--mfu, --pin-cores, --json, --out-dir")
     add_advice_args(p.add_argument_group("--advice"))
 
+
 def _add_run_args(run) -> None:
     """The layouts, schedules, memory budget and repeats that are run."""
     run.add_argument("--configs", nargs="+", default=None, metavar="ppNxdpM",

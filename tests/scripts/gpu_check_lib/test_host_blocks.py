@@ -1,6 +1,6 @@
 """gpu_check_lib/host_blocks.py: a plan with host placement reserves its pool before the first call and allocates no
-block late; a plan whose blocks are too small for what the forwards save fails the check. The check passing, with
-the same facts: tests/scripts/test_gpu_check.py."""
+block late; a plan whose blocks are too small for what the forwards save fails the check. The check passing, with the
+same facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 import textwrap

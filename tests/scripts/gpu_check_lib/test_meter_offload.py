@@ -1,6 +1,6 @@
 """gpu_check_lib/meter_offload.py: the meter under host placement is compared with the plan's prediction, and the
-comparison fails when the device keeps counting what host placement moved out. The check passing, with
-the same facts: tests/scripts/test_gpu_check.py."""
+comparison fails when the device keeps counting what host placement moved out. The check passing, with the same
+facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 

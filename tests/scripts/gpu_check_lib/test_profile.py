@@ -1,7 +1,6 @@
-"""gpu_check_lib/profile.py: the profile of the small GPT measures every piece; its kept bytes read from the
-allocator (faked on CPU) meet the saved-tensor meter's, and a reading that lets the previous call's tensors free
-inside its window does not. The check passing, with
-the same facts: tests/scripts/test_gpu_check.py."""
+"""gpu_check_lib/profile.py: the profile of the small GPT measures every piece; its kept bytes read from the allocator
+(faked on CPU) meet the saved-tensor meter's, and a reading that lets the previous call's tensors free inside its
+window does not. The check passing, with the same facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 import textwrap

@@ -1,6 +1,6 @@
 """gpu_check_lib/zero_groups.py: ZeRO-2 with several backward groups runs the plan's REDUCE ops, waits for their
-reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check. The check passing, with
-the same facts: tests/scripts/test_gpu_check.py."""
+reduce-scatters, and keeps the gradients; a reduction that loses a group's gradients fails the check. The check
+passing, with the same facts: tests/scripts/test_gpu_check.py."""
 from __future__ import annotations
 
 import textwrap
