@@ -19,12 +19,15 @@ The search prices every candidate with the planner's own costs and simulator, an
   exceed the memory; the rest are searched in order of that bound, on each side, until the bound reaches the best
   time found (PipeMesh: :func:`.planner.plan_schedule`, which prunes its group lists by their time without memory
   levers and their critical path and fits at most :data:`FIT_LIMIT` of them to the memory; stock:
-  :func:`.stock.best_stock` at that V, which prunes by compute and critical path). :func:`search_layouts` is that loop (the study runs its PipeMesh side). Stopped early (a
-  time limit, ``pipemesh plan``'s default :data:`.defaults.SEARCH_SECONDS`; a stop request from a signal; or the
-  study's cap on candidates), it keeps the rows found and records the least bound left (:class:`SearchLog`): no
-  layout left unsearched runs faster than that, and a side with no row says its candidates were not reached. With
-  ``jobs`` > 1 the loop runs on worker processes (:mod:`.parallel_search`), and so do the user layout's rows, with
-  the same rows to the float.
+  :func:`.stock.best_stock` at that V, which prunes by compute and critical path). :func:`search_layouts` is that
+  loop (the study runs its PipeMesh side). It starts from the faster of the user layout's rows and the first rows
+  (:func:`.advice_search.first_row`: the :data:`.advice_search.FIRST_ROWS` least-bound candidates, each priced on one
+  schedule, Megatron's order), so that a search stopped early where one candidate's whole search takes minutes still
+  answers with rows near the best. Stopped early (a time limit, ``pipemesh plan``'s default
+  :data:`.defaults.SEARCH_SECONDS`; a stop request from a signal; or the study's cap on candidates), it keeps the rows
+  found and records the least bound left (:class:`SearchLog`): no layout left unsearched runs faster than that, and a
+  side with no row says its candidates were not reached. With ``jobs`` > 1 the loop runs on worker processes
+  (:mod:`.parallel_search`), and so do the user layout's rows and the first rows, with the same rows to the float.
 
 The rows (:class:`Advice`): ``user`` (the command as given), ``best_stock`` (stock's best V, group size,
 recomputation, offloading for the user's layout and split), ``pipemesh`` (PipeMesh for the user's layout, V and
@@ -43,8 +46,8 @@ from .costs import ep_crosses_nic, ep_exchange_s
 from .advice_candidates import OVERLAP_FLAGS, Candidate, candidates, micro_batch_sizes, parallel_layouts
 from .advice_rows import (ROWS, Advice, AdviceCluster, AdviceProblem, AdviceRow, ParallelLayout, SearchLog,
                           tokens_per_s)
-from .advice_search import (Progress, StopRequest, UserLayout, run_side, say_row, search_layouts, user_candidate,
-                            user_row, plan_row, stock_row)
+from .advice_search import (Progress, StopRequest, UserLayout, faster, run_side, say_row, search_layouts,
+                            user_candidate, user_row, plan_row, stock_row)
 from .simulator import SearchTimeUp
 
 __all__ = ["ROWS", "OVERLAP_FLAGS", "Advice", "AdviceCluster", "AdviceProblem", "AdviceRow", "Candidate",
@@ -73,10 +76,12 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
     user = user_candidate(problem, cluster, problem.vpp)
     pipemesh_ok = problem.pipemesh_refused is None
     unpriced: List[str] = []
+    first_pm = first_st = None
     with UserLayout(problem, cluster, user, pipemesh_ok and problem.vpp >= 2, jobs, stop, progress) as own:
         rows["user"] = user_row(problem, cluster)
         say_row(progress, rows["user"])
         found = candidates(problem, cluster)
+        own.start_first(found, pipemesh_ok, deadline_s)
         stock = plan = None
         for name, price in (("best_stock", own.stock), ("pipemesh", own.plan)):
             try:
@@ -86,6 +91,13 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
                     plan = price()
             except SearchTimeUp:
                 unpriced.append(name)
+        limits = (plan.result.iteration_s if plan is not None else float("inf"),
+                  stock.iteration_s if stock is not None else float("inf"))
+        if not unpriced:
+            try:
+                first_pm, first_st = own.first_rows(found, pipemesh_ok, limits, deadline_s)
+            except SearchTimeUp:
+                pass
     for name in unpriced:
         notes.append(f"{name}: not priced, the advice was interrupted ({stop.reason}) before it was")
     if stock is not None:
@@ -111,13 +123,16 @@ def advise(problem: AdviceProblem, cluster: AdviceCluster, search_seconds: Optio
         progress(f"{len(found)} candidates (TP x PP x DP, V, layer split) whose weights fit, searched in the order of "
                  f"their bound{left}")
     log = SearchLog()
+    best_pm = faster(rows["pipemesh"], first_pm) if pipemesh_ok else None
+    best_st = faster(rows["best_stock"], first_st)
+    for row in (best_pm, best_st):
+        if row is not None and row.name.startswith("best_layout"):  # a first row beat the user layout's
+            say_row(progress, row)
     if stop and found:
         log.stop("interrupted", found[0].bound_s)
-        best_pm, best_st = rows["pipemesh"] if pipemesh_ok else None, rows["best_stock"]
     else:
-        best_pm, best_st = search_layouts(problem, cluster, found, rows["pipemesh"] if pipemesh_ok else None,
-                                          rows["best_stock"], pipemesh=pipemesh_ok, log=log, progress=progress,
-                                          deadline_s=deadline_s, jobs=jobs, stop=stop)
+        best_pm, best_st = search_layouts(problem, cluster, found, best_pm, best_st, pipemesh=pipemesh_ok, log=log,
+                                          progress=progress, deadline_s=deadline_s, jobs=jobs, stop=stop)
     reached = sum(1 for c in found if log.unsearched_bound_s is None or c.bound_s < log.unsearched_bound_s)
     why = _why_stopped(log, search_seconds, stop)
     if pipemesh_ok:

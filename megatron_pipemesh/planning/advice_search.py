@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..schedule.config import ScheduleConfigError
+from ..schedule.config import ScheduleConfig, ScheduleConfigError
 from ..schedule.levers import RECOMPUTE_ONLY
 from .advice_candidates import Candidate
 from .advice_rows import AdviceCluster, AdviceProblem, AdviceRow, SearchLog
@@ -60,15 +60,67 @@ def plan_candidate(candidate: Candidate, cluster: AdviceCluster, incumbent_s: fl
 
 def stock_candidate(candidate: Candidate, problem: AdviceProblem, cluster: AdviceCluster,
            incumbent_s: float = float("inf"), vpps: Optional[Sequence[int]] = None,
-           time_up: TimeUp = None) -> Optional[StockResult]:
-    """Stock's best setting for one candidate's layout and split, at its V (or ``vpps``)."""
+           time_up: TimeUp = None, groups: Optional[Sequence[Optional[int]]] = None) -> Optional[StockResult]:
+    """Stock's best setting for one candidate's layout and split, at its V (or ``vpps``; ``groups``: only these group
+    sizes, :func:`.stock.best_stock`)."""
     budget = activation_budget(candidate.model, candidate.cluster, candidate.layout.pp, cluster.budget_bytes,
                                candidate.vpp)
     host = host_bytes(cluster) if candidate.model.layer_spec == "te" else None
     return best_stock(candidate.model, candidate.cluster, candidate.layout.pp, candidate.microbatches, budget,
                       problem.grad_reduce_in_bf16, sharding=candidate.stock_sharding, host_limit=host,
                       vpps=vpps or (candidate.vpp,),
-                      incumbent_s=incumbent_s, time_up=time_up, profile=candidate.profile)
+                      incumbent_s=incumbent_s, time_up=time_up, profile=candidate.profile, groups=groups)
+
+
+FIRST_ROWS = 4
+"""Candidates, least bound first, priced quickly before the layout search (:func:`first_row`): at large micro-batch
+counts one candidate's whole search takes a minute per side, and the first rows bound it from the start."""
+
+
+def first_row(problem: AdviceProblem, cluster: AdviceCluster, candidate: Candidate, side: str,
+              deadline_s: Optional[float] = None, time_up: TimeUp = None) -> Optional[AdviceRow]:
+    """A quick real row of ``candidate`` for ``side`` (None where nothing fits, or the time passed): PipeMesh's plan
+    of Megatron's order (groups of p, the structured family's least activation memory) fitted to the memory with the
+    search's levers, one group list where the search fits the three fastest of a hundred or more; stock's best setting
+    at Megatron's default group size (g = p; 1F1B at V = 1), one schedule where the search tries every g. Stock's is
+    one of the settings its search compares, so never faster than the candidate's ``best_layout_stock``; PipeMesh's may
+    be faster than the search's (whose three lists are the fastest before memory levers, not after). ``deadline_s``
+    (a :func:`time.monotonic` instant, for worker processes) or ``time_up``: asked before each simulation."""
+    def late() -> bool:
+        return (deadline_s is not None and time.monotonic() >= deadline_s) or (time_up is not None and time_up())
+
+    try:
+        if side == "pipemesh":
+            config = ScheduleConfig.depth_first(candidate.layout.pp, candidate.vpp, candidate.microbatches)
+            costs = costs_for(candidate.model, candidate.cluster, config, profile=candidate.profile)
+            plan = fit_with_recompute(config, costs, cluster.budget_bytes,
+                                      search_options(candidate.layout.pp, candidate.microbatches, host_bytes(cluster)),
+                                      time_up=late)
+            return plan_row("best_layout", candidate, plan) if plan.fits else None
+        result = stock_candidate(candidate, problem, cluster, time_up=late,
+                                 groups=(None,) if candidate.vpp == 1 else (candidate.layout.pp,))
+        return None if result is None else stock_row("best_layout_stock", candidate, result, cluster)
+    except (SearchTimeUp, ScheduleConfigError):
+        return None
+
+
+def first_tasks(found: Sequence[Candidate], pipemesh: bool, limits: Tuple[float, float]) -> List[Tuple[Candidate, str]]:
+    """The (candidate, side) pairs :func:`first_row` prices: the :data:`FIRST_ROWS` least-bound candidates of each
+    side (PipeMesh: V >= 2) whose bound is below that side's time so far (``limits``: PipeMesh's, stock's)."""
+    tasks = []
+    for side, limit in zip(("pipemesh", "stock"), limits):
+        if side == "pipemesh" and not pipemesh:
+            continue
+        fit = [c for c in found if c.bound_s < limit and (side == "stock" or c.vpp >= 2)][:FIRST_ROWS]
+        tasks += [(c, side) for c in fit]
+    return tasks
+
+
+def faster(row: Optional[AdviceRow], other: Optional[AdviceRow]) -> Optional[AdviceRow]:
+    """The faster fitting row of the two (ties: ``row``)."""
+    if other is None or not other.fits or (row is not None and row.fits and row.iteration_s <= other.iteration_s):
+        return row
+    return other
 
 
 def stock_row(name: str, candidate: Candidate, result: StockResult, cluster: AdviceCluster) -> AdviceRow:
@@ -135,8 +187,9 @@ class UserLayout:
         self._pipemesh, self._stop, self._progress = pipemesh, stop, progress
         self._started = time.monotonic()
         self._next_beat = self._started + HEARTBEAT_S
-        self._pool = WorkerPool(min(2 if pipemesh else 1, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
+        self._pool = WorkerPool(min(2, jobs_here(jobs))) if jobs_here(jobs) > 1 else None
         self._stock = self._plan = None
+        self._first: List[Tuple[Candidate, str, object]] = []
         if self._pool is not None:
             user, problem, cluster, vpps = self._args
             self._stock = self._pool.submit(stock_candidate, user, problem, cluster, float("inf"), vpps)
@@ -152,7 +205,7 @@ class UserLayout:
     def _beat(self, what: str) -> bool:
         """Progress when due; True when asked to stop."""
         if self._progress is not None and time.monotonic() >= self._next_beat:
-            self._progress(f"pricing {what} for your layout ({time.monotonic() - self._started:.0f} s so far)")
+            self._progress(f"pricing {what} ({time.monotonic() - self._started:.0f} s so far)")
             self._next_beat = time.monotonic() + HEARTBEAT_S
         return bool(self._stop)
 
@@ -172,7 +225,7 @@ class UserLayout:
                 raise
 
     def stock(self) -> Optional[StockResult]:
-        what = "stock's settings (every V, group size, recomputation)"
+        what = "stock's settings (every V, group size, recomputation) for your layout"
         if self._pool is not None:
             return self._wait(self._stock, what)
         user, problem, cluster, vpps = self._args
@@ -181,10 +234,41 @@ class UserLayout:
     def plan(self) -> Optional[Plan]:
         if not self._pipemesh:
             return None
-        what = "PipeMesh's groups and placement"
+        what = "PipeMesh's groups and placement for your layout"
         if self._pool is not None:
             return self._wait(self._plan, what)
         return plan_candidate(self._args[0], self._args[2], time_up=lambda: self._beat(what))
+
+    def start_first(self, found: Sequence[Candidate], pipemesh: bool, deadline_s: Optional[float]) -> None:
+        """With workers: queue :func:`first_row` for :func:`first_tasks` behind the user layout's rows (a worker done
+        with stock's row takes them while the other prices PipeMesh's); nothing once stopped or past ``deadline_s``."""
+        if self._pool is None or self._stop or (deadline_s is not None and time.monotonic() >= deadline_s):
+            return
+        _, problem, cluster, _ = self._args
+        self._first = [(candidate, side, self._pool.submit(first_row, problem, cluster, candidate, side, deadline_s))
+                       for candidate, side in first_tasks(found, pipemesh, (float("inf"), float("inf")))]
+
+    def first_rows(self, found: Sequence[Candidate], pipemesh: bool, limits: Tuple[float, float],
+                   deadline_s: Optional[float]) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
+        """(PipeMesh's, stock's) fastest :func:`first_row` strictly below ``limits`` (ties: the least bound), None
+        where none is: the same rows with workers (which priced them from :meth:`start_first` on, with no limit) as
+        without (pricing here only the candidates whose bound is below the limits, which no other could beat)."""
+        what = f"the first rows of the {FIRST_ROWS} least-bound candidates"
+        if self._pool is not None:
+            priced = [(candidate, side, self._wait(future, what)) for candidate, side, future in self._first]
+        elif self._stop or (deadline_s is not None and time.monotonic() >= deadline_s):
+            priced = []
+        else:
+            _, problem, cluster, _ = self._args
+            priced = [(candidate, side, first_row(problem, cluster, candidate, side, deadline_s,
+                                                  lambda: self._beat(what)))
+                      for candidate, side in first_tasks(found, pipemesh, limits)]
+        best: List[Optional[AdviceRow]] = [None, None]
+        for _, side, row in priced:
+            slot = ("pipemesh", "stock").index(side)
+            if row is not None and row.fits and row.iteration_s < limits[slot]:
+                best[slot] = faster(best[slot], row)
+        return best[0], best[1]
 
 
 Progress = Optional[Callable[[str], None]]

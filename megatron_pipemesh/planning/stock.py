@@ -189,7 +189,7 @@ class _StockOption(NamedTuple):
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
              host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
-             profile: Optional[Profile] = None) -> List[_Choice]:
+             profile: Optional[Profile] = None, groups: Optional[Sequence[Optional[int]]] = None) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
@@ -202,11 +202,11 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
     Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
     activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
     option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits. ``vpps``: only
-    these V (default: every V of :func:`schedule_options`)."""
+    these V (default: every V of :func:`schedule_options`); ``groups``: only these g (None: 1F1B)."""
     out = []
     limits = per_rank(budget, pp)
     for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
-        if vpps is not None and vpp not in vpps:
+        if (vpps is not None and vpp not in vpps) or (groups is not None and g not in groups):
             continue
         options = recompute_options(max(model.stage_layers(pp, vpp)), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
@@ -313,7 +313,8 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
                grad_reduce_in_bf16: bool = False, sharding: Sequence[Optional[str]] = (None,),
                host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
                incumbent_s: float = float("inf"), time_up: TimeUp = None,
-               profile: Optional[Profile] = None) -> Optional[StockResult]:
+               profile: Optional[Profile] = None,
+               groups: Optional[Sequence[Optional[int]]] = None) -> Optional[StockResult]:
     """The fastest stock setting whose per-rank peak fits ``budget``; None if none fits. ``sharding``: the
     uniform levels to try (:data:`STOCK_SHARDING`; default: none named, the distributed optimizer assumed).
     ``host_limit``: host memory per device for Megatron's activation offloading (None: not tried; it is
@@ -325,11 +326,11 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     communication, never compute, so it holds at every level), then the critical path of those it leaves
     (:meth:`_Choice.path_bound_s`); they are simulated in order of that path, and a simulation stops once it is known
     to end after the fastest time found.
-    ``vpps``: only these V. ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
+    ``vpps``: only these V; ``groups``: only these group sizes g (None: 1F1B). ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
     simulated, nor run past it (None if none can beat it). ``time_up``: asked before each simulation; True stops
     the search with :class:`.simulator.SearchTimeUp`."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps,
-                       profile)
+                       profile, groups)
     # Simulated in the order of their critical path (:meth:`_Choice.path_bound_s`; most of a simulated time beyond
     # the compute bound is bubbles and exposed transfers, which the path has), each only while it may beat the fastest
     # found. A path is at least its compute bound, so it is taken only for the choices whose compute bound comes

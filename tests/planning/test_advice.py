@@ -42,9 +42,21 @@ def test_candidates_are_sorted_by_their_bound_and_drop_what_cannot_hold_its_weig
     assert len(candidates(problem(), small)) < len(found)
 
 
+def _first_rows(p: AdviceProblem, cluster: AdviceCluster):
+    """Per side, every first row of the least-bound candidates (:func:`.advice_search.first_row`), without limits."""
+    out = {"pipemesh": [], "stock": []}
+    for candidate, side in search.first_tasks(candidates(p, cluster), True, (float("inf"), float("inf"))):
+        row = search.first_row(p, cluster, candidate, side)
+        if row is not None:
+            out[side].append(row)
+    return out
+
+
 def _exhaustive(p: AdviceProblem, cluster: AdviceCluster):
-    """The best PipeMesh and stock times over every candidate, without pruning."""
-    pm, st = float("inf"), float("inf")
+    """The best PipeMesh and stock times over every candidate, without pruning, and over the first rows."""
+    first = _first_rows(p, cluster)
+    pm = min((row.iteration_s for row in first["pipemesh"] if row.fits), default=float("inf"))
+    st = float("inf")
     for c in candidates(p, cluster):
         if c.vpp >= 2:
             plan = search.plan_candidate(c, cluster)
@@ -53,6 +65,8 @@ def _exhaustive(p: AdviceProblem, cluster: AdviceCluster):
         result = search.stock_candidate(c, p, cluster)
         if result is not None:
             st = min(st, result.iteration_s)
+    # stock's first rows are settings its search compares: never below its best
+    assert all(row.iteration_s >= st * (1 - 1e-12) for row in first["stock"])
     return pm, st
 
 
@@ -73,6 +87,33 @@ def test_pruning_finds_the_exhaustive_best_and_simulates_fewer(full):
     simulated = advice.search.simulated
     assert simulated["pipemesh"] < advice.candidates and simulated["stock"] < advice.candidates
     assert advice.search.stopped_by is None and not any("stopped" in note for note in advice.notes)
+
+
+def test_the_first_rows_start_the_layout_search(monkeypatch):
+    """The first rows of the least-bound candidates (PipeMesh's Megatron order fitted to the memory; stock at g = p)
+    are real rows, and the faster of them and the user layout's is where the layout search starts: a search stopped at
+    its first candidate answers with them, not with the user's layout (PP = 2 here, slower than what they find)."""
+    p = problem(layout=ParallelLayout(1, 2, 4), stock=StockSetting(2, 2, 8))
+    first = _first_rows(p, CLUSTER)
+    for row in first["pipemesh"]:
+        groups = row.plan.config.forward_groups
+        assert row.fits and row.plan.config.backward_groups == groups and set(groups) == {row.layout.pp}
+    for row in first["stock"]:
+        assert row.stock.effective_group_size in (None, row.layout.pp)
+    started = {}
+
+    def stopped_search(problem_, cluster, found, best_pm, best_st, **kwargs):
+        started.update(pipemesh=best_pm, stock=best_st)
+        kwargs["log"].stop("max_simulated", found[0].bound_s)
+        return best_pm, best_st
+
+    monkeypatch.setattr(adv, "search_layouts", stopped_search)
+    advice = advise(p, CLUSTER)
+    for side, own in (("pipemesh", "pipemesh"), ("stock", "best_stock")):
+        best = min([advice.rows[own]] + first[side], key=lambda row: row.iteration_s)
+        assert started[side].iteration_s == best.iteration_s and started[side].describe() == best.describe()
+    assert advice.rows["best_layout"].iteration_s < advice.rows["pipemesh"].iteration_s  # the first rows won here
+    assert advice.rows["best_layout_stock"].iteration_s < advice.rows["best_stock"].iteration_s
 
 
 def test_progress_says_each_row_found_and_the_last_is_the_best(full):

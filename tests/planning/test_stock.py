@@ -62,6 +62,21 @@ def test_best_stock_is_the_fastest_fitting_setting_of_the_whole_space():
     assert best_stock(MODEL, CLUSTER, pp, m, budget, time_up=lambda: False) == best
 
 
+def test_best_stock_at_some_group_sizes_is_the_fastest_of_those_schedules():
+    """``groups`` keeps only those g (None: 1F1B): the fastest of best_per_schedule's entries at them, never faster
+    than the whole space's best."""
+    pp, m = 2, 8
+    budget = 0.6 * max(best_stock(MODEL, CLUSTER, pp, m, float("inf")).peak_activation_bytes)
+    per = best_per_schedule(MODEL, CLUSTER, pp, m, budget)
+    whole = best_stock(MODEL, CLUSTER, pp, m, budget)
+    for groups in ((None,), (pp,), (4,), (None, pp)):
+        chosen = best_stock(MODEL, CLUSTER, pp, m, budget, groups=groups)
+        assert chosen.setting.effective_group_size in groups
+        same = [r.iteration_s for (_, _, g, _), r in per.items() if g in groups]
+        assert chosen.iteration_s == pytest.approx(min(same)) and chosen.iteration_s >= whole.iteration_s, groups
+    assert best_stock(MODEL, CLUSTER, pp, m, budget, groups=(7,)) is None  # Megatron refuses g = 7 at m = 8, p = 2
+
+
 def test_default_command_is_g_equal_p_with_the_first_recomputation_that_fits():
     """Megatron's default command: 1F1B and g = p at every V, each with the first of none, selective, full
     block k = 1.. that fits; the best of them is never faster than best stock (whose space contains it)."""
