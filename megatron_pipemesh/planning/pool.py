@@ -10,9 +10,10 @@ workers while they run (the layout search publishes there the times that let a w
 
 A worker ends with its parent, however the parent ends: on Linux the kernel kills it when the parent dies
 (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set as it starts, so a parent killed with SIGKILL leaves no worker behind);
-elsewhere a thread of the worker watches its parent and ends it within :data:`WATCH_S`. A worker ignores SIGINT: a
-Ctrl-C in the terminal reaches every process of the foreground group, and the parent decides what to do with it
-(:meth:`WorkerPool.close` with ``abandon``: end the workers at once).
+elsewhere a thread of the worker watches its parent and ends it within :data:`WATCH_S`. A worker ignores SIGINT and
+SIGTERM: a Ctrl-C in the terminal, or a SIGTERM to the process group (``timeout``, Slurm's ``scancel``), reaches every
+process, and the parent decides what to do with it (:meth:`WorkerPool.close` with ``abandon``: end the workers at once,
+with SIGKILL).
 
 Pure: no torch.
 """
@@ -41,7 +42,10 @@ def _start_worker(board, parent: int) -> None:
     global _in_worker, _board
     _in_worker = True
     _board = board
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles the terminal's Ctrl-C
+    # The parent handles the terminal's Ctrl-C and a SIGTERM sent to the whole group (timeout, scancel, kill -- -PGID):
+    # a worker that ran the handler it inherited would print the parent's message and stop nothing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not _die_with(parent):
         threading.Thread(target=_watch, args=(parent,), name="watch parent", daemon=True).start()
 

@@ -54,15 +54,20 @@ def test_workers_end_when_their_parent_is_killed():
             parent.kill()
 
 
-def _ignores_sigint() -> bool:
-    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+def _ignores_sigint_and_sigterm() -> bool:
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
 
 
-def test_workers_ignore_sigint_and_abandon_ends_them_at_once():
-    """The terminal's Ctrl-C reaches the workers too: they leave it to the parent. close(abandon=True) ends workers in
-    the middle of a task without waiting for it."""
-    pool = WorkerPool(2)
-    assert pool.submit(_ignores_sigint).result() is True
+def test_workers_ignore_sigint_and_sigterm_and_abandon_ends_them_at_once():
+    """The terminal's Ctrl-C, or a SIGTERM to the process group, reaches the workers too: they leave it to the parent
+    (which would otherwise hear its stop message once per worker). close(abandon=True) ends workers in the middle of a
+    task without waiting for it."""
+    before = signal.signal(signal.SIGTERM, lambda *_: None)  # a parent's handler, which forked workers inherit
+    try:
+        pool = WorkerPool(2)
+        assert pool.submit(_ignores_sigint_and_sigterm).result() is True
+    finally:
+        signal.signal(signal.SIGTERM, before)
     pool.submit(time.sleep, 600)
     pool.submit(time.sleep, 600)
     time.sleep(0.5)
