@@ -21,7 +21,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..planning.costs import GB
-from ..planning.defaults import DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
+from ..planning.defaults import ANSWER_MARGIN_S, DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
 from ..planning.devices import Device, DeviceRate, rate_for
 from ..planning.profile import LinkRate
 from .common import UsageError, nonnegative_number, old_spelling, positive_int, positive_number
@@ -77,8 +77,9 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
                               "memory, as on commodity clouds)")
     search = parser.add_argument_group("search")
     search.add_argument("--search-seconds", type=nonnegative_number, default=SEARCH_SECONDS,
-                        help=f"stop the layout search once this many seconds have passed since the command started "
-                             f"(default {SEARCH_SECONDS:g}; 0: search to the end) and report the best rows found, with "
+                        help=f"answer within this many seconds of the command's start (default {SEARCH_SECONDS:g}; 0: "
+                             f"search to the end): the layout search stops {ANSWER_MARGIN_S:g} s before, to end its "
+                             "workers and print, and reports the best rows found, with "
                              "how much faster a layout left unsearched could be at most (the rows of your own layout are "
                              "always priced). Ctrl-C (SIGINT) or SIGTERM stops it the same way: the rows found so far, "
                              f"then exit status 128 + the signal ({INTERRUPTED_STATUS['SIGINT']} / "
@@ -503,7 +504,7 @@ def _advice(argv: Sequence[str], stop) -> int:
     user, problem, cluster, rate = problem_and_cluster(args, words)
     try:
         advice = advise(problem, cluster, search_seconds=args.search_seconds or None, progress=progress,
-                        jobs=jobs_here(args.jobs), stop=stop, counted_from=started)
+                        jobs=jobs_here(args.jobs), stop=stop, counted_from=started - ANSWER_MARGIN_S)
     except NoFeasiblePlan as error:
         raise UsageError(str(error)) from error
     if problem.max_tp == 1:

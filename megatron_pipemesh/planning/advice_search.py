@@ -199,8 +199,8 @@ class UserLayout:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.close(abandon=bool(self._stop))
+        if self._pool is not None:  # a first row still running is not waited for (it was left out)
+            self._pool.close(abandon=bool(self._stop) or any(not future.done() for _, _, future in self._first))
 
     def _beat(self, what: str) -> bool:
         """Progress when due; True when asked to stop."""
@@ -209,11 +209,14 @@ class UserLayout:
             self._next_beat = time.monotonic() + HEARTBEAT_S
         return bool(self._stop)
 
-    def _wait(self, future, what: str):
+    def _wait(self, future, what: str, deadline_s: Optional[float] = None):
+        """``future``'s result; None once ``deadline_s`` (a :func:`time.monotonic` instant) has passed."""
         from concurrent.futures import TimeoutError as Waiting
         from concurrent.futures.process import BrokenProcessPool
 
         while True:
+            if deadline_s is not None and time.monotonic() >= deadline_s and not future.done():
+                return None
             try:
                 return future.result(timeout=0.2)
             except Waiting:
@@ -252,10 +255,11 @@ class UserLayout:
                    deadline_s: Optional[float]) -> Tuple[Optional[AdviceRow], Optional[AdviceRow]]:
         """(PipeMesh's, stock's) fastest :func:`first_row` strictly below ``limits`` (ties: the least bound), None
         where none is: the same rows with workers (which priced them from :meth:`start_first` on, with no limit) as
-        without (pricing here only the candidates whose bound is below the limits, which no other could beat)."""
+        without (pricing here only the candidates whose bound is below the limits, which no other could beat). A row
+        not back by ``deadline_s`` is left out."""
         what = f"the first rows of the {FIRST_ROWS} least-bound candidates"
         if self._pool is not None:
-            priced = [(candidate, side, self._wait(future, what)) for candidate, side, future in self._first]
+            priced = [(candidate, side, self._wait(future, what, deadline_s)) for candidate, side, future in self._first]
         elif self._stop or (deadline_s is not None and time.monotonic() >= deadline_s):
             priced = []
         else:

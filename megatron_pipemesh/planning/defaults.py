@@ -20,3 +20,8 @@ workspace): the budget is the free (training) or total (planning) memory minus t
 SEARCH_SECONDS = 60.0
 """How long ``pipemesh plan --megatron-args`` searches the layouts unless told (``--search-seconds``; 0: to the end):
 it then answers with the best rows found and the bound of what it left."""
+
+ANSWER_MARGIN_S = 2.0
+"""Of ``--search-seconds``, the part the search leaves to what surrounds it, so that the answer is out that long after
+the command started: the interpreter's start before the search's clock (0.2-0.3 s here), and after the search, ending
+its workers (0.1-0.3 s) and printing the rows and exiting with torch loaded (1.2-1.4 s on a 2-core machine)."""

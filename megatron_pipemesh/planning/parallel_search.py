@@ -22,8 +22,8 @@ below the task's bound (then the sequential search prunes it too), and every tas
 
 ``deadline_s`` (``--search-seconds``) is the one part that is not the sequential search's: no task starts after it,
 a task whose side has a row stops at its next simulation after it, and the search keeps the candidates whose results
-came back before it, in order, and stops at the first one without; so, as with one process, the rows then depend on
-the machine's speed.
+came back before it, in order, and stops at the first one without, at the deadline (a task whose side has no row yet
+is waited for); so, as with one process, the rows then depend on the machine's speed.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
     known = {side: limit(side) for side in SIDES}
     results: Dict[Tuple[int, str], Tuple[str, Optional[AdviceRow]]] = {}
     running: Dict[Future, Tuple[int, str, float]] = {}
+    stoppable: Dict[Tuple[int, str], bool] = {}  # (candidate, side) -> its task stops at the deadline (the side has a row)
     next_submit, reduced = 0, 0
     submitting, out_of_time, done = True, False, False
     next_beat = time.monotonic() + heartbeat_s
@@ -111,6 +112,7 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                         future = pool.submit(run_side, problem, cluster, candidate, side, limits[side], deadline_s,
                                              best[side] is not None)
                         running[future] = (next_submit, side, time.monotonic())
+                        stoppable[(next_submit, side)] = best[side] is not None
                 next_submit += 1
             # Reduce in candidate order with the sequential rule, as far as the results allow.
             while not done and reduced < len(found):
@@ -129,6 +131,11 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                 missing = [side for side in needed if (reduced, side) not in results]
                 if missing:
                     if reduced >= next_submit and out_of_time:  # never started: the time had passed
+                        log.stop("search_seconds", candidate.bound_s)
+                        done = True
+                    elif stopped(deadline_s, None) and all(stoppable.get((reduced, side)) for side in missing):
+                        # Past the deadline, a task whose side has a row is dropped at its next simulation: its
+                        # result would not come back before the deadline, so the search ends here, not then.
                         log.stop("search_seconds", candidate.bound_s)
                         done = True
                     elif reduced < next_submit and not any(task[:2] == (reduced, side) for task in running.values()

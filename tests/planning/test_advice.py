@@ -1,5 +1,6 @@
 """planning/advice.py: the layouts searched, the bound-pruned search against an exhaustive one, and the rows."""
 import dataclasses
+import time
 
 import pytest
 
@@ -114,6 +115,24 @@ def test_the_first_rows_start_the_layout_search(monkeypatch):
         assert started[side].iteration_s == best.iteration_s and started[side].describe() == best.describe()
     assert advice.rows["best_layout"].iteration_s < advice.rows["pipemesh"].iteration_s  # the first rows won here
     assert advice.rows["best_layout_stock"].iteration_s < advice.rows["best_stock"].iteration_s
+
+
+def _a_long_first_row(problem_, cluster, candidate, side, deadline_s=None, time_up=None):
+    time.sleep(120)
+
+
+def test_first_rows_not_back_by_the_deadline_are_left_out_and_not_waited_for(monkeypatch):
+    """With workers, a first row still running at the deadline is left out and its worker ended with the user layout's
+    pool: the layout search does not start late, nor beside it."""
+    p = problem(layout=ParallelLayout(1, 2, 4), stock=StockSetting(2, 2, 8))
+    found = candidates(p, CLUSTER)
+    monkeypatch.setattr(search, "first_row", _a_long_first_row)
+    started = time.monotonic()
+    with search.UserLayout(p, CLUSTER, search.user_candidate(p, CLUSTER, p.vpp), True, 2) as own:
+        own.start_first(found, True, None)
+        assert own.stock() is not None and own.plan() is not None
+        assert own.first_rows(found, True, (float("inf"),) * 2, time.monotonic() + 0.5) == (None, None)
+    assert time.monotonic() - started < 30
 
 
 def test_progress_says_each_row_found_and_the_last_is_the_best(full):

@@ -1,6 +1,8 @@
 """planning/parallel_search.py: the layout search on worker processes gives the sequential search's rows and counts,
 to the float; what it relies on (a larger incumbent finds the same row wherever the row beats the smaller); the
 time limit and the cap on worker processes; no nested pools."""
+import time
+
 import pytest
 
 from megatron_pipemesh.planning import advice as adv
@@ -8,6 +10,7 @@ from megatron_pipemesh.planning import pool
 from megatron_pipemesh.planning.advice import ROWS, AdviceCluster, AdviceProblem, ParallelLayout, advise, candidates
 from megatron_pipemesh.planning.costs import ModelSpec
 from megatron_pipemesh.planning.advice import run_side
+from megatron_pipemesh.planning.parallel_search import search_parallel
 from megatron_pipemesh.planning.stock import StockSetting
 
 # 16 layers on 4 nodes of 4 GPUs, 64 sequences: dozens of candidates, of which the search simulates several per side,
@@ -91,6 +94,26 @@ def test_a_deadline_passed_stops_the_parallel_search_before_its_first_candidate(
     assert log.simulated == {"pipemesh": 0, "stock": 0}
     with pytest.raises(ValueError, match="deadline_s"):
         adv.search_layouts(PROBLEM, CLUSTER, found, jobs=2, time_up=lambda: False)
+
+
+def _a_long_side(problem, cluster, candidate, side, incumbent_s, deadline_s, may_stop):
+    """A task whose simulation outlasts the deadline by far."""
+    time.sleep(120)
+    return "done", None
+
+
+def test_past_the_deadline_the_search_ends_without_waiting_for_its_running_tasks(sequential):
+    """A task whose side has a row stops at its next simulation after the deadline, and its result would come too late:
+    the search ends at the deadline (its workers ended), not when the task notices, with the rows it had."""
+    found = candidates(PROBLEM, CLUSTER)
+    log = adv.SearchLog()
+    pm, st = sequential.rows["pipemesh"], sequential.rows["best_stock"]
+    started = time.monotonic()
+    best_pm, best_st = search_parallel(PROBLEM, CLUSTER, found, pm, st, True, True, float("inf"), log, None,
+                                       started + 1.0, None, 2, _a_long_side, adv.say_row, 5.0)
+    assert time.monotonic() - started < 15
+    assert best_pm is pm and best_st is st
+    assert log.stopped_by == "search_seconds" and log.unsearched_bound_s == found[0].bound_s
 
 
 def _jobs_in_a_worker(jobs):
