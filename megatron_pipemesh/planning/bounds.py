@@ -89,12 +89,17 @@ def bound_for(config: ScheduleConfig, costs: ScheduleCosts, extra_s: Optional[Se
     f = [plain.compute(s % p, Op(OpKind.FORWARD, s // p, 0)) for s in range(stages)]
     b = [plain.compute(s % p, Op(OpKind.BACKWARD, s // p, 0)) for s in range(stages)]
 
+    hops: Dict[tuple, float] = {}  # (src rank, dst rank) -> its hop: a transfer's time depends on its ranks alone
+
     def hop(s: int, t: int) -> float:
         """Transfer from stage s to stage t alone, with its latency (0 on one rank)."""
         if s % p == t % p:
             return 0.0
-        busy, latency = p2p_alone(plain, s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
-        return busy + latency
+        seconds = hops.get((s % p, t % p))
+        if seconds is None:
+            busy, latency = p2p_alone(plain, s % p, t % p, Op(OpKind.FORWARD if t > s else OpKind.BACKWARD, s // p, 0))
+            seconds = hops[s % p, t % p] = busy + latency
+        return seconds
 
     links = plain.links()
     dp_burst = [burst_s(links, links.dp_route(r) if links is not None else None) for r in range(p)]
