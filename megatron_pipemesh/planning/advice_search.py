@@ -174,8 +174,8 @@ def user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
 
 class UserLayout:
     """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
-    rows): with ``jobs`` > 1 on two worker processes while the caller prices the user's command and bounds the
-    candidates, else when asked. The same functions either way, so the same rows. A ``stop`` request ends them
+    rows), and the first rows (:meth:`start_first`, :meth:`first_rows`): with ``jobs`` > 1 on two worker processes
+    while the caller prices the user's command and bounds the candidates, else when asked. The same functions either way, so the same rows. A ``stop`` request ends them
     (:class:`.simulator.SearchTimeUp` from :meth:`stock` / :meth:`plan`); while they run, ``progress`` hears every
     :data:`HEARTBEAT_S` what is being priced."""
 
