@@ -133,17 +133,21 @@ def search_parallel(problem: AdviceProblem, cluster: AdviceCluster, found: Seque
                     if reduced >= next_submit and out_of_time:  # never started: the time had passed
                         log.stop("search_seconds", candidate.bound_s)
                         done = True
-                    elif stopped(deadline_s, None) and all(stoppable.get((reduced, side)) for side in missing):
-                        # Past the deadline, a task whose side has a row is dropped at its next simulation: its
-                        # result would not come back before the deadline, so the search ends here, not then.
+                        break
+                    # Past the deadline, a task whose side has a row is dropped at its next simulation: its result
+                    # would not come back before the deadline, so the search ends now, with the sides back so far.
+                    late = stopped(deadline_s, None) and all(stoppable.get((reduced, side)) for side in missing)
+                    if not late:
+                        if reduced < next_submit and not any(task[:2] == (reduced, side) for task in running.values()
+                                                             for side in missing):
+                            raise AssertionError(f"{candidate.describe()}: the sequential search simulates its "
+                                                 f"{missing[0]} side, which no worker was given")
+                        break
+                for side in needed:
+                    if (reduced, side) not in results:  # late (above): the candidate in progress is abandoned here
                         log.stop("search_seconds", candidate.bound_s)
                         done = True
-                    elif reduced < next_submit and not any(task[:2] == (reduced, side) for task in running.values()
-                                                           for side in missing):
-                        raise AssertionError(f"{candidate.describe()}: the sequential search simulates its "
-                                             f"{missing[0]} side, which no worker was given")
-                    break
-                for side in needed:
+                        break
                     log.simulated[side] += 1
                     status, row = results[(reduced, side)]
                     if status == "time_up":

@@ -1,6 +1,7 @@
 """planning/parallel_search.py: the layout search on worker processes gives the sequential search's rows and counts,
 to the float; what it relies on (a larger incumbent finds the same row wherever the row beats the smaller); the
 time limit and the cap on worker processes; no nested pools."""
+import dataclasses
 import time
 
 import pytest
@@ -113,6 +114,29 @@ def test_past_the_deadline_the_search_ends_without_waiting_for_its_running_tasks
                                        started + 1.0, None, 2, _a_long_side, adv.say_row, 5.0)
     assert time.monotonic() - started < 15
     assert best_pm is pm and best_st is st
+    assert log.stopped_by == "search_seconds" and log.unsearched_bound_s == found[0].bound_s
+
+
+_FAST: dict = {}
+
+
+def _a_fast_pipemesh_side_and_a_long_stock_side(problem, cluster, candidate, side, incumbent_s, deadline_s, may_stop):
+    if side == "stock":
+        time.sleep(120)
+    return "done", _FAST["row"]
+
+
+def test_past_the_deadline_the_sides_back_before_it_are_kept(sequential):
+    """A candidate whose PipeMesh side came back before the deadline and whose stock side did not: the PipeMesh row is
+    taken (as the sequential search takes it before starting stock's), the stock side abandoned."""
+    found = [c for c in candidates(PROBLEM, CLUSTER) if c.vpp >= 2]
+    pm, st = sequential.rows["pipemesh"], sequential.rows["best_stock"]
+    _FAST["row"] = dataclasses.replace(pm, name="best_layout", iteration_s=pm.iteration_s / 10)
+    log = adv.SearchLog()
+    best_pm, best_st = search_parallel(PROBLEM, CLUSTER, found, pm, st, True, True, float("inf"), log, None,
+                                       time.monotonic() + 1.0, None, 2, _a_fast_pipemesh_side_and_a_long_stock_side,
+                                       adv.say_row, 5.0)
+    assert best_pm == _FAST["row"] and best_st is st
     assert log.stopped_by == "search_seconds" and log.unsearched_bound_s == found[0].bound_s
 
 
