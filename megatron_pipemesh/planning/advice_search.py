@@ -87,7 +87,7 @@ def first_row(problem: AdviceProblem, cluster: AdviceCluster, candidate: Candida
     be faster than the search's (whose three lists are the fastest before memory levers, not after). ``deadline_s``
     (a :func:`time.monotonic` instant, for worker processes) or ``time_up``: asked before each simulation."""
     def late() -> bool:
-        return (deadline_s is not None and time.monotonic() >= deadline_s) or (time_up is not None and time_up())
+        return stopped(deadline_s, None) is not None or (time_up is not None and time_up())
 
     try:
         if side == "pipemesh":
@@ -175,9 +175,9 @@ def user_row(problem: AdviceProblem, cluster: AdviceCluster) -> AdviceRow:
 class UserLayout:
     """Stock's best setting over V and PipeMesh's plan for the user's layout (the ``best_stock`` and ``pipemesh``
     rows), and the first rows (:meth:`start_first`, :meth:`first_rows`): with ``jobs`` > 1 on two worker processes
-    while the caller prices the user's command and bounds the candidates, else when asked. The same functions either way, so the same rows. A ``stop`` request ends them
-    (:class:`.simulator.SearchTimeUp` from :meth:`stock` / :meth:`plan`); while they run, ``progress`` hears every
-    :data:`HEARTBEAT_S` what is being priced."""
+    while the caller prices the user's command and bounds the candidates, else when asked. The same functions either
+    way, so the same rows. A ``stop`` request ends them (:class:`.simulator.SearchTimeUp` from :meth:`stock` /
+    :meth:`plan`); while they run, ``progress`` hears every :data:`HEARTBEAT_S` what is being priced."""
 
     def __init__(self, problem: AdviceProblem, cluster: AdviceCluster, user: Candidate, pipemesh: bool, jobs: int,
                  stop: Optional["StopRequest"] = None, progress: "Progress" = None):
@@ -215,7 +215,7 @@ class UserLayout:
         from concurrent.futures.process import BrokenProcessPool
 
         while True:
-            if deadline_s is not None and time.monotonic() >= deadline_s and not future.done():
+            if stopped(deadline_s, None) and not future.done():
                 return None
             try:
                 return future.result(timeout=0.2)
@@ -245,7 +245,7 @@ class UserLayout:
     def start_first(self, found: Sequence[Candidate], pipemesh: bool, deadline_s: Optional[float]) -> None:
         """With workers: queue :func:`first_row` for :func:`first_tasks` behind the user layout's rows (a worker done
         with stock's row takes them while the other prices PipeMesh's); nothing once stopped or past ``deadline_s``."""
-        if self._pool is None or self._stop or (deadline_s is not None and time.monotonic() >= deadline_s):
+        if self._pool is None or stopped(deadline_s, self._stop):
             return
         _, problem, cluster, _ = self._args
         self._first = [(candidate, side, self._pool.submit(first_row, problem, cluster, candidate, side, deadline_s))
@@ -260,7 +260,7 @@ class UserLayout:
         what = f"the first rows of the {FIRST_ROWS} least-bound candidates"
         if self._pool is not None:
             priced = [(candidate, side, self._wait(future, what, deadline_s)) for candidate, side, future in self._first]
-        elif self._stop or (deadline_s is not None and time.monotonic() >= deadline_s):
+        elif stopped(deadline_s, self._stop):
             priced = []
         else:
             _, problem, cluster, _ = self._args
@@ -270,8 +270,8 @@ class UserLayout:
         best: List[Optional[AdviceRow]] = [None, None]
         for _, side, row in priced:
             slot = ("pipemesh", "stock").index(side)
-            if row is not None and row.fits and row.iteration_s < limits[slot]:
-                best[slot] = faster(best[slot], row)
+            if row is not None and row.iteration_s < limits[slot]:
+                best[slot] = faster(best[slot], row)  # which keeps only a row that fits
         return best[0], best[1]
 
 

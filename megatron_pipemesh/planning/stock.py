@@ -326,9 +326,9 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     communication, never compute, so it holds at every level), then the critical path of those it leaves
     (:meth:`_Choice.path_bound_s`); they are simulated in order of that path, and a simulation stops once it is known
     to end after the fastest time found.
-    ``vpps``: only these V; ``groups``: only these group sizes g (None: 1F1B). ``incumbent_s``: a time reached otherwise; choices whose bound exceeds it are not
-    simulated, nor run past it (None if none can beat it). ``time_up``: asked before each simulation; True stops
-    the search with :class:`.simulator.SearchTimeUp`."""
+    ``vpps``: only these V; ``groups``: only these group sizes g (None: 1F1B). ``incumbent_s``: a time reached
+    otherwise; choices whose bound exceeds it are not simulated, nor run past it (None if none can beat it).
+    ``time_up``: asked before each simulation; True stops the search with :class:`.simulator.SearchTimeUp`."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps,
                        profile, groups)
     # Simulated in the order of their critical path (:meth:`_Choice.path_bound_s`; most of a simulated time beyond
