@@ -27,7 +27,7 @@ from .profile import Profile
 from .simulator import (DeadlineExceeded, TimeUp, check_time, lower_bound, megatron_lowering, megatron_schedule,
                         simulate)
 from .stock_memory import (FSDP_MODELS, Budget, ChunkKinds, MegatronFsdpSharding, OffloadModel, live_states,
-                           model_for, order_peaks, per_rank, sharding_model, uniform_plan)
+                           level_peaks, model_for, order_peaks, per_rank, sharding_model, uniform_plan)
 from .stock_options import (OFFLOAD_FRACTIONS, STOCK_SHARDING, StockOffload, StockRecompute, StockSetting,
                             default_recompute_ladder, group_sizes, recompute_options, schedule_options, sharding_flags)
 
@@ -189,7 +189,8 @@ class _StockOption(NamedTuple):
 def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int, budget: Budget,
              grad_reduce_in_bf16: bool, sharding: Sequence[Optional[str]] = (None,),
              host_limit: Optional[float] = None, vpps: Optional[Sequence[int]] = None,
-             profile: Optional[Profile] = None, groups: Optional[Sequence[Optional[int]]] = None) -> List[_Choice]:
+             profile: Optional[Profile] = None, groups: Optional[Sequence[Optional[int]]] = None,
+             incumbent_s: float = float("inf")) -> List[_Choice]:
     """For every stock (schedule kind, V, g) in :func:`schedule_options` order and every level of
     ``sharding``: the recomputation option with the least recomputation time whose peak fits ``budget``
     (left out where nothing fits), with what simulating it needs and a lower bound of its time.
@@ -202,30 +203,46 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
     Without buffers (no level, or ``optim``) the peak is exact from the program order. With ZeRO-2/3 the
     activation peak plus the resident bytes is a lower bound of the peak (buffers are >= 0): every
     option it admits is kept, and :func:`_simulate_choice` takes the first whose simulation fits. ``vpps``: only
-    these V (default: every V of :func:`schedule_options`); ``groups``: only these g (None: 1F1B)."""
+    these V (default: every V of :func:`schedule_options`); ``groups``: only these g (None: 1F1B).
+
+    ``incumbent_s``: a time reached otherwise (:func:`best_stock`'s): a choice whose first fitting option has its
+    compute bound past it is left out, and the peaks of the options that could only be that (more recomputation
+    time than every option bounded below it: each comes after all of those in the order above) are not computed;
+    at large micro-batch counts they are most of the work here. The choices kept are the ones :func:`best_stock`
+    could simulate without it."""
     out = []
     limits = per_rank(budget, pp)
+    per_vpp: Dict[int, Tuple[OpCosts, Dict[str, float]]] = {}  # the costs and compute bounds do not depend on g
     for vpp, g in schedule_options(pp, model.num_layers, microbatches, model.layer_split):
         if (vpps is not None and vpp not in vpps) or (groups is not None and g not in groups):
             continue
         options = recompute_options(max(model.stage_layers(pp, vpp)), model.layer_spec)
         probe = StockSetting(pp, vpp, microbatches, g, StockRecompute(), grad_reduce_in_bf16)
-        costs = _costs(model, cluster, probe, [o.level for o in options], profile)
         config = probe.config()
-        peaks_of = order_peaks(config, costs, [o.level for o in options])
+        if vpp not in per_vpp:
+            costs = _costs(model, cluster, probe, [o.level for o in options], profile)
+            per_vpp[vpp] = costs, {o.level: compute_bound(config, costs, o.level) for o in options}
+        costs, bound_of = per_vpp[vpp]
+        reach = max((costs.recompute_s[o.level] for o in options if not bound_of[o.level] * (1 - SLACK) > incumbent_s),
+                    default=None)
+        if reach is None:
+            continue  # whatever fits first is bounded past the incumbent
+        considered = [(index, o) for index, o in enumerate(options) if costs.recompute_s[o.level] <= reach]
+        adapter = ScheduleCosts(config, costs)
+        kinds = ChunkKinds.of(config, adapter)
+        counts = live_states(config, kinds)
+        peaks_of = level_peaks(counts, kinds, adapter, [o.level for _, o in considered])
         offload, offloads = None, []
         if host_limit is not None and model.layer_spec == "te":
-            adapter = ScheduleCosts(config, costs)
-            kinds = ChunkKinds.of(config, adapter)
-            counts = live_states(config, kinds)
             offload = OffloadModel.of(model_for(model, probe), cluster, config)
-            for option in options:
+            # the host's bytes depend on the fraction alone
+            held = [StockOffload(f) for f in OFFLOAD_FRACTIONS
+                    if all(host <= host_limit for host in offload.host_peaks(counts, kinds, StockOffload(f)))]
+            for _, option in considered:
                 if option.granularity == "full":
                     continue
-                for fraction in OFFLOAD_FRACTIONS:
-                    moved = StockOffload(fraction)
-                    if all(host <= host_limit for host in offload.host_peaks(counts, kinds, moved)):
-                        offloads.append((option, moved, offload.device_peaks(counts, kinds, adapter, option.level, moved)))
+                for moved in held:
+                    offloads.append((option, moved, offload.device_peaks(counts, kinds, adapter, option.level, moved)))
         for level in sharding:
             setting = dataclasses.replace(probe, sharding=level)
             shard = sharding_model(setting, model, cluster)
@@ -234,22 +251,22 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
                 room = [limit + static - split.state.resident
                         for limit, static, split in zip(limits, costs.static_bytes, shard.splits(config))]
             candidates = [_StockOption(costs.recompute_s[o.level], 0.0, index, o, None, peaks_of[o.level])
-                          for index, o in enumerate(options)]
+                          for index, o in considered]
             if shard is None:
                 candidates += [_StockOption(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
                                for index, (o, moved, peaks) in enumerate(offloads)]
             fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c.peaks, room))), key=lambda c: c[:3])
-            if not fitting:
+            if not fitting or bound_of[fitting[0].recompute.level] * (1 - SLACK) > incumbent_s:
                 continue
             first = fitting[0]
             plain = next((c.recompute for c in fitting if c.offload is None), None)
             without = (dataclasses.replace(setting, recompute=plain)
                        if (first.offload is not None and plain is not None) else None)
             # ZeRO-2/3 settings keep every fitting option for _simulated (no offloading with them).
-            bounds = (tuple((compute_bound(config, costs, c.recompute.level), c.recompute, c.peaks) for c in fitting)
+            bounds = (tuple((bound_of[c.recompute.level], c.recompute, c.peaks) for c in fitting)
                       if shard is not None else ())
             out.append(_Choice(dataclasses.replace(setting, recompute=first.recompute, offload=first.offload), config,
-                               costs, bounds[0][0] if bounds else compute_bound(config, costs, first.recompute.level),
+                               costs, bound_of[first.recompute.level],
                                shard, bounds, offload if first.offload is not None else None, without))
     return out
 
@@ -330,7 +347,7 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     otherwise; choices whose bound exceeds it are not simulated, nor run past it (None if none can beat it).
     ``time_up``: asked before each simulation; True stops the search with :class:`.simulator.SearchTimeUp`."""
     choices = _choices(model, cluster, pp, microbatches, budget, grad_reduce_in_bf16, sharding, host_limit, vpps,
-                       profile, groups)
+                       profile, groups, incumbent_s)
     # Simulated in the order of their critical path (:meth:`_Choice.path_bound_s`; most of a simulated time beyond
     # the compute bound is bubbles and exposed transfers, which the path has), each only while it may beat the fastest
     # found. A path is at least its compute bound, so it is taken only for the choices whose compute bound comes

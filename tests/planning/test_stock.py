@@ -311,3 +311,32 @@ def test_the_peaks_of_the_live_states_are_those_of_walking_the_order_by_hand():
                         live[kind] -= 1
                 by_hand.append(peak)
             assert _peaks(counts, held, transient, flight) == tuple(by_hand)
+
+
+@pytest.mark.parametrize("model, host", [(MODEL, None), (TE, 64 * GB)])
+def test_an_incumbent_leaves_out_only_the_choices_bounded_past_it(model, host):
+    """The choices built below an incumbent are the unlimited choices whose first fitting option's compute bound
+    is within it, with the same settings and bounds (one kept past it, or one lost within it, fails); an offloading
+    choice may lose only a setting without offloading bounded past it. best_stock's answer below the incumbent is
+    the same."""
+    import megatron_pipemesh.planning.stock as stock
+    from megatron_pipemesh.planning.path_bound import SLACK
+
+    pp, m = 2, 8
+    unlimited_best = best_per_schedule(model, CLUSTER, pp, m, float("inf"), host_limit=host).values()
+    budget = 0.3 * max(max(r.peak_activation_bytes) for r in unlimited_best)  # most settings must recompute
+    every = stock._choices(model, CLUSTER, pp, m, budget, False, host_limit=host)
+    bounds = sorted(choice.lower_bound_s for choice in every)
+    incumbent = bounds[len(bounds) // 2]  # half the choices bounded past it
+    kept = stock._choices(model, CLUSTER, pp, m, budget, False, host_limit=host, incumbent_s=incumbent)
+    within = [choice for choice in every if not choice.lower_bound_s * (1 - SLACK) > incumbent]
+    assert 0 < len(kept) == len(within) < len(every)
+    for ours, theirs in zip(kept, within):
+        assert (ours.setting, ours.lower_bound_s, ours.config) == (theirs.setting, theirs.lower_bound_s, theirs.config)
+        if ours.without_offload != theirs.without_offload:
+            assert ours.without_offload is None
+            level = theirs.without_offload.recompute.level
+            assert stock.compute_bound(theirs.config, theirs.costs, level) * (1 - SLACK) > incumbent
+    plain = best_stock(model, CLUSTER, pp, m, budget, host_limit=host)
+    limited = best_stock(model, CLUSTER, pp, m, budget, host_limit=host, incumbent_s=plain.iteration_s * 1.01)
+    assert (limited.setting, limited.iteration_s) == (plain.setting, plain.iteration_s)
