@@ -312,7 +312,7 @@ def row_flags(user, row, problem, cluster, rate) -> List[str]:
 
 def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
     """What the advice assumed and where each came from ({'what', 'value', 'source'}): the compute rate, the GPU the
-    name chose, the link rates, the vocabulary and the memory budget."""
+    name chose, the link rates, the fixed time of a message, the vocabulary and the memory budget."""
     from ..planning.devices import DeviceError, chosen_form, find_device
 
     out = [{"what": "compute", "value": rate.source.split(" (")[0] + (f" at MFU {rate.mfu:g}" if rate.given else ""),
@@ -329,6 +329,9 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
         out.append({"what": "GPU", "value": device.name, "source": chosen_form(args.gpu, device) or f"--gpu {args.gpu}"})
     for rate_of in link_rates(args, problem.profile).values():
         out.append({"what": rate_of.name, "value": f"{rate_of.gbps:.4g} Gbit/s", "source": rate_of.origin_text()})
+    out.append({"what": "message latency",
+                "value": f"{cluster.latency_us:g} us per pipeline transfer and collective step",
+                "source": "the default, not measured"})
     vocab = user.vocabulary
     padded = problem.model_for(problem.layout.tp, problem.model.layer_split).vocab_size
     out.append({"what": "vocabulary", "value": f"{padded} rows at TP {problem.layout.tp} ({vocab.size} tokens, padded "

@@ -280,7 +280,11 @@ def test_a_cp_command_prices_cp_and_fp8_prices_differently_or_is_refused():
 def test_every_assumed_rate_says_where_it_came_from(tiny):
     out = advice_json(LLAMA_CP, H100_16)
     assumed = {item["what"]: item for item in out["assumed"]}
-    assert set(assumed) >= {"compute", "GPU", "NIC", "intra-node link", "host link", "vocabulary", "device memory"}
+    assert set(assumed) >= {"compute", "GPU", "NIC", "intra-node link", "host link", "message latency", "vocabulary",
+                            "device memory"}
+    assert assumed["message latency"] == {"what": "message latency",
+                                          "value": "30 us per pipeline transfer and collective step",
+                                          "source": "the default, not measured"}
     assert assumed["intra-node link"]["value"] == "3600 Gbit/s"
     assert "the device table: H100 SXM's NVLink 4 (SXM)" in assumed["intra-node link"]["source"]
     assert assumed["GPU"]["source"].startswith("--gpu H100 is the H100 SXM")
