@@ -32,6 +32,11 @@ SLACK = 1e-9
 two add the same durations in other orders, so their floats may differ in the last bits."""
 
 
+def beyond(bound_s: float, limit_s: float) -> bool:
+    """Whether a lower bound is past a time even with :data:`SLACK`: nothing it bounds ends by ``limit_s``."""
+    return bound_s * (1 - SLACK) > limit_s
+
+
 def path_bound(config: ScheduleConfig, costs, options: LoweringOptions, optimizer_s: Sequence[float]) -> float:
     """The critical path of ``config``'s compute orders under ``costs`` (the engine's ``Costs``, e.g.
     :class:`.costs.ScheduleCosts` with a recomputation plan) lowered with ``options``, plus ``optimizer_s`` per rank

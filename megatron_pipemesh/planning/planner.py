@@ -38,7 +38,7 @@ from .host_placement import fit_with_placement, reload_lookahead_for
 from .plan import NoFeasiblePlan, Plan
 from .planner_options import PlannerOptions, structured_options
 from .recompute_fit import allowed_levers, recompute_knapsack
-from .path_bound import SLACK
+from .path_bound import beyond
 from .simulator import DeadlineExceeded, SimulationResult, TimeUp, check_time, lower_bound, simulate
 
 __all__ = [  # the plan, its options and its fits are also reached through the search, their first home
@@ -216,7 +216,7 @@ def _simulate_bare(pp: int, vpp: int, microbatches: int, costs_for, budget_bytes
     bare: List[_Unfitted] = []
     deadline = incumbent_s
     for path_s, order, config, costs in waiting:
-        if path_s * (1 - SLACK) > deadline:
+        if beyond(path_s, deadline):
             break  # this one and every later one would end after it: their simulations would stop there
         check_time(time_up)
         try:

@@ -22,7 +22,7 @@ from ..schedule.ops import Op, OpKind
 from .bounds import virtual_sizes
 from .clusters import costs_for
 from .costs import ClusterSpec, ModelSpec, OpCosts, ScheduleCosts, analytic_costs
-from .path_bound import SLACK
+from .path_bound import beyond
 from .profile import Profile
 from .simulator import (DeadlineExceeded, TimeUp, check_time, lower_bound, megatron_lowering, megatron_schedule,
                         simulate)
@@ -223,7 +223,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
             costs = _costs(model, cluster, probe, [o.level for o in options], profile)
             per_vpp[vpp] = costs, {o.level: compute_bound(config, costs, o.level) for o in options}
         costs, bound_of = per_vpp[vpp]
-        reach = max((costs.recompute_s[o.level] for o in options if not bound_of[o.level] * (1 - SLACK) > incumbent_s),
+        reach = max((costs.recompute_s[o.level] for o in options if not beyond(bound_of[o.level], incumbent_s)),
                     default=None)
         if reach is None:
             continue  # whatever fits first is bounded past the incumbent
@@ -256,7 +256,7 @@ def _choices(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: int,
                 candidates += [_StockOption(costs.recompute_s[o.level], moved.fraction, len(options) + index, o, moved, peaks)
                                for index, (o, moved, peaks) in enumerate(offloads)]
             fitting = sorted((c for c in candidates if all(p <= b for p, b in zip(c.peaks, room))), key=lambda c: c[:3])
-            if not fitting or bound_of[fitting[0].recompute.level] * (1 - SLACK) > incumbent_s:
+            if not fitting or beyond(bound_of[fitting[0].recompute.level], incumbent_s):
                 continue
             first = fitting[0]
             plain = next((c.recompute for c in fitting if c.offload is None), None)
@@ -302,7 +302,7 @@ def _simulated(choice: _Choice, budget: Budget, best_s: float = float("inf")) ->
     for predict in (lambda setting, peaks: _result(setting, choice.config, choice.costs, choice.sharding, choice.schedule),
                     lambda setting, peaks: _microbatch_bound(setting, choice.config, choice.costs, choice.sharding, peaks)):
         for bound, option, peaks in choice.options:
-            if bound * (1 - SLACK) > best_s:
+            if beyond(bound, best_s):
                 break
             result = predict(dataclasses.replace(choice.setting, recompute=option), peaks)
             if result.fits(budget):
@@ -358,12 +358,12 @@ def best_stock(model: ModelSpec, cluster: ClusterSpec, pp: int, microbatches: in
     taken = 0
     while True:
         limit = best[0] if best is not None else incumbent_s
-        while (taken < len(by_compute) and not by_compute[taken][0] * (1 - SLACK) > limit
+        while (taken < len(by_compute) and not beyond(by_compute[taken][0], limit)
                and (not paths or by_compute[taken][0] < paths[0][0])):
             index = by_compute[taken][1]
             heapq.heappush(paths, (choices[index].path_bound_s(), index))
             taken += 1
-        if not paths or paths[0][0] * (1 - SLACK) > limit:
+        if not paths or beyond(paths[0][0], limit):
             break  # every choice left takes longer than the fastest found
         _, index = heapq.heappop(paths)
         check_time(time_up)

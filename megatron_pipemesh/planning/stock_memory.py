@@ -112,7 +112,7 @@ def order_peaks(config: ScheduleConfig, costs: OpCosts, levels: Sequence[str]) -
     return level_peaks(live_states(config, kinds), kinds, adapter, levels)
 
 
-def level_peaks(counts: "LiveStates", kinds: "ChunkKinds", adapter: ScheduleCosts,
+def level_peaks(counts: LiveStates, kinds: ChunkKinds, adapter: ScheduleCosts,
                 levels: Sequence[str]) -> Dict[str, Tuple[float, ...]]:
     """:func:`order_peaks` from a schedule's live states already counted (``counts`` of ``kinds``)."""
     return {level: _peaks(counts, kinds.bytes_at(adapter, level), kinds.transient(adapter, level)) for level in levels}
