@@ -193,7 +193,9 @@ class PipelineTransport:
 
     def post_receive(self, op: Op, buffer: torch.Tensor, link: LinkKey, step: int) -> None:
         """Post the receive of ``op`` (a RECV_*) into ``buffer`` from ``link``'s source."""
-        work = self._irecv(buffer, link[1], self._group(link, step, op), self._tag)
+        group = self._group(link, step, op)
+        work = self._posted(lambda: self._irecv(buffer, link[1], group, self._tag), link, step, op,
+                            f"posting the receive from pipeline rank {op.peer}")
         self._receives[op.compute] = Transfer(work, buffer, op, link, op.compute)
 
     def wait_receive(self, consumer: Op, step: int, what: str) -> Optional[torch.Tensor]:
@@ -207,7 +209,9 @@ class PipelineTransport:
 
     def send(self, op: Op, tensor: torch.Tensor, link: LinkKey, step: int) -> None:
         """Send ``tensor`` for ``op`` (a SEND_*) to ``link``'s destination; ``tensor`` is kept until it is retired."""
-        work = self._isend(tensor.detach(), link[2], self._group(link, step, op), self._tag)
+        group = self._group(link, step, op)
+        work = self._posted(lambda: self._isend(tensor.detach(), link[2], group, self._tag), link, step, op,
+                            f"posting the send to pipeline rank {op.peer}")
         self._sends.append(Transfer(work, tensor, op, link, op.compute))
 
     def drain_sends(self, step: int, block: bool = False, only: Optional[Op] = None) -> None:
@@ -256,6 +260,14 @@ class PipelineTransport:
                 f"({'activations' if direction == 'F' else 'gradients'} from global rank {src} to {dst}). "
                 f"{self._missing_link_advice()}")
         return group
+
+    def _posted(self, post: Callable[[], Any], link: LinkKey, step: int, op: Op, what: str):
+        # gloo raises at the post itself when the peer's connection is already closed (a dead peer).
+        try:
+            return post()
+        except Exception as error:
+            self.broken_links.append(link_name(link))
+            raise PipeMeshRuntimeError(f"{self._locate(step, op)}: {what} failed: {error}") from error
 
     def _wait(self, transfer: Transfer, step: int, op: Op, what: str) -> None:
         try:

@@ -24,8 +24,8 @@ def _plan(config):
 
 
 def _failure(kwargs, torchrun_args=()):
-    """Run faulty_peer; return (seconds rank 0's schedule ran before it gave up, the runtime's message after
-    the WHERE prefix). The job itself must end (no hang) before the harness kills it."""
+    """Run faulty_peer; return (seconds rank 0's schedule ran before it gave up, the op it names, the runtime's
+    message after the WHERE prefix). The job itself must end (no hang) before the harness kills it."""
     with pytest.raises(h.WorkerError) as info:
         h.run_worker("tests.runtime.workers:faulty_peer", nproc=2, timeout=HARNESS_TIMEOUT_S, kwargs=kwargs,
                      torchrun_args=torchrun_args)
@@ -37,8 +37,8 @@ def _failure(kwargs, torchrun_args=()):
     step, op, digest, described, what = match.groups()
     plan = _plan(DEFAULT)
     assert (digest, described) == (plan.digest(), DEFAULT.describe())
-    assert str(plan.programs[0][int(step)]) == op == "F1.0"  # rank 0's first op that needs rank 1's output
-    return elapsed, what
+    assert str(plan.programs[0][int(step)]) == op
+    return elapsed, op, what
 
 
 def test_plan_mismatch_is_detected_at_start_up():
@@ -55,7 +55,8 @@ def test_plan_mismatch_is_detected_at_start_up():
 
 def test_stuck_peer_times_out_naming_rank_step_and_op():
     """A peer stuck in its first forward makes rank 0's receive time out after the configured 4 s."""
-    elapsed, what = _failure({"mode": "stuck", "timeout_s": 4})
+    elapsed, op, what = _failure({"mode": "stuck", "timeout_s": 4})
+    assert op == "F1.0"  # rank 0's first op that needs rank 1's output
     assert 4 <= elapsed < 4 + SLACK_S
     # gloo raises its own timeout error (the runtime wraps it as "failed: ..."); other backends return False
     assert what.startswith(("receive of its input timed out after 4 s", "receive of its input failed:"))
@@ -64,8 +65,14 @@ def test_stuck_peer_times_out_naming_rank_step_and_op():
 
 def test_killed_peer_ends_the_job():
     """A peer that dies in its first forward makes rank 0's receive fail (or time out after 20 s) with the
-    runtime's message, well before the harness kills it."""
+    runtime's message, well before the harness kills it; when the peer's connection closed before rank 0 posts a
+    later transfer, the post fails with that message instead."""
     # torchrun polls its ranks every 10 s here (default 0.1 s), so rank 0 reports before torchrun stops it.
-    elapsed, what = _failure({"mode": "killed", "timeout_s": 20}, torchrun_args=("--monitor-interval", "10"))
+    elapsed, op, what = _failure({"mode": "killed", "timeout_s": 20}, torchrun_args=("--monitor-interval", "10"))
     assert elapsed < 20 + SLACK_S
-    assert what.startswith(("receive of its input failed", "receive of its input timed out after 20 s"))
+    if op == "F1.0":  # rank 0's first op that needs rank 1's output
+        assert what.startswith(("receive of its input failed", "receive of its input timed out after 20 s"))
+    else:  # a transfer rank 0 posts before it, to or from rank 1
+        assert re.fullmatch(r"(SEND_F0\.[01]>1|RECV_F1\.[01]<1)", op), op
+        kind = "send to" if op.startswith("SEND") else "receive from"
+        assert what.startswith(f"posting the {kind} pipeline rank 1 failed: "), what

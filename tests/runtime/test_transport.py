@@ -195,6 +195,28 @@ def test_a_missing_link_is_an_error_naming_it():
         transport.send(Op(OpKind.SEND_BACKWARD, 0, 0, peer=0), torch.ones(1), ("B", 1, 0), 3)
 
 
+@pytest.mark.parametrize("kind", ["send", "recv"])
+def test_a_post_refused_by_the_backend_names_rank_step_op_and_breaks_the_link(monkeypatch, kind):
+    """gloo raises at the post itself once the peer's connection closed (a dead peer): the error names rank, step,
+    op and the peer like a failed wait, and the link is counted broken."""
+    transport = LoopbackWorld(2, links=[LINK]).transport(0 if kind == "send" else 1)
+
+    def refused(*args):
+        raise RuntimeError("Connection closed by peer [10.0.0.2]:1234")
+
+    monkeypatch.setattr(transport, f"_i{kind}", refused)
+    _start(transport)
+    with pytest.raises(PipeMeshRuntimeError) as raised:
+        if kind == "send":
+            transport.send(SEND, torch.ones(1), LINK, 4)
+        else:
+            transport.post_receive(RECV, torch.zeros(1), LINK, 4)
+    where = f"rank {transport.rank()}, step 4 ({SEND if kind == 'send' else RECV})"
+    peer = "send to pipeline rank 1" if kind == "send" else "receive from pipeline rank 0"
+    assert str(raised.value) == f"{where}: posting the {peer} failed: Connection closed by peer [10.0.0.2]:1234"
+    assert transport.broken_links == ["F 0->1"]
+
+
 @pytest.mark.parametrize("backend,device,policy", [
     ("gloo", "cpu", GLOO_POLICY), ("nccl", "cuda", NCCL_POLICY), ("cpu:gloo,cuda:nccl", "cuda", NCCL_POLICY),
     ("cpu:gloo,cuda:nccl", "cpu", GLOO_POLICY), ("ucc", "cuda", NCCL_POLICY)])
