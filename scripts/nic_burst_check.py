@@ -1,14 +1,14 @@
 """Measure the emulated NIC one transfer at a time, against a token bucket of its burst and the network model.
 
 Two ranks in the bench's per-rank network (:class:`~megatron_pipemesh.bench.netns.ShapedNamespace`, each NIC shaped
-at ``--rate`` each way with tc's ``--burst``) time a gloo send of ``--kib`` KiB from rank 0 to rank 1 (until rank 1
-acknowledges it) after the link idled ``gap`` ms, for several gaps, and print each median next to
-what a token bucket of tc's burst refilled at the rate while idle would take, and what the network model takes
-(:class:`~megatron_pipemesh.planning.network.FairShareNetwork`: a NIC at its rate, no burst).
+at ``--rate`` each way with tc's ``--burst``) time a gloo send of each ``--kib`` size from rank 0 to rank 1, one
+way (both ranks read the machine's one monotonic clock), after the link idled ``gap`` ms, for several gaps, and print
+each median next to what a token bucket of tc's burst refilled at the rate while idle would take (its burst at once)
+and what the NIC at its rate without a burst takes.
 
 Usage (root, for the namespaces; about 30 s on an idle 2-core machine)::
 
-    .venv/bin/python scripts/nic_burst_check.py [--rate 100mbit] [--kib 512] [--burst 262144]
+    .venv/bin/python scripts/nic_burst_check.py [--rate 100mbit] [--kib 0.004 64 256 512] [--burst 262144]
 """
 from __future__ import annotations
 
@@ -27,35 +27,38 @@ WARMUP = 2
 
 
 def worker() -> None:
-    """One rank: rank 0 sends, rank 1 receives and acknowledges; rank 0 prints ``gap_ms median_ms`` per gap."""
+    """One rank: rank 0 sends each size after each gap, rank 1 receives; both note the machine's monotonic clock
+    (one clock for every namespace), so the one-way time is rank 1's end less rank 0's start. Rank 0 prints
+    ``NIC-CHECK kib gap_ms median_ms`` per size and gap."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    data = torch.ones(int(os.environ["NIC_CHECK_BYTES"]) // 4)
-    ack = torch.zeros(1)
-    for gap_ms in GAPS_MS:
-        seconds = []
-        for _ in range(WARMUP + REPEATS):
-            dist.barrier()
-            time.sleep(gap_ms / 1e3)
-            start = time.perf_counter()
+    for kib in (float(k) for k in os.environ["NIC_CHECK_KIB"].split(",")):
+        data = torch.ones(max(1, int(kib * 1024) // 4))
+        for gap_ms in GAPS_MS:
+            stamps = []
+            for _ in range(WARMUP + REPEATS):
+                dist.barrier()
+                time.sleep(gap_ms / 1e3)
+                if rank == 0:
+                    stamps.append(time.monotonic())
+                    dist.send(data, 1)
+                else:
+                    dist.recv(data, 0)
+                    stamps.append(time.monotonic())
+            both = [None, None]
+            dist.all_gather_object(both, stamps)
             if rank == 0:
-                dist.send(data, 1)
-                dist.recv(ack, 1)
-            else:
-                dist.recv(data, 0)
-                dist.send(ack, 0)
-            seconds.append(time.perf_counter() - start)
-        if rank == 0:
-            print(f"NIC-CHECK {gap_ms:g} {statistics.median(seconds[WARMUP:]) * 1e3:.3f}", flush=True)
+                one_way = [end - start for start, end in zip(both[0], both[1])][WARMUP:]
+                print(f"NIC-CHECK {kib:g} {gap_ms:g} {statistics.median(one_way) * 1e3:.3f}", flush=True)
     dist.destroy_process_group()
 
 
 def bucket_ms(nbytes: float, idle_s: float, rate: float, burst: float) -> float:
-    """A token bucket's time for ``nbytes`` at ``rate`` bytes/s started ``idle_s`` after the same transfer drained
-    it: what refilled while idle (at most ``burst``) passes at once, the rest at the rate."""
+    """A token bucket's time for ``nbytes`` at ``rate`` data bytes/s started ``idle_s`` after the same transfer
+    drained it: what refilled while idle (at most ``burst`` data bytes) passes at once, the rest at the rate."""
     return max(0.0, nbytes - min(burst, idle_s * rate)) / rate * 1e3
 
 
@@ -68,13 +71,14 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="100mbit", help="each rank's NIC, each way (default 100mbit)")
-    parser.add_argument("--kib", type=float, default=512.0, help="the transfer (default 512 KiB)")
+    parser.add_argument("--kib", type=float, nargs="+", default=[512.0],
+                        help="the transfers' sizes (default 512 KiB)")
     parser.add_argument("--burst", type=int, default=MIN_BURST_BYTES, help=f"tc's burst (default {MIN_BURST_BYTES})")
     parser.add_argument("--log", default="/tmp/nic_burst_check.log")
     args = parser.parse_args(argv)
     shaping = Shaping(parse_rate_mbit(args.rate), burst_bytes=args.burst)
-    nbytes = int(args.kib * 1024)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NIC_CHECK_BYTES": str(nbytes)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "NIC_CHECK_KIB": ",".join(f"{k:g}" for k in args.kib)}
     with ShapedNamespace(shaping, ranks=2) as namespace:
         cmd = launch_command(2, [], namespace.prefix(), rank_namespaces=namespace.rank_namespaces,
                              target=(os.path.abspath(__file__),))
@@ -83,15 +87,17 @@ def main(argv=None) -> int:
         print(f"the check failed (exit {code}): {error_excerpt(text, 20)}", file=sys.stderr)
         return 1
     rate = shaping.payload_bytes_per_s
-    print(f"{args.kib:g} KiB, rank 0 -> rank 1 then a 4-byte acknowledgement, median of {REPEATS}; "
-          f"{shaping.describe()}, burst {args.burst} B, payload {rate * 8 / 1e6:.2f} Mbit/s")
-    print(f"{'idle ms':>8} {'measured ms':>12} {'bucket ms':>10} {'network model ms':>17}")
+    print(f"rank 0 -> rank 1, one way (rank 1's end less rank 0's start, one clock), median of {REPEATS}; "
+          f"{shaping.describe()}, burst {args.burst} B ({shaping.payload_burst_bytes:.0f} of data), payload "
+          f"{rate * 8 / 1e6:.2f} Mbit/s")
+    print(f"{'KiB':>6} {'idle ms':>8} {'measured ms':>12} {'bucket ms':>10} {'no burst ms':>12}")
     for line in text.splitlines():
         if line.startswith("NIC-CHECK "):
-            gap_ms, measured = (float(v) for v in line.split()[1:])
+            kib, gap_ms, measured = (float(v) for v in line.split()[1:])
+            nbytes = kib * 1024
             # the barrier before each transfer idles the link too (about a millisecond): not in the idle column
-            print(f"{gap_ms:8g} {measured:12.2f} {bucket_ms(nbytes, gap_ms / 1e3, rate, args.burst):10.2f} "
-                  f"{bucket_ms(nbytes, 0.0, rate, 0.0):17.2f}")
+            print(f"{kib:6g} {gap_ms:8g} {measured:12.3f} {bucket_ms(nbytes, gap_ms / 1e3, rate, shaping.payload_burst_bytes):10.3f} "
+                  f"{bucket_ms(nbytes, 0.0, rate, 0.0):12.3f}")
     return 0
 
 

@@ -181,7 +181,7 @@ def resolve_advice(args, machine: dict, shaping_at: Callable[[float], object], d
     settings = AdviceBenchSettings(nproc=args.nproc, nic_gbps=gbps, device_tflops=args.device_tflops, mfu=args.mfu,
                                    device_memory_gb=memory_gb / args.nproc, profile=args.profile, shared_cores=shared,
                                    pinned_cores=shared is not None and bool(getattr(args, "pin_cores", False)),
-                                   nic_burst_bytes=shaping.burst_bytes if shaping is not None else 0.0)
+                                   nic_burst_bytes=shaping.payload_burst_bytes if shaping is not None else 0.0)
     return AdviceSetup(words, settings, shaping, int(warmup), int(iters), cores, memory_gb, int(repeats), cap)
 
 

@@ -164,6 +164,8 @@ def test_shaping_validation():
     # a NIC's frames carry 1448 data bytes per 1514 on the wire; the shared loopback's 64 KiB frames ~ nothing
     assert Shaping(8.0).payload_bytes_per_s == pytest.approx(1e6 * 1448 / 1514)
     assert Shaping(8.0, per_rank=False).payload_bytes_per_s == 1e6
+    assert Shaping(8.0).payload_burst_bytes == pytest.approx(MIN_BURST_BYTES * 1448 / 1514)
+    assert Shaping(8.0, per_rank=False).payload_burst_bytes == MIN_BURST_BYTES
     assert MIN_BURST_BYTES == 4 * 65536
 
 
