@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..planning.costs import GB
 from ..planning.defaults import ANSWER_MARGIN_S, DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
 from ..planning.devices import Device, DeviceRate, rate_for
-from ..planning.profile import LinkRate
+from ..planning.profile_network import LinkRate
 from .common import UsageError, nonnegative_number, old_spelling, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
@@ -173,7 +173,7 @@ NO_P2P_OVERLAP_FLAG = "--no-overlap-p2p-communication"
 def link_rates(args, profile) -> Dict[str, LinkRate]:
     """The link rates the advice uses ({'nic', 'intra_node', 'host_link'}): each flag given wins, else what
     ``profile`` measured, else the flag's default; without either, --nic-gbps is required (exit 2)."""
-    from ..planning.profile import chosen_rate
+    from ..planning.profile_network import chosen_rate
 
     from ..planning.devices import DeviceError, find_device
 

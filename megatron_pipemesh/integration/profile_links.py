@@ -29,8 +29,8 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..planning.costs import DDP_BUCKET_PARAMS
-from ..planning.profile import (ALL_RANKS, BETWEEN_NODES, COLLECTIVES, ONE_NODE, WITHIN_NODE, LinkPoint, NetworkProfile,
-                                link_gbps, network_rates)
+from ..planning.profile_network import (ALL_RANKS, BETWEEN_NODES, COLLECTIVES, ONE_NODE, WITHIN_NODE, LinkPoint,
+                                        NetworkProfile, link_gbps, network_rates)
 
 CPU_BUCKET_BYTES = 4 * 2 ** 20
 """The bucket-sized message on CPU: smaller than Megatron's buckets (:func:`megatron_bucket_bytes`), to keep the

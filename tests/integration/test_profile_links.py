@@ -13,7 +13,8 @@ import pytest
 from megatron_pipemesh.integration.profile_links import (CPU_BUCKET_BYTES, LaunchError, link_cases, launched,
                                                          megatron_bucket_bytes, message_sizes, node_notes,
                                                          node_numbers)
-from megatron_pipemesh.planning.profile import ALL_RANKS, BETWEEN_NODES, ONE_NODE, WITHIN_NODE, NetworkProfile, load
+from megatron_pipemesh.planning.profile import load
+from megatron_pipemesh.planning.profile_network import ALL_RANKS, BETWEEN_NODES, ONE_NODE, WITHIN_NODE, NetworkProfile
 from tests import megatron_harness as h
 from tests.cli.test_commands import run
 

@@ -8,10 +8,10 @@ import pytest
 
 from megatron_pipemesh.planning.clusters import costs_for, flat_cluster
 from megatron_pipemesh.planning.costs import ModelSpec, ScheduleCosts
-from megatron_pipemesh.planning.profile import (ALL_RANKS, BETWEEN_NODES, RUN_TIME_FIELDS, WITHIN_NODE, ComputePoint,
-                                                LinkPoint, NetworkProfile, Profile, ProfileError, chosen_rate,
-                                                coverage, from_dict, link_gbps, load, mismatch, network_rates,
-                                                shape_of)
+from megatron_pipemesh.planning.profile import (RUN_TIME_FIELDS, ComputePoint, Profile, ProfileError, coverage,
+                                                from_dict, load, mismatch, shape_of)
+from megatron_pipemesh.planning.profile_network import (ALL_RANKS, BETWEEN_NODES, WITHIN_NODE, LinkPoint,
+                                                        NetworkProfile, chosen_rate, link_gbps, network_rates)
 from megatron_pipemesh.planning.simulator import simulate
 from megatron_pipemesh.schedule.config import ScheduleConfig
 from megatron_pipemesh.schedule.ops import Op, OpKind
