@@ -20,10 +20,11 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..planning.clusters import PLANNING_CLUSTER
 from ..planning.costs import GB
 from ..planning.defaults import ANSWER_MARGIN_S, DEFAULT_HOST_LINK_GBPS, MFU, SEARCH_SECONDS
 from ..planning.devices import Device, DeviceRate, rate_for
-from ..planning.profile_network import LinkRate
+from ..planning.profile_network import LinkRate, MessageLatency, chosen_latency
 from .common import UsageError, nonnegative_number, old_spelling, positive_int, positive_number
 
 MEGATRON_ARGS = "--megatron-args"
@@ -72,6 +73,9 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--host-link-gbps", type=positive_number, default=None,
                          help="device-host copy bandwidth per GPU and direction, Gbit/s (default: --profile's "
                               f"measurement, else {DEFAULT_HOST_LINK_GBPS:g})")
+    cluster.add_argument("--latency-us", type=nonnegative_number, default=None,
+                         help="the fixed time of one message (a pipeline transfer, a collective's step), microseconds "
+                              f"(default: --profile's measurement on several ranks, else {PLANNING_CLUSTER.latency_us:g})")
     cluster.add_argument("--gpudirect-rdma", action="store_true",
                          help="the NIC reads GPU memory directly (default: network traffic is staged through host "
                               "memory, as on commodity clouds)")
@@ -92,7 +96,8 @@ def add_advice_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="a profile of this command measured by pipemesh profile: its layer, embedding, output, "
                              "optimizer and activation costs, and the link rates it measured (NIC, intra-node, host "
-                             "link) where their flags are not given, replace the assumed ones (the output says which)")
+                             "link) and the fixed time of a message where their flags are not given, replace the assumed "
+                             "ones (the output says which)")
     parser.add_argument("--json", action="store_true", help="one JSON object: the rows, the notes, the search")
 
 
@@ -199,6 +204,12 @@ def link_rates(args, profile) -> Dict[str, LinkRate]:
     return rates
 
 
+def message_latency(args, profile) -> MessageLatency:
+    """The fixed time of a message the advice uses: --latency-us, else the profile's measurement, else the default."""
+    return chosen_latency(args.latency_us, profile.network if profile is not None else None,
+                          PLANNING_CLUSTER.latency_us)
+
+
 def problem_and_cluster(args, words: Sequence[str]):
     """(the user's command read by Megatron, the advice problem, the advice cluster, the rate) for ``args``; the
     problem carries ``--profile`` once it is matched to the command (:func:`matched_profile`), the cluster the link
@@ -258,6 +269,7 @@ def problem_and_cluster(args, words: Sequence[str]):
         # Context parallelism runs in Transformer Engine's attention only, which needs a GPU.
         context_parallel=user.model.layer_spec == "te" and rate.given)
     cluster = AdviceCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=links["nic"].gbps,
+                            latency_us=message_latency(args, profile).us,
                             intra_node_gbps=links["intra_node"].gbps, device_memory_gb=memory,
                             device_tflops=rate.tflops, mfu=rate.mfu, host_memory_gb=args.host_memory_gb,
                             host_link_gbps=links["host_link"].gbps,
@@ -329,9 +341,9 @@ def assumptions(args, user, problem, cluster, rate) -> List[Dict[str, str]]:
         out.append({"what": "GPU", "value": device.name, "source": chosen_form(args.gpu, device) or f"--gpu {args.gpu}"})
     for rate_of in link_rates(args, problem.profile).values():
         out.append({"what": rate_of.name, "value": f"{rate_of.gbps:.4g} Gbit/s", "source": rate_of.origin_text()})
-    out.append({"what": "message latency",
-                "value": f"{cluster.latency_us:g} us per pipeline transfer and collective step",
-                "source": "the default, not measured"})
+    latency = message_latency(args, problem.profile)
+    out.append({"what": "message latency", "value": f"{latency.us:.4g} us per pipeline transfer and collective step",
+                "source": latency.source})
     vocab = user.vocabulary
     padded = problem.model_for(problem.layout.tp, problem.model.layer_split).vocab_size
     out.append({"what": "vocabulary", "value": f"{padded} rows at TP {problem.layout.tp} ({vocab.size} tokens, padded "

@@ -149,13 +149,15 @@ def _network_lines(profile: Profile) -> List[str]:
              "NIC: " + (f"{network.nic_gbps:.4g} Gbit/s each way ({network.nic_from})" if network.nic_gbps is not None
                         else "not measured (one node)"),
              "intra-node link: " + (f"{network.intra_node_gbps:.4g} Gbit/s" if network.intra_node_gbps is not None
-                                    else "not measured (one rank per node)")]
+                                    else "not measured (one rank per node)"),
+             "message latency: " + (f"{network.latency_us:.4g} us (half a round trip {network.round_trip.scope})"
+                                    if network.latency_us is not None else "not measured (a file from before)")]
     header = f"{'pattern':<15} {'scope':<14} {'ranks':<12} {'MiB':>9} {'median ms':>10} {'Gbit/s':>9}"
     lines += ["", header, "-" * len(header)]
     for point in network.points:
         lines.append(f"{point.pattern:<15} {point.scope:<14} {','.join(map(str, point.ranks)):<12} "
                      f"{point.nbytes / 2**20:>9.3f} {point.median_s * 1e3:>10.3f} {point.gbps:>9.4g}")
-    lines.append("(Gbit/s: each flow's rate for p2p patterns, the bus bandwidth for collectives)")
+    lines.append("(Gbit/s: each flow's rate for p2p patterns and round trips, the bus bandwidth for collectives)")
     return lines
 
 

@@ -10,7 +10,9 @@ micro-batch's activation, what a pipeline send carries; and a gradient bucket):
 * flows sharing a NIC: every rank of one node sends to a rank of another at once (two or more nodes, two or more
   ranks on the first);
 * all-reduce, reduce-scatter, all-gather and all-to-all (a MoE dispatch's pattern) over every rank, and over the
-  ranks of one node when there are nodes besides it.
+  ranks of one node when there are nodes besides it;
+* a 4-byte message and its answer between the same pairs as p2p, each after the link idled: the fixed time of a
+  message (:func:`time_round_trips`; :attr:`..planning.profile_network.NetworkProfile.latency_us`).
 
 Each pattern: warm-up calls, then repeats, each after a barrier, timed from the barrier to the last taking part
 rank's completion (every rank's own clock: the slowest one counts); the median gives the rate
@@ -29,8 +31,9 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..planning.costs import DDP_BUCKET_PARAMS
-from ..planning.profile_network import (ALL_RANKS, BETWEEN_NODES, COLLECTIVES, ONE_NODE, WITHIN_NODE, LinkPoint,
-                                        NetworkProfile, link_gbps, network_rates)
+from ..planning.profile_network import (ALL_RANKS, BETWEEN_NODES, COLLECTIVES, ONE_NODE, ROUND_TRIP, ROUND_TRIP_BYTES,
+                                        ROUND_TRIP_IDLE_S, WITHIN_NODE, LinkPoint, NetworkProfile, link_gbps,
+                                        network_rates)
 
 CPU_BUCKET_BYTES = 4 * 2 ** 20
 """The bucket-sized message on CPU: smaller than Megatron's buckets (:func:`megatron_bucket_bytes`), to keep the
@@ -248,9 +251,58 @@ def measure_network(launch: Launch, sizes: Mapping[str, int], warmup: int, repea
         progress(f"links: {point.pattern} {point.scope} {point.ranks} {point.nbytes} bytes: "
                  f"{point.median_s * 1e3:.3f} ms, {point.gbps:.4g} Gbit/s"
                  + (" per flow" if point.flows else " bus bandwidth"))
+    for scope, a, b in round_trip_pairs(node_of_rank):
+        seconds = time_round_trips(a, b, launch.rank, device, warmup, repeats, cuda)
+        point = LinkPoint(ROUND_TRIP, scope, (a, b), ((a, b), (b, a)), ROUND_TRIP_BYTES, tuple(seconds),
+                          link_gbps(ROUND_TRIP, 2 * ROUND_TRIP_BYTES, statistics.median(seconds), 2))
+        points.append(point)
+        progress(f"links: {ROUND_TRIP} {scope} {point.ranks}: {point.median_s * 1e6:.0f} us, "
+                 f"{point.median_s / 2 * 1e6:.0f} us per message")
     nic, nic_from, intra = network_rates(points)
     return NetworkProfile(nic_gbps=nic, nic_from=nic_from, intra_node_gbps=intra, backend=str(dist.get_backend()),
                           node_of_rank=node_of_rank, sizes=dict(sizes), warmup=warmup, points=tuple(points)), notes
+
+
+def round_trip_pairs(node_of_rank: Sequence[int]) -> List[Tuple[str, int, int]]:
+    """(scope, initiator, responder) of every round trip timed: the first ranks of two nodes, and two ranks of the
+    first node holding two."""
+    nodes = _ranks_by_node(node_of_rank)
+    pairs = [(BETWEEN_NODES, nodes[0][0], nodes[1][0])] if len(nodes) >= 2 else []
+    shared = next((ranks for ranks in nodes if len(ranks) >= 2), None)
+    return pairs + ([(WITHIN_NODE, shared[0], shared[1])] if shared is not None else [])
+
+
+def time_round_trips(a: int, b: int, rank: int, device, warmup: int, repeats: int, cuda: bool,
+                     idle_s: float = ROUND_TRIP_IDLE_S) -> List[float]:
+    """Every repeat's seconds of a :data:`ROUND_TRIP_BYTES` message from rank ``a`` to ``b`` and back, as ``a``
+    times it after the link idled ``idle_s`` (``b`` waits in its receive meanwhile, as a pipeline rank waits for
+    its input); every rank calls it and gets the times."""
+    import torch
+    import torch.distributed as dist
+
+    message = torch.ones(max(1, ROUND_TRIP_BYTES // 4), dtype=torch.float32, device=device)
+    times = []
+    for call in range(warmup + repeats):
+        dist.barrier()
+        took = 0.0
+        if rank == a:
+            time.sleep(idle_s)
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            dist.send(message, b)
+            dist.recv(message, b)
+            if cuda:
+                torch.cuda.synchronize()
+            took = time.perf_counter() - started
+        elif rank == b:
+            dist.recv(message, a)
+            dist.send(message, a)
+        result = torch.tensor([took], dtype=torch.float64, device=device)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        if call >= warmup:
+            times.append(float(result.item()))
+    return times
 
 
 def _time_case(case: LinkCase, rank: int, group, device, warmup: int, repeats: int, cuda: bool) -> List[float]:

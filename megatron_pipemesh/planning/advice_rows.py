@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.config import ScheduleConfig
-from .clusters import nic_cluster
+from .clusters import PLANNING_CLUSTER, nic_cluster
 from .costs import GB, ClusterSpec, ModelSpec
 from .defaults import DEFAULT_HOST_LINK_GBPS, MFU
 from .layout import LayerSplit
@@ -44,8 +44,9 @@ class AdviceCluster:
     """Device-host copy bandwidth per GPU and direction, Gbit/s [--host-link-gbps]."""
     nic_via_host: bool = True
     """Network traffic is staged through host memory (no GPUDirect RDMA: commodity clouds) [--gpudirect-rdma: no]."""
-    latency_us: float = 30.0
-    """Latency of one transfer, microseconds."""
+    latency_us: float = PLANNING_CLUSTER.latency_us
+    """The fixed time of one message (a pipeline transfer, a collective's step), microseconds [--latency-us, or the
+    profile's measurement]."""
     host_copies_on_compute: bool = False
     """The rows run on CPU ranks, whose host copies hold up their compute (costs measured on this CPU: no --gpu or
     --device-tflops); :attr:`.costs.ClusterSpec.host_copies_on_compute`."""

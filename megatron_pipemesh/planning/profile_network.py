@@ -13,6 +13,15 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 P2P_PATTERNS = ("p2p", "p2p both ways", "shared NIC")
 """Patterns of point-to-point flows (:attr:`LinkPoint.flows`): one flow alone, the same pair both directions at
 once, and every rank of one node sending to another node at once (the flows share the node's NIC)."""
+ROUND_TRIP = "round trip"
+"""A message and its answer (:attr:`LinkPoint.flows` both ways, one after the other), each repeat after the link
+idled :data:`ROUND_TRIP_IDLE_S`: twice the fixed time of one message (:attr:`NetworkProfile.latency_us`)."""
+ROUND_TRIP_BYTES = 4
+"""The message of a :data:`ROUND_TRIP`: one float, so that its time is the per-message part only."""
+ROUND_TRIP_IDLE_S = 0.02
+"""How long the link idles before each round trip: a pipeline's message follows a forward or backward of
+milliseconds, and on CPU ranks a message after an idle spell takes 2-3x one sent back to back (gloo's threads wake
+up: 0.15 ms one way back to back, 0.4 ms after 20-100 ms, the bench's NICs, ``scripts/nic_burst_check.py``)."""
 COLLECTIVES = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0, "all-to-all": 1.0}
 """Collectives timed, with the factor that turns their algorithm bandwidth into bus bandwidth over ``g`` ranks:
 ``factor * (g - 1) / g`` (nccl-tests' convention: the rate each rank's link carries in a ring; an all-to-all's
@@ -27,7 +36,7 @@ class LinkPoint:
     """One communication pattern timed at one message size."""
 
     pattern: str
-    """One of :data:`P2P_PATTERNS` or :data:`COLLECTIVES`."""
+    """One of :data:`P2P_PATTERNS`, :data:`ROUND_TRIP` or :data:`COLLECTIVES`."""
     scope: str
     """:data:`BETWEEN_NODES` or :data:`WITHIN_NODE` (p2p); :data:`ALL_RANKS` or :data:`ONE_NODE` (collectives)."""
     ranks: Tuple[int, ...]
@@ -103,6 +112,19 @@ class NetworkProfile:
         scope = ALL_RANKS if self.nodes == 1 else ONE_NODE
         found = [point for point in self.points if point.pattern == "all-to-all" and point.scope == scope]
         return max(found, key=lambda point: point.nbytes).gbps if found and len(self.node_of_rank) > 1 else None
+
+    @property
+    def latency_us(self) -> Optional[float]:
+        """The fixed time of one message, microseconds: half the median :data:`ROUND_TRIP` between nodes (the links
+        a pipeline's waits stretch on), else inside one; None: no round trip timed (a file from before)."""
+        point = self.round_trip
+        return point.median_s / 2 * 1e6 if point is not None else None
+
+    @property
+    def round_trip(self) -> Optional[LinkPoint]:
+        """The :data:`ROUND_TRIP` :attr:`latency_us` comes from."""
+        found = {point.scope: point for point in self.points if point.pattern == ROUND_TRIP}
+        return found.get(BETWEEN_NODES) or found.get(WITHIN_NODE)
 
     def to_dict(self) -> dict:
         return {"nic_gbps": self.nic_gbps, "nic_from": self.nic_from, "intra_node_gbps": self.intra_node_gbps,
@@ -198,3 +220,33 @@ def chosen_rate(name: str, flag: str, given: Optional[float], measured: Optional
     if default is not None:
         return LinkRate(name, flag, default, "default", origin=origin)
     return LinkRate(name, flag, None, "missing")
+
+
+@dataclass(frozen=True)
+class MessageLatency:
+    """The fixed time of one message a plan uses (:attr:`.costs.ClusterSpec.latency_us`), and where it came from."""
+
+    us: float
+    """Microseconds per pipeline transfer and collective step."""
+    source: str
+    """How it was chosen, for the plan's assumptions ('the default, not measured', '--latency-us', 'measured ...')."""
+
+    @property
+    def measured(self) -> bool:
+        return self.source.startswith("measured")
+
+
+def chosen_latency(given: Optional[float], network: Optional[NetworkProfile], default: float) -> MessageLatency:
+    """The message latency a plan uses: the flag ``given`` wins, else what the profile's ``network`` measured, else
+    ``default``."""
+    measured = network.latency_us if network is not None else None
+    point = network.round_trip if network is not None else None
+    if given is not None:
+        also = f"; the profile measured {measured:.4g} us" if measured is not None else ""
+        return MessageLatency(float(given), f"--latency-us{also}")
+    if measured is not None and point is not None:
+        return MessageLatency(measured, f"measured by the profile: half a {point.nbytes}-byte round trip {point.scope} "
+                                        f"(ranks {point.ranks[0]} and {point.ranks[1]}, {network.backend}), each after "
+                                        f"the link idled {ROUND_TRIP_IDLE_S * 1e3:g} ms")
+    return MessageLatency(default, "the default, not measured (--latency-us to set it, or a profile launched on "
+                                   "several ranks to measure it)")

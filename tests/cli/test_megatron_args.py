@@ -284,12 +284,24 @@ def test_every_assumed_rate_says_where_it_came_from(tiny):
                             "device memory"}
     assert assumed["message latency"] == {"what": "message latency",
                                           "value": "30 us per pipeline transfer and collective step",
-                                          "source": "the default, not measured"}
+                                          "source": "the default, not measured (--latency-us to set it, or a "
+                                                    "profile launched on several ranks to measure it)"}
     assert assumed["intra-node link"]["value"] == "3600 Gbit/s"
     assert "the device table: H100 SXM's NVLink 4 (SXM)" in assumed["intra-node link"]["source"]
     assert assumed["GPU"]["source"].startswith("--gpu H100 is the H100 SXM")
     assert assumed["vocabulary"]["source"] == "--vocab-size" and assumed["NIC"]["source"] == "--nic-gbps"
     assert {item["what"] for item in tiny["assumed"]} >= {"compute", "NIC", "intra-node link", "vocabulary"}
+
+
+def test_a_given_message_latency_is_said_and_priced(tiny):
+    """--latency-us replaces the default in the assumptions and in the costs: the user's row (a pipeline with
+    data-parallel rings) takes longer by at least its messages' share."""
+    out = advice_json(TINY, CLUSTER + ["--latency-us", "2000"])
+    assumed = {item["what"]: item for item in out["assumed"]}
+    assert assumed["message latency"] == {"what": "message latency",
+                                          "value": "2000 us per pipeline transfer and collective step",
+                                          "source": "--latency-us"}
+    assert out["rows"]["user"]["predicted_iteration_s"] > tiny["rows"]["user"]["predicted_iteration_s"] + 0.002
 
 
 def test_a_flag_the_costs_leave_out_is_named_and_mla_is_refused():

@@ -12,9 +12,10 @@ import pytest
 
 from megatron_pipemesh.integration.profile_links import (CPU_BUCKET_BYTES, LaunchError, link_cases, launched,
                                                          megatron_bucket_bytes, message_sizes, node_notes,
-                                                         node_numbers)
+                                                         node_numbers, round_trip_pairs)
 from megatron_pipemesh.planning.profile import load
-from megatron_pipemesh.planning.profile_network import ALL_RANKS, BETWEEN_NODES, ONE_NODE, WITHIN_NODE, NetworkProfile
+from megatron_pipemesh.planning.profile_network import (ALL_RANKS, BETWEEN_NODES, ONE_NODE, ROUND_TRIP, WITHIN_NODE,
+                                                        NetworkProfile)
 from tests import megatron_harness as h
 from tests.cli.test_commands import run
 
@@ -75,6 +76,11 @@ def test_the_patterns_follow_the_nodes():
     shared = [case for case in two_by_two if case.pattern == "shared NIC"][0]
     assert shared.flows == ((0, 1), (2, 3)) and shared.ranks == (0, 1, 2, 3)
     assert [case.ranks for case in two_by_two if case.scope == ONE_NODE] == [(0, 2)] * 8
+    # a message's fixed time: between the first ranks of two nodes, and inside the first node holding two ranks
+    assert round_trip_pairs((0, 0)) == [(WITHIN_NODE, 0, 1)]
+    assert round_trip_pairs((0, 1)) == [(BETWEEN_NODES, 0, 1)]
+    assert round_trip_pairs((0, 1, 0, 1)) == [(BETWEEN_NODES, 0, 1), (WITHIN_NODE, 0, 2)]
+    assert round_trip_pairs((0, 1, 1)) == [(BETWEEN_NODES, 0, 1), (WITHIN_NODE, 1, 2)]
     assert message_sizes(2, 32, 64, 4, CPU_BUCKET_BYTES) == {"activation": 16384, "bucket": 4 * 2 ** 20}
     assert message_sizes(2, 32, 64, 4, CPU_BUCKET_BYTES, topk=2)["dispatch"] == 2 * 16384
 
@@ -116,12 +122,15 @@ def test_four_ranks_on_two_nodes_time_every_pattern():
     assert results[0]["notes"] == ["nodes told apart by hostname and network namespace: 2 with 2 ranks each, while "
                                    "the launcher's LOCAL_WORLD_SIZE is 4"]
     assert network.node_of_rank == (0, 1, 0, 1) and network.backend == "gloo" and network.nodes == 2
-    assert len(network.points) == 26 and all(p.gbps > 0 and len(p.seconds) == 2 and min(p.seconds) > 0
+    assert len(network.points) == 28 and all(p.gbps > 0 and len(p.seconds) == 2 and min(p.seconds) > 0
                                              for p in network.points)
     shared = [p for p in network.points if p.pattern == "shared NIC" and p.nbytes == 65536][0]
     assert network.nic_gbps == pytest.approx(2 * shared.gbps) and network.nic_from.startswith("2 flows sharing a NIC")
     inside = [p for p in network.points if p.pattern == "p2p" and p.scope == WITHIN_NODE and p.nbytes == 65536][0]
     assert network.intra_node_gbps == inside.gbps
+    trips = [p for p in network.points if p.pattern == ROUND_TRIP]
+    assert [(p.scope, p.ranks, p.nbytes) for p in trips] == [(BETWEEN_NODES, (0, 1), 4), (WITHIN_NODE, (0, 2), 4)]
+    assert network.round_trip is trips[0] and network.latency_us == pytest.approx(trips[0].median_s / 2 * 1e6)
     assert all(NetworkProfile.from_dict(r["network"]).points == network.points for r in results[1:])
 
 
@@ -145,6 +154,7 @@ def test_torchrun_profile_writes_the_links_and_plan_takes_the_measured_rate(two_
     assert [p.micro_batch_size for p in profile.compute] == [1, 2]
     network = profile.network
     assert network.node_of_rank == (0, 0) and network.nic_gbps is None and network.intra_node_gbps > 0
+    assert network.round_trip.scope == WITHIN_NODE and 0 < network.latency_us < 1e5
     assert network.sizes == {"activation": 16384, "bucket": 2 ** 20}
     assert any("the NIC is not measured: all 2 ranks ran on one node" in note for note in profile.notes)
     # rank 0 timed the data loader in a child of its own (the builder's barriers would span the job)
@@ -153,6 +163,7 @@ def test_torchrun_profile_writes_the_links_and_plan_takes_the_measured_rate(two_
     assert output.count("wrote ") == 1  # rank 0 alone writes and prints
     code, out, err = run(["profile", "--show", str(path)])
     assert code == 0 and "intra-node link: " in out and "NIC: not measured (one node)" in out
+    assert f"message latency: {network.latency_us:.4g} us (half a round trip within a node)" in out
     cluster = ["--nodes", "1", "--gpus-per-node", "2", "--device-memory-gib", "1", "--quiet"]
     code, out, err = run(["plan"] + cluster + ["--megatron-args", SMALL, "--profile", str(path)])
     assert code == 2 and "--nic-gbps (one node's network interface, Gbit/s per direction) is required: the " \
@@ -163,6 +174,10 @@ def test_torchrun_profile_writes_the_links_and_plan_takes_the_measured_rate(two_
     report = json.loads(out)["profile"]
     assert f"intra-node link {network.intra_node_gbps:.4g} Gbit/s measured (profile)" in report["measured"]["1"]
     assert "NIC 0.1 Gbit/s (--nic-gbps, given)" in report["assumed"]["1"]
+    latency = {item["what"]: item for item in json.loads(out)["assumed"]}["message latency"]
+    assert latency["value"] == f"{network.latency_us:.4g} us per pipeline transfer and collective step"
+    assert latency["source"].startswith("measured by the profile: half a 4-byte round trip within a node (ranks 0 "
+                                        "and 1, gloo)")
     assert report["links"]["intra_node"] == {"gbps": network.intra_node_gbps, "source": "measured",
                                              "measured_gbps": network.intra_node_gbps}
     code, out, err = run(["plan"] + cluster + ["--nic-gbps", "0.1", "--intra-node-gbps", "50", "--megatron-args", SMALL,
