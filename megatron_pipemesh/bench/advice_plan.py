@@ -55,6 +55,9 @@ class AdviceBenchSettings:
     """With ``shared_cores``: each pipeline rank's ranks pinned to core (pipeline rank % cores) [--pin-cores]."""
     nic_burst_bytes: float = 0.0
     """The token-bucket burst of every emulated NIC direction (tc tbf [--burst]); 0: none (--unshaped)."""
+    latency_us: Optional[float] = None
+    """The fixed time of one message between two ranks, measured where the rows run (:mod:`.message_probe`);
+    None: the planner's default."""
 
 
 def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
@@ -64,6 +67,8 @@ def advisor_argv(settings: AdviceBenchSettings) -> List[str]:
             "--device-memory-gib", f"{settings.device_memory_gb:.6g}", "--gpudirect-rdma", "--quiet"]
     if settings.profile is not None:
         argv += ["--profile", settings.profile]
+    if settings.latency_us is not None:
+        argv += ["--latency-us", f"{settings.latency_us:.6g}"]
     return argv
 
 
@@ -82,8 +87,9 @@ def advisor_problem(words: Sequence[str], settings: AdviceBenchSettings):
 
 
 def with_profile(parsed, settings: AdviceBenchSettings):
-    """``parsed`` (:func:`advisor_problem`'s answer) with the profile of ``settings`` matched to the command, without
-    reading the command again (a profile measured after the command was read)."""
+    """``parsed`` (:func:`advisor_problem`'s answer) with the profile of ``settings`` matched to the command and the
+    advisor's flags of ``settings``, without reading the command again (a profile or latency measured after the
+    command was read)."""
     from ..cli.megatron_args import build_advice_parser, matched_profile
 
     argv, (user, problem, cluster, rate) = parsed
@@ -102,7 +108,8 @@ def plan_advice(parsed, settings: AdviceBenchSettings):
     argv, (user, problem, cluster, rate) = parsed
     cluster = dataclasses.replace(cluster, host_copies_on_compute=True, collectives="gloo",
                                   shared_cores=settings.shared_cores, pinned_cores=settings.pinned_cores,
-                                  nic_burst_bytes=settings.nic_burst_bytes)
+                                  nic_burst_bytes=settings.nic_burst_bytes,
+                                  latency_us=cluster.latency_us if settings.latency_us is None else settings.latency_us)
     problem = dataclasses.replace(problem, max_tp=1)  # megatron-core runs TP > 1 on CUDA only
     try:
         advice = advise(problem, cluster)

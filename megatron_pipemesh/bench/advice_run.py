@@ -23,6 +23,7 @@ from ..cli.common import UsageError, emit_json
 from ..planning.defaults import MFU
 from .advice_parts import PARTS, attribute, cause_text, judgement, measured_parts, part_misses
 from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice, with_profile
+from .message_probe import measure_latency
 from .session import log
 
 RUN_FLAGS = ("--train-iters", "--train-samples", "--log-interval", "--timing-log-level", "--timing-log-option",
@@ -202,8 +203,16 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
                                                  min(setup.settings.nproc, setup.cores), setup.profile_max_seconds)))
-        parsed = with_profile(parsed, setup.settings)
     refuse_loaded_profile(setup.settings.profile)
+    # where the rows will run: on CPU ranks a message's fixed time is tenfold the planner's default
+    try:
+        latency = measure_latency(setup.shaping, os.path.join(out_dir, "latency.log"))
+    except RuntimeError as error:
+        log(f"pipemesh bench --advice: {error}")
+        return 1
+    log(f"pipemesh bench --advice: {latency.describe()}")
+    setup = dataclasses.replace(setup, settings=dataclasses.replace(setup.settings, latency_us=latency.us))
+    parsed = with_profile(parsed, setup.settings)
     if setup.settings.shared_cores is not None:
         log(f"note: {setup.settings.nproc} ranks share {setup.cores} cores: the predictions run each rank's compute "
             "(timed at one core) on them, " + ("each pipeline stage's ranks on one core (--pin-cores)"
@@ -399,7 +408,8 @@ def advice_document(setup: AdviceSetup, advice: dict, parts: Dict[str, list], ad
         "ranks_share_cores": settings.nproc > setup.cores, "pinned": [r["cores"] for r in rows],
         "network": {"shaped": shaping is not None, "rate_mbit": shaping.rate_mbit if shaping else None,
                     "per_rank": True, "nic_queue": shaping.nic_queue if shaping else None,
-                    "planned_nic_gbps": settings.nic_gbps, "planned_burst_bytes": settings.nic_burst_bytes},
+                    "planned_nic_gbps": settings.nic_gbps, "planned_burst_bytes": settings.nic_burst_bytes,
+                    "planned_latency_us": settings.latency_us},
         "device": {"tflops_per_rank": settings.device_tflops, "mfu": settings.mfu,
                    "memory_gb_per_rank": settings.device_memory_gb, "shared_cores": settings.shared_cores,
                    "pinned_cores": settings.pinned_cores},
@@ -426,6 +436,8 @@ def format_advice(document: dict) -> str:
                 + (f" with the {net['planned_burst_bytes'] / 1024:g} KiB token-bucket burst"
                    if net.get("planned_burst_bytes") else "") if net["shaped"]
                 else f"unshaped loopback, planned at {net['planned_nic_gbps']:g} Gbit/s")
+             + (f", {net['planned_latency_us']:.0f} us per message (measured)" if net.get("planned_latency_us")
+                else "")
              + ("; compute and activations from the profile " + document["profile"] if document["profile"] else
                 f"; {document['device']['tflops_per_rank']:g} TFLOP/s x MFU {document['device']['mfu']:g} per rank "
                 "(analytic, --no-profile)")

@@ -344,3 +344,20 @@ def test_end_to_end_on_the_smallest_command(tmp_path, capsys, monkeypatch):
     assert "pipemesh bench --advice: 2 ranks" in text and "advised row (" in text and "meas x user" in text
     assert len(document["load_average"]["before"]) == 3 and "load average" in text
     assert json.loads((tmp_path / "runs" / "profile.json").read_text())["method"]["max_seconds"] == 0.5
+
+
+def test_the_measured_message_latency_is_planned_for_and_in_the_advisors_flags(monkeypatch, planned):
+    """The latency timed where the rows run reaches every layout's ClusterSpec and the flags that reproduce the
+    advice with pipemesh plan; it lengthens the user's row (a pipeline: its transfers wait it)."""
+    import megatron_pipemesh.planning.advice as advice_module
+
+    seen = []
+    advise = advice_module.advise
+    monkeypatch.setattr(advice_module, "advise",
+                        lambda problem, cluster: seen.append(cluster) or advise(problem, cluster))
+    settings = dataclasses.replace(SETTINGS, latency_us=400.0)
+    parsed = advice_plan.with_profile(advice_plan.advisor_problem(shlex.split(TINY), SETTINGS), settings)
+    out, _, argv = advice_plan.plan_advice(parsed, settings)
+    assert seen[-1].spec(1, 2, False, False).latency_us == 400.0
+    assert argv[argv.index("--latency-us") + 1] == "400"
+    assert out["rows"]["user"]["predicted_iteration_s"] > planned[0]["rows"]["user"]["predicted_iteration_s"]
