@@ -12,27 +12,15 @@ the spread this prints.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Dict, List
 
-WORKER = r"""
-import json, os, sys, time, torch
-os.sched_setaffinity(0, {int(sys.argv[1])})
-torch.set_num_threads(1)
-x, w = torch.randn(512, 256), torch.randn(256, 1024)
-until = time.time() + float(sys.argv[2])
-out = []
-while time.time() < until:
-    began = time.perf_counter()
-    for _ in range(20):
-        x @ w
-    out.append((time.time(), time.perf_counter() - began))
-print(json.dumps(out))
-"""
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megatron_pipemesh.bench.machine_speed import BLOCK, time_blocks  # noqa: E402
 
 
 def windows(samples: List[List[float]], start: float, width: float) -> Dict[int, float]:
@@ -50,14 +38,11 @@ def main() -> int:
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     before = os.getloadavg()
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(core), str(args.seconds)], stdout=subprocess.PIPE,
-                                text=True) for core in cores]
-    found = [json.loads(worker.communicate()[0]) for worker in workers]
+    found = time_blocks(args.seconds, cores)
     after = os.getloadavg()
     start = min(samples[0][0] for samples in found)
     per_core = [windows(samples, start, args.window) for samples in found]
-    print(f"load average before {before[0]:.2f}, after {after[0]:.2f}; cores {cores}; block = 20 products of "
-          "512x256 @ 256x1024, one thread")
+    print(f"load average before {before[0]:.2f}, after {after[0]:.2f}; cores {cores}; block = {BLOCK}")
     print("window  " + "  ".join(f"core {core} ms" for core in cores))
     for index in sorted(set().union(*per_core)):
         print(f"{index * args.window:>5.0f}s  " + "  ".join(

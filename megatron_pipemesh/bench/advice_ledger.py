@@ -74,7 +74,8 @@ def command_entry(name: str, document: dict) -> dict:
         "rows": [{"name": r["name"], "kind": r.get("kind"), "describe": r["describe"],
                   "predicted_s": r["predicted_iteration_s"], "measured_s": r["measured_iteration_s"],
                   "measured_over_predicted": r["measured_over_predicted"], "judgement": r.get("judgement"),
-                  "part_misses": r.get("part_misses"), "measured_spread": measured_spread(r)} for r in rows],
+                  "part_misses": r.get("part_misses"), "measured_spread": measured_spread(r),
+                  "machine_drift": r.get("machine_drift")} for r in rows],
         "ranks_share_cores": document["ranks_share_cores"],
     }
 
@@ -112,6 +113,7 @@ def ledger(documents: Dict[str, dict]) -> dict:
             row["measured_spread"] for row in rows if row["measured_spread"] is not None]) else None,
         "advised_fastest_share": (sum(c["advised_fastest"] for c in commands) / len(commands)) if commands else None,
         "median_rank_correlation": statistics.median(correlations) if correlations else None,
+        "machine_drifts": [row["machine_drift"] for row in rows if row.get("machine_drift") is not None],
         "least_advised_ratio_to_user": min(ratios) if ratios else None,
         "errors_by_kind": worst_errors([(row["kind"], row["measured_over_predicted"]) for row in rows
                                         if row["kind"] and row["measured_over_predicted"]]),
@@ -119,6 +121,15 @@ def ledger(documents: Dict[str, dict]) -> dict:
                                             for c in commands if (user := _user_ratio(c)) for row in c["rows"]
                                             if row["kind"] and row["measured_over_predicted"]]),
     }
+
+
+def machine_line(drifts: Sequence[float]) -> str:
+    """How fast the machine itself ran at the rows' runs against at their profiles, as a ledger line."""
+    if not drifts:
+        return "the machine's own speed was not timed (documents from before)"
+    return (f"the machine itself, at the rows' runs against at their profiles (a fixed matmul on every core): "
+            f"{100 * min(drifts):+.0f}% to {100 * max(drifts):+.0f}%, median {100 * statistics.median(drifts):+.0f}% "
+            "(+: slower; nothing is scaled by it)")
 
 
 def _user_ratio(command: dict) -> Optional[float]:
@@ -149,6 +160,7 @@ def table(found: dict) -> str:
               f"{found['misses']} rows outside 10% in total, {found['misses_inside_measurement_spread']} of them by "
               f"less than their measurement's own spread (median spread of a row's measured median: "
               f"±{_fmt(found['median_measured_spread'] and 100 * found['median_measured_spread'], '.1f')}%)",
+              machine_line(found.get("machine_drifts") or []),
               "worst error per kind of row: " + ", ".join(f"{k} ±{100 * v:.0f}%"
                                                           for k, v in found["errors_by_kind"].items()),
               "worst error of a row's speed over the command, per kind: "

@@ -23,6 +23,7 @@ from ..cli.common import UsageError, emit_json
 from ..planning.defaults import MFU
 from .advice_parts import PARTS, attribute, cause_text, judgement, measured_parts, part_misses
 from .advice_plan import UNSHAPED_NIC_GBPS, AdviceBenchSettings, advisor_problem, plan_advice, with_profile
+from .machine_speed import BLOCK, drift, reference_s
 from .message_probe import measure_latency
 from .session import log
 
@@ -199,10 +200,13 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
     os.makedirs(out_dir, exist_ok=True)
     parsed = advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (a given profile match it)
+    at_profile: List[float] = []  # the machine's own speed while the profile was timed here (before and after it)
     if setup.settings.profile is None and not args.no_profile:
+        at_profile.append(reference_s())
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
                                                  min(setup.settings.nproc, setup.cores), setup.profile_max_seconds)))
+        at_profile.append(reference_s())
     refuse_loaded_profile(setup.settings.profile)
     # where the rows will run: on CPU ranks a message's fixed time is tenfold the planner's default
     try:
@@ -234,6 +238,10 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     document = advice_document(setup, advice, parts, advisor_flags, runs, out_dir)
     # Other work on the machine slows the runs and not the predictions: the load is part of the measurement.
     document["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    document["machine_speed"] = {"block": BLOCK, "at_profile_s": at_profile,
+                                 "at_runs_s": {name: run.get("machine_s", []) for name, run in runs.items()}}
+    for row in document["rows"]:
+        row["machine_drift"] = drift(runs[row["name"]].get("machine_s", []), at_profile)
     emit_json(document, os.path.join(out_dir, "advice.json"))
     if not emit_json(document, args.json):
         print(format_advice(document))
@@ -336,10 +344,13 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
                                      master_port=29500 + (round_ * len(names) + index + os.getpid()) % 1000,
                                      target=TRAIN_MODULE)
                 log_path = os.path.join(out_dir, "logs", f"{name}.log" if round_ == 1 else f"{name}.{round_}.log")
+                machine = reference_s()
                 code, wall, _, text = run_once(cmd, env, log_path, args.timeout, sample_memory=False)
                 iterations = parse_log(text).measured(setup.warmup)
                 run = runs.setdefault(name, {"returncode": 0, "log": log_path, "logs": [], "wall_s": 0.0,
-                                             "iterations": [], "error": "", "same_run_as": None, "cores": cores})
+                                             "iterations": [], "error": "", "same_run_as": None, "cores": cores,
+                                             "machine_s": []})
+                run["machine_s"].append(machine)
                 run["logs"].append(log_path)
                 run["wall_s"] += wall
                 run["iterations"] += iterations
@@ -478,6 +489,13 @@ def format_advice(document: dict) -> str:
             lines.append(f"{r['name']}: {r['error']}")
     for note in document["notes"]:
         lines.append(f"note: {note}")
+    machine = document.get("machine_speed")
+    drifts = [(r["name"], r.get("machine_drift")) for r in document["rows"] if r.get("machine_drift") is not None
+              and r["same_run_as"] is None]
+    if machine and drifts:
+        lines.append(f"the machine's own speed ({machine['block']}, every core, before each run) against its speed at "
+                     f"the profile: " + ", ".join(f"{name} {100 * value:+.0f}%" for name, value in drifts)
+                     + " (+: slower; the predictions are not scaled by it)")
     load = document.get("load_average")
     if load:
         lines.append(f"load average (1, 5, 15 min) before the runs {', '.join(f'{x:.2f}' for x in load['before'])}; "

@@ -76,3 +76,20 @@ def test_a_miss_by_less_than_its_measurements_spread_is_counted_apart():
     assert spreads == [pytest.approx(0.05), pytest.approx(0.05)]
     assert found["misses"] == 2 and found["misses_inside_measurement_spread"] == 1
     assert ledger({"first": FIRST})["commands"][0]["rows"][0]["measured_spread"] is None
+
+
+def test_the_machines_own_speed_at_the_runs_is_a_line_of_the_ledger():
+    """Each row's drift (its runs' machine speed against its profile's) is kept and summed up in one line; documents
+    from before the machine was timed say so."""
+    import copy
+
+    from megatron_pipemesh.bench.advice_ledger import table
+
+    timed = copy.deepcopy(FIRST)
+    for row, value in zip(timed["rows"], (0.04, -0.02, 0.10)):
+        row["machine_drift"] = value
+    found = ledger({"timed": timed})
+    assert found["machine_drifts"] == [0.04, -0.02, 0.10]
+    assert ("the machine itself, at the rows' runs against at their profiles (a fixed matmul on every core): -2% to "
+            "+10%, median +4% (+: slower; nothing is scaled by it)") in table(found)
+    assert "the machine's own speed was not timed (documents from before)" in table(ledger({"first": FIRST}))
