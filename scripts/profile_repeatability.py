@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_pipemesh.bench.machine_speed import reference_s  # noqa: E402
 from megatron_pipemesh.planning.profile import Profile, load  # noqa: E402
 
 LLAMA = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
@@ -26,21 +27,6 @@ LLAMA = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query
          "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 "
          "--global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
          "--vocab-size 4096 --pipeline-model-parallel-size 2")
-REFERENCE = """
-import statistics, time, torch
-torch.set_num_threads(1)
-x, w = torch.randn(512, 256), torch.randn(256, 1024)
-def sample():
-    began = time.perf_counter()
-    for _ in range(20):
-        x @ w
-    return time.perf_counter() - began
-for _ in range(10):
-    sample()
-print(statistics.median(sample() for _ in range(200)) * 1e3)
-"""
-"""A fixed one-thread matmul (the layer's shape: 512 tokens x hidden 256 x 1024), its median ms over 200 samples:
-the machine's own speed just before and after each profile, which no piece of the profile depends on."""
 SMALLEST_S = 1e-3
 """Pieces below this are not compared (the tolerance is about the pieces that price a step)."""
 
@@ -84,9 +70,9 @@ def compare(first: Profile, second: Profile, tolerance: float) -> Tuple[List[str
 
 
 def reference_ms() -> float:
-    """:data:`REFERENCE`'s median, in a process of its own."""
-    done = subprocess.run([sys.executable, "-c", REFERENCE], capture_output=True, text=True, check=True)
-    return float(done.stdout.split()[-1])
+    """The machine's own speed just before or after a profile, which no piece of the profile depends on: the bench's
+    fixed matmul block on every core at once (:func:`megatron_pipemesh.bench.machine_speed.reference_s`), ms."""
+    return reference_s() * 1e3
 
 
 def main() -> int:
