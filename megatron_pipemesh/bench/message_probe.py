@@ -5,7 +5,7 @@
 plain loopback with ``--unshaped``) running this module, which times :func:`..integration.profile_links.
 time_round_trips` (a 4-byte message and its answer after the link idled, as ``pipemesh profile`` on several ranks
 times it) and prints one line: ``[pipemesh-latency] {"seconds": [...]}`` (rank 0). Half the median round trip is the
-latency. On this machine's emulated NICs it is 0.25-0.45 ms one way, ten times the planner's default: gloo's threads
+latency. On this machine's emulated NICs it is 250-450 us one way, ten times the planner's default: gloo's threads
 wake up for each message after the sender computed (``scripts/nic_burst_check.py``).
 """
 from __future__ import annotations
