@@ -4,7 +4,9 @@ process per core, as the bench's ranks compute.
 A VM's speed moves by itself: run alone for 3 minutes, the block's 10-second medians here span +7-8% on each core
 (``scripts/machine_speed.py``). ``pipemesh bench --advice`` times the block before and after its profile and before
 each run of a row, so that a row's compute measured against the profile's pieces can be read beside how much slower
-or faster the machine itself ran then (:func:`drift`); nothing is scaled by it.
+or faster the machine itself ran then (:func:`drift`); nothing is scaled by it. The block is compute-bound (it fits a
+core's L2): a small layer's memory-bound speed moves by more, from second to second, where the block holds
+(``scripts/layer_drift_check.py``), so a small drift does not clear the machine.
 """
 from __future__ import annotations
 
