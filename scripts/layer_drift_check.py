@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.layer_instances_check import layer_call, prepared  # noqa: E402
 from scripts.profile_repeatability import LLAMA  # noqa: E402
 
 
@@ -28,40 +29,15 @@ def main() -> int:
     parser.add_argument("--megatron-args", default=LLAMA)
     parser.add_argument("--passes", type=int, default=3)
     options = parser.parse_args()
-    sys.argv = sys.argv[:1]
-    from megatron_pipemesh.integration.bootstrap import prepare_megatron_import
-
-    prepare_megatron_import()
-    import torch
-
-    from megatron_pipemesh.integration.cpu_compat import apply_cpu_compat
-    from megatron_pipemesh.integration.profile import ProfileSettings, command_args, start_process_group
-    from megatron_pipemesh.integration.profile_models import gpt, level_args, megatron_quiet, with_main_grads
+    args, planned, run, end = prepared(options.megatron_args)
+    from megatron_pipemesh.integration.profile import ProfileSettings
+    from megatron_pipemesh.integration.profile_models import megatron_quiet
     from megatron_pipemesh.integration.profile_pieces import measure_compute
-    from megatron_pipemesh.integration.profile_steps import loader_attention_mask
 
-    apply_cpu_compat()
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {0})
-    args, planned, run = command_args(options.megatron_args.split(), False)
-    end = start_process_group(False)
-    settings = ProfileSettings(max_micro_batch=1)
     started = time.monotonic()
 
     def bare() -> float:
-        with megatron_quiet():
-            model, _ = gpt(level_args(args, "none"), run.model.layer_spec, settings, False, pre=False, post=False)
-        with_main_grads(model)
-        mask = loader_attention_mask(args, 1, torch.device("cpu"))
-        hidden = torch.randn(args.seq_length, 1, args.hidden_size)
-
-        def once() -> float:
-            began = time.perf_counter()
-            model.set_input_tensor(hidden.clone().requires_grad_(True))
-            out = model(input_ids=None, position_ids=None, attention_mask=mask)
-            out.backward(torch.ones_like(out) * 1e-3)
-            return time.perf_counter() - began
-
+        once = layer_call(args, run, 1)
         for _ in range(3):
             once()
         return statistics.median(once() for _ in range(40)) * 1e3
@@ -72,7 +48,8 @@ def main() -> int:
     say(f"bare loop {bare():.2f} ms")
     for _ in range(options.passes):
         with megatron_quiet():
-            found = measure_compute(args, planned.model, run.model.layer_spec, settings, False, lambda line: None, [])[0]
+            found = measure_compute(args, planned.model, run.model.layer_spec, ProfileSettings(max_micro_batch=1),
+                                    False, lambda line: None, [])[0]
         say(f"the profile's layer {1e3 * (found.layer_forward_s + found.layer_backward_s):.2f} ms")
         say(f"bare loop {bare():.2f} ms")
         gc.collect()
