@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     if os.environ.get("LOCAL_RANK") is not None:
         worker()
         return 0
-    from megatron_pipemesh.bench.netns import MIN_BURST_BYTES, ShapedNamespace, Shaping, parse_rate_mbit
-    from megatron_pipemesh.bench.runner import error_excerpt, launch_command, run_once
+    from megatron_pipemesh.bench.netns import MIN_BURST_BYTES, Shaping, parse_rate_mbit
+    from megatron_pipemesh.bench.runner import error_excerpt, run_workers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="100mbit", help="each rank's NIC, each way (default 100mbit)")
@@ -77,12 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--log", default="/tmp/nic_burst_check.log")
     args = parser.parse_args(argv)
     shaping = Shaping(parse_rate_mbit(args.rate), burst_bytes=args.burst)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "NIC_CHECK_KIB": ",".join(f"{k:g}" for k in args.kib)}
-    with ShapedNamespace(shaping, ranks=2) as namespace:
-        cmd = launch_command(2, [], namespace.prefix(), rank_namespaces=namespace.rank_namespaces,
-                             target=(os.path.abspath(__file__),))
-        code, _, _, text = run_once(cmd, env, args.log, 300.0, cwd=REPO, sample_memory=False)
+    os.environ["NIC_CHECK_KIB"] = ",".join(f"{k:g}" for k in args.kib)  # the workers' sizes
+    code, _, text = run_workers(shaping, 2, (os.path.abspath(__file__),), [], args.log, 300.0, cwd=REPO)
     if code != 0:
         print(f"the check failed (exit {code}): {error_excerpt(text, 20)}", file=sys.stderr)
         return 1

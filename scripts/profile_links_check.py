@@ -28,8 +28,8 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 def main(argv=None) -> int:
-    from megatron_pipemesh.bench.netns import ShapedNamespace, Shaping, parse_rate_mbit
-    from megatron_pipemesh.bench.runner import error_excerpt, launch_command, run_once
+    from megatron_pipemesh.bench.netns import Shaping, parse_rate_mbit
+    from megatron_pipemesh.bench.runner import error_excerpt, run_workers
     from megatron_pipemesh.planning.profile import load
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,11 +46,9 @@ def main(argv=None) -> int:
                     "--bucket-mib", f"{args.bucket_mib:g}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     log_path = os.path.join(args.out_dir, "profile.log")
-    with ShapedNamespace(shaping, ranks=2) as namespace:
-        cmd = launch_command(2, profile_args, namespace.prefix(), rank_namespaces=namespace.rank_namespaces,
-                             target=("-m", "megatron_pipemesh", "profile"))
-        print(f"profile on the emulated network ({shaping.describe()}); log {log_path}", flush=True)
-        code, wall, _, text = run_once(cmd, env, log_path, args.timeout, cwd=REPO, sample_memory=False)
+    print(f"profile on the emulated network ({shaping.describe()}); log {log_path}", flush=True)
+    code, wall, text = run_workers(shaping, 2, ("-m", "megatron_pipemesh", "profile"), profile_args, log_path,
+                                   args.timeout, cwd=REPO)
     if code != 0:
         print(f"the profile failed (exit {code}): {error_excerpt(text, 20)}", file=sys.stderr)
         return 1

@@ -11,7 +11,6 @@ wake up for each message after the sender computed (``scripts/nic_burst_check.py
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -65,19 +64,10 @@ def parse_round_trips(text: str) -> Optional[Tuple[float, ...]]:
 def measure_latency(shaping, log_path: str, timeout_s: float = 120.0) -> MeasuredLatency:
     """Time the round trips on the network of ``shaping`` (a :class:`.netns.Shaping`; None: the plain loopback);
     RuntimeError naming the log where the two ranks failed."""
-    from .netns import ShapedNamespace
-    from .runner import error_excerpt, launch_command, run_once
+    from .runner import error_excerpt, run_workers
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    target = ("-m", "megatron_pipemesh.bench.message_probe")
-    if shaping is None:
-        code, _, _, text = run_once(launch_command(2, [], target=target), env, log_path, timeout_s, sample_memory=False)
-        where = "the plain loopback"
-    else:
-        with ShapedNamespace(shaping, ranks=2) as namespace:
-            cmd = launch_command(2, [], namespace.prefix(), rank_namespaces=namespace.rank_namespaces, target=target)
-            code, _, _, text = run_once(cmd, env, log_path, timeout_s, sample_memory=False)
-        where = f"two ranks' NICs, {shaping.describe()}"
+    code, _, text = run_workers(shaping, 2, ("-m", "megatron_pipemesh.bench.message_probe"), [], log_path, timeout_s)
+    where = "the plain loopback" if shaping is None else f"two ranks' NICs, {shaping.describe()}"
     trips = parse_round_trips(text) if code == 0 else None
     if not trips:
         what = f"did not finish within {timeout_s:g} s" if code == 124 else f"failed (exit {code})"

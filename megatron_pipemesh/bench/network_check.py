@@ -94,21 +94,17 @@ def build_cases(runs: Sequence[dict], scenarios: Sequence[Scenario], rate_mbit: 
 def measure_rate(settings: NetworkCheckSettings, shaping, out_dir: str, log: Callable[[str], None]) -> List[dict]:
     """Build the per-rank network of ``shaping``, run the worker on it, return its measured runs (removing the
     namespaces on every exit)."""
-    from .netns import ShapedNamespace
-    from .runner import error_excerpt, launch_command, run_once
+    from .runner import error_excerpt, run_workers
 
     spec_path = os.path.join(out_dir, f"spec-{shaping.rate_mbit:g}mbit.json")
     with open(spec_path, "w", encoding="utf-8") as handle:
         json.dump({"scenarios": [s.to_dict() for s in settings.scenarios()], "warmup": settings.warmup,
                    "repeats": settings.repeats, "timeout_s": settings.timeout_s}, handle, indent=1)
     log_path = os.path.join(out_dir, f"flows-{shaping.rate_mbit:g}mbit.log")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    with ShapedNamespace(shaping, ranks=settings.world) as namespace:
-        cmd = launch_command(settings.world, [spec_path], namespace.prefix(), rank_namespaces=namespace.rank_namespaces,
-                             target=("-m", "megatron_pipemesh.bench.flow_probe"))
-        log(f"network check: {shaping.describe()}: {len(settings.scenarios())} scenarios x "
-            f"({settings.warmup} warm-up + {settings.repeats}) runs; log {log_path}")
-        code, wall, _, text = run_once(cmd, env, log_path, settings.timeout_s, sample_memory=False)
+    log(f"network check: {shaping.describe()}: {len(settings.scenarios())} scenarios x "
+        f"({settings.warmup} warm-up + {settings.repeats}) runs; log {log_path}")
+    code, wall, text = run_workers(shaping, settings.world, ("-m", "megatron_pipemesh.bench.flow_probe"), [spec_path],
+                                   log_path, settings.timeout_s)
     if code != 0:
         what = (f"did not finish within {settings.timeout_s:g} s (the flows at {shaping.rate_mbit:g} Mbit/s)"
                 if code == 124 else f"failed (exit {code})")

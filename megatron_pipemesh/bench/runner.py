@@ -337,6 +337,24 @@ def run_once(cmd: Sequence[str], env: Dict[str, str], log_path: str, timeout_s: 
     return code, wall, (dict(sampler.peak) if sampler else {}), text
 
 
+def run_workers(shaping, nproc: int, target: Sequence[str], args: Sequence[str], log_path: str, timeout_s: float,
+                cwd: Optional[str] = None) -> Tuple[int, float, str]:
+    """torchrun of ``target`` with ``args`` on ``nproc`` one-thread CPU workers, each rank in its own namespace of
+    the per-rank network of ``shaping`` (a :class:`.netns.Shaping`; removed on every exit), or on the plain loopback
+    (None): (exit code, wall seconds, log text)."""
+    from .netns import ShapedNamespace
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    if shaping is None:
+        code, wall, _, text = run_once(launch_command(nproc, args, target=target), env, log_path, timeout_s, cwd=cwd,
+                                       sample_memory=False)
+        return code, wall, text
+    with ShapedNamespace(shaping, ranks=nproc) as namespace:
+        cmd = launch_command(nproc, args, namespace.prefix(), rank_namespaces=namespace.rank_namespaces, target=target)
+        code, wall, _, text = run_once(cmd, env, log_path, timeout_s, cwd=cwd, sample_memory=False)
+    return code, wall, text
+
+
 def error_excerpt(text: str, lines: int = 12) -> str:
     """The last lines of a failed run's log that look like an error."""
     keep = [l for l in text.splitlines() if re.search(r"error|Error|Traceback|exception|Killed", l)]
