@@ -47,7 +47,8 @@ class LinkPoint:
     """Bytes of each flow (p2p), or of the whole tensor (a collective: all-reduce's input, reduce-scatter's input,
     all-gather's output)."""
     seconds: Tuple[float, ...]
-    """Every timed repeat: from a barrier to the last participating rank's completion."""
+    """Every timed repeat: from a barrier to the last participating rank's completion (a :data:`ROUND_TRIP`: the
+    initiator's message and answer, after the link idled)."""
     gbps: float
     """From the median: each flow's payload rate, Gbit/s (p2p); the bus bandwidth (a collective,
     :data:`COLLECTIVES`)."""
@@ -231,20 +232,16 @@ class MessageLatency:
     source: str
     """How it was chosen, for the plan's assumptions ('the default, not measured', '--latency-us', 'measured ...')."""
 
-    @property
-    def measured(self) -> bool:
-        return self.source.startswith("measured")
-
 
 def chosen_latency(given: Optional[float], network: Optional[NetworkProfile], default: float) -> MessageLatency:
     """The message latency a plan uses: the flag ``given`` wins, else what the profile's ``network`` measured, else
     ``default``."""
-    measured = network.latency_us if network is not None else None
     point = network.round_trip if network is not None else None
+    measured = network.latency_us if point is not None else None
     if given is not None:
         also = f"; the profile measured {measured:.4g} us" if measured is not None else ""
         return MessageLatency(float(given), f"--latency-us{also}")
-    if measured is not None and point is not None:
+    if measured is not None:
         return MessageLatency(measured, f"measured by the profile: half a {point.nbytes}-byte round trip {point.scope} "
                                         f"(ranks {point.ranks[0]} and {point.ranks[1]}, {network.backend}), each after "
                                         f"the link idled {ROUND_TRIP_IDLE_S * 1e3:g} ms")
