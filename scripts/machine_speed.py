@@ -1,6 +1,5 @@
 """How steady is this machine's own speed? One process per core (pinned, one thread each, as the bench's ranks run)
-times a fixed matmul block (the ledger GPT's layer shape: 512 tokens x hidden 256 x 1024, 20 products) back to back
-for ``--seconds``; the script prints per window of ``--window`` seconds each core's median block time and how far
+times the profile's pace block (:mod:`megatron_pipemesh.integration.profile_pace`) back to back for ``--seconds``; the script prints per window of ``--window`` seconds each core's median block time and how far
 the slowest window is from the fastest.
 
     .venv/bin/python scripts/machine_speed.py [--seconds 300] [--window 10]

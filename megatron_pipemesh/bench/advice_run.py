@@ -200,14 +200,12 @@ def cmd_advice(args, machine: dict, shaping_at: Callable[[float], object], defau
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="pipemesh-bench-advice-")
     os.makedirs(out_dir, exist_ok=True)
     parsed = advisor_problem(setup.words, setup.settings)  # the command must fit N ranks (a given profile match it)
-    at_profile: List[float] = []  # the machine's own speed while the profile was timed here (before and after it)
     if setup.settings.profile is None and not args.no_profile:
-        at_profile.append(reference_s())
         setup = dataclasses.replace(setup, settings=dataclasses.replace(
             setup.settings, profile=profile_here(setup.words, os.path.join(out_dir, "profile.json"),
                                                  min(setup.settings.nproc, setup.cores), setup.profile_max_seconds)))
-        at_profile.append(reference_s())
     refuse_loaded_profile(setup.settings.profile)
+    at_profile = profile_pace_s(setup.settings.profile)  # the machine's pace the profile's times are given at
     # where the rows will run: on CPU ranks a message's fixed time is tenfold the planner's default
     try:
         latency = measure_latency(setup.shaping, os.path.join(out_dir, "latency.log"))
@@ -282,6 +280,15 @@ def profiled_micro_batch(words: Sequence[str]) -> int:
     return min(largest, known.global_batch_size) if known.global_batch_size else largest
 
 
+def profile_pace_s(path: Optional[str]) -> List[float]:
+    """The machine's pace the profile at ``path`` gives its times at (:class:`..planning.profile_quality.
+    MachinePace`), as one reading; none for no profile or one without a pace (CUDA, an older file)."""
+    from ..planning.profile import load
+
+    pace = load(path).pace if path is not None else None
+    return [] if pace is None else [pace.seconds]
+
+
 def profile_here(words: Sequence[str], path: str, computing: int = 1, max_seconds: Optional[float] = None) -> str:
     """Profile the command on this machine (``pipemesh profile``: one thread, as each rank runs, with ``computing``
     cores computing at once, as the ranks will) into ``path``; ``max_seconds``: each group's time cap (None: the
@@ -344,13 +351,14 @@ def run_rows(args, setup: AdviceSetup, advice: dict, out_dir: str) -> Optional[D
                                      master_port=29500 + (round_ * len(names) + index + os.getpid()) % 1000,
                                      target=TRAIN_MODULE)
                 log_path = os.path.join(out_dir, "logs", f"{name}.log" if round_ == 1 else f"{name}.{round_}.log")
-                machine = reference_s()
+                before = reference_s()
                 code, wall, _, text = run_once(cmd, env, log_path, args.timeout, sample_memory=False)
+                machine = [before, reference_s()]  # the machine moves within a run: its pace either side
                 iterations = parse_log(text).measured(setup.warmup)
                 run = runs.setdefault(name, {"returncode": 0, "log": log_path, "logs": [], "wall_s": 0.0,
                                              "iterations": [], "error": "", "same_run_as": None, "cores": cores,
                                              "machine_s": []})
-                run["machine_s"].append(machine)
+                run["machine_s"] += machine
                 run["logs"].append(log_path)
                 run["wall_s"] += wall
                 run["iterations"] += iterations
@@ -493,8 +501,8 @@ def format_advice(document: dict) -> str:
     drifts = [(r["name"], r.get("machine_drift")) for r in document["rows"] if r.get("machine_drift") is not None
               and r["same_run_as"] is None]
     if machine and drifts:
-        lines.append(f"the machine's own speed ({machine['block']}, every core, before each run) against its speed at "
-                     f"the profile: " + ", ".join(f"{name} {100 * value:+.0f}%" for name, value in drifts)
+        lines.append(f"the machine's own pace ({machine['block']}, every core, before and after each run) against "
+                     f"the profile's pace: " + ", ".join(f"{name} {100 * value:+.0f}%" for name, value in drifts)
                      + " (+: slower; the predictions are not scaled by it)")
     load = document.get("load_average")
     if load:

@@ -1,12 +1,11 @@
-"""This machine's own speed at a moment: a fixed matmul block timed on every core at once, one pinned one-thread
-process per core, as the bench's ranks compute.
+"""This machine's own speed at a moment: the profile's pace block (:mod:`..integration.profile_pace`) timed on
+every core at once, one pinned one-thread process per core, as the bench's ranks compute.
 
-A VM's speed moves by itself: run alone for 3 minutes, the block's 10-second medians here span +7-8% on each core
-(``scripts/machine_speed.py``). ``pipemesh bench --advice`` times the block before and after its profile and before
-each run of a row, so that a row's compute measured against the profile's pieces can be read beside how much slower
-or faster the machine itself ran then (:func:`drift`); nothing is scaled by it. The block is compute-bound (it fits a
-core's L2): a small layer's memory-bound speed moves by more, from second to second, where the block holds
-(``scripts/layer_drift_check.py``), so a small drift does not clear the machine.
+A VM's speed moves by itself, every core alike: 10-25% over seconds and minutes here, and a layer's time with it
+(``scripts/machine_pace_check.py``). ``pipemesh profile`` gives every time at the pace of the block over its rounds
+(:class:`..planning.profile_quality.MachinePace`); ``pipemesh bench --advice`` times the same block on every core
+before and after each run of a row, so that a row's compute measured against the profile's pieces can be read beside
+how much slower or faster the machine itself ran then (:func:`drift`); nothing is scaled by it.
 """
 from __future__ import annotations
 
@@ -17,29 +16,27 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-BLOCK = "20 products of 512x256 @ 256x1024 (the ledger GPT's layer shape), one thread"
-"""The block each core times, in words."""
+from ..integration.profile_pace import BLOCK
+
 WORKER = r"""
 import json, os, sys, time, torch
 os.sched_setaffinity(0, {int(sys.argv[1])})
 torch.set_num_threads(1)
-x, w = torch.randn(512, 256), torch.randn(256, 1024)
-until = time.time() + float(sys.argv[2])
-out = []
-while time.time() < until:
-    began = time.perf_counter()
-    for _ in range(20):
-        x @ w
-    out.append((time.time(), time.perf_counter() - began))
-print(json.dumps(out))
+from megatron_pipemesh.integration.profile_pace import Pace
+pace = Pace()
+pace.ticks.clear()
+until = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < until:
+    pace.tick()
+print(json.dumps(pace.ticks))
 """
 REFERENCE_SECONDS = 1.0
-"""How long each core times the block for one reading (about 35 blocks here)."""
+"""How long each core times the block for one reading (about 300 blocks here)."""
 
 
 def time_blocks(seconds: float, cores: Optional[Sequence[int]] = None) -> List[List[Tuple[float, float]]]:
-    """Per core (every core this process may use, by default), (wall clock, seconds) of every block timed during
-    ``seconds``, all cores at once."""
+    """Per core (every core this process may use, by default), (monotonic clock, seconds) of every block timed
+    during ``seconds``, all cores at once."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(core), str(seconds)], stdout=subprocess.PIPE,
                                 text=True) for core in cores]

@@ -101,6 +101,8 @@ def table(profile: Profile, name: str = "") -> str:
         lines += _spread_lines(profile)
     if profile.load is not None:
         lines.append(f"load while timing: {profile.load.describe()}")
+    if profile.pace is not None:
+        lines.append(profile.pace.describe())
     if profile.optimizer_s_per_param is not None:
         lines.append(f"optimizer step: {profile.optimizer_s_per_param * 1e9:.3f} ns per parameter")
     lines.append("host link: " + (f"{profile.host_link_gbps:.1f} Gbit/s" if profile.host_link_gbps is not None

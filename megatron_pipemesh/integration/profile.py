@@ -36,7 +36,7 @@ import sys
 import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..planning.profile import Profile, dtype_name, shape_of
+from ..planning.profile import Profile, at_pace, dtype_name, shape_of
 from .profile_load import LoadWatch
 from .profile_timing import ProfileSettings
 
@@ -181,6 +181,7 @@ def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress
 
     from .cpu_compat import apply_cpu_compat
     from .profile_optimizer import optimizer_config, optimizer_s_per_param
+    from .profile_pace import pace_here
     from .profile_pieces import measure_compute, with_batch_times
 
     cuda = torch.cuda.is_available()
@@ -207,8 +208,9 @@ def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress
     try:
         # Every rank, first: building Megatron's DDP and optimizer takes part in collectives over the job's groups,
         # and a command whose optimizer cannot be built here fails before the minutes of the compute.
+        pace = pace_here(cuda)
         optimizer_s = _shared(launch, "the optimizer", lambda: optimizer_s_per_param(args, run.model.layer_spec,
-                                                                                    settings, cuda))
+                                                                                    settings, cuda, pace))
         say(f"optimizer step {optimizer_s * 1e9:.2f} ns per parameter")
         compute, host_gbps, computing, load = [], None, 1, None
 
@@ -217,7 +219,9 @@ def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress
         def compute_here():
             with _siblings(words, settings, cuda, say, notes) as cores:
                 points = measure_compute(args, model_spec, run.model.layer_spec, settings, cuda, say, notes,
-                                         watch.piece if watch is not None else None)
+                                         watch.piece if watch is not None else None, pace)
+                if pace is not None:  # from the first reading's pace to the median of all
+                    points = [at_pace(found, pace.factor()) for found in points]
                 # Several ranks: Megatron's dataset builder would synchronise every rank of the job, so rank 0
                 # times the loader in a one-process child of its own.
                 return with_batch_times(args, points, settings, say, notes,
@@ -227,6 +231,9 @@ def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress
         if lead:
             compute, computing = measured
             load = watch.record() if watch is not None else None
+            if pace is not None:
+                optimizer_s *= pace.factor()
+                say(f"{pace.record().describe()} (the lines above at the first reading's pace, x {pace.factor():.3f})")
             if load is not None:
                 say(load.describe())
                 if load.affected:
@@ -269,7 +276,7 @@ def _measure(words: Sequence[str], settings: ProfileSettings, progress: Progress
                 "activation_meter": ("CUDA allocator across the forward, less its output" if cuda else
                                      "saved-tensor meter (parameters excluded)"),
                 "measured_layer_spec": run.model.layer_spec},
-        notes=tuple(notes), load=load)
+        notes=tuple(notes), load=load, pace=pace.record() if pace is not None and lead else None)
 
 
 def _shared(launch, what: str, measure: Callable[[], object]):

@@ -60,9 +60,10 @@ def own_groups():
                                      for name, value in vars(mpu).items()})
 
 
-def optimizer_s_per_param(args, run_spec: str, settings: "ProfileSettings", cuda: bool) -> float:
-    """Seconds per parameter of what Megatron's ``train_step`` spends on the command's optimizer (see the module).
-    Launched on several ranks every rank measures at once; the caller keeps rank 0's."""
+def optimizer_s_per_param(args, run_spec: str, settings: "ProfileSettings", cuda: bool, pace=None) -> float:
+    """Seconds per parameter of what Megatron's ``train_step`` spends on the command's optimizer (see the module),
+    at the base pace of ``pace`` where given (:class:`.profile_pace.Pace`). Launched on several ranks every rank
+    measures at once; the caller keeps rank 0's."""
     import torch
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
@@ -96,5 +97,5 @@ def optimizer_s_per_param(args, run_spec: str, settings: "ProfileSettings", cuda
         _, step_s = timer(optimizer.step)
         return (zero_s + step_s,)
 
-    seconds, = medians({"optimizer": step}, settings.warmup, settings.repeats)["optimizer"]
+    seconds, = medians({"optimizer": step}, settings.warmup, settings.repeats, pace)["optimizer"]
     return seconds / sum(p.numel() for p in params)

@@ -90,7 +90,8 @@ def time_pieces(pieces: Dict[str, Piece], grad_of: Callable[[object], object], t
         return forward_backward
 
     try:
-        found = measure({name: call(name, piece) for name, piece in pieces.items()}, settings, timer.watch, label)
+        found = measure({name: call(name, piece) for name, piece in pieces.items()}, settings, timer.watch, label,
+                        pace=timer.pace)
     finally:
         for meter in meters.values():
             meter.remove()
@@ -219,17 +220,18 @@ def point(b: int, s: int, h: int, vocab: int, layer_models, ends, dtype, device,
 
 
 def measure_compute(args, model_spec, run_spec: str, settings: "ProfileSettings", cuda: bool, progress: Progress,
-                    notes: List[str], watch=None) -> List[ComputePoint]:
+                    notes: List[str], watch=None, pace=None) -> List[ComputePoint]:
     """The compute points of the command (see the module), without the data loader's times
     (:func:`with_batch_times`); what cannot be measured here is said in ``notes``; ``watch``: the load watch each
-    group of pieces is timed under (:meth:`.profile_load.LoadWatch.piece`), or None."""
+    group of pieces is timed under (:meth:`.profile_load.LoadWatch.piece`), or None; ``pace``: the machine's pace the
+    samples are taken at (:class:`.profile_pace.Pace`, at its base pace), or None."""
     import torch
 
     from ..planning.costs import planning_levels
     from ..schedule.levers import DEVICE
 
     device = torch.device("cuda" if cuda else "cpu")
-    timer = Timer(cuda, watch)
+    timer = Timer(cuda, watch, pace)
 
     def build(args_of_level, pre: bool, post: bool):
         return gpt(args_of_level, run_spec, settings, cuda, pre, post)

@@ -154,7 +154,7 @@ def measure_step_overhead(args, models: Mapping[str, Tuple[object, object]], poi
                 return one
 
             times = measure({kind: step(kind, model, config) for kind, (model, config) in models.items()}, settings,
-                            timer.watch, f"schedule step mbs {b}")
+                            timer.watch, f"schedule step mbs {b}", pace=timer.pace)
         found[b] = {}
         for kind, timed in times.items():
             (outside, backward), pieces = timed.medians, (0.0, _backward_pieces(point, kind))

@@ -7,7 +7,9 @@ recomputation's extra, a step less its pieces) stay fair; the first ``warmup`` r
 allocations, lazy initialisation), then rounds go on until every number's median is stable (its confidence interval
 within :attr:`ProfileSettings.stable_within`, :func:`..planning.profile_quality.is_stable`) or the time cap
 :attr:`ProfileSettings.max_seconds` is reached; every sample is kept, so that the profile can say each piece's spread
-and whether it stopped stable or capped. :func:`medians` is the loop with a fixed count of repeats.
+and whether it stopped stable or capped. On CPU a :class:`.profile_pace.Pace` is ticked before every round and the
+round's samples are taken at its pace (the machine's own speed moves by 10-25% over minutes here, every core alike).
+:func:`medians` is the loop with a fixed count of repeats.
 
 :class:`Timer` takes one block's seconds: the wall clock on CPU; on CUDA CUDA events around the block launched
 behind queued work, as training launches it (the host's Python time hides behind kernels queued earlier).
@@ -18,9 +20,12 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..planning.profile_quality import is_stable
+
+if TYPE_CHECKING:
+    from .profile_pace import Pace
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,14 @@ class Timer:
     then span every gap, which training sees too after such a wait). Leads are kept per block's code (a layer's
     forward, a backward call, a schedule step), so that each kind of block settles within the warm-up calls."""
 
-    def __init__(self, cuda: bool, watch: Optional[Callable[[str], ContextManager]] = None):
+    def __init__(self, cuda: bool, watch: Optional[Callable[[str], ContextManager]] = None,
+                 pace: Optional["Pace"] = None):
         self.cuda = cuda
         self.watch = watch
         """Entered around each group of timed rounds with its label (:meth:`.profile_load.LoadWatch.piece`): the
         machine's load while they ran; None: not watched."""
+        self.pace = pace
+        """The machine's pace each round's samples are taken at (:func:`measure`); None: as timed (CUDA)."""
         self.leads: Dict[object, float] = {}
         """Lead in seconds per block's code object (0: timed from an empty queue)."""
         self._cycles_per_s: Optional[float] = None
@@ -222,11 +230,12 @@ class Measured:
 
 def measure(calls: Mapping[str, Callable[[], Sequence[float]]], settings: ProfileSettings,
             watch: Optional[Callable[[str], ContextManager]] = None, label: str = "",
-            clock: Callable[[], float] = time.perf_counter) -> Dict[str, Measured]:
+            clock: Callable[[], float] = time.perf_counter, pace: Optional["Pace"] = None) -> Dict[str, Measured]:
     """Per name, the samples of each number ``calls[name]()`` returns (seconds): ``settings.warmup`` rounds
     dropped, then rounds until every number's median is stable or ``settings.max_seconds`` have passed, at least
     ``settings.repeats`` (see the module). ``watch(label)``, where given, is entered around the timed rounds (the
-    machine's load while they ran, :mod:`.profile_load`)."""
+    machine's load while they ran, :mod:`.profile_load`); ``pace``, where given, is ticked before each timed round
+    and the round's samples are taken at its base pace (:meth:`.profile_pace.Pace.at_base`)."""
     samples: Dict[str, List[Tuple[float, ...]]] = {name: [] for name in calls}
 
     def stable(name: str) -> bool:
@@ -239,17 +248,19 @@ def measure(calls: Mapping[str, Callable[[], Sequence[float]]], settings: Profil
     with watch(label) if watch is not None else contextlib.nullcontext():
         began, rounds = clock(), 0
         while True:
+            tick_s = pace.tick() if pace is not None else None
             for name, call in calls.items():
-                samples[name].append(tuple(call()))
+                sample = tuple(call())
+                samples[name].append(sample if tick_s is None else pace.at_base(sample, tick_s))
             rounds += 1
             if rounds >= settings.repeats and (all(map(stable, calls)) or clock() - began >= settings.max_seconds):
                 break
     return {name: Measured(tuple(zip(*rows)), stable(name)) for name, rows in samples.items()}
 
 
-def medians(calls: Mapping[str, Callable[[], Sequence[float]]], warmup: int,
-            repeats: int) -> Dict[str, Tuple[float, ...]]:
+def medians(calls: Mapping[str, Callable[[], Sequence[float]]], warmup: int, repeats: int,
+            pace: Optional["Pace"] = None) -> Dict[str, Tuple[float, ...]]:
     """Per name, the median of each number ``calls[name]()`` returns (seconds) over exactly ``repeats`` rounds after
-    ``warmup`` rounds, the names taking turns in every round (see the module)."""
+    ``warmup`` rounds, the names taking turns in every round (see the module), at ``pace`` where given."""
     fixed = ProfileSettings(warmup=warmup, repeats=repeats, max_seconds=0.0)
-    return {name: found.medians for name, found in measure(calls, fixed).items()}
+    return {name: found.medians for name, found in measure(calls, fixed, pace=pace).items()}

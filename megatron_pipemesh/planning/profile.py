@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .costs import ClusterSpec, ModelSpec, OpCosts
 from .profile_network import LinkRate, NetworkProfile
-from .profile_quality import LoadRecord, Spread
+from .profile_quality import LoadRecord, MachinePace, Spread
 
 SCHEMA_VERSION = 3
 """Version of the file format (a flat file of per-op times, the format before these, has none)."""
@@ -176,6 +176,8 @@ class Profile:
     """Per-op times a training run measured (:data:`RUN_TIME_FIELDS`), or None."""
     load: Optional[LoadRecord] = None
     """What else computed on the machine while the compute was timed (CPU); None: not recorded."""
+    pace: Optional[MachinePace] = None
+    """The machine's own pace its compute and optimizer times are given at (CPU); None: CUDA or an older file."""
     schema_version: int = SCHEMA_VERSION
 
     def point(self, tp: int, micro_batch_size: int) -> Optional[ComputePoint]:
@@ -232,6 +234,8 @@ class Profile:
             out["run_times"] = dict(self.run_times)
         if self.load is not None:
             out["load"] = self.load.to_dict()
+        if self.pace is not None:
+            out["pace"] = self.pace.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -264,9 +268,27 @@ def from_dict(data: Mapping, where: str = "the profile") -> Profile:
             network=NetworkProfile.from_dict(links["network"]) if links.get("network") else None,
             method=dict(data.get("method") or {}), notes=tuple(data.get("notes") or ()),
             run_times=None if run_times is None else {key: float(run_times[key]) for key in RUN_TIME_FIELDS},
-            load=LoadRecord.from_dict(data["load"]) if data.get("load") else None, schema_version=int(version))
+            load=LoadRecord.from_dict(data["load"]) if data.get("load") else None,
+            pace=MachinePace.from_dict(data["pace"]) if data.get("pace") else None, schema_version=int(version))
     except (TypeError, KeyError, ValueError) as error:
         raise ProfileError(f"{where} is not a pipemesh profile ({error}); re-run pipemesh profile") from error
+
+
+def at_pace(point: ComputePoint, factor: float) -> ComputePoint:
+    """``point`` with every time (its fields in seconds, their spreads) times ``factor``: measured at one pace of the
+    machine, given at another (:class:`.profile_quality.MachinePace`); its bytes as they are."""
+    changes: Dict[str, object] = {}
+    for item in dataclasses.fields(point):
+        value = getattr(point, item.name)
+        if not item.name.endswith("_s") or value is None:
+            continue
+        changes[item.name] = ({key: seconds * factor for key, seconds in value.items()} if isinstance(value, dict)
+                              else value * factor)
+    if point.spread is not None:
+        changes["spread"] = {name: dataclasses.replace(
+            spread, median_s=spread.median_s * factor, q1_s=spread.q1_s * factor, q3_s=spread.q3_s * factor,
+            low_s=spread.low_s * factor, high_s=spread.high_s * factor) for name, spread in point.spread.items()}
+    return dataclasses.replace(point, **changes)
 
 
 def _point(data: Mapping) -> ComputePoint:

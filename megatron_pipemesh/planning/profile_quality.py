@@ -1,5 +1,6 @@
-"""How trustworthy a profile's times are: the spread of each measured piece's samples (:class:`Spread`), and the
-load the machine carried while the profile timed (:class:`LoadRecord`).
+"""How trustworthy a profile's times are: the spread of each measured piece's samples (:class:`Spread`), the
+load the machine carried while the profile timed (:class:`LoadRecord`), and the machine's own pace then
+(:class:`MachinePace`).
 
 A piece is timed in rounds until the median is stable: its confidence interval (distribution-free, from the order
 statistics of the samples) within :attr:`Spread.stable_within` of the median, or until a time cap, which the
@@ -152,6 +153,63 @@ class LoadRecord:
             return text + f"no other process took {self.threshold_cores:g} core or more while a piece was timed"
         return text + "other processes computed while timing " + ", ".join(
             f"{name} ({cores:.2f} cores)" for name, cores in busy.items())
+
+
+@dataclass(frozen=True)
+class MachinePace:
+    """The machine's own speed while a profile timed its pieces (CPU): a fixed block timed once per round beside them.
+
+    A VM's cores speed up and slow down together by 10-25% over seconds and minutes, and a layer's time with them
+    (``scripts/machine_pace_check.py``: two cores' layers and the block move in step; layer over block holds within
+    1-2% where the layer alone moves 5-6%). So every sample is taken at the pace of its round and the profile keeps
+    them all at one pace, :attr:`seconds`: its pieces measured at different minutes (micro-batch 1 and 4, the layers
+    and the optimizer) stay comparable, and a run's compute can be read against the pace it ran at."""
+
+    block: str
+    """The block, in words."""
+    seconds: float
+    """The block's median over every round: the pace every time in the profile is given at."""
+    spread: Spread
+    """The block's samples."""
+    window_medians_s: Tuple[float, ...]
+    """The block's median in consecutive windows of :data:`PACE_WINDOW_S` (how the machine moved while timed)."""
+
+    @property
+    def moved(self) -> float:
+        """The windows' range over the median: how much the machine's speed moved during the profile."""
+        windows = self.window_medians_s
+        return (max(windows) - min(windows)) / self.seconds if windows and self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"block": self.block, "seconds": self.seconds, "spread": self.spread.to_dict(),
+                "window_medians_s": list(self.window_medians_s)}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "MachinePace":
+        return MachinePace(block=str(data["block"]), seconds=float(data["seconds"]),
+                           spread=Spread.from_dict(data["spread"]),
+                           window_medians_s=tuple(float(x) for x in data["window_medians_s"]))
+
+    def describe(self) -> str:
+        """One line: the block's median and how far the machine moved while the profile timed."""
+        return (f"machine pace {self.seconds * 1e3:.2f} ms per block ({self.block}, {self.spread.samples} rounds); "
+                f"the machine moved {self.moved * 100:.0f}% across {len(self.window_medians_s)} windows of "
+                f"{PACE_WINDOW_S:g} s, every time here is given at this pace")
+
+
+PACE_WINDOW_S = 10.0
+"""The window :attr:`MachinePace.window_medians_s` takes medians over."""
+
+
+def pace_of(block: str, ticks: Sequence[Tuple[float, float]]) -> MachinePace:
+    """The :class:`MachinePace` of ``ticks``, (clock seconds, block seconds) in time order (at least one)."""
+    windows: Dict[int, list] = {}
+    start = ticks[0][0]
+    for at, seconds in ticks:
+        windows.setdefault(int((at - start) // PACE_WINDOW_S), []).append(seconds)
+    spread = spread_of([seconds for _, seconds in ticks], True)
+    return MachinePace(block=block, seconds=spread.median_s, spread=spread, window_medians_s=tuple(
+        quantile(sorted(values), 0.5) for _, values in sorted(windows.items())))
 
 
 def load_problem(load: Optional[LoadRecord], name: str = "the profile") -> Optional[str]:

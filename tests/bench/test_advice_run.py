@@ -265,7 +265,7 @@ def test_repeats_run_every_row_in_turn_and_pool_their_iterations(monkeypatch, tm
 
     monkeypatch.setattr(runner, "run_once", fake_run)
     readings = iter(range(1, 100))
-    monkeypatch.setattr(advice_run, "reference_s", lambda: float(next(readings)))  # the machine's speed before each run
+    monkeypatch.setattr(advice_run, "reference_s", lambda: float(next(readings)))  # the machine's pace around each run
     argv = ["bench", "--advice", "--unshaped", "--megatron-args", TINY, "--nproc", "2", "--repeats", "3",
             "--warmup", "1", "--iters", "2"]
     args = bench_cli.build_parser().parse_args(argv)
@@ -277,7 +277,9 @@ def test_repeats_run_every_row_in_turn_and_pool_their_iterations(monkeypatch, tm
     assert [it.elapsed_ms for it in runs["best_layout"]["iterations"]] == [2002.0, 2003.0, 5002.0, 5003.0, 7002.0, 7003.0]
     assert runs["best_stock"]["same_run_as"] == "user" and len(runs["user"]["logs"]) == 3
     assert runs["best_layout_stock"]["returncode"] == 1 and len(runs["best_layout_stock"]["logs"]) == 1
-    assert runs["user"]["machine_s"] == [1.0, 4.0, 6.0] and runs["best_layout"]["machine_s"] == [2.0, 5.0, 7.0]
+    # read before and after each run
+    assert runs["user"]["machine_s"] == [1.0, 2.0, 7.0, 8.0, 11.0, 12.0]
+    assert runs["best_layout"]["machine_s"] == [3.0, 4.0, 9.0, 10.0, 13.0, 14.0]
     with pytest.raises(UsageError, match="--repeats"):
         advice_run.resolve_advice(bench_cli.build_parser().parse_args(argv[:-6] + ["--repeats", "0"]),
                                   {"cores": 2, "memory_gb": 8.0}, lambda rate: None, "100mbit")
@@ -350,10 +352,13 @@ def test_end_to_end_on_the_smallest_command(tmp_path, capsys, monkeypatch):
     assert document["network"]["planned_latency_us"] > 0 and " us per message (measured)" in text
     assert "--latency-us" in document["advisor_flags"]
     speed = document["machine_speed"]
-    assert len(speed["at_profile_s"]) == 2 and all(0 < s < 1 for s in speed["at_profile_s"])
+    profile = json.loads((tmp_path / "runs" / "profile.json").read_text())
+    assert profile["method"]["max_seconds"] == 0.5
+    assert speed["at_profile_s"] == [profile["pace"]["seconds"]] and 0 < speed["at_profile_s"][0] < 1
+    assert all(len(at) == 2 for at in speed["at_runs_s"].values())  # before and after each run
     assert all(r["machine_drift"] is not None for r in document["rows"])
-    assert "the machine's own speed (20 products of 512x256 @ 256x1024" in text
-    assert json.loads((tmp_path / "runs" / "profile.json").read_text())["method"]["max_seconds"] == 0.5
+    assert "the machine's own pace (2 products of 512x256 @ 256x1024, one thread, every core, before and after " \
+           "each run) against the profile's pace: user " in text
 
 
 def test_the_measured_message_latency_is_planned_for_and_in_the_advisors_flags(monkeypatch, planned):

@@ -68,6 +68,10 @@ def test_profile_writes_the_file_with_progress_and_show_prints_it(measured):
     # stdout carries the table alone: Megatron's warnings go to stderr
     assert not [line for line in done.stdout.splitlines() if "WARNING" in line]
     assert profile.network is None and "network: not measured (one process)" in out
+    # the machine's pace, ticked once per timed round (warm-up rounds and the first reading's ticks aside, at least
+    # one per point's groups), is kept and shown; the progress says how far the first reading's pace was from it
+    assert profile.pace.seconds > 0 and profile.pace.spread.samples > 15 + 3 * len(profile.compute)
+    assert profile.pace.describe() in out and "the lines above at the first reading's pace, x " in done.stderr
 
 
 def test_a_closed_pipe_ends_the_command_quietly(measured):

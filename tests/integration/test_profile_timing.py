@@ -189,3 +189,51 @@ def test_the_forwards_a_backward_runs_again_are_timed_there_and_only_there():
         assert low <= inside.seconds <= high, (recompute, inside.seconds)
         meter.remove()
         assert not block.slow._forward_hooks and not block.slow._forward_pre_hooks
+
+
+class _Pace:
+    """Stands in for :class:`megatron_pipemesh.integration.profile_pace.Pace`: ticks from a list, base 1 s."""
+
+    def __init__(self, ticks):
+        self.ticks, self._next, self.base = [], iter(ticks), 1.0
+
+    def tick(self):
+        seconds = next(self._next)
+        self.ticks.append((len(self.ticks), seconds))
+        return seconds
+
+    from megatron_pipemesh.integration.profile_pace import Pace
+    at_base = Pace.at_base
+
+
+def test_each_rounds_samples_are_taken_at_the_pace_of_its_tick():
+    """The pace ticks once per timed round (not in the warm-up), before the round; every sample of that round is
+    brought to the base pace: a round timed while the machine ran twice as slow counts half its seconds, so a piece
+    that slowed with the machine measures steady."""
+    from megatron_pipemesh.integration.profile_timing import measure
+
+    machine = iter([9.0, 9.0, 1.0, 2.0, 2.0, 1.0, 1.5])  # two warm-up rounds, then five timed ones
+    pace = _Pace([1.0, 2.0, 2.0, 1.0, 1.5])  # the block slowed as the machine did
+
+    def layer():  # a piece that slows with the machine, and one that does not
+        return 0.01 * next(machine), 0.03
+
+    found = measure({"layer": layer}, settings(warmup=2, max_seconds=0.0), clock=lambda: 0.0, pace=pace)
+    assert len(pace.ticks) == 5
+    assert found["layer"].columns[0] == pytest.approx((0.01,) * 5)
+    assert found["layer"].columns[1] == pytest.approx((0.03, 0.015, 0.015, 0.03, 0.02))
+
+
+def test_the_pace_ticks_a_fixed_block_and_gives_its_median_over_the_first_reading():
+    """The real block: the first reading is the median of its first ticks, every tick is recorded with its clock,
+    the factor is the median of all over that first reading, and the record keeps the block, median and windows."""
+    from megatron_pipemesh.integration.profile_pace import BASE_TICKS, BLOCK, Pace
+
+    pace = Pace()
+    assert len(pace.ticks) == BASE_TICKS and pace.base > 0
+    assert pace.at_base((2.0 * pace.base,), 2.0 * pace.base) == pytest.approx((pace.base,))
+    pace.ticks += [(pace.ticks[-1][0] + 1.0, 3.0 * pace.base)] * (BASE_TICKS + 1)  # the machine three times slower
+    assert pace.factor() == pytest.approx(3.0)
+    record = pace.record()
+    assert record.block == BLOCK and record.seconds == pytest.approx(3.0 * pace.base)
+    assert record.spread.samples == 2 * BASE_TICKS + 1 and len(record.window_medians_s) == 1

@@ -8,8 +8,8 @@ import pytest
 
 from megatron_pipemesh.planning.clusters import costs_for, flat_cluster
 from megatron_pipemesh.planning.costs import ModelSpec, ScheduleCosts
-from megatron_pipemesh.planning.profile import (RUN_TIME_FIELDS, ComputePoint, Profile, ProfileError, coverage,
-                                                from_dict, load, mismatch, shape_of)
+from megatron_pipemesh.planning.profile import (RUN_TIME_FIELDS, ComputePoint, Profile, ProfileError, at_pace,
+                                                coverage, from_dict, load, mismatch, shape_of)
 from megatron_pipemesh.planning.profile_network import (ALL_RANKS, BETWEEN_NODES, WITHIN_NODE, LinkPoint,
                                                         NetworkProfile, chosen_rate, link_gbps, network_rates)
 from megatron_pipemesh.planning.simulator import simulate
@@ -248,20 +248,42 @@ def test_the_flag_wins_over_the_measurement_and_the_output_says_which():
 def test_spreads_and_the_load_record_round_trip_and_a_version_2_file_still_reads(tmp_path):
     """A point's spreads and the profile's load record are written and read back as they were; a file of the
     previous version (no spreads, no load) reads with both None and says its version."""
-    from megatron_pipemesh.planning.profile_quality import LoadRecord, spread_of
+    from megatron_pipemesh.planning.profile_quality import LoadRecord, pace_of, spread_of
 
     spread = {"layer_forward_s": spread_of([0.004, 0.0041, 0.0039, 0.004, 0.0042], True),
               "recompute_extra_s:full": spread_of([0.001, 0.002, 0.0015, 0.001, 0.003], False)}
     load_record = LoadRecord(cores=2, loadavg_before=(1.0, 0.5, 0.2), loadavg_after=(1.5, 0.6, 0.2),
                              others_cores={"layers mbs 2": 0.8})
-    written = dataclasses.replace(profile(dataclasses.replace(point(), spread=spread)), load=load_record)
+    pace = pace_of("the block", [(0.0, 0.002), (1.0, 0.0022), (11.0, 0.0021)])
+    written = dataclasses.replace(profile(dataclasses.replace(point(), spread=spread)), load=load_record, pace=pace)
     path = tmp_path / "profile.json"
     path.write_text(written.to_json())
     assert load(str(path)) == written
     old = written.to_dict()
     old["schema_version"] = 2
-    del old["load"]
+    del old["load"], old["pace"]
     for found in old["compute"]:
         del found["spread"]
     read = from_dict(old, "old.json")
-    assert read.load is None and read.compute[0].spread is None and read.schema_version == 2
+    assert read.load is None and read.pace is None and read.compute[0].spread is None and read.schema_version == 2
+
+
+def test_a_point_at_another_pace_has_every_time_and_spread_scaled_and_its_bytes_kept():
+    """``at_pace``: the layer, recompute extras, ends, data loader and schedule step times and each spread's
+    seconds times the factor; activation bytes and the samples' count as they were."""
+    from megatron_pipemesh.planning.profile_quality import spread_of
+
+    measured = dataclasses.replace(point(), batch_s=0.002, step_forward_s={"only": 0.001}, step_backward_s={"only": 0.003},
+                                   spread={"layer_forward_s": spread_of([0.004, 0.0041, 0.0039], True)})
+    found = at_pace(measured, 1.5)
+    assert found.layer_forward_s == pytest.approx(0.006) and found.layer_backward_s == pytest.approx(0.009)
+    assert found.recompute_extra_s == pytest.approx({"selective": 0.0015, "full": 0.006})
+    assert (found.embedding_forward_s, found.output_backward_s, found.batch_s) == pytest.approx((0.00075, 0.00375,
+                                                                                                 0.003))
+    assert found.step_forward_s == pytest.approx({"only": 0.0015}) and found.step_backward_s["only"] == pytest.approx(
+        0.0045)
+    assert found.layer_activation_bytes == measured.layer_activation_bytes
+    assert found.output_activation_bytes == measured.output_activation_bytes
+    spread = found.spread["layer_forward_s"]
+    assert (spread.median_s, spread.low_s, spread.high_s) == pytest.approx((0.006, 0.00585, 0.00615))
+    assert spread.samples == 3 and spread.stable

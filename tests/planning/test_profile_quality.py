@@ -2,8 +2,9 @@
 rule, a piece's spread, and the load record that names the pieces other processes computed beside."""
 import pytest
 
-from megatron_pipemesh.planning.profile_quality import (MIN_STABLE_SAMPLES, LoadRecord, Spread, is_stable,
-                                                        load_problem, median_interval, spread_of)
+from megatron_pipemesh.planning.profile_quality import (MIN_STABLE_SAMPLES, PACE_WINDOW_S, LoadRecord, MachinePace,
+                                                        Spread, is_stable, load_problem, median_interval, pace_of,
+                                                        spread_of)
 
 
 def test_the_median_interval_narrows_with_more_samples():
@@ -47,3 +48,17 @@ def test_a_load_record_names_the_pieces_other_processes_computed_beside():
     idle = LoadRecord(cores=2, loadavg_before=(0.0,) * 3, loadavg_after=(0.0,) * 3, others_cores={"layers": 0.02})
     assert load_problem(idle) is None and load_problem(None) is None
     assert "no other process took" in idle.describe()
+
+
+def test_a_pace_keeps_its_median_and_how_far_the_machine_moved_window_by_window():
+    """Ticks over 25 s fall in three windows; the pace is the median of all, ``moved`` the windows' medians' range
+    over it; the record survives its dictionary and says both."""
+    ticks = [(100.0 + t, 0.002) for t in range(10)] + [(110.0 + t, 0.0024) for t in range(10)] + \
+            [(120.0 + t, 0.0021) for t in range(5)]
+    pace = pace_of("the block", ticks)
+    assert pace.seconds == pytest.approx(0.0021) and pace.spread.samples == 25
+    assert pace.window_medians_s == pytest.approx((0.002, 0.0024, 0.0021)) and PACE_WINDOW_S == 10.0
+    assert pace.moved == pytest.approx(0.0004 / 0.0021)
+    assert MachinePace.from_dict(pace.to_dict()) == pace
+    assert pace.describe().startswith("machine pace 2.10 ms per block (the block, 25 rounds); the machine moved 19% "
+                                      "across 3 windows of 10 s")
