@@ -1,6 +1,7 @@
 """How steady is this machine's own speed? One process per core (pinned, one thread each, as the bench's ranks run)
-times the profile's pace block (:mod:`megatron_pipemesh.integration.profile_pace`) back to back for ``--seconds``; the script prints per window of ``--window`` seconds each core's median block time and how far
-the slowest window is from the fastest.
+times the profile's pace block (:mod:`megatron_pipemesh.integration.profile_pace`) back to back for ``--seconds``;
+the script prints per window of ``--window`` seconds each core's median block time and how far the slowest window is
+from the fastest.
 
     .venv/bin/python scripts/machine_speed.py [--seconds 300] [--window 10]
 
