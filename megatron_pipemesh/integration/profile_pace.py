@@ -17,7 +17,7 @@ from ..planning.profile_quality import MachinePace, pace_of
 BLOCK_SHAPE = (512, 256, 1024)
 """(m, k, n) of the block's products (the ledger GPT's layer shape: 512 tokens x hidden 256 into 1024)."""
 BLOCK_PRODUCTS = 2
-"""Products per block: about 3 ms here, small beside a round of layers, steady to a few percent per tick."""
+"""Products per block: about 3 ms here (a tick runs one product more first), small beside a round of layers."""
 BLOCK = f"{BLOCK_PRODUCTS} products of {BLOCK_SHAPE[0]}x{BLOCK_SHAPE[1]} @ {BLOCK_SHAPE[1]}x{BLOCK_SHAPE[2]}, one thread"
 """The block, in words."""
 BASE_TICKS = 15
@@ -40,7 +40,10 @@ class Pace:
         """The first reading: the pace :meth:`at_base` takes samples to."""
 
     def tick(self) -> float:
-        """Times the block once (recorded); its seconds."""
+        """Runs the block once, then times it once (recorded); its seconds. The first run brings its operands into
+        the caches: timed right after a layer the block took 5% longer than timed again at once, so a tick between a
+        profile's pieces and one among ticks back to back (the bench's readings) would not read alike."""
+        self._x @ self._w
         began = time.perf_counter()
         for _ in range(BLOCK_PRODUCTS):
             self._x @ self._w
